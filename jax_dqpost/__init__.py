@@ -1,0 +1,13 @@
+"""jax-dqpost: FlashAttention's backward dQ postprocess as a JAX primitive.
+
+``dq_postprocess`` turns the fp32 dQ accumulator written by FlashAttention's backward kernels (in their
+MMA accumulator order, described by ``AccumLayout``) into dQ in bf16/fp16: one fp32 multiply by the
+softmax scale and one round-to-nearest-even. On CUDA it runs a CuTe DSL kernel through our own XLA FFI
+target; on every other platform, a bit-identical jax.numpy reference.
+"""
+
+from .api import dq_postprocess
+from .layout import AccumLayout
+
+__all__ = ["AccumLayout", "dq_postprocess"]
+__version__ = "0.1.0"

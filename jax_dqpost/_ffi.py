@@ -1,0 +1,67 @@
+"""Find the built FFI library and register its CUDA target with XLA, once (locked, idempotent)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from pathlib import Path
+
+import jax
+
+TARGET_NAME = "jax_dqpost_postprocess_v1"
+"""The custom-call target name our CUDA lowering emits (versioned: a new ABI gets a new name)."""
+
+_LIBRARY_NAME = "libjax_dqpost_ffi.so"
+_lock = threading.Lock()
+_registered = False
+
+
+def library_path() -> Path:
+    """The handler library: ``$JAX_DQPOST_FFI_LIBRARY``, else the one installed with the package."""
+    override = os.environ.get("JAX_DQPOST_FFI_LIBRARY")
+    path = Path(override) if override else Path(__file__).with_name(_LIBRARY_NAME)
+    if not path.is_file():
+        raise RuntimeError(
+            f"jax_dqpost: FFI library not found at {path}. Install the package (pip install .) so that "
+            "ffi/ is built, or point JAX_DQPOST_FFI_LIBRARY at a built libjax_dqpost_ffi.so."
+        )
+    return path
+
+
+def cute_runtime_path() -> Path:
+    """``libcute_dsl_runtime.so`` of the installed nvidia-cutlass-dsl (``$JAX_DQPOST_CUTE_RUNTIME`` wins)."""
+    override = os.environ.get("JAX_DQPOST_CUTE_RUNTIME")
+    if override:
+        return Path(override)
+    import cutlass  # only reached from the CUDA lowering
+
+    # .../nvidia_cutlass_dsl/dsl_packages/cutlass/__init__.py -> .../nvidia_cutlass_dsl/cu*/lib/
+    root = Path(cutlass.__file__).resolve().parents[2]
+    found = sorted(root.glob("cu*/lib/libcute_dsl_runtime.so"), reverse=True)  # prefer cu13 over cu12
+    if not found:
+        raise RuntimeError(f"jax_dqpost: libcute_dsl_runtime.so not found under {root}/cu*/lib")
+    return found[0]
+
+
+def register() -> None:
+    """Load the handler library, point it at the CuTe runtime and register the CUDA target."""
+    global _registered
+    with _lock:
+        if _registered:
+            return
+        lib = ctypes.CDLL(str(library_path()))
+        err = ctypes.create_string_buffer(1024)
+        lib.jax_dqpost_load_runtime.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
+        lib.jax_dqpost_load_runtime.restype = ctypes.c_int
+        if lib.jax_dqpost_load_runtime(str(cute_runtime_path()).encode(), err, len(err)) != 0:
+            raise RuntimeError(f"jax_dqpost: cannot load the CuTe DSL runtime: {err.value.decode()}")
+        jax.ffi.register_ffi_target(
+            TARGET_NAME,
+            {
+                "initialize": jax.ffi.pycapsule(lib.JaxDqpostInitialize),
+                "execute": jax.ffi.pycapsule(lib.JaxDqpostExecute),
+            },
+            platform="CUDA",
+        )
+        _registered = True

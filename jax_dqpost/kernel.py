@@ -1,0 +1,226 @@
+"""The CuTe DSL kernel: one CTA converts one accumulator tile (batch b, head h, row block m).
+
+Imports cutlass at module import: load this module lazily (``compile.py`` does).
+
+Per tile, every thread
+  1. loads its fp32 accumulator fragment straight from global memory with 16-byte coalesced loads, in
+     the order the producer's WGMMA threads stored it (no shared-memory staging of the fp32 tile),
+  2. multiplies by ``scale`` (one fp32 multiply, round-to-nearest) and rounds to bf16/fp16 (RNE),
+  3. writes the fragment into a swizzled shared-memory dQ tile with ``stmatrix`` (``.trans`` when the
+     producer computed dQ^T), placed by the same tiled MMA that produced it,
+  4. after one barrier, copies rows of the dQ tile to global memory as 16-byte vectors, predicated on
+     ``row < seqlen - m * tile_m`` and ``column < head_dim``.
+
+Every address is derived from the launch grid and the extents passed in; nothing read from device
+memory other than the accumulator values and ``scale`` influences where the kernel reads or writes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_helpers
+from cutlass import Float32, Int32, Int64, const_expr
+from cutlass.cute.nvgpu import warp, warpgroup
+from cutlass.utils import LayoutEnum
+
+from .layout import AccumLayout
+
+_VEC_BYTES = 16
+
+
+def _store_thread_shape(tile_m: int, tile_hdim: int, num_threads: int, elem_bytes: int) -> tuple[int, int]:
+    """Threads (rows, per_row) for the 16-byte global stores of a (tile_m, tile_hdim) tile.
+
+    ``per_row`` divides the row's vector count and the thread count, and the rows covered per pass
+    divide tile_m, so the tile is covered exactly; among those, the widest rows win (coalescing).
+    """
+    vecs_per_row = tile_hdim * elem_bytes // _VEC_BYTES
+    best = None
+    for per_row in range(1, vecs_per_row + 1):
+        if vecs_per_row % per_row or num_threads % per_row:
+            continue
+        rows = num_threads // per_row
+        if tile_m % rows == 0:
+            best = (rows, per_row)
+    if best is None:
+        raise ValueError(
+            f"no exact 16-byte store tiling for a ({tile_m}, {tile_hdim}) tile with {num_threads} threads"
+        )
+    return best
+
+
+class DqPostprocessSm90Order:
+    """dQ postprocess for accumulators in Hopper WGMMA order (``AccumLayout(arch=90)``).
+
+    The binary depends on the output dtype, the layout and the padded head dim ``tile_hdim`` only;
+    batch, heads, seqlen and head_dim are runtime arguments.
+    """
+
+    def __init__(self, dtype: type[cutlass.Numeric], layout: AccumLayout, tile_hdim: int):
+        if not self.can_implement(dtype, layout, tile_hdim):
+            raise ValueError(f"cannot implement dtype={dtype}, {layout}, tile_hdim={tile_hdim}")
+        self.dtype = dtype
+        self.layout = layout
+        self.tile_m = layout.tile_m
+        self.tile_hdim = tile_hdim
+        self.num_threads = layout.num_threads
+        geom = layout.mma_geometry(tile_hdim)
+        self.mma_mn = (geom["m"], geom["n"])
+        self.atoms_mn = (geom["atoms_m"], geom["atoms_n"])
+        self.n_atom = geom["n_atom"]
+        self.regs = geom["regs"]
+        self.chunk = self.tile_m * tile_hdim // layout.num_warpgroups
+        self.store_threads = _store_thread_shape(self.tile_m, tile_hdim, self.num_threads, dtype.width // 8)
+        self.smem_bytes = self.tile_m * tile_hdim * dtype.width // 8
+
+    @staticmethod
+    def can_implement(dtype, layout: AccumLayout, tile_hdim: int) -> bool:
+        if dtype not in (cutlass.BFloat16, cutlass.Float16):
+            return False
+        if layout.arch != 90 or tile_hdim % layout.hdim_multiple_of:
+            return False
+        try:
+            layout.check_head_dim(tile_hdim)
+            _store_thread_shape(layout.tile_m, tile_hdim, layout.num_threads, dtype.width // 8)
+        except ValueError:
+            return False
+        return True
+
+    # ----------------------------------------------------------------------------------------------
+    def _tiled_mma(self):
+        """The producer's dQ tiled MMA: 64 x n_atom WGMMA atoms, warpgroups tiled atoms_mn."""
+        return sm90_helpers.make_trivial_tiled_mma(
+            self.dtype,
+            self.dtype,
+            cute.nvgpu.OperandMajorMode.K,  # operand modes do not change the accumulator layout
+            cute.nvgpu.OperandMajorMode.K,
+            Float32,
+            atom_layout_mnk=(*self.atoms_mn, 1),
+            tiler_mn=(64, self.n_atom),
+        )
+
+    def _smem_layout(self):
+        """Row-major (tile_m, tile_hdim) dQ tile, swizzled; 16-byte row chunks stay contiguous.
+
+        The swizzle atom must not straddle two warpgroups' column slabs, so its width is chosen from
+        one warpgroup's extent along the head dim (n_atom, or the 64-row atom when swapped).
+        """
+        slab = 64 if self.layout.swap_ab else self.n_atom
+        kind = sm90_helpers.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, math.gcd(slab, self.tile_hdim))
+        atom = warpgroup.make_smem_layout_atom(kind, self.dtype)
+        return cute.tile_to_shape(atom, (self.tile_m, self.tile_hdim), (0, 1))
+
+    @cute.jit
+    def __call__(
+        self,
+        acc_ptr: cute.Pointer,  # fp32 accumulator, (batch, heads, Sr * tile_hdim), 16-byte aligned
+        dq_ptr: cute.Pointer,  # dtype dQ, (batch, seqlen, heads, head_dim), 16-byte aligned
+        scale_ptr: cute.Pointer,  # one fp32 value in device memory
+        batch: Int32,
+        heads: Int32,
+        seqlen: Int32,
+        head_dim: Int32,
+        stream: cuda.CUstream,
+    ):
+        num_m_blocks = (seqlen + self.tile_m - 1) // self.tile_m
+        self.kernel(acc_ptr, dq_ptr, scale_ptr, heads, seqlen, head_dim).launch(
+            grid=[num_m_blocks, heads, batch],
+            block=[self.num_threads, 1, 1],
+            smem=self.smem_bytes,
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        acc_ptr: cute.Pointer,
+        dq_ptr: cute.Pointer,
+        scale_ptr: cute.Pointer,
+        heads: Int32,
+        seqlen: Int32,
+        head_dim: Int32,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        m_block, head, batch = cute.arch.block_idx()
+        tile_m, tile_hdim = self.tile_m, self.tile_hdim
+
+        # ---- 1. fp32 fragment straight from global memory, in the producer's thread order -------
+        num_m_blocks = (seqlen + tile_m - 1) // tile_m
+        tile_index = (Int64(batch) * Int64(heads) + Int64(head)) * Int64(num_m_blocks) + Int64(m_block)
+        wg, t = tidx // 128, tidx % 128
+        thread_offset = tile_index * Int64(tile_m * tile_hdim) + Int64(wg * self.chunk + 4 * t)
+        src_ptr = cute.make_ptr(
+            Float32, (acc_ptr + thread_offset).toint(), cute.AddressSpace.gmem, assumed_align=_VEC_BYTES
+        )
+        # (4 floats of one vector, vectors 512 floats apart) -> registers r = 4 * k + e
+        src = cute.make_tensor(src_ptr, cute.make_layout((4, self.regs // 4), stride=(1, 512)))
+
+        tiled_mma = self._tiled_mma()
+        thr_mma = tiled_mma.get_slice(tidx)
+        acc = cute.make_rmem_tensor(tiled_mma.partition_shape_C(self.mma_mn), Float32)
+        acc_flat = cute.make_tensor(acc.iterator, cute.make_layout((4, self.regs // 4)))
+        load_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128)
+        for k in cutlass.range_constexpr(self.regs // 4):
+            cute.copy(load_atom, src[None, k], acc_flat[None, k])
+
+        # ---- 2. scale (fp32 multiply) and round to the output type (RNE) ------------------------
+        scale_t = cute.make_tensor(scale_ptr, cute.make_layout(1))
+        scale = scale_t[0]
+        frag = cute.make_rmem_tensor_like(acc, self.dtype)
+        frag.store((acc.load() * scale).to(self.dtype))
+
+        # ---- 3. registers -> swizzled shared-memory tile, by the producer's MMA coordinates ----
+        smem = cutlass.memory.SmemAllocator()
+        s_layout = self._smem_layout()
+        s_dq = smem.allocate_tensor(self.dtype, s_layout, byte_alignment=1024)
+        swap = self.layout.swap_ab
+        if const_expr(swap):
+            # The MMA's (m, n) is dQ's (column, row): view the tile transposed.
+            s_mma = cute.make_tensor(
+                s_dq.iterator,
+                cute.composition(s_layout, cute.make_layout((tile_hdim, tile_m), stride=(tile_m, 1))),
+            )
+        else:
+            s_mma = s_dq
+        n_matrices = 4 if const_expr(self.n_atom % 16 == 0) else 2
+        stsm = cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=swap, num_matrices=n_matrices), self.dtype)
+        r2s = cute.make_tiled_copy_C(stsm, tiled_mma)
+        thr_r2s = r2s.get_slice(tidx)
+        cute.copy(r2s, thr_r2s.retile(frag), thr_r2s.partition_D(s_mma))
+        cute.arch.barrier()
+
+        # ---- 4. shared memory -> global memory, 16-byte vectors, predicated rows and columns ----
+        rows_valid = seqlen - m_block * tile_m
+        row_stride = heads * head_dim
+        dq_offset = ((Int64(batch) * Int64(seqlen) + Int64(m_block * tile_m)) * Int64(heads) + Int64(head)) * Int64(head_dim)
+        dst_ptr = cute.make_ptr(
+            self.dtype, (dq_ptr + dq_offset).toint(), cute.AddressSpace.gmem, assumed_align=_VEC_BYTES
+        )
+        vec = _VEC_BYTES * 8 // self.dtype.width
+        g_dq = cute.make_tensor(
+            dst_ptr,
+            cute.make_layout((tile_m, tile_hdim), stride=(cute.assume(row_stride, divby=vec), 1)),
+        )
+        rows, per_row = self.store_threads
+        store_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
+        s2g = cute.make_tiled_copy_tv(
+            store_atom,
+            cute.make_layout((rows, per_row), stride=(per_row, 1)),
+            cute.make_layout((1, vec)),
+        )
+        thr_s2g = s2g.get_slice(tidx)
+        t_src = thr_s2g.partition_S(s_dq)
+        t_dst = thr_s2g.partition_D(g_dq)
+        t_crd = thr_s2g.partition_S(cute.make_identity_tensor((tile_m, tile_hdim)))
+        t_reg = cute.make_rmem_tensor_like(t_src, self.dtype)
+        cute.autovec_copy(t_src, t_reg)
+        for i in cutlass.range_constexpr(cute.size(t_reg, mode=[1])):
+            for j in cutlass.range_constexpr(cute.size(t_reg, mode=[2])):
+                row, col = t_crd[0, i, j]
+                if row < rows_valid and col < head_dim:
+                    cute.copy(store_atom, t_reg[None, i, j], t_dst[None, i, j])
+

@@ -1,0 +1,100 @@
+"""The jax.numpy semantics of the op: the lowering on every platform other than CUDA.
+
+Bit-exact with the kernel: a gather by the layout's index map, one IEEE fp32 multiply by ``scale``
+(round-to-nearest-even, gradual underflow) and one conversion to bf16/fp16 (round-to-nearest-even,
+XLA's ``convert``, which works on the bits).
+
+The multiply is done in integer arithmetic: XLA's CPU runtime computes with denormals flushed to zero
+(FTZ/DAZ), while the GPU kernel's ``mul.f32`` keeps them, so a plain ``x * scale`` would differ from
+the kernel for tiny values.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .layout import AccumLayout
+
+
+def dq_postprocess_reference(dq_accum, scale, *, seqlen_q: int, head_dim: int, dtype, layout: AccumLayout):
+    """``(B, H, Sr*Dr)`` float32 accumulator and float32 scalar -> ``(B, S, H, D)`` dQ in ``dtype``."""
+    batch, heads, _ = dq_accum.shape
+    tile_m, tile_hdim = layout.tile_m, layout.padded_head_dim(head_dim)
+    num_blocks = layout.padded_seqlen(seqlen_q) // tile_m
+    # Positions of the wanted (row, column) elements inside one tile, rows < tile_m, columns < D.
+    index = layout.tile_index_map(head_dim)[:, :head_dim].astype(np.int32)
+    tiles = dq_accum.reshape(batch, heads, num_blocks, tile_m * tile_hdim)
+    x = jnp.take(tiles, jnp.asarray(index.ravel()), axis=3, unique_indices=True, indices_are_sorted=False)
+    x = x.reshape(batch, heads, num_blocks * tile_m, head_dim)[:, :, :seqlen_q, :]
+    y = mul_f32_rn(x, jnp.asarray(scale, jnp.float32)).astype(dtype)
+    return jnp.transpose(y, (0, 2, 1, 3))
+
+
+def mul_f32_rn(x, y):
+    """IEEE-754 binary32 ``x * y``, round-to-nearest-even with subnormals, whatever the denormal mode.
+
+    Integer arithmetic on the bits (uint32 only, so it runs without x64): the 24x24-bit significand
+    product is formed exactly as two 24-bit words, then rounded once. NaN results are canonical
+    (0x7FFFFFFF).
+    """
+    u32 = jnp.uint32
+    ux = jax.lax.bitcast_convert_type(jnp.asarray(x, jnp.float32), u32)
+    uy = jax.lax.bitcast_convert_type(jnp.asarray(y, jnp.float32), u32)
+    ux, uy = jnp.broadcast_arrays(ux, uy)
+    sign = (ux ^ uy) & u32(0x80000000)
+
+    def unpack(u):
+        e = ((u >> 23) & 0xFF).astype(jnp.int32)
+        f = u & u32(0x7FFFFF)
+        is_nan = (e == 255) & (f != 0)
+        is_inf = (e == 255) & (f == 0)
+        is_zero = (e == 0) & (f == 0)
+        # value = m * 2**exp with m normalised into [2**23, 2**24) (subnormals shifted up).
+        m = jnp.where(e == 0, f, f | u32(0x800000))
+        exp = jnp.where(e == 0, -149, e - 150)
+        shift = jnp.where(e == 0, jax.lax.clz(jnp.maximum(f, u32(1))).astype(jnp.int32) - 8, 0)
+        return m << shift.astype(u32), exp - shift, is_nan, is_inf, is_zero
+
+    mx, ex, nan_x, inf_x, zero_x = unpack(ux)
+    my, ey, nan_y, inf_y, zero_y = unpack(uy)
+    # Exact 48-bit product (hi * 2**24 + lo) from 12-bit halves; every partial product fits in 32 bits.
+    xh, xl = mx >> 12, mx & u32(0xFFF)
+    yh, yl = my >> 12, my & u32(0xFFF)
+    mid = xh * yl + xl * yh  # < 2**25
+    lo = xl * yl + ((mid & u32(0xFFF)) << 12)  # < 2**25
+    hi = xh * yh + (mid >> 12) + (lo >> 24)
+    lo = lo & u32(0xFFFFFF)
+    exp = ex + ey + 24  # value = (hi + lo / 2**24) * 2**exp, hi in [2**22, 2**24)
+    small = hi < u32(0x800000)
+    hi = jnp.where(small, (hi << 1) | (lo >> 23), hi)
+    lo = jnp.where(small, (lo << 1) & u32(0xFFFFFF), lo)
+    exp = exp - small.astype(jnp.int32)
+    biased = exp + 23 + 127  # binary32 exponent field of hi * 2**exp, hi in [2**23, 2**24)
+
+    # Normal result: round hi at the lo boundary.
+    half = u32(0x800000)
+    up = (lo > half) | ((lo == half) & ((hi & 1) == 1))
+    n_hi = hi + up.astype(u32)
+    carry = n_hi >> 24
+    n_exp = biased + carry.astype(jnp.int32)
+    n_man = (n_hi >> carry) & u32(0x7FFFFF)
+    normal = jnp.where(n_exp >= 255, u32(0x7F800000), (n_exp.astype(u32) << 23) | n_man)
+
+    # Subnormal result: drop k = 1 - biased more bits of hi (k >= 25 rounds to zero).
+    k = jnp.clip(1 - biased, 1, 25).astype(u32)
+    kk = jnp.minimum(k, u32(24))
+    kept = jnp.where(k >= 25, u32(0), hi >> kk)
+    rem = jnp.where(k >= 25, hi, hi & ((u32(1) << kk) - 1))
+    halfk = jnp.where(k >= 25, u32(1) << 24, u32(1) << (kk - 1))  # hi < 2**24: k == 25 never ties
+    sub_up = (rem > halfk) | ((rem == halfk) & ((lo != 0) | ((kept & 1) == 1)))
+    subnormal = kept + sub_up.astype(u32)  # 2**23 here is the smallest normal, bits line up
+
+    bits = jnp.where(biased >= 1, normal, subnormal)
+    bits = jnp.where(zero_x | zero_y, u32(0), bits)
+    bits = jnp.where(inf_x | inf_y, u32(0x7F800000), bits)
+    bits = sign | bits
+    nan = nan_x | nan_y | (inf_x & zero_y) | (zero_x & inf_y)
+    bits = jnp.where(nan, u32(0x7FFFFFFF), bits)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)

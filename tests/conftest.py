@@ -1,0 +1,66 @@
+"""Shared test fixtures: platforms to run on, fresh random generators, FlashAttention configurations."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))  # tests/oracle.py
+
+def _platforms():
+    out = ["cpu"]
+    try:
+        if jax.devices("cuda"):
+            out.append("cuda")
+    except RuntimeError:
+        pass
+    return out
+
+
+PLATFORMS = _platforms()
+HAS_GPU = "cuda" in PLATFORMS
+if not HAS_GPU:
+    # Lowering for CUDA without a GPU (export tests) compiles the kernel for this architecture.
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+# FlashAttention's Hopper dQ configurations: (tile_m, num_threads, atom_layout, swap_ab, hdim_multiple_of)
+# CuTe DSL (flash_attn/cute/interface.py, SPEC.md 5.1) and C++ FA3 (hopper/, SPEC.md 5.2).
+FA_HOPPER_CONFIGS = {
+    "cute-hd64": (128, 256, 2, False, 32),
+    "cute-hd96-single-wg": (64, 128, 1, False, 32),
+    "cute-hd128-causal": (64, 256, 1, False, 32),
+    "cute-hd128": (80, 256, 1, True, 32),
+    "cute-hd192": (64, 256, 1, False, 32),
+    "cute-hd256": (64, 256, 1, False, 32),
+    "cxx-hd64-softcap": (96, 256, 2, True, 64),
+    "cxx-hd96": (64, 256, 1, False, 32),
+    "cxx-hd192-3wg": (64, 384, 1, False, 64),
+    "cxx-hd256-swap": (64, 256, 1, True, 64),
+}
+FA_HOPPER_HEAD_DIM = {"cute-hd64": 64, "cute-hd96-single-wg": 96, "cute-hd128-causal": 128, "cute-hd128": 128,
+                      "cute-hd192": 192, "cute-hd256": 256, "cxx-hd64-softcap": 64, "cxx-hd96": 96,
+                      "cxx-hd192-3wg": 192, "cxx-hd256-swap": 256}
+
+
+def fa_cute_hopper_config(head_dim: int, causal: bool = False):
+    """The layout FlashAttention's CuTe DSL backward uses for dQ on Hopper for this head dim."""
+    if head_dim <= 64:
+        return FA_HOPPER_CONFIGS["cute-hd64"]
+    if head_dim <= 96:
+        return FA_HOPPER_CONFIGS["cute-hd96-single-wg"]
+    if head_dim <= 128:
+        return FA_HOPPER_CONFIGS["cute-hd128-causal" if causal else "cute-hd128"]
+    return FA_HOPPER_CONFIGS["cute-hd192"]
+
+
+@pytest.fixture
+def rng(request):
+    """A fresh generator per test; the seed is printed on failure for reproduction."""
+    seed = int.from_bytes(os.urandom(8), "little")
+    request.node.user_properties.append(("seed", seed))
+    print(f"seed={seed}")
+    return np.random.default_rng(seed)

@@ -1,0 +1,123 @@
+"""An independent oracle for the dQ postprocess, written from the PTX ISA and SPEC.md.
+
+It shares no code with jax_dqpost: it emulates the *producer* (FlashAttention's Hopper backward) thread
+by thread with plain loops -- each thread's WGMMA accumulator registers, their (row, column) in the
+dQ tile by the PTX ISA's "wgmma .m64nNk16 D fragment" figure, and the order in which the thread stores
+them (16-byte vectors, warpgroup chunks) -- and builds accumulators from logical dQ values. The
+expected result is then computed from the logical values directly: ``round(float32(scale) * x)``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import ml_dtypes
+import numpy as np
+
+
+@functools.lru_cache(maxsize=None)
+def hopper_tile_positions(tile_m, hdim_padded, num_threads, atom_layout, swap_ab):
+    """int64 ``(tile_m, hdim_padded)``: where the producer stored dQ(i, j) inside one tile.
+
+    Returns None when the configuration is not a valid WGMMA tiling.
+    """
+    nwg = num_threads // 128
+    # The dQ MMA (computes dQ^T when swap_ab): problem (M, N), warpgroups (wg_m, wg_n).
+    if not swap_ab:
+        M, N, wg_m, wg_n = tile_m, hdim_padded, atom_layout, nwg // atom_layout
+    else:
+        M, N, wg_m, wg_n = hdim_padded, tile_m, nwg // atom_layout, atom_layout
+    if M % (64 * wg_m) or N % wg_n or (N // wg_n) % 8 or N // wg_n > 256:
+        return None
+    n_wgmma = N // wg_n  # N of each warpgroup's wgmma instruction
+    m_tiles = M // (64 * wg_m)  # 64-row wgmma instructions per warpgroup along M
+    regs_per_wgmma = n_wgmma // 2  # f32 D fragment: N/2 registers per thread
+    regs = regs_per_wgmma * m_tiles
+    chunk = tile_m * hdim_padded // nwg  # each warpgroup stores its own contiguous chunk
+    pos = np.full((tile_m, hdim_padded), -1, dtype=np.int64)
+    for tid in range(num_threads):
+        wg, t = divmod(tid, 128)
+        warp, lane = divmod(t, 32)
+        wg_row, wg_col = wg % wg_m, wg // wg_m  # warpgroups laid out column-major over (wg_m, wg_n)
+        for r in range(regs):
+            mt, d = divmod(r, regs_per_wgmma)  # register d of the mt-th wgmma along M
+            # PTX ISA, wgmma D fragment (f32): d[i] sits at row 16*warp + lane/4 + 8*((i/2)%2),
+            # column 8*(i/4) + 2*(lane%4) + i%2 of the 64 x N result.
+            row = 16 * warp + lane // 4 + 8 * ((d // 2) % 2)
+            col = 8 * (d // 4) + 2 * (lane % 4) + d % 2
+            m = 64 * wg_row + 64 * wg_m * mt + row
+            n = n_wgmma * wg_col + col
+            i, j = (m, n) if not swap_ab else (n, m)
+            # The store: registers 4k..4k+3 as one 16-byte vector; vectors of the 128 threads of a
+            # warpgroup are consecutive, so vector k of thread t is at 512*k + 4*t in the chunk.
+            k, e = divmod(r, 4)
+            assert pos[i, j] == -1, "two registers map to one element"
+            pos[i, j] = wg * chunk + 512 * k + 4 * t + e
+    assert (pos >= 0).all(), "the fragment does not cover the tile"
+    return pos
+
+
+def round_up(x, m):
+    return -(-x // m) * m
+
+
+def build_accumulator(dq_logical, layout_args, *, hdim_multiple_of, rng, padding="random"):
+    """Accumulator ``(B, H, Sr*Dr)`` holding ``dq_logical`` ``(B, S, H, D)`` float32 in producer order.
+
+    Padding entries (rows >= S, columns >= D) are filled with random values, NaNs and infinities: they
+    must never reach the output.
+    """
+    B, S, H, D = dq_logical.shape
+    tile_m = layout_args[0]
+    Dr = round_up(D, hdim_multiple_of)
+    Sr = round_up(S, tile_m)
+    pos = hopper_tile_positions(tile_m, Dr, *layout_args[1:])
+    padded = rng.standard_normal((B, H, Sr, Dr)).astype(np.float32) * 1e3
+    if padding == "random":
+        junk = rng.random((B, H, Sr, Dr)) < 0.05
+        padded[junk] = np.nan
+    padded[:, :, :S, :D] = np.transpose(dq_logical, (0, 2, 1, 3))
+    acc = np.empty((B, H, Sr // tile_m, tile_m * Dr), np.float32)
+    tiles = padded.reshape(B, H, Sr // tile_m, tile_m, Dr)
+    acc[..., pos.ravel()] = tiles.reshape(B, H, Sr // tile_m, tile_m * Dr)
+    return acc.reshape(B, H, Sr * Dr)
+
+
+def round_bf16_bits(x32: np.ndarray) -> np.ndarray:
+    """Round float32 to bfloat16 (nearest, ties to even) by integer arithmetic; returns uint16 bits."""
+    bits = x32.astype(np.float32).view(np.uint32).astype(np.uint64)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    nan = np.isnan(x32)
+    rounded[nan] = ((bits[nan] >> 16) | 0x40).astype(np.uint16)  # keep NaN a NaN (quiet bit)
+    return rounded
+
+
+def expected_dq(dq_logical, scale, dtype):
+    """``round(float32(scale) * x)`` as ``dtype`` (numpy fp32 multiply, no flush to zero)."""
+    x = dq_logical.astype(np.float32) * np.float32(scale)
+    if np.dtype(dtype) == np.dtype(ml_dtypes.bfloat16):
+        out = round_bf16_bits(x).view(ml_dtypes.bfloat16)
+        assert np.array_equal(out.view(np.uint16)[~np.isnan(x)],
+                              x.astype(ml_dtypes.bfloat16).view(np.uint16)[~np.isnan(x)])
+        return out
+    return x.astype(np.float16)
+
+
+def random_logical(rng, shape, *, specials=True):
+    """Float32 test values: normals over many binades, plus (optionally) values that probe rounding:
+    bf16/fp16 ties, subnormals, overflow to infinity, signed zeros."""
+    x = (rng.standard_normal(shape) * np.exp2(rng.integers(-20, 20, shape))).astype(np.float32)
+    if specials:
+        flat = x.reshape(-1)
+        n = flat.size
+        idx = rng.choice(n, size=min(n, max(8, n // 10)), replace=False)
+        kinds = rng.integers(0, 6, idx.size)
+        bits = rng.integers(0, 2**32, idx.size, dtype=np.uint64).astype(np.uint32)
+        tie = ((bits & 0xFFFF0000) | 0x8000).astype(np.uint32).view(np.float32)  # exact bf16 tie
+        sub = (bits & 0x807FFFFF).astype(np.uint32).view(np.float32)  # fp32 subnormals
+        big = np.float32(3.3e38) * np.sign(rng.standard_normal(idx.size)).astype(np.float32)
+        tiny = (rng.standard_normal(idx.size) * 1e-6).astype(np.float32)  # fp16 subnormal range
+        choice = np.select([kinds == 0, kinds == 1, kinds == 2, kinds == 3, kinds == 4],
+                           [tie, sub, big, tiny, np.float32(-0.0)], default=flat[idx])
+        flat[idx] = np.where(np.isfinite(choice), choice, flat[idx]).astype(np.float32)
+    return x

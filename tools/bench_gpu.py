@@ -1,0 +1,80 @@
+"""Kernel timing on the GPU, side by side in one run: our CuTe kernel, FlashAttention-4's postprocess
+(when importable) and a device-to-device copy of the same bytes (the ceiling). CUDA events, median of
+many runs after warm-up. Sizes as in the performance issue: B=2, H=32, S=8192.
+
+    python tools/bench_gpu.py            (needs torch and a CUDA GPU)
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+
+import numpy as np
+import torch
+
+
+def time_ms(fn, iters=50, warmup=5):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def main():
+    import cuda.bindings.driver as cuda
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_ptr
+
+    from jax_dqpost import AccumLayout
+    from jax_dqpost import compile as compile_
+
+    try:
+        from flash_attn.cute.interface import _bwd_postprocess_convert as fa4
+    except Exception as e:  # noqa: BLE001
+        print(f"FlashAttention-4 not importable: {e}", file=sys.stderr)
+        fa4 = None
+    B, H, S = 2, 32, 8192
+    configs = [(64, (128, 256, 2, False)), (96, (64, 128, 1, False)), (128, (64, 256, 1, False)),
+               (128, (80, 256, 1, True)), (192, (64, 256, 1, False)), (256, (64, 256, 1, False))]
+    gmem = cute.AddressSpace.gmem
+    stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+    print(f"{'head_dim (tile_m)':>18} | {'ours':>18} | {'FlashAttention-4':>18} | {'same-bytes copy':>18} | ours/FA4")
+    for D, (tile_m, threads, atom, swap) in configs:
+        layout = AccumLayout(90, tile_m, threads, atom, swap, 32)
+        Dr = layout.padded_head_dim(D)
+        acc = torch.randn(layout.accum_shape(B, H, S, D), device="cuda", dtype=torch.float32)
+        out = torch.empty((B, S, H, D), device="cuda", dtype=torch.bfloat16)
+        scale = torch.tensor([D ** -0.5], device="cuda", dtype=torch.float32)
+        nbytes = acc.numel() * 4 + out.numel() * 2
+        ex = compile_.compile_executor("bf16", layout, Dr, compile_.target_arch())
+        args = (make_ptr(cutlass.Float32, acc.data_ptr(), gmem, assumed_align=16),
+                make_ptr(cutlass.BFloat16, out.data_ptr(), gmem, assumed_align=16),
+                make_ptr(cutlass.Float32, scale.data_ptr(), gmem, assumed_align=4),
+                cutlass.Int32(B), cutlass.Int32(H), cutlass.Int32(S), cutlass.Int32(D), stream)
+        t_ours = time_ms(lambda: ex(*args))
+        src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
+        dst = torch.empty_like(src)
+        t_copy = time_ms(lambda: dst.copy_(src))
+        t_fa = float("nan")
+        if fa4 is not None:
+            out2 = torch.empty_like(out)
+            t_fa = time_ms(lambda: fa4(acc, out2, D ** -0.5, None, None, 90, cutlass.BFloat16, D, tile_m, threads,
+                                       atom, swap, fake_mode=False))
+        tb = lambda ms: nbytes / ms / 1e9
+        print(f"{D:>9} ({tile_m}{', swap' if swap else ''}) | {t_ours * 1e3:7.1f} us {tb(t_ours):5.2f} TB/s | "
+              f"{t_fa * 1e3:7.1f} us {tb(t_fa):5.2f} TB/s | {t_copy * 1e3:7.1f} us {tb(t_copy):5.2f} TB/s | "
+              f"{t_fa / t_ours:5.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,24 @@
+#!/bin/bash
+# Build, test and benchmark jax-dqpost on the GPU machine in one call (see GPU_RESULTS.md for runs):
+#   ../shared/device/stage.sh --peer && git rev-parse HEAD > .device/COMMIT     (here, before the run)
+#   source .device/setup.sh && bash tools/gpu_check.sh                          (on the GPU machine)
+set -o pipefail
+repo=$(pwd)
+out=${OUT:-/tmp/out}; mkdir -p "$out"
+echo "== date: $(date -u '+%Y-%m-%d %H:%M:%S UTC')"
+echo "== commit: $(cat .device/COMMIT 2>/dev/null || echo unknown)"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+python3 -c "import jax, jaxlib; print('jax', jax.__version__, jax.devices())"
+
+echo "== build (pip install --no-build-isolation: scikit-build-core + CMake + the FFI handler)"
+t0=$(date +%s)
+python3 -m pip install -q --no-build-isolation --no-deps --no-index --target /tmp/pkg "$repo" || exit 1
+echo "built in $(( $(date +%s) - t0 )) s: $(ls /tmp/pkg/jax_dqpost/*.so)"
+export PYTHONPATH=/tmp/pkg:$PYTHONPATH
+
+echo "== tests"
+cd /tmp && python3 -m pytest -q -rs -p no:cacheprovider "$repo/tests" 2>&1 | tee "$out/pytest.log" | tail -40
+rc=${PIPESTATUS[0]}
+echo "== benchmark"
+python3 "$repo/tools/bench_gpu.py" 2>&1 | tee "$out/bench.log"
+exit $rc

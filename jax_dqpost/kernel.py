@@ -30,6 +30,8 @@ from cutlass.utils import LayoutEnum
 from .layout import AccumLayout
 
 _VEC_BYTES = 16
+_REGS_PER_SM = 65536
+_THREADS_PER_SM = 2048
 
 
 def _store_thread_shape(tile_m: int, tile_hdim: int, num_threads: int, elem_bytes: int) -> tuple[int, int]:
@@ -60,7 +62,8 @@ class DqPostprocessSm90Order:
     batch, heads, seqlen and head_dim are runtime arguments.
     """
 
-    def __init__(self, dtype: type[cutlass.Numeric], layout: AccumLayout, tile_hdim: int):
+    def __init__(self, dtype: type[cutlass.Numeric], layout: AccumLayout, tile_hdim: int, *,
+                 min_ctas_per_sm: int | None = None):
         if not self.can_implement(dtype, layout, tile_hdim):
             raise ValueError(f"cannot implement dtype={dtype}, {layout}, tile_hdim={tile_hdim}")
         self.dtype = dtype
@@ -76,6 +79,11 @@ class DqPostprocessSm90Order:
         self.chunk = self.tile_m * tile_hdim // layout.num_warpgroups
         self.store_threads = _store_thread_shape(self.tile_m, tile_hdim, self.num_threads, dtype.width // 8)
         self.smem_bytes = self.tile_m * tile_hdim * dtype.width // 8
+        if min_ctas_per_sm is None:
+            # Room for the whole fp32 fragment (all loads in flight at once) plus ~24 registers of
+            # addresses and converted values, and as many CTAs per SM as that allows.
+            min_ctas_per_sm = _REGS_PER_SM // (self.num_threads * (self.regs + 24))
+        self.min_ctas_per_sm = max(1, min(min_ctas_per_sm, _THREADS_PER_SM // self.num_threads))
 
     @staticmethod
     def can_implement(dtype, layout: AccumLayout, tile_hdim: int) -> bool:
@@ -132,6 +140,10 @@ class DqPostprocessSm90Order:
             block=[self.num_threads, 1, 1],
             smem=self.smem_bytes,
             stream=stream,
+            # Tell ptxas how many CTAs must fit per SM. Without it, it aims at full occupancy
+            # (32 registers/thread) and splits the fragment loads into dependent rounds.
+            min_blocks_per_mp=self.min_ctas_per_sm,
+            preferred_smem_carveout=100,  # we never re-read through L1: give the carveout to smem
         )
 
     @cute.kernel

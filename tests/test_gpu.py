@@ -113,7 +113,7 @@ def test_ffi_rejects_inconsistent_attributes(rng):
     for out_shape, attrs, msg in [
         ((1, 65, 2, 128), {}, "ceil"),
         ((1, 64, 3, 128), {}, "batch or heads"),
-        ((1, 64, 2, 128), {"tile_hdim": np.int64(96)}, "ceil"),
+        ((1, 64, 2, 128), {"tile_hdim": np.int64(256)}, "ceil"),
         ((1, 64, 2, 128), {"dtype": "f16"}, "element type"),
         ((1, 64, 2, 136), {}, "head_dim"),
     ]:
@@ -152,5 +152,11 @@ def test_bit_identical_to_flash_attention_4(rng, name, dtype):
             pytest.skip(f"FlashAttention-4 cannot run {name}: {type(e).__name__}: {str(e)[:200]}")
         torch.cuda.synchronize()
         theirs = out.view(torch.int16).cpu().numpy().view(np.uint16).view(np.dtype(dtype))
+        assert_same_bits(ours, want, f"ours vs oracle {name} S={seqlen}")
+        try:
+            assert_same_bits(theirs, want, f"FlashAttention-4 vs oracle {name} S={seqlen}")
+        except AssertionError as e:
+            if name.startswith("cxx-"):  # a C++ FA3 configuration FlashAttention-4's CuTe code never uses
+                pytest.xfail(f"FlashAttention-4's CuTe postprocess does not implement {name}: {e}")
+            raise
         assert_same_bits(ours, theirs, f"ours vs FlashAttention-4 {name} S={seqlen}")
-        assert_same_bits(theirs, want, f"FlashAttention-4 vs oracle {name} S={seqlen}")

@@ -1,0 +1,47 @@
+"""Quickstart: turn a FlashAttention-style fp32 dQ accumulator into bf16 dQ, under jax.jit.
+
+Runs anywhere: on CPU (the default here) through the jax.numpy reference, on an NVIDIA GPU through
+the CuTe DSL kernel and jax-dqpost's XLA FFI target. Same bits either way.
+
+    python examples/quickstart.py
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_dqpost import AccumLayout, dq_postprocess
+
+B, S, H, D = 2, 1000, 4, 128
+scale = D ** -0.5
+
+# The layout FlashAttention's Hopper backward uses for head_dim 128 (non-causal): 80-row tiles,
+# two warpgroups, dQ computed transposed (dQ_swapAB).
+layout = AccumLayout(arch=90, tile_m=80, num_threads=256, atom_layout=1, swap_ab=True, hdim_multiple_of=32)
+
+# Build an accumulator the way the producer would have stored a known dQ: tile by tile, each (row, col)
+# at the position the layout's index map gives. (FlashAttention's backward writes this buffer for you.)
+rng = np.random.default_rng(0)
+dq_true = rng.standard_normal((B, S, H, D)).astype(np.float32)
+Sr, Dr = layout.padded_seqlen(S), layout.padded_head_dim(D)
+padded = np.zeros((B, H, Sr, Dr), np.float32)
+padded[:, :, :S, :D] = dq_true.transpose(0, 2, 1, 3)
+tiles = padded.reshape(B, H, Sr // layout.tile_m, layout.tile_m * Dr)
+index = layout.tile_index_map(D).ravel()
+acc = np.empty_like(tiles)
+acc[..., index] = tiles
+acc = acc.reshape(layout.accum_shape(B, H, S, D))
+
+
+@jax.jit
+def postprocess(acc, scale):
+    return dq_postprocess(acc, scale, seqlen_q=S, head_dim=D, dtype=jnp.bfloat16, layout=layout)
+
+
+dq = postprocess(acc, scale)
+want = (dq_true * np.float32(scale)).astype(jnp.bfloat16)
+print(f"backend: {jax.default_backend()}, dq_accum {acc.shape} float32 -> dq {dq.shape} {dq.dtype}")
+exact = np.array_equal(np.asarray(dq).view(np.uint16), want.view(np.uint16))
+print("bit-exact vs numpy:", exact)
+if not exact:
+    raise SystemExit(1)

@@ -1,0 +1,83 @@
+"""The CUDA path without a GPU: lowering through jax.export emits our FFI custom call carrying a CuTe
+module compiled for sm_90a; the FFI library is built and exports its handlers; importing the package
+does not import cutlass."""
+
+from __future__ import annotations
+
+import ctypes
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_dqpost
+from jax_dqpost import AccumLayout, dq_postprocess
+from jax_dqpost import _ffi, compile as compile_
+
+LAYOUT = AccumLayout(90, 80, 256, 1, True, 32)
+DISABLED = [jax.export.DisabledSafetyCheck.custom_call(_ffi.TARGET_NAME)]
+
+
+def _export(platforms, head_dim=128, seqlen=1000, dtype=jnp.bfloat16):
+    f = jax.jit(lambda a, s: dq_postprocess(a, s, seqlen_q=seqlen, head_dim=head_dim, dtype=dtype, layout=LAYOUT))
+    return jax.export.export(f, platforms=platforms, disabled_checks=DISABLED)(
+        jax.ShapeDtypeStruct(LAYOUT.accum_shape(2, 4, seqlen, head_dim), jnp.float32),
+        jax.ShapeDtypeStruct((), jnp.float32))
+
+
+def test_import_does_not_load_cutlass():
+    code = "import sys, jax_dqpost; assert 'cutlass' not in sys.modules, 'cutlass imported'; print('ok')"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/")
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr
+
+
+@pytest.mark.parametrize("dtype, name", [(jnp.bfloat16, "bf16"), (jnp.float16, "f16")])
+def test_export_for_cuda_emits_our_custom_call(dtype, name):
+    exported = _export(["cuda"], dtype=dtype)
+    text = exported.mlir_module()
+    calls = re.findall(r"stablehlo.custom_call @(\w+)\(", text)
+    assert calls == [_ffi.TARGET_NAME], calls
+    assert f'dtype = "{name}"' in text and "tile_m = 80 : i64" in text and "tile_hdim = 128 : i64" in text
+    assert "mhlo.backend_config = {" in text  # typed XLA FFI: attributes as a dictionary
+    assert "tensor<2x1000x4x128x" in text  # (B, S, H, D) result
+    kernel = compile_.get_kernel(dtype, LAYOUT, 128, "sm_90a")
+    assert kernel.module[:4] == b"\x7fELF"  # a host object holding the sm_90a cubin
+    assert f'fingerprint = "{kernel.fingerprint}"' in text
+
+
+def test_export_serializes_and_multi_platform():
+    exported = _export(["cpu", "cuda"])
+    assert exported.platforms == ("cpu", "cuda")
+    restored = jax.export.deserialize(exported.serialize())
+    acc = np.random.default_rng().standard_normal(LAYOUT.accum_shape(2, 4, 1000, 128)).astype(np.float32)
+    # On this machine the CPU lowering of the multi-platform artifact runs: same bits as a direct call.
+    want = jax.jit(lambda a: dq_postprocess(a, 0.3, seqlen_q=1000, head_dim=128, layout=LAYOUT))(acc)
+    got = restored.call(acc, np.float32(0.3))
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16))
+
+
+def test_cuda_kernel_compiles_for_sm90a_for_every_fa_head_dim():
+    from conftest import fa_cute_hopper_config
+
+    for head_dim in (64, 96, 128, 192, 256, 40, 200):
+        for causal in (False, True):
+            layout = AccumLayout(90, *fa_cute_hopper_config(head_dim, causal))
+            k = compile_.get_kernel(jnp.float16, layout, layout.padded_head_dim(head_dim), "sm_90a")
+            assert k.arch == "sm_90a" and len(k.module) > 1000
+
+
+def test_ffi_library_is_built_and_exports_its_handlers():
+    path = _ffi.library_path()
+    assert path.parent == Path(jax_dqpost.__file__).parent
+    lib = ctypes.CDLL(str(path))
+    for symbol in ("JaxDqpostExecute", "JaxDqpostInitialize", "jax_dqpost_load_runtime"):
+        assert hasattr(lib, symbol), symbol
+    err = ctypes.create_string_buffer(256)
+    lib.jax_dqpost_load_runtime.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
+    assert lib.jax_dqpost_load_runtime(b"/nonexistent/libcute_dsl_runtime.so", err, 256) == -1
+    assert b"dlopen failed" in err.value

@@ -1,0 +1,14 @@
+"""The examples the README points to run and check their own results (on CPU here)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def test_quickstart():
+    out = subprocess.run([sys.executable, str(EXAMPLES / "quickstart.py")], capture_output=True, text=True,
+                         cwd="/", timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "bit-exact vs numpy: True" in out.stdout

@@ -1,0 +1,73 @@
+"""AccumLayout: validation, value semantics, and its index map against the independent oracle."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from jax_dqpost import AccumLayout
+import oracle
+
+
+def test_frozen_hashable_and_normalised():
+    a = AccumLayout(90, 64, 256, 1, False, 32)
+    b = AccumLayout(arch=np.int64(90), tile_m=np.int32(64), num_threads=256, atom_layout=1, swap_ab=np.bool_(False))
+    assert a == b and hash(a) == hash(b) and type(b.tile_m) is int and type(b.swap_ab) is bool
+    with pytest.raises(Exception):
+        a.tile_m = 128
+    assert a.accum_shape(2, 3, 100, 120) == (2, 3, 128 * 128)
+
+
+@pytest.mark.parametrize("kwargs, exc, pattern", [
+    (dict(arch=80), ValueError, r"AccumLayout.arch=80 is not supported"),
+    (dict(arch="90"), TypeError, r"AccumLayout.arch must be an int, got '90'"),
+    (dict(tile_m=0), ValueError, r"AccumLayout.tile_m must be >= 1, got 0"),
+    (dict(tile_m=60), ValueError, r"AccumLayout.tile_m must be a multiple of 8, got 60"),
+    (dict(tile_m=96), ValueError, r"AccumLayout.tile_m=96 must be a multiple of 64"),
+    (dict(num_threads=200), ValueError, r"num_threads must be 128, 256, 384 or 512 .* got 200"),
+    (dict(num_threads=640), ValueError, r"got 640"),
+    (dict(atom_layout=3), ValueError, r"atom_layout=3 must divide the number of warpgroups num_threads/128=2"),
+    (dict(swap_ab=1), TypeError, r"AccumLayout.swap_ab must be a bool, got 1"),
+    (dict(hdim_multiple_of=12), ValueError, r"hdim_multiple_of must be a multiple of 8, got 12"),
+    (dict(tile_m=64.0), TypeError, r"AccumLayout.tile_m must be an int, got 64.0"),
+])
+def test_invalid_fields_are_named(kwargs, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        AccumLayout(**{**dict(arch=90, tile_m=64, num_threads=256, atom_layout=1), **kwargs})
+
+
+def test_spec_worked_examples():
+    i, j = np.arange(64)[:, None], np.arange(128)[None, :]
+    a = AccumLayout(90, 64, 256, 1, False, 32).tile_index_map(128)
+    assert a[0, 0] == 0 and a[8, 0] == 2 and a[0, 8] == 512 and a[16, 0] == 128 and a[0, 64] == 4096
+    assert a[63, 127] == 8191 and a[1, 8] == 528
+    np.testing.assert_array_equal(a, 4096 * (j // 64) + 512 * ((j % 64) // 8) + 128 * (i // 16) + 16 * (i % 8)
+                                  + 4 * ((j % 8) // 2) + 2 * ((i % 16) // 8) + (j % 2))
+    b = AccumLayout(90, 80, 256, 1, True, 32).tile_index_map(128)
+    assert (b[0, 0], b[1, 0], b[0, 8], b[1, 8], b[8, 0], b[0, 1], b[0, 64]) == (0, 1, 2, 3, 512, 16, 5120)
+
+
+CONFIGS = [(tm, nt, a, sw) for tm, nt, a, sw in itertools.product((64, 80, 96, 128, 192), (128, 256, 384, 512),
+                                                                     (1, 2, 3, 4), (False, True))
+           if (nt // 128) % a == 0]
+
+
+@pytest.mark.parametrize("tile_m, threads, atom, swap", CONFIGS)
+def test_index_map_matches_oracle_for_every_head_dim(tile_m, threads, atom, swap):
+    """Every (layout, head_dim) either is a permutation equal to the producer emulation, or both the
+    package and the oracle reject it."""
+    for mult in (32, 64):
+        for head_dim in range(8, 257, 8):
+            dr = -(-head_dim // mult) * mult
+            want = oracle.hopper_tile_positions(tile_m, dr, threads, atom, swap)
+            try:
+                layout = AccumLayout(90, tile_m, threads, atom, swap, mult)
+                got = layout.tile_index_map(head_dim)
+            except ValueError:
+                assert want is None, (tile_m, threads, atom, swap, mult, head_dim)
+                continue
+            assert want is not None
+            np.testing.assert_array_equal(got, want)
+            assert np.array_equal(np.sort(got.ravel()), np.arange(tile_m * dr))

@@ -35,8 +35,18 @@ def main():
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_ptr
 
+    from cutlass.cutlass_dsl.cutlass import CuTeDSL
+
     from jax_dqpost import AccumLayout
     from jax_dqpost import compile as compile_
+    from jax_dqpost.kernel import DqPostprocessSm90Order
+
+    # Kernel variants measured side by side (the first is what the package compiles).
+    variants = {
+        "bulk": dict(load="bulk"),
+        "regs+hint": dict(load="registers"),
+        "regs": dict(load="registers", min_ctas_per_sm=0, smem_carveout=None),
+    }
 
     try:
         from flash_attn.cute.interface import _bwd_postprocess_convert as fa4
@@ -48,7 +58,8 @@ def main():
                (128, (80, 256, 1, True)), (192, (64, 256, 1, False)), (256, (64, 256, 1, False))]
     gmem = cute.AddressSpace.gmem
     stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
-    print(f"{'head_dim (tile_m)':>18} | {'ours':>18} | {'FlashAttention-4':>18} | {'same-bytes copy':>18} | ours/FA4")
+    print(f"{'head_dim (tile_m)':>18} | {'ours':>18} | {'FlashAttention-4':>18} | {'same-bytes copy':>18} | ours/FA4"
+          f" | variants (us)")
     for D, (tile_m, threads, atom, swap) in configs:
         layout = AccumLayout(90, tile_m, threads, atom, swap, 32)
         Dr = layout.padded_head_dim(D)
@@ -62,6 +73,12 @@ def main():
                 make_ptr(cutlass.Float32, scale.data_ptr(), gmem, assumed_align=4),
                 cutlass.Int32(B), cutlass.Int32(H), cutlass.Int32(S), cutlass.Int32(D), stream)
         t_ours = time_ms(lambda: ex(*args))
+        t_var = {}
+        for vname, kw in variants.items():
+            CuTeDSL._get_dsl().envar.arch = compile_.target_arch()
+            kern = DqPostprocessSm90Order(cutlass.BFloat16, layout, Dr, **kw)
+            vex = cute.compile(kern, *args, options=f"--gpu-arch {compile_.target_arch()}")
+            t_var[vname] = time_ms(lambda: vex(*args))
         src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
         dst = torch.empty_like(src)
         t_copy = time_ms(lambda: dst.copy_(src))
@@ -73,7 +90,7 @@ def main():
         tb = lambda ms: nbytes / ms / 1e9
         print(f"{D:>9} ({tile_m}{', swap' if swap else ''}) | {t_ours * 1e3:7.1f} us {tb(t_ours):5.2f} TB/s | "
               f"{t_fa * 1e3:7.1f} us {tb(t_fa):5.2f} TB/s | {t_copy * 1e3:7.1f} us {tb(t_copy):5.2f} TB/s | "
-              f"{t_fa / t_ours:5.3f}")
+              f"{t_fa / t_ours:5.3f} | " + " ".join(f"{k} {v * 1e3:.1f}" for k, v in t_var.items()))
 
 
 if __name__ == "__main__":

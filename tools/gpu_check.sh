@@ -17,7 +17,7 @@ echo "built in $(( $(date +%s) - t0 )) s: $(ls /tmp/pkg/jax_dqpost/*.so)"
 export PYTHONPATH=/tmp/pkg:$PYTHONPATH
 
 echo "== tests"
-cd /tmp && python3 -m pytest -q -rs -p no:cacheprovider "$repo/tests" 2>&1 | tee "$out/pytest.log" | tail -40
+cd /tmp && python3 -m pytest -q -rA -p no:warnings -p no:cacheprovider "$repo/tests" 2>&1 | tee "$out/pytest.log" | grep -E -v "^PASSED" | tail -40
 rc=${PIPESTATUS[0]}
 echo "== benchmark"
 python3 "$repo/tools/bench_gpu.py" 2>&1 | tee "$out/bench.log"

@@ -20,5 +20,5 @@ echo "== tests"
 cd /tmp && python3 -m pytest -q -rA -p no:warnings -p no:cacheprovider "$repo/tests" 2>&1 | tee "$out/pytest.log" | grep -E -v "^PASSED" | tail -40
 rc=${PIPESTATUS[0]}
 echo "== benchmark"
-python3 "$repo/tools/bench_gpu.py" 2>&1 | tee "$out/bench.log"
+XLA_PYTHON_CLIENT_PREALLOCATE=false python3 "$repo/tools/bench_gpu.py" 2>&1 | tee "$out/bench.log"
 exit $rc

@@ -24,8 +24,6 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_helpers
 from cutlass import Float32, Int32, Int64, const_expr
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.cute.nvgpu import warp, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
@@ -34,7 +32,6 @@ from .layout import AccumLayout
 _VEC_BYTES = 16
 _REGS_PER_SM = 65536
 _THREADS_PER_SM = 2048
-_SMEM_PER_SM = 233472  # H100/H200: 228 KB per SM
 
 
 def _store_thread_shape(tile_m: int, tile_hdim: int, num_threads: int, elem_bytes: int) -> tuple[int, int]:
@@ -64,23 +61,6 @@ def _aligned(ptr: cute.Pointer, space) -> cute.Pointer:
     return cute.make_ptr(ptr.dtype, ptr.toint(), space, assumed_align=_VEC_BYTES)
 
 
-@dsl_user_op
-def _bulk_copy_g2s(gmem_ptr: cute.Pointer, smem_ptr: cute.Pointer, mbar_ptr: cute.Pointer, nbytes: int,
-                   *, loc=None, ip=None):
-    """``cp.async.bulk`` global -> shared memory of ``nbytes`` (multiple of 16, 16-byte aligned ends),
-    completing as transaction bytes on the mbarrier (PTX ISA 8.0, sm_90+)."""
-    llvm.inline_asm(
-        None,
-        [gmem_ptr.toint(loc=loc, ip=ip).ir_value(), smem_ptr.toint(loc=loc, ip=ip).ir_value(),
-         mbar_ptr.toint(loc=loc, ip=ip).ir_value(), Int32(nbytes).ir_value(loc=loc, ip=ip)],
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$1], [$0], $3, [$2];",
-        "l,r,r,r",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
-
-
 class DqPostprocessSm90Order:
     """dQ postprocess for accumulators in Hopper WGMMA order (``AccumLayout(arch=90)``).
 
@@ -88,14 +68,9 @@ class DqPostprocessSm90Order:
     batch, heads, seqlen and head_dim are runtime arguments.
     """
 
-    LOADS = ("bulk", "registers")
-
     def __init__(self, dtype: type[cutlass.Numeric], layout: AccumLayout, tile_hdim: int, *,
-                 load: str = "bulk", min_ctas_per_sm: int | None = None, smem_carveout: int | None = 100):
-        """``load``: how the fp32 tile arrives. ``"bulk"``: one ``cp.async.bulk`` (TMA) copy of the
-        whole tile into shared memory, completed on an mbarrier, so the bytes in flight are bounded by
-        shared memory, not registers or L1. ``"registers"``: 16-byte loads straight into the fragment.
-        ``min_ctas_per_sm`` / ``smem_carveout``: launch hints (None: chosen here / driver default)."""
+                 min_ctas_per_sm: int | None = None):
+        """``min_ctas_per_sm``: the launch-bounds hint given to ptxas (None: chosen here; 0: none)."""
         if not self.can_implement(dtype, layout, tile_hdim):
             raise ValueError(f"cannot implement dtype={dtype}, {layout}, tile_hdim={tile_hdim}")
         self.dtype = dtype
@@ -110,22 +85,12 @@ class DqPostprocessSm90Order:
         self.regs = geom["regs"]
         self.chunk = self.tile_m * tile_hdim // layout.num_warpgroups
         self.store_threads = _store_thread_shape(self.tile_m, tile_hdim, self.num_threads, dtype.width // 8)
-        if load not in self.LOADS:
-            raise ValueError(f"load must be one of {self.LOADS}, got {load!r}")
-        self.load = load
-        self.acc_bytes = self.tile_m * tile_hdim * 4
-        dq_bytes = self.tile_m * tile_hdim * dtype.width // 8
-        # bulk: the dQ tile reuses the fp32 tile's shared memory once the fragment is in registers.
-        self.smem_bytes = self.acc_bytes + 16 if load == "bulk" else dq_bytes
-        if min_ctas_per_sm is None and load == "bulk":
-            # As many CTAs as shared memory holds (each also costs 1 KB of reserved smem + alignment).
-            min_ctas_per_sm = _SMEM_PER_SM // (self.smem_bytes + 2048)
-        elif min_ctas_per_sm is None:
-            # Room for the whole fp32 fragment (all loads in flight at once) plus ~24 registers of
+        self.smem_bytes = self.tile_m * tile_hdim * dtype.width // 8
+        if min_ctas_per_sm is None:
+            # Room for the whole fp32 fragment (all its loads in flight at once) plus ~24 registers of
             # addresses and converted values, and as many CTAs per SM as that allows.
             min_ctas_per_sm = _REGS_PER_SM // (self.num_threads * (self.regs + 24))
         self.min_ctas_per_sm = max(0, min(min_ctas_per_sm, _THREADS_PER_SM // self.num_threads))
-        self.smem_carveout = smem_carveout
 
     @staticmethod
     def can_implement(dtype, layout: AccumLayout, tile_hdim: int) -> bool:
@@ -185,7 +150,7 @@ class DqPostprocessSm90Order:
             # Tell ptxas how many CTAs must fit per SM. Without it, it aims at full occupancy
             # (32 registers/thread) and splits the fragment loads into dependent rounds.
             min_blocks_per_mp=self.min_ctas_per_sm,
-            preferred_smem_carveout=self.smem_carveout,
+            preferred_smem_carveout=100,  # streamed once: no use for L1, all of it to shared memory
         )
 
     @cute.kernel
@@ -206,26 +171,8 @@ class DqPostprocessSm90Order:
         num_m_blocks = (seqlen + tile_m - 1) // tile_m
         tile_index = (Int64(batch) * Int64(heads) + Int64(head)) * Int64(num_m_blocks) + Int64(m_block)
         tile_ptr = _aligned(acc_ptr + tile_index * Int64(tile_m * tile_hdim), cute.AddressSpace.gmem)
-        smem = cutlass.memory.SmemAllocator()
-        s_layout = self._smem_layout()
         wg, t = tidx // 128, tidx % 128
-        if const_expr(self.load == "bulk"):
-            s_acc = smem.allocate_tensor(Float32, cute.make_layout(tile_m * tile_hdim), byte_alignment=1024)
-            mbar = smem.allocate_array(Int64, 1)
-            if tidx == 0:
-                cute.arch.mbarrier_init(mbar, 1)
-                cute.arch.mbarrier_init_fence()
-            cute.arch.barrier()
-            if tidx == 0:
-                cute.arch.mbarrier_arrive_and_expect_tx(mbar, self.acc_bytes)
-                _bulk_copy_g2s(tile_ptr, s_acc.iterator, mbar, self.acc_bytes)
-            cute.arch.mbarrier_wait(mbar, 0)
-            src_base = _aligned(s_acc.iterator + (wg * self.chunk + 4 * t), cute.AddressSpace.smem)
-            # The dQ tile reuses this memory after the barrier below.
-            s_dq = cute.make_tensor(cute.recast_ptr(s_acc.iterator, dtype=self.dtype), s_layout)
-        else:
-            src_base = _aligned(tile_ptr + (wg * self.chunk + 4 * t), cute.AddressSpace.gmem)
-            s_dq = smem.allocate_tensor(self.dtype, s_layout, byte_alignment=1024)
+        src_base = _aligned(tile_ptr + (wg * self.chunk + 4 * t), cute.AddressSpace.gmem)
         # (4 floats of one 16-byte vector, vectors 512 floats apart) -> registers r = 4 * k + e
         src = cute.make_tensor(src_base, cute.make_layout((4, self.regs // 4), stride=(1, 512)))
 
@@ -243,8 +190,9 @@ class DqPostprocessSm90Order:
         frag.store((acc.load() * scale).to(self.dtype))
 
         # ---- 3. registers -> swizzled shared-memory tile, by the producer's MMA coordinates ----
-        if const_expr(self.load == "bulk"):
-            cute.arch.barrier()  # every thread holds its fragment: the fp32 tile may be overwritten
+        smem = cutlass.memory.SmemAllocator()
+        s_layout = self._smem_layout()
+        s_dq = smem.allocate_tensor(self.dtype, s_layout, byte_alignment=1024)
         swap = self.layout.swap_ab
         if const_expr(swap):
             # The MMA's (m, n) is dQ's (column, row): view the tile transposed.
@@ -264,7 +212,8 @@ class DqPostprocessSm90Order:
         # ---- 4. shared memory -> global memory, 16-byte vectors, predicated rows and columns ----
         rows_valid = seqlen - m_block * tile_m
         row_stride = heads * head_dim
-        dq_offset = ((Int64(batch) * Int64(seqlen) + Int64(m_block * tile_m)) * Int64(heads) + Int64(head)) * Int64(head_dim)
+        first_row = Int64(batch) * Int64(seqlen) + Int64(m_block * tile_m)
+        dq_offset = (first_row * Int64(heads) + Int64(head)) * Int64(head_dim)
         dst_ptr = _aligned(dq_ptr + dq_offset, cute.AddressSpace.gmem)
         vec = _VEC_BYTES * 8 // self.dtype.width
         g_dq = cute.make_tensor(

@@ -58,11 +58,7 @@ def main():
     from jax_dqpost.kernel import DqPostprocessSm90Order
 
     # Kernel variants measured side by side (the first is what the package compiles).
-    variants = {
-        "bulk": dict(load="bulk"),
-        "regs+hint": dict(load="registers"),
-        "regs": dict(load="registers", min_ctas_per_sm=0, smem_carveout=None),
-    }
+    variants = {"default": {}, "no-launch-hint": dict(min_ctas_per_sm=0)}
 
     try:
         from flash_attn.cute.interface import _bwd_postprocess_convert as fa4

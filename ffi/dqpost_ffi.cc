@@ -99,20 +99,86 @@ ffi::Error Initialize(ffi::Dictionary attrs) {
   return fn.has_error() ? fn.error() : ffi::Error::Success();
 }
 
+// The launch, as the compiled module's entry point takes it (jax_dqpost/kernel.py, __call__).
+struct Launch {
+  int32_t dim0 = 0;      // batch, or the number of spans (varlen)
+  int32_t heads = 0;
+  int32_t rows = 0;      // seqlen, or total_q (varlen)
+  int32_t head_dim = 0;
+  int32_t grid_x = 0;    // CTAs per head along x
+};
+
+enum Mode : int64_t { kDense = 0, kDenseSeqused = 1, kVarlen = 2 };
+
+// Checks the buffers against the mode's contract (jax_dqpost/primitive.py) and fills the launch.
+ffi::Error Plan(int64_t mode, const ffi::Buffer<ffi::F32>& acc, const ffi::Buffer<ffi::S32>& aux,
+                const ffi::AnyBuffer& dq, int64_t tile_m, int64_t tile_hdim, int64_t num_tiles, Launch* launch) {
+  const auto a = acc.dimensions();
+  const auto d = dq.dimensions();
+  if (tile_m <= 0 || tile_hdim <= 0) return ffi::Error::InvalidArgument("jax_dqpost: bad tile attributes");
+  int64_t batch = 0, heads = 0, rows = 0, head_dim = 0, grid_x = 0, dim0 = 0;
+  if (mode == kDense || mode == kDenseSeqused) {
+    if (a.size() != 3 || d.size() != 4) {
+      return ffi::Error::InvalidArgument("jax_dqpost: dense dq_accum must have rank 3 and dq rank 4");
+    }
+    batch = d[0], rows = d[1], heads = d[2], head_dim = d[3];
+    if (a[0] != batch || a[1] != heads) {
+      return ffi::Error::InvalidArgument("jax_dqpost: dq_accum and dq disagree on batch or heads");
+    }
+    grid_x = (rows + tile_m - 1) / tile_m;
+    if (a[2] != grid_x * tile_m * tile_hdim) {
+      return ffi::Error::InvalidArgument("jax_dqpost: dq_accum's last dim is not ceil(S/tile_m)*tile_m*tile_hdim");
+    }
+    const int64_t want_aux = mode == kDenseSeqused ? batch : 0;
+    if (aux.element_count() != static_cast<size_t>(want_aux)) {
+      return ffi::Error::InvalidArgument("jax_dqpost: seqused_q must have batch entries");
+    }
+    dim0 = batch;
+  } else if (mode == kVarlen) {
+    if (a.size() != 2 || d.size() != 3) {
+      return ffi::Error::InvalidArgument("jax_dqpost: varlen dq_accum must have rank 2 and dq rank 3");
+    }
+    rows = d[0], heads = d[1], head_dim = d[2];
+    // Work list: 5 * spans + 1 + num_tiles entries, spans = batch + 2.
+    const int64_t rest = static_cast<int64_t>(aux.element_count()) - 1 - num_tiles;
+    if (num_tiles < 0 || rest < 15 || rest % 5 != 0) {
+      return ffi::Error::InvalidArgument("jax_dqpost: the work list does not match num_tiles");
+    }
+    dim0 = rest / 5;
+    batch = dim0 - 2;
+    const int64_t padded_total = (rows + (batch + 1) * tile_m - 1) / tile_m * tile_m;
+    if (a[0] != heads || a[1] != padded_total * tile_hdim) {
+      return ffi::Error::InvalidArgument("jax_dqpost: dq_accum is not (heads, Tp * tile_hdim)");
+    }
+    grid_x = num_tiles;
+  } else {
+    return ffi::Error::InvalidArgument("jax_dqpost: unknown mode");
+  }
+  if (head_dim % 8 != 0 || head_dim > tile_hdim) {
+    return ffi::Error::InvalidArgument("jax_dqpost: head_dim must be a multiple of 8 and <= tile_hdim");
+  }
+  if (!FitsInt32(dim0) || !FitsInt32(rows) || !FitsInt32(heads * head_dim) || !FitsInt32(grid_x) ||
+      dim0 > 65535 || heads > 65535) {
+    return ffi::Error::InvalidArgument("jax_dqpost: batch/heads must be <= 65535 and rows, heads*head_dim < 2^31");
+  }
+  *launch = Launch{static_cast<int32_t>(dim0), static_cast<int32_t>(heads), static_cast<int32_t>(rows),
+                   static_cast<int32_t>(head_dim), static_cast<int32_t>(grid_x)};
+  return ffi::Error::Success();
+}
+
 // Execute stage: validate the buffers against the kernel's contract, then enqueue one launch.
 ffi::Error Execute(CudaStream stream,
-                   ffi::Buffer<ffi::F32> acc,        // (B, H, Sr * tile_hdim) fp32 accumulator
+                   ffi::Buffer<ffi::F32> acc,        // fp32 accumulator, (B, H, Sr*Dr) or varlen (H, Tp*Dr)
                    ffi::Buffer<ffi::F32> scale,      // () softmax scale, in device memory
-                   ffi::Result<ffi::AnyBuffer> dq,   // (B, S, H, D) bf16/fp16
+                   ffi::Buffer<ffi::S32> aux,        // seqused_q (B,), the varlen work list, or empty
+                   ffi::Result<ffi::AnyBuffer> dq,   // (B, S, H, D) or varlen (T, H, D), bf16/fp16
                    std::string_view module,          // CuTe object module (bytes)
                    std::string_view fingerprint,     // sha256 of module, the load-cache key
                    std::string_view dtype,           // "bf16" or "f16": the type compiled into module
+                   int64_t mode,                     // 0 dense, 1 dense with seqused_q, 2 varlen
                    int64_t tile_m,                   // rows per accumulator tile
-                   int64_t tile_hdim) {              // padded head dim compiled into module
-  const auto acc_dims = acc.dimensions();
-  const auto dq_dims = dq->dimensions();
-  if (acc_dims.size() != 3) return ffi::Error::InvalidArgument("jax_dqpost: dq_accum must have rank 3");
-  if (dq_dims.size() != 4) return ffi::Error::InvalidArgument("jax_dqpost: dq must have rank 4");
+                   int64_t tile_hdim,                // padded head dim compiled into module
+                   int64_t num_tiles) {              // varlen: CTAs per head (0 otherwise)
   if (scale.element_count() != 1) return ffi::Error::InvalidArgument("jax_dqpost: scale must be a scalar");
   const ffi::DataType want = dtype == "bf16" ? ffi::DataType::BF16
                              : dtype == "f16" ? ffi::DataType::F16
@@ -120,40 +186,28 @@ ffi::Error Execute(CudaStream stream,
   if (want == ffi::DataType::INVALID || dq->element_type() != want) {
     return ffi::Error::InvalidArgument("jax_dqpost: dq element type does not match the compiled kernel");
   }
-  const int64_t batch = dq_dims[0], seqlen = dq_dims[1], heads = dq_dims[2], head_dim = dq_dims[3];
-  if (tile_m <= 0 || tile_hdim <= 0) return ffi::Error::InvalidArgument("jax_dqpost: bad tile attributes");
-  if (acc_dims[0] != batch || acc_dims[1] != heads) {
-    return ffi::Error::InvalidArgument("jax_dqpost: dq_accum and dq disagree on batch or heads");
+  Launch launch;
+  if (ffi::Error err = Plan(mode, acc, aux, *dq, tile_m, tile_hdim, num_tiles, &launch); err.failure()) {
+    return err;
   }
-  if (head_dim % 8 != 0 || head_dim > tile_hdim) {
-    return ffi::Error::InvalidArgument("jax_dqpost: head_dim must be a multiple of 8 and <= tile_hdim");
-  }
-  const int64_t num_m_blocks = (seqlen + tile_m - 1) / tile_m;
-  if (acc_dims[2] != num_m_blocks * tile_m * tile_hdim) {
-    return ffi::Error::InvalidArgument("jax_dqpost: dq_accum's last dim is not ceil(S/tile_m)*tile_m*tile_hdim");
-  }
-  if (!FitsInt32(batch) || !FitsInt32(seqlen) || !FitsInt32(heads) || !FitsInt32(heads * head_dim) ||
-      batch > 65535 || heads > 65535) {
-    return ffi::Error::InvalidArgument("jax_dqpost: batch/heads must be <= 65535 and seqlen, heads*head_dim < 2^31");
-  }
-  if (!Aligned16(acc.untyped_data()) || !Aligned16(dq->untyped_data()) ) {
+  if (!Aligned16(acc.untyped_data()) || !Aligned16(dq->untyped_data())) {
     return ffi::Error::InvalidArgument("jax_dqpost: dq_accum and dq must be 16-byte aligned");
   }
-  if (batch == 0 || heads == 0 || seqlen == 0 || head_dim == 0) return ffi::Error::Success();  // no work
+  if (dq->element_count() == 0 || launch.grid_x == 0) return ffi::Error::Success();  // no work
 
   auto fn = GetFunction(module, fingerprint);
   if (fn.has_error()) return fn.error();
 
   // One pointer per argument of the @cute.jit entry point, in order, then the int32 return code:
-  // (acc_ptr, dq_ptr, scale_ptr, batch, heads, seqlen, head_dim, stream) -> ret.
+  // (acc, dq, scale, aux, dim0, heads, rows, head_dim, grid_x, stream) -> ret.
   void* acc_ptr = acc.untyped_data();
   void* dq_ptr = dq->untyped_data();
   void* scale_ptr = scale.untyped_data();
-  int32_t b = static_cast<int32_t>(batch), h = static_cast<int32_t>(heads);
-  int32_t s = static_cast<int32_t>(seqlen), d = static_cast<int32_t>(head_dim);
+  void* aux_ptr = aux.untyped_data();
   CudaStream st = stream;
   int32_t ret = 0;
-  void* args[] = {&acc_ptr, &dq_ptr, &scale_ptr, &b, &h, &s, &d, &st, &ret};
+  void* args[] = {&acc_ptr, &dq_ptr, &scale_ptr, &aux_ptr, &launch.dim0, &launch.heads, &launch.rows,
+                  &launch.head_dim, &launch.grid_x, &st, &ret};
   const int err = g_runtime.run(*fn, args, sizeof(args) / sizeof(args[0]));
   if (err != 0) return ffi::Error::Internal(RuntimeError("CuteDSLRT_Function_Run", err));
   if (ret != 0) {
@@ -172,12 +226,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDqpostExecute, Execute,
                                   .Ctx<ffi::PlatformStream<CudaStream>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // dq_accum
                                   .Arg<ffi::Buffer<ffi::F32>>()  // scale
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // seqused_q / work list / empty
                                   .Ret<ffi::AnyBuffer>()         // dq
                                   .Attr<std::string_view>("module")
                                   .Attr<std::string_view>("fingerprint")
                                   .Attr<std::string_view>("dtype")
+                                  .Attr<int64_t>("mode")
                                   .Attr<int64_t>("tile_m")
-                                  .Attr<int64_t>("tile_hdim"),
+                                  .Attr<int64_t>("tile_hdim")
+                                  .Attr<int64_t>("num_tiles"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 // Called once from Python (ctypes) with the path of libcute_dsl_runtime.so. Returns 0 on success,

@@ -7,36 +7,54 @@ import numbers
 import jax.numpy as jnp
 import numpy as np
 
+from . import varlen
 from .layout import AccumLayout
 from .primitive import dq_postprocess_p
 
 _OUT_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+_INT32_MAX = 2**31 - 1
 
 
-def dq_postprocess(dq_accum, scale, *, seqlen_q: int, head_dim: int, dtype=jnp.bfloat16,
-                   layout: AccumLayout = AccumLayout()):
+def dq_postprocess(dq_accum, scale, *, head_dim: int, seqlen_q: int | None = None, total_q: int | None = None,
+                   cu_seqlens_q=None, seqused_q=None, dtype=jnp.bfloat16, layout: AccumLayout = AccumLayout()):
     """FlashAttention's backward dQ postprocess: ``dQ = round(scale * dq_accum)`` in natural layout.
 
+    Dense batches (``seqlen_q`` given)::
+
+        dq_accum: float32 (B, H, Sr * Dr)  ->  dq: (B, S, H, D)
+
+    with ``Sr = ceil(S / tile_m) * tile_m`` and ``Dr = ceil(D / hdim_multiple_of) * hdim_multiple_of``. Tile
+    ``(b, h, m)`` is ``dq_accum[b, h, m*tile_m*Dr : (m+1)*tile_m*Dr]`` in the producer's register order.
+    With ``seqused_q`` (B,), rows ``>= seqused_q[b]`` of batch ``b`` are zero.
+
+    Variable-length batches (``cu_seqlens_q`` (B+1,) and ``total_q`` given)::
+
+        dq_accum: float32 (H, Tp * Dr)  ->  dq: (T, H, D),   Tp = ceil((T + B*tile_m) / tile_m) * tile_m
+
+    Sequence ``b`` is dq rows ``cu[b] .. cu[b] + len_b`` with ``len_b = seqused_q[b]`` if given, else
+    ``cu[b+1] - cu[b]``; its accumulator starts at padded row ``(cu[b] + b*tile_m) // tile_m * tile_m``
+    (FlashAttention's allocation). Rows no sequence covers are zero.
+
     Args:
-      dq_accum: float32 array of shape ``(B, H, Sr * Dr)``, the accumulator as the producer described
-        by ``layout`` wrote it: ``Sr = ceil(seqlen_q / tile_m) * tile_m`` and
-        ``Dr = ceil(head_dim / hdim_multiple_of) * hdim_multiple_of``. Tile ``(b, h, m)`` is
-        ``dq_accum[b, h, m*tile_m*Dr : (m+1)*tile_m*Dr]``, in the producer's register order.
-      scale: the softmax scale: a Python float or a float32 scalar (traced or not). Converted to
-        float32 (round-to-nearest) first; changing it never recompiles the kernel.
-      seqlen_q: ``S``, the number of query rows (a Python int).
-      head_dim: ``D``, a multiple of 8, at most 256 (a Python int).
+      dq_accum: the accumulator as the producer described by ``layout`` wrote it (shapes above).
+      scale: the softmax scale: a Python float or a floating-point scalar, traced or not; converted to
+        float32 (round-to-nearest) first. Changing it never recompiles the kernel.
+      head_dim: ``D``, a multiple of 8, at most 256.
+      seqlen_q: ``S`` (dense).
+      total_q: ``T``, rows of the packed output (varlen).
+      cu_seqlens_q: varlen offsets: a sequence of Python ints (static: validated now, exact launch grid) or
+        an int32 array (traced: new values never retrace or recompile; corrupt values are clamped into a
+        partition of the rows, never read or written out of bounds).
+      seqused_q: lengths actually used, ``(B,)``: static ints or an int32 array, like ``cu_seqlens_q``.
       dtype: ``jnp.bfloat16`` or ``jnp.float16``, the type of dQ.
       layout: :class:`AccumLayout` of the producer.
 
     Returns:
-      ``(B, S, H, D)`` array of ``dtype`` with
-      ``dQ[b, m*tile_m + i, h, j] = round_to_nearest_even(float32(scale) * acc(b, h, m)[F(i, j)])``.
-      Padding rows and columns of the accumulator are never read into the result.
+      dq of ``dtype``, every element defined: ``round_to_nearest_even(float32(scale) * acc[F(i, j)])`` for
+      covered rows, 0 elsewhere.
     """
     if not isinstance(layout, AccumLayout):
         raise TypeError(f"layout must be an AccumLayout, got {type(layout).__name__}: {layout!r}")
-    seqlen_q = _static_int("seqlen_q", seqlen_q, minimum=0)
     head_dim = _static_int("head_dim", head_dim, minimum=1)
     layout.check_head_dim(head_dim)
     try:
@@ -47,8 +65,55 @@ def dq_postprocess(dq_accum, scale, *, seqlen_q: int, head_dim: int, dtype=jnp.b
         raise ValueError(f"dtype must be bfloat16 or float16, got {out_dtype}")
     dq_accum = jnp.asarray(dq_accum)
     scale = _scale_operand(scale)
-    return dq_postprocess_p.bind(dq_accum, scale, seqlen_q=seqlen_q, head_dim=head_dim, dtype=out_dtype,
-                                 layout=layout)
+    params = dict(head_dim=head_dim, dtype=out_dtype, layout=layout)
+
+    if cu_seqlens_q is None:
+        if total_q is not None:
+            raise ValueError(f"total_q={total_q} is only for variable-length batches (with cu_seqlens_q)")
+        if seqlen_q is None:
+            raise ValueError("seqlen_q is required for dense batches (or pass cu_seqlens_q and total_q)")
+        seqlen_q = _static_int("seqlen_q", seqlen_q, minimum=0)
+        if seqused_q is None:
+            return dq_postprocess_p.bind(dq_accum, scale, jnp.zeros((0,), jnp.int32), mode="dense", rows=seqlen_q,
+                                         num_tiles=0, **params)
+        if _is_static(seqused_q):
+            used = _static_ints("seqused_q", seqused_q)
+            bad = [(b, u) for b, u in enumerate(used) if not 0 <= u <= seqlen_q]
+            if bad:
+                raise ValueError(f"seqused_q[{bad[0][0]}]={bad[0][1]} must be in [0, seqlen_q={seqlen_q}]")
+            used = jnp.asarray(np.asarray(used, np.int32).reshape(-1))
+        else:
+            used = _int_array("seqused_q", seqused_q)
+        return dq_postprocess_p.bind(dq_accum, scale, used, mode="dense_seqused", rows=seqlen_q, num_tiles=0,
+                                     **params)
+
+    if seqlen_q is not None:
+        raise ValueError(f"seqlen_q={seqlen_q} is only for dense batches; variable-length batches take total_q")
+    if total_q is None:
+        raise ValueError("total_q (rows of the packed dq) is required with cu_seqlens_q")
+    total_q = _static_int("total_q", total_q, minimum=0)
+    static = _is_static(cu_seqlens_q) and (seqused_q is None or _is_static(seqused_q))
+    if static:
+        cu = _static_ints("cu_seqlens_q", cu_seqlens_q)
+        used = None if seqused_q is None else _static_ints("seqused_q", seqused_q)
+        varlen.check_static(cu, used, total_q)
+        batch = len(cu) - 1
+        _check_int32_range(total_q, batch, layout.tile_m)
+        meta, num_tiles = varlen.work_list(np, np.asarray(cu), None if used is None else np.asarray(used),
+                                           total_q=total_q, tile_m=layout.tile_m)
+        meta = jnp.asarray(meta)
+    else:
+        cu = _int_array("cu_seqlens_q", _static_as_array(cu_seqlens_q))
+        if cu.shape[0] < 2:
+            raise ValueError(f"cu_seqlens_q must have at least 2 entries (batch + 1), got shape {cu.shape}")
+        batch = cu.shape[0] - 1
+        used = None if seqused_q is None else _int_array("seqused_q", _static_as_array(seqused_q))
+        if used is not None and used.shape != (batch,):
+            raise ValueError(f"seqused_q must have shape ({batch},) to match cu_seqlens_q, got {used.shape}")
+        _check_int32_range(total_q, batch, layout.tile_m)
+        num_tiles = varlen.max_tiles(total_q, batch, layout.tile_m)
+        meta, _ = varlen.work_list(jnp, cu, used, total_q=total_q, tile_m=layout.tile_m, num_tiles=num_tiles)
+    return dq_postprocess_p.bind(dq_accum, scale, meta, mode="varlen", rows=total_q, num_tiles=num_tiles, **params)
 
 
 def _static_int(name: str, value, *, minimum: int) -> int:
@@ -57,6 +122,37 @@ def _static_int(name: str, value, *, minimum: int) -> int:
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return int(value)
+
+
+def _is_static(x) -> bool:
+    """Python sequences of ints and numpy arrays are static; jax arrays (and tracers) are device data."""
+    return isinstance(x, (list, tuple, range, np.ndarray))
+
+
+def _static_ints(name: str, x) -> list[int]:
+    arr = np.asarray(x)
+    if arr.ndim != 1 or not (np.issubdtype(arr.dtype, np.integer) or arr.size == 0):
+        raise TypeError(f"{name} must be a 1-D sequence of ints, got {x!r}")
+    return [int(v) for v in arr]
+
+
+def _static_as_array(x):
+    return np.asarray(x) if isinstance(x, (list, tuple, range)) else x
+
+
+def _int_array(name: str, x):
+    dtype = getattr(x, "dtype", None)
+    if dtype is None or not jnp.issubdtype(dtype, jnp.integer):
+        raise TypeError(f"{name} must be an integer array or a sequence of Python ints, got {type(x).__name__} "
+                        f"of dtype {dtype}")
+    if np.ndim(x) != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {np.shape(x)}")
+    return jnp.asarray(x).astype(jnp.int32)
+
+
+def _check_int32_range(total_q: int, batch: int, tile_m: int) -> None:
+    if total_q + (batch + 2) * tile_m > _INT32_MAX:
+        raise ValueError(f"total_q={total_q} with batch={batch} overflows the int32 row offsets")
 
 
 def _scale_operand(scale):

@@ -66,10 +66,14 @@ def target_arch() -> str:
     return f"sm_{major}{minor}{'a' if int(major) >= 9 else ''}"
 
 
-def get_kernel(dtype, layout: AccumLayout, tile_hdim: int, arch: str | None = None) -> CompiledKernel:
-    """The compiled module for this configuration, from the in-memory cache or compiled now."""
+def get_kernel(dtype, layout: AccumLayout, tile_hdim: int, mode: str = "dense",
+               arch: str | None = None) -> CompiledKernel:
+    """The compiled module for this configuration, from the in-memory cache or compiled now.
+
+    ``mode``: ``"dense"``, ``"dense_seqused"`` or ``"varlen"`` (how tiles are found, see primitive.py).
+    """
     arch = arch or target_arch()
-    key = (dtype_name(dtype), layout, int(tile_hdim), arch)
+    key = (dtype_name(dtype), layout, int(tile_hdim), mode, arch)
     with _lock:
         hit = _cache.get(key)
         if hit is None:
@@ -82,15 +86,15 @@ def cache_size() -> int:
         return len(_cache)
 
 
-def _compile(dtype: str, layout: AccumLayout, tile_hdim: int, arch: str) -> CompiledKernel:
-    module = bytes(compile_executor(dtype, layout, tile_hdim, arch).dump_to_object(FUNCTION_PREFIX))
+def _compile(dtype: str, layout: AccumLayout, tile_hdim: int, mode: str, arch: str) -> CompiledKernel:
+    module = bytes(compile_executor(dtype, layout, tile_hdim, mode, arch).dump_to_object(FUNCTION_PREFIX))
     return CompiledKernel(module=module, fingerprint=hashlib.sha256(module).hexdigest(), arch=arch)
 
 
-def compile_executor(dtype: str, layout: AccumLayout, tile_hdim: int, arch: str):
-    """``cute.compile`` the kernel; returns CuTe's executor (callable from Python with the same
-    arguments as the C ABI: pointers, int32 extents, stream). Callers serialise through ``_lock``
-    or accept that the DSL's global arch is set here."""
+def compile_executor(dtype: str, layout: AccumLayout, tile_hdim: int, mode: str, arch: str):
+    """``cute.compile`` the kernel; returns CuTe's executor, callable from Python with the arguments of the
+    C ABI (kernel.py: pointers, int32 extents, stream). Callers serialise through ``_lock`` or accept that
+    the DSL's global arch is set here."""
     import cuda.bindings.driver as cuda
     import cutlass
     import cutlass.cute as cute
@@ -102,7 +106,7 @@ def compile_executor(dtype: str, layout: AccumLayout, tile_hdim: int, arch: str)
     cute_dtype = {"bf16": cutlass.BFloat16, "f16": cutlass.Float16}[dtype]
     if not DqPostprocessSm90Order.can_implement(cute_dtype, layout, tile_hdim):
         raise ValueError(f"jax_dqpost: no kernel for dtype={dtype}, {layout}, padded head dim {tile_hdim}")
-    kernel = DqPostprocessSm90Order(cute_dtype, layout, tile_hdim)
+    kernel = DqPostprocessSm90Order(cute_dtype, layout, tile_hdim, mode=mode)
     CuTeDSL._get_dsl().envar.arch = arch  # arch-dependent code paths inside the DSL read this global
     gmem = cute.AddressSpace.gmem
     return cute.compile(
@@ -110,10 +114,12 @@ def compile_executor(dtype: str, layout: AccumLayout, tile_hdim: int, arch: str)
         make_ptr(cutlass.Float32, 16, gmem, assumed_align=16),  # dq_accum
         make_ptr(cute_dtype, 16, gmem, assumed_align=16),  # dq
         make_ptr(cutlass.Float32, 16, gmem, assumed_align=4),  # scale
-        cutlass.Int32(1),  # batch
+        make_ptr(cutlass.Int32, 16, gmem, assumed_align=4),  # seqused_q / work list (unused when dense)
+        cutlass.Int32(1),  # batch, or spans (varlen)
         cutlass.Int32(1),  # heads
-        cutlass.Int32(1),  # seqlen
+        cutlass.Int32(1),  # seqlen, or total_q (varlen)
         cutlass.Int32(8),  # head_dim
+        cutlass.Int32(1),  # CTAs per head along x
         cuda.CUstream(0),
         options=f"--gpu-arch {arch}",
     )

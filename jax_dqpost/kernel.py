@@ -1,8 +1,14 @@
-"""The CuTe DSL kernel: one CTA converts one accumulator tile (batch b, head h, row block m).
+"""The CuTe DSL kernel: one CTA converts one accumulator tile.
 
 Imports cutlass at module import: load this module lazily (``compile.py`` does).
 
-Per tile, every thread
+Which tile a CTA takes depends on the mode (compiled in): ``dense`` / ``dense_seqused``: grid
+``(ceil(S / tile_m), H, B)``, tile ``(b, h, m)``; ``varlen``: grid ``(num_tiles, H)``, CTA ``x`` looks its
+span up in the work list (varlen.py) and converts tile ``x - tile_start[span]`` of it. A tile has
+``rows_total`` rows to write, of which the first ``rows_conv`` come from the accumulator and the rest are
+zeros (seqused_q shorter than the sequence, rows no sequence covers).
+
+Per tile with rows to convert, every thread
   1. loads its fp32 accumulator fragment straight from global memory with 16-byte coalesced loads, in
      the order the producer's WGMMA threads stored it (no shared-memory staging of the fp32 tile),
   2. multiplies by ``scale`` (one fp32 multiply, round-to-nearest) and rounds to bf16/fp16 (RNE),
@@ -68,11 +74,17 @@ class DqPostprocessSm90Order:
     batch, heads, seqlen and head_dim are runtime arguments.
     """
 
+    MODES = ("dense", "dense_seqused", "varlen")
+
     def __init__(self, dtype: type[cutlass.Numeric], layout: AccumLayout, tile_hdim: int, *,
-                 min_ctas_per_sm: int | None = None):
-        """``min_ctas_per_sm``: the launch-bounds hint given to ptxas (None: chosen here; 0: none)."""
+                 mode: str = "dense", min_ctas_per_sm: int | None = None):
+        """``mode``: how a CTA finds its tile (see the module docstring). ``min_ctas_per_sm``: the
+        launch-bounds hint given to ptxas (None: chosen here; 0: none)."""
         if not self.can_implement(dtype, layout, tile_hdim):
             raise ValueError(f"cannot implement dtype={dtype}, {layout}, tile_hdim={tile_hdim}")
+        if mode not in self.MODES:
+            raise ValueError(f"mode must be one of {self.MODES}, got {mode!r}")
+        self.mode = mode
         self.dtype = dtype
         self.layout = layout
         self.tile_m = layout.tile_m
@@ -132,18 +144,20 @@ class DqPostprocessSm90Order:
     @cute.jit
     def __call__(
         self,
-        acc_ptr: cute.Pointer,  # fp32 accumulator, (batch, heads, Sr * tile_hdim), 16-byte aligned
-        dq_ptr: cute.Pointer,  # dtype dQ, (batch, seqlen, heads, head_dim), 16-byte aligned
+        acc_ptr: cute.Pointer,  # fp32 accumulator: (B, H, Sr * tile_hdim), varlen (H, Tp * tile_hdim)
+        dq_ptr: cute.Pointer,  # dQ: (B, S, H, head_dim), varlen (T, H, head_dim)
         scale_ptr: cute.Pointer,  # one fp32 value in device memory
-        batch: Int32,
+        aux_ptr: cute.Pointer,  # int32: seqused_q (dense_seqused) or the work list (varlen); else unused
+        dim0: Int32,  # B, varlen: the number of spans K = B + 2
         heads: Int32,
-        seqlen: Int32,
+        rows: Int32,  # S, varlen: T
         head_dim: Int32,
+        grid_x: Int32,  # CTAs per head along x: ceil(S / tile_m), varlen: the work list's num_tiles
         stream: cuda.CUstream,
     ):
-        num_m_blocks = (seqlen + self.tile_m - 1) // self.tile_m
-        self.kernel(acc_ptr, dq_ptr, scale_ptr, heads, seqlen, head_dim).launch(
-            grid=[num_m_blocks, heads, batch],
+        grid = [grid_x, heads, 1] if const_expr(self.mode == "varlen") else [grid_x, heads, dim0]
+        self.kernel(acc_ptr, dq_ptr, scale_ptr, aux_ptr, dim0, heads, rows, head_dim, grid_x).launch(
+            grid=grid,
             block=[self.num_threads, 1, 1],
             smem=self.smem_bytes,
             stream=stream,
@@ -159,23 +173,68 @@ class DqPostprocessSm90Order:
         acc_ptr: cute.Pointer,
         dq_ptr: cute.Pointer,
         scale_ptr: cute.Pointer,
+        aux_ptr: cute.Pointer,
+        dim0: Int32,
         heads: Int32,
-        seqlen: Int32,
+        rows: Int32,
         head_dim: Int32,
+        grid_x: Int32,
     ):
         tidx, _, _ = cute.arch.thread_idx()
-        m_block, head, batch = cute.arch.block_idx()
+        bx, head, bz = cute.arch.block_idx()
         tile_m, tile_hdim = self.tile_m, self.tile_hdim
 
+        # ---- 0. this CTA's tile: accumulator tile, first dQ row, rows to write and to convert ------
+        if const_expr(self.mode == "varlen"):
+            num_spans = dim0
+            # work list: tile_start[K + 1] | (row_start, span_rows, conv_rows, acc_row)[K] | tile_span[grid_x]
+            meta = cute.make_tensor(aux_ptr, cute.make_layout(5 * num_spans + 1 + grid_x))
+            span = meta[5 * num_spans + 1 + bx]
+            tile_in_span = bx - meta[span]
+            field = num_spans + 1 + 4 * span
+            row0 = meta[field] + tile_in_span * tile_m
+            rows_total = cutlass.min(meta[field + 1] - tile_in_span * tile_m, tile_m)
+            rows_conv = cutlass.max(cutlass.min(meta[field + 2] - tile_in_span * tile_m, tile_m), 0)
+            acc_row = meta[field + 3] + tile_in_span * tile_m
+            padded_total = (rows + (num_spans - 1) * tile_m - 1) // tile_m * tile_m
+            # Defence in depth; the work list already guarantees all of these.
+            if bx >= meta[num_spans] or row0 < 0 or rows_total > rows - row0:
+                rows_total = 0
+            if acc_row < 0 or acc_row + tile_m > padded_total:
+                rows_conv = 0
+            rows_conv = cutlass.min(rows_conv, rows_total)
+            tile_elem = (Int64(head) * Int64(padded_total) + Int64(acc_row)) * Int64(tile_hdim)
+            dq_row0 = Int64(row0)
+        else:
+            batch, m_block = bz, bx
+            rows_total = cutlass.min(rows - m_block * tile_m, tile_m)
+            rows_conv = rows_total
+            if const_expr(self.mode == "dense_seqused"):
+                seqused = cute.make_tensor(aux_ptr, cute.make_layout(dim0))
+                used = cutlass.max(cutlass.min(seqused[batch], rows), 0)
+                rows_conv = cutlass.max(cutlass.min(used - m_block * tile_m, tile_m), 0)
+            tile_index = (Int64(batch) * Int64(heads) + Int64(head)) * Int64(grid_x) + Int64(m_block)
+            tile_elem = tile_index * Int64(tile_m * tile_hdim)
+            dq_row0 = Int64(batch) * Int64(rows) + Int64(m_block * tile_m)
+
+        smem = cutlass.memory.SmemAllocator()
+        s_layout = self._smem_layout()
+        s_dq = smem.allocate_tensor(self.dtype, s_layout, byte_alignment=1024)
+        if rows_conv > 0:
+            self._convert_tile(acc_ptr, tile_elem, scale_ptr, s_dq, s_layout, tidx)
+        cute.arch.barrier()
+        dq_offset = (dq_row0 * Int64(heads) + Int64(head)) * Int64(head_dim)
+        self._store_tile(dq_ptr, dq_offset, heads * head_dim, head_dim, s_dq, rows_total, rows_conv, tidx)
+
+    @cute.jit
+    def _convert_tile(self, acc_ptr, tile_elem, scale_ptr, s_dq, s_layout, tidx):
+        """Steps 1-3: fragment from global memory, scale and round, stmatrix into ``s_dq``."""
+        tile_m, tile_hdim = self.tile_m, self.tile_hdim
         # ---- 1. the fp32 fragment, in the producer's thread order ------------------------------
-        num_m_blocks = (seqlen + tile_m - 1) // tile_m
-        tile_index = (Int64(batch) * Int64(heads) + Int64(head)) * Int64(num_m_blocks) + Int64(m_block)
-        tile_ptr = _aligned(acc_ptr + tile_index * Int64(tile_m * tile_hdim), cute.AddressSpace.gmem)
         wg, t = tidx // 128, tidx % 128
-        src_base = _aligned(tile_ptr + (wg * self.chunk + 4 * t), cute.AddressSpace.gmem)
+        src_base = _aligned(acc_ptr + tile_elem + Int64(wg * self.chunk + 4 * t), cute.AddressSpace.gmem)
         # (4 floats of one 16-byte vector, vectors 512 floats apart) -> registers r = 4 * k + e
         src = cute.make_tensor(src_base, cute.make_layout((4, self.regs // 4), stride=(1, 512)))
-
         tiled_mma = self._tiled_mma()
         acc = cute.make_rmem_tensor(tiled_mma.partition_shape_C(self.mma_mn), Float32)
         acc_flat = cute.make_tensor(acc.iterator, cute.make_layout((4, self.regs // 4)))
@@ -184,15 +243,11 @@ class DqPostprocessSm90Order:
             cute.copy(load_atom, src[None, k], acc_flat[None, k])
 
         # ---- 2. scale (fp32 multiply) and round to the output type (RNE) ------------------------
-        scale_t = cute.make_tensor(scale_ptr, cute.make_layout(1))
-        scale = scale_t[0]
+        scale = cute.make_tensor(scale_ptr, cute.make_layout(1))[0]
         frag = cute.make_rmem_tensor_like(acc, self.dtype)
         frag.store((acc.load() * scale).to(self.dtype))
 
         # ---- 3. registers -> swizzled shared-memory tile, by the producer's MMA coordinates ----
-        smem = cutlass.memory.SmemAllocator()
-        s_layout = self._smem_layout()
-        s_dq = smem.allocate_tensor(self.dtype, s_layout, byte_alignment=1024)
         swap = self.layout.swap_ab
         if const_expr(swap):
             # The MMA's (m, n) is dQ's (column, row): view the tile transposed.
@@ -207,13 +262,11 @@ class DqPostprocessSm90Order:
         r2s = cute.make_tiled_copy_C(stsm, tiled_mma)
         thr_r2s = r2s.get_slice(tidx)
         cute.copy(r2s, thr_r2s.retile(frag), thr_r2s.partition_D(s_mma))
-        cute.arch.barrier()
 
-        # ---- 4. shared memory -> global memory, 16-byte vectors, predicated rows and columns ----
-        rows_valid = seqlen - m_block * tile_m
-        row_stride = heads * head_dim
-        first_row = Int64(batch) * Int64(seqlen) + Int64(m_block * tile_m)
-        dq_offset = (first_row * Int64(heads) + Int64(head)) * Int64(head_dim)
+    @cute.jit
+    def _store_tile(self, dq_ptr, dq_offset, row_stride, head_dim, s_dq, rows_total, rows_conv, tidx):
+        """Step 4: 16-byte row vectors to global memory; rows >= rows_conv are zeros."""
+        tile_m, tile_hdim = self.tile_m, self.tile_hdim
         dst_ptr = _aligned(dq_ptr + dq_offset, cute.AddressSpace.gmem)
         vec = _VEC_BYTES * 8 // self.dtype.width
         g_dq = cute.make_tensor(
@@ -233,9 +286,13 @@ class DqPostprocessSm90Order:
         t_crd = thr_s2g.partition_S(cute.make_identity_tensor((tile_m, tile_hdim)))
         t_reg = cute.make_rmem_tensor_like(t_src, self.dtype)
         cute.autovec_copy(t_src, t_reg)
+        zeros = cute.make_rmem_tensor_like(t_reg[None, 0, 0], self.dtype)
+        zeros.fill(0.0)
         for i in cutlass.range_constexpr(cute.size(t_reg, mode=[1])):
             for j in cutlass.range_constexpr(cute.size(t_reg, mode=[2])):
                 row, col = t_crd[0, i, j]
-                if row < rows_valid and col < head_dim:
-                    cute.copy(store_atom, t_reg[None, i, j], t_dst[None, i, j])
-
+                if row < rows_total and col < head_dim:
+                    if row < rows_conv:
+                        cute.copy(store_atom, t_reg[None, i, j], t_dst[None, i, j])
+                    else:
+                        cute.copy(store_atom, zeros, t_dst[None, i, j])

@@ -2,7 +2,7 @@
 
 Bit-exact with the kernel: a gather by the layout's index map, one IEEE fp32 multiply by ``scale``
 (round-to-nearest-even, gradual underflow) and one conversion to bf16/fp16 (round-to-nearest-even,
-XLA's ``convert``, which works on the bits).
+XLA's ``convert``, which works on the bits). Rows that no sequence covers are zero.
 
 The multiply is done in integer arithmetic: XLA's CPU runtime computes with denormals flushed to zero
 (FTZ/DAZ), while the GPU kernel's ``mul.f32`` keeps them, so a plain ``x * scale`` would differ from
@@ -15,21 +15,61 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import varlen
 from .layout import AccumLayout
 
 
-def dq_postprocess_reference(dq_accum, scale, *, seqlen_q: int, head_dim: int, dtype, layout: AccumLayout):
-    """``(B, H, Sr*Dr)`` float32 accumulator and float32 scalar -> ``(B, S, H, D)`` dQ in ``dtype``."""
+def dq_postprocess_reference(dq_accum, scale, aux, *, mode: str, rows: int, head_dim: int, dtype,
+                             layout: AccumLayout, num_tiles: int):
+    """The primitive's semantics (see primitive.py for the operands of each ``mode``)."""
+    if mode == "varlen":
+        return _varlen(dq_accum, scale, aux, total_q=rows, head_dim=head_dim, dtype=dtype, layout=layout,
+                       num_tiles=num_tiles)
+    return _dense(dq_accum, scale, aux if mode == "dense_seqused" else None, seqlen_q=rows, head_dim=head_dim,
+                  dtype=dtype, layout=layout)
+
+
+def _convert(x, scale, dtype):
+    return mul_f32_rn(x, jnp.asarray(scale, jnp.float32)).astype(dtype)
+
+
+def _dense(dq_accum, scale, seqused, *, seqlen_q, head_dim, dtype, layout):
     batch, heads, _ = dq_accum.shape
     tile_m, tile_hdim = layout.tile_m, layout.padded_head_dim(head_dim)
     num_blocks = layout.padded_seqlen(seqlen_q) // tile_m
     # Positions of the wanted (row, column) elements inside one tile, rows < tile_m, columns < D.
     index = layout.tile_index_map(head_dim)[:, :head_dim].astype(np.int32)
     tiles = dq_accum.reshape(batch, heads, num_blocks, tile_m * tile_hdim)
-    x = jnp.take(tiles, jnp.asarray(index.ravel()), axis=3, unique_indices=True, indices_are_sorted=False)
+    x = jnp.take(tiles, jnp.asarray(index.ravel()), axis=3, unique_indices=True)
     x = x.reshape(batch, heads, num_blocks * tile_m, head_dim)[:, :, :seqlen_q, :]
-    y = mul_f32_rn(x, jnp.asarray(scale, jnp.float32)).astype(dtype)
-    return jnp.transpose(y, (0, 2, 1, 3))
+    y = jnp.transpose(_convert(x, scale, dtype), (0, 2, 1, 3))  # (B, S, H, D)
+    if seqused is not None:
+        used = jnp.clip(seqused.astype(jnp.int32), 0, seqlen_q)
+        keep = jnp.arange(seqlen_q, dtype=jnp.int32)[None, :] < used[:, None]
+        y = jnp.where(keep[:, :, None, None], y, jnp.zeros((), dtype))
+    return y
+
+
+def _varlen(dq_accum, scale, meta, *, total_q, head_dim, dtype, layout, num_tiles):
+    heads = dq_accum.shape[0]
+    tile_m, tile_hdim = layout.tile_m, layout.padded_head_dim(head_dim)
+    batch = varlen.batch_from_meta(meta.shape[0], num_tiles)
+    k_spans = varlen.num_spans(batch)
+    spans = meta[k_spans + 1: k_spans + 1 + varlen.SPAN_FIELDS * k_spans].reshape(k_spans, varlen.SPAN_FIELDS)
+    row_start, span_rows, conv_rows, acc_row = (spans[:, f] for f in range(varlen.SPAN_FIELDS))
+    # The span of every output row (spans partition [0, T) in order), and the row inside it.
+    r = jnp.arange(total_q, dtype=jnp.int32)
+    k = jnp.clip(jnp.searchsorted(row_start + span_rows, r, side="right"), 0, k_spans - 1)
+    i = r - row_start[k]
+    converted = i < conv_rows[k]
+    # Accumulator tile of each row, and each element's position inside its tile.
+    tile = jnp.where(converted, (acc_row[k] + i // tile_m * tile_m) // tile_m, 0)
+    index = jnp.asarray(layout.tile_index_map(head_dim)[:, :head_dim].astype(np.int32))
+    within = index[i % tile_m]  # (T, D)
+    tiles = dq_accum.reshape(heads, -1, tile_m * tile_hdim)
+    x = tiles[:, tile[:, None], within]  # (H, T, D)
+    y = jnp.transpose(_convert(x, scale, dtype), (1, 0, 2))  # (T, H, D)
+    return jnp.where(converted[:, None, None], y, jnp.zeros((), dtype))
 
 
 def mul_f32_rn(x, y):

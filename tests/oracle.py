@@ -121,3 +121,50 @@ def random_logical(rng, shape, *, specials=True):
                            [tie, sub, big, tiny, np.float32(-0.0)], default=flat[idx])
         flat[idx] = np.where(np.isfinite(choice), choice, flat[idx]).astype(np.float32)
     return x
+
+
+def clamped_offsets(cu, total_q):
+    """The documented treatment of any cu_seqlens_q: running maximum, clipped to [0, total_q]."""
+    out, running = [], None
+    for v in cu:
+        running = v if running is None else max(running, v)
+        out.append(min(max(running, 0), total_q))
+    return out
+
+
+def build_varlen(rng, cu, seqused, total_q, heads, head_dim, layout_args, *, hdim_multiple_of, scale, dtype,
+                 logical=None):
+    """Accumulator ``(H, Tp*Dr)`` in producer order for packed sequences, and the expected dq ``(T, H, D)``.
+
+    Sequence b (offsets made valid as documented) covers dq rows c[b] .. c[b] + used_b; its accumulator
+    rows start at FlashAttention's padded offset (c[b] + b*tile_m) // tile_m * tile_m. Every other row of
+    dq is zero; every other accumulator entry is junk (random, NaN).
+    """
+    tile_m = layout_args[0]
+    batch = len(cu) - 1
+    Dr = round_up(head_dim, hdim_multiple_of)
+    Tp = round_up(total_q + batch * tile_m, tile_m)
+    pos = hopper_tile_positions(tile_m, Dr, *layout_args[1:])
+    acc = (rng.standard_normal((heads, Tp * Dr)) * 1e3).astype(np.float32)
+    acc[rng.random(acc.shape) < 0.05] = np.nan
+    if logical is None:
+        logical = random_logical(rng, (total_q, heads, head_dim))
+    expected = np.zeros((total_q, heads, head_dim), dtype)
+    c = clamped_offsets(cu, total_q)
+    for b in range(batch):
+        length = c[b + 1] - c[b]
+        used = length if seqused is None else min(max(seqused[b], 0), length)
+        start = (c[b] + b * tile_m) // tile_m * tile_m
+        for i in range(used):
+            row = c[b] + i
+            tile_base = (start + (i // tile_m) * tile_m) * Dr
+            acc[:, tile_base + pos[i % tile_m, :head_dim]] = logical[row]  # (H, D) into producer order
+            expected[row] = expected_dq(logical[row], scale, dtype)
+    return acc, expected
+
+
+def expected_dense_seqused(logical, seqused, scale, dtype):
+    out = expected_dq(logical, scale, dtype)
+    for b, u in enumerate(seqused):
+        out[b, min(max(u, 0), logical.shape[1]):] = 0
+    return out

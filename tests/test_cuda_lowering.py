@@ -43,9 +43,10 @@ def test_export_for_cuda_emits_our_custom_call(dtype, name):
     calls = re.findall(r"stablehlo.custom_call @(\w+)\(", text)
     assert calls == [_ffi.TARGET_NAME], calls
     assert f'dtype = "{name}"' in text and "tile_m = 80 : i64" in text and "tile_hdim = 128 : i64" in text
+    assert "mode = 0 : i64" in text and "num_tiles = 0 : i64" in text
     assert "mhlo.backend_config = {" in text  # typed XLA FFI: attributes as a dictionary
     assert "tensor<2x1000x4x128x" in text  # (B, S, H, D) result
-    kernel = compile_.get_kernel(dtype, LAYOUT, 128, "sm_90a")
+    kernel = compile_.get_kernel(dtype, LAYOUT, 128, arch="sm_90a")
     assert kernel.module[:4] == b"\x7fELF"  # a host object holding the sm_90a cubin
     assert f'fingerprint = "{kernel.fingerprint}"' in text
 
@@ -67,7 +68,7 @@ def test_cuda_kernel_compiles_for_sm90a_for_every_fa_head_dim():
     for head_dim in (64, 96, 128, 192, 256, 40, 200):
         for causal in (False, True):
             layout = AccumLayout(90, *fa_cute_hopper_config(head_dim, causal))
-            k = compile_.get_kernel(jnp.float16, layout, layout.padded_head_dim(head_dim), "sm_90a")
+            k = compile_.get_kernel(jnp.float16, layout, layout.padded_head_dim(head_dim), arch="sm_90a")
             assert k.arch == "sm_90a" and len(k.module) > 1000
 
 

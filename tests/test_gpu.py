@@ -53,7 +53,7 @@ def test_kernel_on_poisoned_output(rng, name, dtype):
         layout, head_dim, logical, acc, scale, want = _case(rng, name, dtype, seqlen)
         B, S, H, D = logical.shape
         executor = compile_.compile_executor(compile_.dtype_name(dtype), layout, layout.padded_head_dim(D),
-                                             compile_.target_arch())
+                                             "dense", compile_.target_arch())
         t_acc = torch.from_numpy(acc).cuda()
         t_out = torch.full((B * S * H * D + GUARD,), np.uint16(POISON).view(np.int16).item(), dtype=torch.int16,
                            device="cuda")
@@ -63,7 +63,9 @@ def test_kernel_on_poisoned_output(rng, name, dtype):
         executor(make_ptr(cutlass.Float32, t_acc.data_ptr(), gmem, assumed_align=16),
                  make_ptr(cdt, t_out.data_ptr(), gmem, assumed_align=16),
                  make_ptr(cutlass.Float32, t_scale.data_ptr(), gmem, assumed_align=4),
+                 make_ptr(cutlass.Int32, t_scale.data_ptr(), gmem, assumed_align=4),  # unused when dense
                  cutlass.Int32(B), cutlass.Int32(H), cutlass.Int32(S), cutlass.Int32(D),
+                 cutlass.Int32(-(-S // layout.tile_m)),
                  cuda.CUstream(torch.cuda.current_stream().cuda_stream))
         torch.cuda.synchronize()
         out = t_out.cpu().numpy().view(np.uint16)
@@ -104,10 +106,10 @@ def test_ffi_rejects_inconsistent_attributes(rng):
     acc = jnp.zeros(layout.accum_shape(1, 2, 64, 128), jnp.float32)
 
     def call(out_shape, **attrs):
-        base = dict(module=kernel.module, fingerprint=kernel.fingerprint, dtype="bf16",
-                    tile_m=np.int64(64), tile_hdim=np.int64(128))
+        base = dict(module=kernel.module, fingerprint=kernel.fingerprint, dtype="bf16", mode=np.int64(0),
+                    tile_m=np.int64(64), tile_hdim=np.int64(128), num_tiles=np.int64(0))
         return jax.ffi.ffi_call(_ffi.TARGET_NAME, jax.ShapeDtypeStruct(out_shape, jnp.bfloat16))(
-            acc, jnp.float32(1.0), **{**base, **attrs})
+            acc, jnp.float32(1.0), jnp.zeros((0,), jnp.int32), **{**base, **attrs})
 
     call((1, 64, 2, 128)).block_until_ready()  # consistent: runs
     for out_shape, attrs, msg in [
@@ -116,6 +118,9 @@ def test_ffi_rejects_inconsistent_attributes(rng):
         ((1, 64, 2, 128), {"tile_hdim": np.int64(256)}, "ceil"),
         ((1, 64, 2, 128), {"dtype": "f16"}, "element type"),
         ((1, 64, 2, 136), {}, "head_dim"),
+        ((1, 64, 2, 128), {"mode": np.int64(1)}, "seqused_q must have batch entries"),
+        ((1, 64, 2, 128), {"mode": np.int64(2)}, "varlen dq_accum must have rank 2"),
+        ((1, 64, 2, 128), {"mode": np.int64(7)}, "unknown mode"),
     ]:
         with pytest.raises(Exception, match=msg):
             call(out_shape, **attrs).block_until_ready()
@@ -160,3 +165,39 @@ def test_bit_identical_to_flash_attention_4(rng, name, dtype):
                 pytest.xfail(f"FlashAttention-4's CuTe postprocess does not implement {name}: {e}")
             raise
         assert_same_bits(ours, theirs, f"ours vs FlashAttention-4 {name} S={seqlen}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "f16"])
+@pytest.mark.parametrize("name", ["cute-hd64", "cute-hd96-single-wg", "cute-hd128-causal", "cute-hd128",
+                                  "cute-hd192", "cute-hd256"])
+def test_varlen_bit_identical_to_flash_attention_4(rng, name, dtype):
+    torch = _torch()
+    import cutlass
+
+    postprocess = _flash_attn_postprocess()
+    tile_m, threads, atom, swap, mult = FA_HOPPER_CONFIGS[name]
+    D, H = FA_HOPPER_HEAD_DIM[name], 3
+    layout = AccumLayout(90, tile_m, threads, atom, swap, mult)
+    for batch, mean in ((7, 200), (300, 20)):  # 300 > FlashAttention's binary-search threshold
+        lengths = [int(x) for x in rng.integers(0, 2 * mean + 1, batch)]
+        cu = [0] + [int(v) for v in np.cumsum(lengths)]
+        used = [int(rng.integers(0, n + 1)) for n in lengths] if batch == 7 else None
+        T, scale = cu[-1] + 11, float(rng.uniform(0.05, 2.0))
+        acc, want = oracle.build_varlen(rng, cu, used, T, H, D, (tile_m, threads, atom, swap), hdim_multiple_of=mult,
+                                        scale=scale, dtype=dtype)
+        ours = np.asarray(jax.jit(lambda a: dq_postprocess(a, scale, head_dim=D, total_q=T, cu_seqlens_q=cu,
+                                                            seqused_q=used, dtype=dtype, layout=layout))(acc))
+        assert_same_bits(ours, want, f"ours vs oracle {name} B={batch}")
+        t_dtype = {np.dtype(jnp.bfloat16): torch.bfloat16, np.dtype(jnp.float16): torch.float16}[np.dtype(dtype)]
+        out = torch.full((T, H, D), float("nan"), dtype=t_dtype, device="cuda")
+        cdt = cutlass.BFloat16 if t_dtype == torch.bfloat16 else cutlass.Float16
+        t_cu = torch.tensor(cu, dtype=torch.int32, device="cuda")
+        t_used = None if used is None else torch.tensor(used, dtype=torch.int32, device="cuda")
+        postprocess(torch.from_numpy(acc).cuda(), out, scale, t_cu, t_used, 90, cdt, D, tile_m, threads, atom, swap,
+                    fake_mode=False, hdim_multiple_of=mult)
+        torch.cuda.synchronize()
+        theirs = out.view(torch.int16).cpu().numpy().view(np.uint16).view(np.dtype(dtype))
+        covered = np.zeros(T, bool)  # FlashAttention-4 leaves other rows as they were
+        for b in range(batch):
+            covered[cu[b]: cu[b] + (lengths[b] if used is None else used[b])] = True
+        assert_same_bits(ours[covered], theirs[covered], f"ours vs FlashAttention-4 varlen {name} B={batch}")

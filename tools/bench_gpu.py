@@ -84,11 +84,13 @@ def main():
         out = torch.empty((B, S, H, D), device="cuda", dtype=torch.bfloat16)
         scale = torch.tensor([D ** -0.5], device="cuda", dtype=torch.float32)
         nbytes = acc.numel() * 4 + out.numel() * 2
-        ex = compile_.compile_executor("bf16", layout, Dr, compile_.target_arch())
+        ex = compile_.compile_executor("bf16", layout, Dr, "dense", compile_.target_arch())
         args = (make_ptr(cutlass.Float32, acc.data_ptr(), gmem, assumed_align=16),
                 make_ptr(cutlass.BFloat16, out.data_ptr(), gmem, assumed_align=16),
                 make_ptr(cutlass.Float32, scale.data_ptr(), gmem, assumed_align=4),
-                cutlass.Int32(B), cutlass.Int32(H), cutlass.Int32(S), cutlass.Int32(D), stream)
+                make_ptr(cutlass.Int32, scale.data_ptr(), gmem, assumed_align=4),  # unused when dense
+                cutlass.Int32(B), cutlass.Int32(H), cutlass.Int32(S), cutlass.Int32(D),
+                cutlass.Int32(-(-S // tile_m)), stream)
         t_ours = time_ms(lambda: ex(*args))
         t_var = {}
         for vname, kw in variants.items():
@@ -114,5 +116,52 @@ def main():
               f"{t_fa / t_ours:5.3f} | {t_jax * 1e3:7.1f} us | " + " ".join(f"{k} {v * 1e3:.1f}" for k, v in t_var.items()))
 
 
+def varlen_row():
+    """hd128 (tile_m 80, swap), 64 random lengths with the dense rows' total tokens, static offsets."""
+    import cuda.bindings.driver as cuda
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_ptr
+
+    from jax_dqpost import AccumLayout, varlen
+    from jax_dqpost import compile as compile_
+
+    rng = np.random.default_rng(0)
+    H, D, tile_m, total = 32, 128, 80, 2 * 8192
+    cuts = np.sort(rng.choice(np.arange(1, total), 63, replace=False))
+    cu = np.concatenate([[0], cuts, [total]]).astype(np.int32)
+    layout = AccumLayout(90, tile_m, 256, 1, True, 32)
+    Tp = varlen.padded_total(total, 64, tile_m)
+    acc = torch.randn((H, Tp * 128), device="cuda", dtype=torch.float32)
+    out = torch.empty((total, H, D), device="cuda", dtype=torch.bfloat16)
+    scale = torch.tensor([D ** -0.5], device="cuda", dtype=torch.float32)
+    meta, num_tiles = varlen.work_list(np, cu, None, total_q=total, tile_m=tile_m)
+    t_meta = torch.from_numpy(meta).cuda()
+    ex = compile_.compile_executor("bf16", layout, 128, "varlen", compile_.target_arch())
+    gmem = cute.AddressSpace.gmem
+    args = (make_ptr(cutlass.Float32, acc.data_ptr(), gmem, assumed_align=16),
+            make_ptr(cutlass.BFloat16, out.data_ptr(), gmem, assumed_align=16),
+            make_ptr(cutlass.Float32, scale.data_ptr(), gmem, assumed_align=4),
+            make_ptr(cutlass.Int32, t_meta.data_ptr(), gmem, assumed_align=4),
+            cutlass.Int32(varlen.num_spans(64)), cutlass.Int32(H), cutlass.Int32(total), cutlass.Int32(D),
+            cutlass.Int32(num_tiles), cuda.CUstream(torch.cuda.current_stream().cuda_stream))
+    t_ours = time_ms(lambda: ex(*args))
+    useful = total * H * (128 * 4 + D * 2)
+    line = f"varlen hd128 (80, swap), 64 random lengths, {total} tokens: ours {t_ours * 1e3:.1f} us " \
+           f"{useful / t_ours / 1e9:.2f} TB/s useful"
+    try:
+        from flash_attn.cute.interface import _bwd_postprocess_convert as fa4
+
+        t_cu = torch.from_numpy(cu).cuda()
+        out2 = torch.empty_like(out)
+        t_fa = time_ms(lambda: fa4(acc, out2, D ** -0.5, t_cu, None, 90, cutlass.BFloat16, D, tile_m, 256, 1, True,
+                                   fake_mode=False))
+        line += f" | FlashAttention-4 {t_fa * 1e3:.1f} us {useful / t_fa / 1e9:.2f} TB/s | ours/FA4 {t_fa / t_ours:.3f}"
+    except Exception as e:  # noqa: BLE001
+        line += f" | FlashAttention-4 not run: {e}"
+    print(line)
+
+
 if __name__ == "__main__":
     main()
+    varlen_row()

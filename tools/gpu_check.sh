@@ -19,6 +19,14 @@ export PYTHONPATH=/tmp/pkg:$PYTHONPATH
 echo "== tests"
 cd /tmp && python3 -m pytest -q -rA -p no:warnings -p no:cacheprovider "$repo/tests" 2>&1 | tee "$out/pytest.log" | grep -E -v "^PASSED" | tail -40
 rc=${PIPESTATUS[0]}
+echo "== compute-sanitizer memcheck: corrupt traced offsets"
+if command -v compute-sanitizer >/dev/null; then
+  XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_PYTHON_CLIENT_PREALLOCATE=false compute-sanitizer --tool memcheck \
+    --error-exitcode 1 python3 "$repo/tools/sanitize_varlen.py" 2>&1 | tee "$out/sanitizer.log" | tail -12
+  [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+else
+  echo "compute-sanitizer not found"; rc=1
+fi
 echo "== benchmark"
 XLA_PYTHON_CLIENT_PREALLOCATE=false python3 "$repo/tools/bench_gpu.py" 2>&1 | tee "$out/bench.log"
 exit $rc

@@ -66,6 +66,14 @@ def target_arch() -> str:
     return f"sm_{major}{minor}{'a' if int(major) >= 9 else ''}"
 
 
+def sm_version(arch: str) -> int:
+    """``"sm_90a"`` -> 90, ``"sm_100a"`` -> 100, ``"sm_80"`` -> 80."""
+    digits = "".join(ch for ch in arch[3:] if ch.isdigit())
+    if not arch.startswith("sm_") or not digits:
+        raise ValueError(f"GPU architecture must look like sm_90a, got {arch!r}")
+    return int(digits)
+
+
 def get_kernel(dtype, layout: AccumLayout, tile_hdim: int, mode: str = "dense",
                arch: str | None = None) -> CompiledKernel:
     """The compiled module for this configuration, from the in-memory cache or compiled now.
@@ -101,12 +109,12 @@ def compile_executor(dtype: str, layout: AccumLayout, tile_hdim: int, mode: str,
     from cutlass.cute.runtime import make_ptr
     from cutlass.cutlass_dsl.cutlass import CuTeDSL
 
-    from .kernel import DqPostprocessSm90Order
+    from .kernel import DqPostprocess
 
     cute_dtype = {"bf16": cutlass.BFloat16, "f16": cutlass.Float16}[dtype]
-    if not DqPostprocessSm90Order.can_implement(cute_dtype, layout, tile_hdim):
+    if not DqPostprocess.can_implement(cute_dtype, layout, tile_hdim):
         raise ValueError(f"jax_dqpost: no kernel for dtype={dtype}, {layout}, padded head dim {tile_hdim}")
-    kernel = DqPostprocessSm90Order(cute_dtype, layout, tile_hdim, mode=mode)
+    kernel = DqPostprocess(cute_dtype, layout, tile_hdim, mode=mode, target_sm=sm_version(arch))
     CuTeDSL._get_dsl().envar.arch = arch  # arch-dependent code paths inside the DSL read this global
     gmem = cute.AddressSpace.gmem
     return cute.compile(

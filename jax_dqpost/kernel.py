@@ -67,24 +67,38 @@ def _aligned(ptr: cute.Pointer, space) -> cute.Pointer:
     return cute.make_ptr(ptr.dtype, ptr.toint(), space, assumed_align=_VEC_BYTES)
 
 
-class DqPostprocessSm90Order:
-    """dQ postprocess for accumulators in Hopper WGMMA order (``AccumLayout(arch=90)``).
+class DqPostprocess:
+    """dQ postprocess for an accumulator in any :class:`AccumLayout` order.
 
-    The binary depends on the output dtype, the layout and the padded head dim ``tile_hdim`` only;
-    batch, heads, seqlen and head_dim are runtime arguments.
+    The binary depends on the output dtype, the layout, the padded head dim ``tile_hdim``, the mode and
+    the target GPU only; batch, heads, sequence lengths and head_dim are runtime arguments.
+
+    How the fragment is read, by order family:
+
+    * ``mma`` (arch 90 and 80): each thread loads the registers the producer's thread stored (90: 16-byte
+      vectors; 80: one float per register, consecutive threads adjacent), and the producer's own tiled MMA
+      places them into shared memory (``stmatrix`` on sm_90+, 32/16-bit stores below).
+    * ``rows`` (arch 100): thread t reads TMEM lane t's row (2-CTA: two half rows) as 16-byte vectors,
+      32 columns at a time, and writes them as row vectors into shared memory.
+    * ``rowmajor`` (arch None): 16-byte loads of 4 consecutive floats, 8-byte row stores.
     """
 
     MODES = ("dense", "dense_seqused", "varlen")
 
     def __init__(self, dtype: type[cutlass.Numeric], layout: AccumLayout, tile_hdim: int, *,
-                 mode: str = "dense", min_ctas_per_sm: int | None = None):
-        """``mode``: how a CTA finds its tile (see the module docstring). ``min_ctas_per_sm``: the
-        launch-bounds hint given to ptxas (None: chosen here; 0: none)."""
+                 mode: str = "dense", target_sm: int = 90, min_ctas_per_sm: int | None = None):
+        """``mode``: how a CTA finds its tile (see the module docstring). ``target_sm``: the GPU generation
+        compiled for (e.g. 80, 90, 100). ``min_ctas_per_sm``: the launch-bounds hint given to ptxas (None:
+        chosen here; 0: none)."""
         if not self.can_implement(dtype, layout, tile_hdim):
             raise ValueError(f"cannot implement dtype={dtype}, {layout}, tile_hdim={tile_hdim}")
         if mode not in self.MODES:
             raise ValueError(f"mode must be one of {self.MODES}, got {mode!r}")
         self.mode = mode
+        self.family = {90: "mma", 80: "mma", 100: "rows", None: "rowmajor"}[layout.arch]
+        self.use_stmatrix = target_sm >= 90
+        # WGMMA atoms exist only on sm_90: elsewhere a Hopper-order fragment is placed by its coordinates.
+        self.wgmma_atoms = layout.arch != 90 or target_sm == 90
         self.dtype = dtype
         self.layout = layout
         self.tile_m = layout.tile_m
@@ -94,21 +108,28 @@ class DqPostprocessSm90Order:
         self.mma_mn = (geom["m"], geom["n"])
         self.atoms_mn = (geom["atoms_m"], geom["atoms_n"])
         self.n_atom = geom["n_atom"]
-        self.regs = geom["regs"]
-        self.chunk = self.tile_m * tile_hdim // layout.num_warpgroups
+        self.regs = geom["regs"]  # fp32 values per thread and tile
+        if self.family == "rows":
+            # Units of (row, first column, columns) per thread, and the columns converted per step.
+            self.row_cols = tile_hdim // 2 if layout.two_cta else tile_hdim
+            self.step_cols = math.gcd(self.row_cols, 32)
+            live = self.step_cols
+        else:
+            live = self.regs if self.family == "mma" else 16
+        self.chunk = self.tile_m * tile_hdim // max(1, layout.num_threads // 128)
         self.store_threads = _store_thread_shape(self.tile_m, tile_hdim, self.num_threads, dtype.width // 8)
         self.smem_bytes = self.tile_m * tile_hdim * dtype.width // 8
         if min_ctas_per_sm is None:
             # Room for the whole fp32 fragment (all its loads in flight at once) plus ~24 registers of
             # addresses and converted values, and as many CTAs per SM as that allows.
-            min_ctas_per_sm = _REGS_PER_SM // (self.num_threads * (self.regs + 24))
+            min_ctas_per_sm = _REGS_PER_SM // (self.num_threads * (live + 24))
         self.min_ctas_per_sm = max(0, min(min_ctas_per_sm, _THREADS_PER_SM // self.num_threads))
 
     @staticmethod
     def can_implement(dtype, layout: AccumLayout, tile_hdim: int) -> bool:
         if dtype not in (cutlass.BFloat16, cutlass.Float16):
             return False
-        if layout.arch != 90 or tile_hdim % layout.hdim_multiple_of:
+        if tile_hdim % layout.hdim_multiple_of:
             return False
         try:
             layout.check_head_dim(tile_hdim)
@@ -119,7 +140,13 @@ class DqPostprocessSm90Order:
 
     # ----------------------------------------------------------------------------------------------
     def _tiled_mma(self):
-        """The producer's dQ tiled MMA: 64 x n_atom WGMMA atoms, warpgroups tiled atoms_mn."""
+        """The producer's dQ tiled MMA. 90: 64 x n_atom WGMMA atoms, warpgroups tiled atoms_mn. 80:
+        m16n8k16 atoms, warps tiled atoms_mn, 16 x 16 permutation tile per warp."""
+        if const_expr(self.layout.arch == 80):
+            am, an = self.atoms_mn
+            return cute.make_tiled_mma(
+                warp.MmaF16BF16Op(self.dtype, Float32, (16, 8, 16)), (am, an, 1),
+                permutation_mnk=(16 * am, 16 * an, 16))
         return sm90_helpers.make_trivial_tiled_mma(
             self.dtype,
             self.dtype,
@@ -136,7 +163,10 @@ class DqPostprocessSm90Order:
         The swizzle atom must not straddle two warpgroups' column slabs, so its width is chosen from
         one warpgroup's extent along the head dim (n_atom, or the 64-row atom when swapped).
         """
-        slab = 64 if self.layout.swap_ab else self.n_atom
+        if self.family != "mma" or self.layout.arch == 80:
+            slab = 64
+        else:
+            slab = 64 if self.layout.swap_ab else self.n_atom
         kind = sm90_helpers.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, math.gcd(slab, self.tile_hdim))
         atom = warpgroup.make_smem_layout_atom(kind, self.dtype)
         return cute.tile_to_shape(atom, (self.tile_m, self.tile_hdim), (0, 1))
@@ -228,26 +258,47 @@ class DqPostprocessSm90Order:
 
     @cute.jit
     def _convert_tile(self, acc_ptr, tile_elem, scale_ptr, s_dq, s_layout, tidx):
-        """Steps 1-3: fragment from global memory, scale and round, stmatrix into ``s_dq``."""
+        """Steps 1-3: fragment from global memory, scale and round, into the shared-memory tile ``s_dq``."""
+        scale = cute.make_tensor(scale_ptr, cute.make_layout(1))[0]
+        if const_expr(self.family == "mma"):
+            self._convert_mma(acc_ptr, tile_elem, scale, s_dq, s_layout, tidx)
+        elif const_expr(self.family == "rows"):
+            self._convert_rows(acc_ptr, tile_elem, scale, s_dq, tidx)
+        else:
+            self._convert_rowmajor(acc_ptr, tile_elem, scale, s_dq, tidx)
+
+    @cute.jit
+    def _convert_mma(self, acc_ptr, tile_elem, scale, s_dq, s_layout, tidx):
         tile_m, tile_hdim = self.tile_m, self.tile_hdim
         # ---- 1. the fp32 fragment, in the producer's thread order ------------------------------
-        wg, t = tidx // 128, tidx % 128
-        src_base = _aligned(acc_ptr + tile_elem + Int64(wg * self.chunk + 4 * t), cute.AddressSpace.gmem)
-        # (4 floats of one 16-byte vector, vectors 512 floats apart) -> registers r = 4 * k + e
-        src = cute.make_tensor(src_base, cute.make_layout((4, self.regs // 4), stride=(1, 512)))
-        tiled_mma = self._tiled_mma()
-        acc = cute.make_rmem_tensor(tiled_mma.partition_shape_C(self.mma_mn), Float32)
-        acc_flat = cute.make_tensor(acc.iterator, cute.make_layout((4, self.regs // 4)))
-        load_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128)
-        for k in cutlass.range_constexpr(self.regs // 4):
-            cute.copy(load_atom, src[None, k], acc_flat[None, k])
+        if const_expr(self.wgmma_atoms):
+            tiled_mma = self._tiled_mma()
+            acc = cute.make_rmem_tensor(tiled_mma.partition_shape_C(self.mma_mn), Float32)
+        else:
+            acc = cute.make_rmem_tensor(cute.make_layout(self.regs), Float32)
+        if const_expr(self.layout.arch == 90):
+            wg, t = tidx // 128, tidx % 128
+            src_base = _aligned(acc_ptr + tile_elem + Int64(wg * self.chunk + 4 * t), cute.AddressSpace.gmem)
+            # (4 floats of one 16-byte vector, vectors 512 floats apart) -> registers r = 4 * k + e
+            src = cute.make_tensor(src_base, cute.make_layout((4, self.regs // 4), stride=(1, 512)))
+            acc_flat = cute.make_tensor(acc.iterator, cute.make_layout((4, self.regs // 4)))
+            load_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128)
+            for k in cutlass.range_constexpr(self.regs // 4):
+                cute.copy(load_atom, src[None, k], acc_flat[None, k])
+        else:
+            # mma.sync: register r of thread tid at tid + num_threads * r (coalesced 4-byte loads).
+            src = cute.make_tensor(acc_ptr + tile_elem + Int64(tidx),
+                                   cute.make_layout(self.regs, stride=self.num_threads))
+            cute.autovec_copy(src, cute.make_tensor(acc.iterator, cute.make_layout(self.regs)))
 
         # ---- 2. scale (fp32 multiply) and round to the output type (RNE) ------------------------
-        scale = cute.make_tensor(scale_ptr, cute.make_layout(1))[0]
         frag = cute.make_rmem_tensor_like(acc, self.dtype)
         frag.store((acc.load() * scale).to(self.dtype))
 
         # ---- 3. registers -> swizzled shared-memory tile, by the producer's MMA coordinates ----
+        if const_expr(not self.wgmma_atoms):
+            self._place_wgmma_fragment(frag, s_dq, tidx)
+            return
         swap = self.layout.swap_ab
         if const_expr(swap):
             # The MMA's (m, n) is dQ's (column, row): view the tile transposed.
@@ -257,11 +308,75 @@ class DqPostprocessSm90Order:
             )
         else:
             s_mma = s_dq
-        n_matrices = 4 if const_expr(self.n_atom % 16 == 0) else 2
-        stsm = cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=swap, num_matrices=n_matrices), self.dtype)
-        r2s = cute.make_tiled_copy_C(stsm, tiled_mma)
+        if const_expr(self.use_stmatrix):
+            n_matrices = 4 if const_expr((self.n_atom or 16) % 16 == 0) else 2
+            atom = cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=swap, num_matrices=n_matrices), self.dtype)
+        else:
+            # Two adjacent registers are adjacent columns of a row, or (swapped) of a column.
+            bits = 16 if const_expr(swap) else 32
+            atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=bits)
+        r2s = cute.make_tiled_copy_C(atom, tiled_mma)
         thr_r2s = r2s.get_slice(tidx)
         cute.copy(r2s, thr_r2s.retile(frag), thr_r2s.partition_D(s_mma))
+
+    @cute.jit
+    def _place_wgmma_fragment(self, frag, s_dq, tidx):
+        """Hopper-order fragment into the tile by its wgmma D-fragment coordinates (targets without
+        WGMMA): register r of thread (warpgroup w, warp q, lane) is row 16 q + lane / 4 + 8 ((v / 2) % 2),
+        column 8 (v / 4) + 2 (lane % 4) + v % 2 of atom r / (n_atom / 2), v = r % (n_atom / 2)."""
+        atoms_m = self.atoms_mn[0]
+        per_atom = self.n_atom // 2
+        w, t = tidx // 128, tidx % 128
+        q, lane = t // 32, t % 32
+        wm, wn = w % atoms_m, w // atoms_m
+        for r in cutlass.range_constexpr(self.regs):
+            v, mm = r % per_atom, r // per_atom
+            m = 64 * wm + 64 * atoms_m * mm + 16 * q + lane // 4 + 8 * ((v // 2) % 2)
+            n = self.n_atom * wn + 8 * (v // 4) + 2 * (lane % 4) + v % 2
+            if const_expr(self.layout.swap_ab):
+                s_dq[n, m] = frag[r]
+            else:
+                s_dq[m, n] = frag[r]
+
+    @cute.jit
+    def _convert_rows(self, acc_ptr, tile_elem, scale, s_dq, tidx):
+        """tcgen05 order: thread t = TMEM lane t; columns 4c..4c+3 of its row at 512 c + 4 t (2-CTA: the
+        pair's halves, see layout.py), converted ``step_cols`` columns at a time."""
+        tile_hdim, cols, step = self.tile_hdim, self.row_cols, self.step_cols
+        units = 2 if const_expr(self.layout.two_cta) else 1
+        for unit in cutlass.range_constexpr(units):
+            if const_expr(self.layout.two_cta):
+                row = 64 * unit + tidx % 64
+                col0 = (tidx // 64) * cols
+                base = Int64(unit * 64 * tile_hdim) + Int64(4 * tidx)
+            else:
+                row, col0, base = tidx, 0, Int64(4 * tidx)
+            for st in cutlass.range_constexpr(cols // step):
+                src = cute.make_tensor(_aligned(acc_ptr + tile_elem + base + Int64(512 * (st * step // 4)),
+                                                cute.AddressSpace.gmem),
+                                       cute.make_layout((4, step // 4), stride=(1, 512)))
+                vals = cute.make_rmem_tensor(cute.make_layout((4, step // 4)), Float32)
+                cute.autovec_copy(src, vals)
+                out = cute.make_rmem_tensor_like(vals, self.dtype)
+                out.store((vals.load() * scale).to(self.dtype))
+                for q in cutlass.range_constexpr(step):
+                    s_dq[row, col0 + st * step + q] = out[q % 4, q // 4]
+
+    @cute.jit
+    def _convert_rowmajor(self, acc_ptr, tile_elem, scale, s_dq, tidx):
+        """Row-major order: 16-byte loads of 4 consecutive floats, consecutive threads adjacent."""
+        quads_per_row = self.tile_hdim // 4
+        for k in cutlass.range_constexpr(self.tile_m * quads_per_row // self.num_threads):
+            v = tidx + k * self.num_threads
+            row, q = v // quads_per_row, v % quads_per_row
+            src = cute.make_tensor(_aligned(acc_ptr + tile_elem + Int64(4 * v), cute.AddressSpace.gmem),
+                                   cute.make_layout(4))
+            vals = cute.make_rmem_tensor(cute.make_layout(4), Float32)
+            cute.autovec_copy(src, vals)
+            out = cute.make_rmem_tensor_like(vals, self.dtype)
+            out.store((vals.load() * scale).to(self.dtype))
+            for e in cutlass.range_constexpr(4):
+                s_dq[row, 4 * q + e] = out[e]
 
     @cute.jit
     def _store_tile(self, dq_ptr, dq_offset, row_stride, head_dim, s_dq, rows_total, rows_conv, tidx):

@@ -2,31 +2,36 @@
 
 The FlashAttention backward kernels reduce-add dQ into an fp32 scratch buffer ("dQaccum") in the order
 their MMA accumulator fragments sit in registers, thread by thread. This module describes that order as
-plain data (no GPU, no JAX, no CuTe): the padded shapes, validation, and the per-tile index map
-``F[i, j]`` = position of logical element ``(row i, column j)`` inside one tile of ``tile_m * Dr`` floats.
+plain data (no GPU, no JAX, no CuTe): the padded shapes, validation, FlashAttention's presets, and the
+per-tile index map ``F[i, j]`` = position of logical element ``(row i, column j)`` inside one tile of
+``tile_m * Dr`` floats. The orders (SPEC.md section 4 has the derivations):
 
-Only the Hopper order (``arch=90``, WGMMA accumulators) is implemented. Its contract (FlashAttention's
-``flash_bwd_sm90.py`` writes it, ``flash_bwd_postprocess.py`` reads it):
-
-* Warpgroup ``w`` (threads ``128w .. 128w+127``) owns the contiguous chunk ``w`` of the tile; inside a
-  chunk, thread ``t`` of the warpgroup stores its registers ``4k .. 4k+3`` as one 16-byte vector at
-  float offset ``512 k + 4 t``.
-* Register ``r`` of a thread is element ``r`` of its compact column-major WGMMA C fragment: a
-  ``64 x N_atom`` atom per warpgroup, warpgroups tiled ``(A_M', A_N')`` over the ``(M', N')`` problem,
-  where ``(M', N') = (tile_m, Dr)`` and ``(A_M', A_N') = (atom_layout, nwg / atom_layout)``, both
-  swapped when ``swap_ab`` (FlashAttention's ``dQ_swapAB`` computes dQ^T).
+* ``arch=90``, Hopper WGMMA (``flash_bwd_sm90.py``): warpgroup ``w`` owns the contiguous chunk ``w`` of the
+  tile; inside it, thread ``t`` stores registers ``4k .. 4k+3`` as one 16-byte vector at ``512 k + 4 t``.
+  Register ``r`` is element ``r`` of the thread's compact WGMMA C fragment (64 x N_atom atoms, warpgroups
+  tiled ``(atom_layout, nwg / atom_layout)`` over ``(tile_m, Dr)``, both swapped when ``swap_ab``).
+* ``arch=80``, Ampere ``mma.sync`` m16n8k16 (``flash_bwd.py``, FlashAttention's sm80 and sm120 paths): one
+  float per thread per store, ``f = tid + num_threads * r``; warps tiled ``(atom_layout, warps / atom_layout)``
+  with 16 x 16 permutation tiles per warp, swapped when ``swap_ab``.
+* ``arch=100``, Blackwell tcgen05 (``flash_bwd_sm100.py``, ``tile_m = 128``, 128 threads): thread ``t`` holds
+  TMEM lane ``t`` = row ``t`` and stores columns ``4c .. 4c+3`` at ``512 c + 4 t``. With ``two_cta`` (the
+  2-CTA MMA FlashAttention uses by default for head dims 128..192) each CTA of the pair holds 64 rows, lane
+  ``u`` the left half of the columns and lane ``u + 64`` the right half, and the pair's chunks follow each other.
+* ``arch=None``: row-major ``(Sr, Dr)`` per (batch, head), for accumulators made by ordinary JAX code.
 """
 
 from __future__ import annotations
 
 import dataclasses
+
 import numpy as np
 
 __all__ = ["AccumLayout"]
 
-_SUPPORTED_ARCHS = (90,)
+_SUPPORTED_ARCHS = (80, 90, 100, None)
 _WARPGROUP = 128
 _WGMMA_M = 64
+_MMA_SYNC_TILE = 16  # m16n8k16 atoms, 16 x 16 permutation tile per warp
 
 
 def _check_int(name: str, value, *, minimum: int = 1) -> int:
@@ -37,35 +42,44 @@ def _check_int(name: str, value, *, minimum: int = 1) -> int:
     return int(value)
 
 
+def _check_bool(name: str, value) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"AccumLayout.{name} must be a bool, got {value!r}")
+    return bool(value)
+
+
 @dataclasses.dataclass(frozen=True)
 class AccumLayout:
     """The order in which a producer (FlashAttention's backward) wrote the fp32 dQ accumulator.
 
     Attributes:
-      arch: the producer's accumulator order. ``90``: Hopper WGMMA fragments (FlashAttention's sm90
-        backward, CuTe DSL or C++). This is data order only, independent of the GPU the
-        postprocess runs on.
+      arch: the producer's accumulator order: ``90`` Hopper WGMMA, ``80`` Ampere ``mma.sync`` (also
+        FlashAttention's sm120 path), ``100`` Blackwell tcgen05, ``None`` row-major. Data order only,
+        independent of the GPU the postprocess runs on.
       tile_m: rows of dQ per accumulator tile (FlashAttention's ``m_block_size`` / kBlockM).
-      num_threads: threads of the producer's dQ MMA (128 per warpgroup on Hopper).
-      atom_layout: FlashAttention's ``AtomLayoutMdQ``: warpgroups along the M (row) mode.
-      swap_ab: FlashAttention's ``dQ_swapAB``: the MMA computed dQ transposed.
+      num_threads: threads of the producer's dQ MMA (128 per warpgroup on Hopper, 32 per warp on Ampere,
+        128 on Blackwell); for ``arch=None``, the CTA size of the postprocess.
+      atom_layout: FlashAttention's ``AtomLayoutMdQ``: warpgroups (90) or warps (80) along the row mode.
+      swap_ab: FlashAttention's ``dQ_swapAB``: the MMA computed dQ transposed (80 and 90).
       hdim_multiple_of: the head dimension is padded to a multiple of this in the accumulator
-        (32 in FlashAttention's CuTe DSL, 64 for some C++ Hopper configurations).
+        (32 in FlashAttention's CuTe DSL, 64 for its Hopper configurations with head dim > 128).
+      two_cta: ``arch=100`` only: the accumulator was written by the 2-CTA (``cta_group::2``) MMA.
 
     Instances are frozen and hashable; invalid fields raise ``TypeError``/``ValueError`` on
-    construction. Whether a head dimension fits the layout is checked by
-    :meth:`check_head_dim`.
+    construction. Whether a head dimension fits the layout is checked by :meth:`check_head_dim`.
+    :meth:`flash_attention` gives the layout FlashAttention uses for a GPU architecture and head dim.
     """
 
-    arch: int = 90
+    arch: int | None = 90
     tile_m: int = 64
     num_threads: int = 256
     atom_layout: int = 1
     swap_ab: bool = False
     hdim_multiple_of: int = 32
+    two_cta: bool = False
 
     def __post_init__(self):
-        arch = _check_int("arch", self.arch)
+        arch = None if self.arch is None else _check_int("arch", self.arch)
         if arch not in _SUPPORTED_ARCHS:
             raise ValueError(
                 f"AccumLayout.arch={arch} is not supported; supported accumulator orders: {_SUPPORTED_ARCHS}"
@@ -74,33 +88,94 @@ class AccumLayout:
         if tile_m % 8:
             raise ValueError(f"AccumLayout.tile_m must be a multiple of 8, got {tile_m}")
         num_threads = _check_int("num_threads", self.num_threads)
-        if num_threads % _WARPGROUP or num_threads > 4 * _WARPGROUP:
-            raise ValueError(
-                "AccumLayout.num_threads must be 128, 256, 384 or 512 (whole warpgroups) for arch=90, "
-                f"got {num_threads}"
-            )
         atom_layout = _check_int("atom_layout", self.atom_layout)
-        nwg = num_threads // _WARPGROUP
-        if nwg % atom_layout:
-            raise ValueError(
-                f"AccumLayout.atom_layout={atom_layout} must divide the number of warpgroups "
-                f"num_threads/128={nwg}"
-            )
-        if not isinstance(self.swap_ab, (bool, np.bool_)):
-            raise TypeError(f"AccumLayout.swap_ab must be a bool, got {self.swap_ab!r}")
+        swap_ab = _check_bool("swap_ab", self.swap_ab)
+        two_cta = _check_bool("two_cta", self.two_cta)
         mult = _check_int("hdim_multiple_of", self.hdim_multiple_of)
         if mult % 8:
             raise ValueError(f"AccumLayout.hdim_multiple_of must be a multiple of 8, got {mult}")
         # Normalise numpy scalars so equal layouts hash equal.
         for name, value in (("arch", arch), ("tile_m", tile_m), ("num_threads", num_threads),
-                            ("atom_layout", atom_layout), ("hdim_multiple_of", mult)):
+                            ("atom_layout", atom_layout), ("hdim_multiple_of", mult), ("swap_ab", swap_ab),
+                            ("two_cta", two_cta)):
             object.__setattr__(self, name, value)
-        object.__setattr__(self, "swap_ab", bool(self.swap_ab))
-        if not self.swap_ab and tile_m % (_WGMMA_M * atom_layout):
+        if two_cta and arch != 100:
+            raise ValueError(f"AccumLayout.two_cta=True is a Blackwell (arch=100) order, got arch={arch}")
+        if arch == 90:
+            if num_threads % _WARPGROUP or num_threads > 4 * _WARPGROUP:
+                raise ValueError("AccumLayout.num_threads must be 128, 256, 384 or 512 (whole warpgroups) for "
+                                 f"arch=90, got {num_threads}")
+            self._check_atoms(num_threads // _WARPGROUP, "warpgroups num_threads/128", _WGMMA_M)
+        elif arch == 80:
+            if num_threads % 32 or num_threads > 1024:
+                raise ValueError(f"AccumLayout.num_threads must be a multiple of 32 (whole warps), at most 1024, "
+                                 f"for arch=80, got {num_threads}")
+            self._check_atoms(num_threads // 32, "warps num_threads/32", _MMA_SYNC_TILE)
+        else:
+            fixed = dict(atom_layout=1, swap_ab=False)
+            if arch == 100:
+                fixed.update(tile_m=128, num_threads=128)
+            elif num_threads % 32 or num_threads > 1024:
+                raise ValueError(f"AccumLayout.num_threads must be a multiple of 32, at most 1024, got {num_threads}")
+            for name, want in fixed.items():
+                if getattr(self, name) != want:
+                    raise ValueError(f"AccumLayout.{name} must be {want} for arch={arch}, got {getattr(self, name)}")
+
+    def _check_atoms(self, units: int, what: str, rows_per_unit: int):
+        if units % self.atom_layout:
+            raise ValueError(f"AccumLayout.atom_layout={self.atom_layout} must divide the number of {what}={units}")
+        if not self.swap_ab and self.tile_m % (rows_per_unit * self.atom_layout):
             raise ValueError(
-                f"AccumLayout.tile_m={tile_m} must be a multiple of {_WGMMA_M * atom_layout}: each of the "
-                f"atom_layout={atom_layout} warpgroups along tile_m holds whole 64-row WGMMA atoms"
-            )
+                f"AccumLayout.tile_m={self.tile_m} must be a multiple of {rows_per_unit * self.atom_layout}: each "
+                f"of the atom_layout={self.atom_layout} units along tile_m holds whole {rows_per_unit}-row MMA tiles")
+
+    # ----------------------------------------------------------------------------------------------
+    @classmethod
+    def flash_attention(cls, arch: int, head_dim: int, *, causal: bool = False) -> "AccumLayout":
+        """The layout FlashAttention-4's backward uses for dQ on GPU architecture ``arch`` (e.g. 90, 100,
+        120) and ``head_dim`` (``head_dim_v = head_dim``; ``causal`` also stands for local attention).
+
+        ====================  ==========================  =========================================
+        arch                  head dim                    layout (tile_m, threads, atom, swap, mult)
+        ====================  ==========================  =========================================
+        sm90 (9x)             <= 64                       (128, 256, 2, F, 32)
+        sm90                  <= 96                       (64, 128, 1, F, 32)  one warpgroup for dQ
+        sm90                  <= 128                      causal (64, 256, 1, F, 32), else (80, 256, 1, T, 32)
+        sm90                  <= 256                      (64, 256, 1, F, 64)  dKV_swapAB: 64-multiple
+        sm100 / sm110         < 128                       arch=100, (128, 128, 1, F, 32), 1-CTA
+        sm100 / sm110         128 .. 192                  arch=100, (128, 128, 1, F, 32), two_cta
+        sm120 (12x)           any                         arch=80, (64, 128, 4, F, 32)
+        ====================  ==========================  =========================================
+
+        From flash_attn/cute/interface.py (flash-attn 4.0.0b36): ``_tile_size_bwd_sm90`` and the dQ
+        postprocess call (``num_threads_post_dQ``, ``hdim_multiple_of = 64 if sm90 and dKV_swapAB``),
+        the sm100 branch (``use_2cta_instrs = head_dim >= 128``; head dim 256 uses a dedicated kernel with
+        no separate postprocess) and the sm120 branch (sm80 MMA, 4 warps). FlashAttention-4 has no sm80
+        backward, so ``arch=80`` (and anything else) raises ``ValueError``.
+        """
+        arch = _check_int("arch", arch)
+        if isinstance(head_dim, bool) or not isinstance(head_dim, (int, np.integer)):
+            raise TypeError(f"head_dim must be an int, got {head_dim!r}")
+        if not 0 < head_dim <= 256 or head_dim % 8:
+            raise ValueError(f"head_dim must be a positive multiple of 8 and at most 256, got {head_dim}")
+        family = arch // 10
+        if family == 9:
+            if head_dim <= 64:
+                return cls(90, 128, 256, 2, False, 32)
+            if head_dim <= 96:
+                return cls(90, 64, 128, 1, False, 32)
+            if head_dim <= 128:
+                return cls(90, 64, 256, 1, False, 32) if causal else cls(90, 80, 256, 1, True, 32)
+            return cls(90, 64, 256, 1, False, 64)
+        if family in (10, 11):
+            if head_dim > 192:
+                raise ValueError(f"FlashAttention's sm{arch} backward for head_dim={head_dim} uses its dedicated "
+                                 "hd256 kernel, which has no separate dQ postprocess")
+            return cls(100, 128, 128, 1, False, 32, two_cta=head_dim >= 128)
+        if family == 12:
+            return cls(80, 64, 128, 4, False, 32)
+        raise ValueError(f"FlashAttention-4 has no dQ postprocess configuration for arch={arch} "
+                         "(its backward runs on sm90, sm100, sm110 and sm120); pass an AccumLayout explicitly")
 
     # ----------------------------------------------------------------------------------------------
     # Derived geometry
@@ -121,17 +196,18 @@ class AccumLayout:
         return (batch, heads, self.padded_seqlen(seqlen) * self.padded_head_dim(head_dim))
 
     def mma_geometry(self, head_dim: int) -> dict:
-        """The producer's dQ MMA as the kernel rebuilds it (all ints).
+        """The producer's dQ MMA (arch 80 and 90) as the kernel rebuilds it (all ints; None if it does not
+        divide).
 
-        ``m``/``n``: the MMA problem (swapped when ``swap_ab``); ``atoms_m``/``atoms_n``: warpgroups
-        along each mode; ``n_atom``: the N extent of one warpgroup's WGMMA atom; ``m_repeats``: 64-row
-        atoms per warpgroup along M; ``regs``: fp32 registers per thread.
+        ``m``/``n``: the MMA problem (swapped when ``swap_ab``); ``atoms_m``/``atoms_n``: warpgroups (90) or
+        warps (80) along each mode; ``n_atom``: N of one warpgroup's WGMMA atom (90); ``m_repeats``: 64-row
+        atoms per warpgroup along M (90); ``regs``: fp32 registers per thread.
         """
         dr = self.padded_head_dim(head_dim)
-        nwg = self.num_warpgroups
+        units = self.num_threads // (_WARPGROUP if self.arch == 90 else 32)
         m, n = (dr, self.tile_m) if self.swap_ab else (self.tile_m, dr)
-        atoms_m, atoms_n = (nwg // self.atom_layout, self.atom_layout) if self.swap_ab else (
-            self.atom_layout, nwg // self.atom_layout)
+        atoms_m, atoms_n = (units // self.atom_layout, self.atom_layout) if self.swap_ab else (
+            self.atom_layout, units // self.atom_layout)
         return dict(
             m=m, n=n, atoms_m=atoms_m, atoms_n=atoms_n,
             n_atom=n // atoms_n if n % atoms_n == 0 else None,
@@ -145,8 +221,17 @@ class AccumLayout:
             raise TypeError(f"head_dim must be an int, got {head_dim!r}")
         if head_dim <= 0 or head_dim % 8 or head_dim > 256:
             raise ValueError(f"head_dim must be a positive multiple of 8 and at most 256, got {head_dim}")
-        g = self.mma_geometry(int(head_dim))
         what = f"head_dim={head_dim} (padded to {self.padded_head_dim(head_dim)}) with {self}"
+        if self.arch not in (80, 90):
+            if (self.tile_m * self.padded_head_dim(head_dim)) % (4 * self.num_threads):
+                raise ValueError(f"{what}: a tile is not a whole number of 16-byte vectors per thread")
+            return
+        g = self.mma_geometry(int(head_dim))
+        if self.arch == 80:
+            if g["m"] % (_MMA_SYNC_TILE * g["atoms_m"]) or g["n"] % (_MMA_SYNC_TILE * g["atoms_n"]):
+                raise ValueError(f"{what}: the MMA problem ({g['m']}, {g['n']}) is not a whole number of 16 x 16 "
+                                 f"tiles per warp over ({g['atoms_m']}, {g['atoms_n']}) warps")
+            return
         if g["m_repeats"] is None:
             raise ValueError(
                 f"{what}: the MMA's M mode ({g['m']}) is not a whole number of 64-row WGMMA atoms "
@@ -163,12 +248,27 @@ class AccumLayout:
     def tile_index_map(self, head_dim: int) -> np.ndarray:
         """``F``: int64 array ``(tile_m, Dr)``; ``F[i, j]`` = float offset of dQ(i, j) in its tile.
 
-        A permutation of ``range(tile_m * Dr)``. Built forward, from (thread, register) to both the
-        accumulator position and the C-fragment coordinate, vectorised over all threads and registers.
+        A permutation of ``range(tile_m * Dr)``, computed from the order's closed form (vectorised).
         """
         self.check_head_dim(head_dim)
-        g = self.mma_geometry(head_dim)
         dr = self.padded_head_dim(head_dim)
+        if self.arch == 90:
+            return self._wgmma_map(head_dim, dr)
+        i, j = np.arange(self.tile_m, dtype=np.int64)[:, None], np.arange(dr, dtype=np.int64)[None, :]
+        if self.arch is None:
+            return i * dr + j
+        if self.arch == 100 and not self.two_cta:
+            return 512 * (j // 4) + 4 * i + j % 4  # thread = TMEM lane = row, 16-byte vectors of 4 columns
+        if self.arch == 100:
+            half = dr // 2  # lane u holds the left half of its row, lane u + 64 the right half
+            t = i % 64 + 64 * (j // half)
+            col = j % half
+            return (i // 64) * 64 * dr + 512 * (col // 4) + 4 * t + col % 4
+        return self._mma_sync_map(head_dim, dr, i, j)
+
+    def _wgmma_map(self, head_dim: int, dr: int) -> np.ndarray:
+        """Forward from (thread, register) to accumulator position and C-fragment coordinate."""
+        g = self.mma_geometry(head_dim)
         regs, n_atom, atoms_m = g["regs"], g["n_atom"], g["atoms_m"]
         tid = np.arange(self.num_threads)[:, None]
         r = np.arange(regs)[None, :]
@@ -191,9 +291,21 @@ class AccumLayout:
             raise AssertionError("internal error: index map is not a bijection")
         return out
 
+    def _mma_sync_map(self, head_dim: int, dr: int, i, j) -> np.ndarray:
+        """Inverse of the m16n8k16 fragment (SPEC.md 4.2): element (i, j) -> (thread, register)."""
+        g = self.mma_geometry(head_dim)
+        atoms_m, atoms_n = g["atoms_m"], g["atoms_n"]
+        m, n = (j, i) if self.swap_ab else (i, j)
+        pm, pn = _MMA_SYNC_TILE * atoms_m, _MMA_SYNC_TILE * atoms_n  # permutation tile of the tiled MMA
+        mm, wm, u = m // pm, (m % pm) // 16, m % 16
+        nt, a, c = n // pn, (n % pn) // 8, n % 8
+        wn, sub = a % atoms_n, a // atoms_n  # 8-column blocks go round-robin over the warps along N
+        tid = 32 * (wm + atoms_m * wn) + 4 * (u % 8) + c // 2
+        r = c % 2 + 2 * (u // 8) + 4 * (mm + (g["m"] // pm) * (sub + 2 * nt))
+        return tid + self.num_threads * r
+
     # ----------------------------------------------------------------------------------------------
     def __repr__(self) -> str:
         return (f"AccumLayout(arch={self.arch}, tile_m={self.tile_m}, num_threads={self.num_threads}, "
                 f"atom_layout={self.atom_layout}, swap_ab={self.swap_ab}, "
-                f"hdim_multiple_of={self.hdim_multiple_of})")
-
+                f"hdim_multiple_of={self.hdim_multiple_of}{', two_cta=True' if self.two_cta else ''})")

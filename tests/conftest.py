@@ -34,8 +34,8 @@ FA_HOPPER_CONFIGS = {
     "cute-hd96-single-wg": (64, 128, 1, False, 32),
     "cute-hd128-causal": (64, 256, 1, False, 32),
     "cute-hd128": (80, 256, 1, True, 32),
-    "cute-hd192": (64, 256, 1, False, 32),
-    "cute-hd256": (64, 256, 1, False, 32),
+    "cute-hd192": (64, 256, 1, False, 64),
+    "cute-hd256": (64, 256, 1, False, 64),
     "cxx-hd64-softcap": (96, 256, 2, True, 64),
     "cxx-hd96": (64, 256, 1, False, 32),
     "cxx-hd192-3wg": (64, 384, 1, False, 64),
@@ -47,14 +47,12 @@ FA_HOPPER_HEAD_DIM = {"cute-hd64": 64, "cute-hd96-single-wg": 96, "cute-hd128-ca
 
 
 def fa_cute_hopper_config(head_dim: int, causal: bool = False):
-    """The layout FlashAttention's CuTe DSL backward uses for dQ on Hopper for this head dim."""
-    if head_dim <= 64:
-        return FA_HOPPER_CONFIGS["cute-hd64"]
-    if head_dim <= 96:
-        return FA_HOPPER_CONFIGS["cute-hd96-single-wg"]
-    if head_dim <= 128:
-        return FA_HOPPER_CONFIGS["cute-hd128-causal" if causal else "cute-hd128"]
-    return FA_HOPPER_CONFIGS["cute-hd192"]
+    """The layout FlashAttention's CuTe DSL backward uses for dQ on Hopper, as a (tile_m, threads, atom,
+    swap, mult) tuple, from the package's preset (itself checked against the table in test_layout.py)."""
+    from jax_dqpost import AccumLayout
+
+    p = AccumLayout.flash_attention(90, head_dim, causal=causal)
+    return (p.tile_m, p.num_threads, p.atom_layout, p.swap_ab, p.hdim_multiple_of)
 
 
 @pytest.fixture

@@ -57,11 +57,85 @@ def hopper_tile_positions(tile_m, hdim_padded, num_threads, atom_layout, swap_ab
     return pos
 
 
+@functools.lru_cache(maxsize=None)
+def mma_sync_tile_positions(tile_m, hdim_padded, num_threads, atom_layout, swap_ab):
+    """Ampere ``mma.sync.m16n8k16`` producer (FlashAttention's sm80/sm120 path). None if not a valid tiling.
+
+    Warps ``(wm, wn)`` tiled column-major over ``(atom_layout, warps/atom_layout)`` (swapped for swap_ab);
+    each warp covers 16 x 16 of every 16*wm_count x 16*wn_count permutation tile as two 16 x 8 atoms whose
+    8-column blocks alternate between the warps along N. Registers: c0..c3 of an atom (PTX ISA: c0, c1 at
+    row lane/4, columns 2*(lane%4) + {0, 1}; c2, c3 eight rows lower), then the atoms along M, then along N.
+    Thread ``tid`` atomically adds register ``r`` at ``tid + num_threads * r``.
+    """
+    warps = num_threads // 32
+    if not swap_ab:
+        M, N, wm_count, wn_count = tile_m, hdim_padded, atom_layout, warps // atom_layout
+    else:
+        M, N, wm_count, wn_count = hdim_padded, tile_m, warps // atom_layout, atom_layout
+    if M % (16 * wm_count) or N % (16 * wn_count):
+        return None
+    m_atoms, n_atoms = M // (16 * wm_count), 2 * (N // (16 * wn_count))
+    pos = np.full((tile_m, hdim_padded), -1, dtype=np.int64)
+    for tid in range(num_threads):
+        warp, lane = divmod(tid, 32)
+        wm, wn = warp % wm_count, warp // wm_count
+        for an in range(n_atoms):
+            tile_n, sub = divmod(an, 2)
+            for am in range(m_atoms):
+                for c in range(4):
+                    row = am * 16 * wm_count + 16 * wm + lane // 4 + 8 * (c // 2)
+                    col = tile_n * 16 * wn_count + 8 * (wn + wn_count * sub) + 2 * (lane % 4) + c % 2
+                    r = c + 4 * (am + m_atoms * an)
+                    i, j = (row, col) if not swap_ab else (col, row)
+                    assert pos[i, j] == -1
+                    pos[i, j] = tid + num_threads * r
+    assert (pos >= 0).all()
+    return pos
+
+
+@functools.lru_cache(maxsize=None)
+def tcgen05_tile_positions(hdim_padded, two_cta, reduce_ncol=32):
+    """Blackwell producer (128 x Dr tile, 128 threads): ``tcgen05.ld.32x32b`` gives thread t the columns of
+    TMEM lane t; each group of ``reduce_ncol`` columns goes to shared memory as 16-byte vectors of a 1-D
+    (128 threads x 4) copy and is bulk-reduce-added as one contiguous chunk. With the 2-CTA MMA, CTA r of
+    the pair holds rows 64r..64r+63 (lane u: left half of row 64r+u, lane u+64: right half) and its
+    chunks come after the other CTA's."""
+    H = hdim_padded
+    pos = np.full((128, H), -1, dtype=np.int64)
+    ctas = 2 if two_cta else 1
+    cols = H // ctas  # TMEM columns each lane holds
+    ncol = reduce_ncol if cols % reduce_ncol == 0 else 8
+    stages = cols // ncol
+    for cta in range(ctas):
+        for t in range(128):
+            row = 64 * cta + t % 64 if two_cta else t
+            col0 = (t // 64) * cols if two_cta else 0
+            for stage in range(stages):
+                for jj in range(ncol):
+                    chunk = stage + stages * cta
+                    p = chunk * 128 * ncol + 512 * (jj // 4) + 4 * t + jj % 4
+                    assert pos[row, col0 + stage * ncol + jj] == -1
+                    pos[row, col0 + stage * ncol + jj] = p
+    assert (pos >= 0).all()
+    return pos
+
+
+def tile_positions(arch, tile_m, hdim_padded, num_threads, atom_layout, swap_ab, two_cta=False):
+    """Where the producer of order ``arch`` stored dQ(i, j) inside one tile; None if invalid."""
+    if arch == 90:
+        return hopper_tile_positions(tile_m, hdim_padded, num_threads, atom_layout, swap_ab)
+    if arch == 80:
+        return mma_sync_tile_positions(tile_m, hdim_padded, num_threads, atom_layout, swap_ab)
+    if arch == 100:
+        return tcgen05_tile_positions(hdim_padded, two_cta)
+    return np.arange(tile_m * hdim_padded, dtype=np.int64).reshape(tile_m, hdim_padded)  # row-major
+
+
 def round_up(x, m):
     return -(-x // m) * m
 
 
-def build_accumulator(dq_logical, layout_args, *, hdim_multiple_of, rng, padding="random"):
+def build_accumulator(dq_logical, layout_args, *, hdim_multiple_of, rng, padding="random", arch=90, two_cta=False):
     """Accumulator ``(B, H, Sr*Dr)`` holding ``dq_logical`` ``(B, S, H, D)`` float32 in producer order.
 
     Padding entries (rows >= S, columns >= D) are filled with random values, NaNs and infinities: they
@@ -71,7 +145,7 @@ def build_accumulator(dq_logical, layout_args, *, hdim_multiple_of, rng, padding
     tile_m = layout_args[0]
     Dr = round_up(D, hdim_multiple_of)
     Sr = round_up(S, tile_m)
-    pos = hopper_tile_positions(tile_m, Dr, *layout_args[1:])
+    pos = tile_positions(arch, tile_m, Dr, *layout_args[1:], two_cta=two_cta)
     padded = rng.standard_normal((B, H, Sr, Dr)).astype(np.float32) * 1e3
     if padding == "random":
         junk = rng.random((B, H, Sr, Dr)) < 0.05
@@ -133,7 +207,7 @@ def clamped_offsets(cu, total_q):
 
 
 def build_varlen(rng, cu, seqused, total_q, heads, head_dim, layout_args, *, hdim_multiple_of, scale, dtype,
-                 logical=None):
+                 logical=None, arch=90, two_cta=False):
     """Accumulator ``(H, Tp*Dr)`` in producer order for packed sequences, and the expected dq ``(T, H, D)``.
 
     Sequence b (offsets made valid as documented) covers dq rows c[b] .. c[b] + used_b; its accumulator
@@ -144,7 +218,7 @@ def build_varlen(rng, cu, seqused, total_q, heads, head_dim, layout_args, *, hdi
     batch = len(cu) - 1
     Dr = round_up(head_dim, hdim_multiple_of)
     Tp = round_up(total_q + batch * tile_m, tile_m)
-    pos = hopper_tile_positions(tile_m, Dr, *layout_args[1:])
+    pos = tile_positions(arch, tile_m, Dr, *layout_args[1:], two_cta=two_cta)
     acc = (rng.standard_normal((heads, Tp * Dr)) * 1e3).astype(np.float32)
     acc[rng.random(acc.shape) < 0.05] = np.nan
     if logical is None:

@@ -84,3 +84,16 @@ def test_ffi_library_is_built_and_exports_its_handlers():
             "print(f(b'/nonexistent/libcute_dsl_runtime.so', err, 256), err.value.decode())")
     out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True)
     assert out.stdout.startswith("-1 dlopen failed"), (out.stdout, out.stderr)
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a", "sm_100a"])
+def test_every_order_and_mode_compiles_for(arch):
+    """Every accumulator order is data order: each compiles for Ampere, Hopper and Blackwell targets."""
+    layouts = [AccumLayout(90, 80, 256, 1, True, 32), AccumLayout(90, 128, 256, 2, False, 32),
+               AccumLayout(80, 64, 128, 4, False, 32), AccumLayout(80, 64, 256, 2, True, 32),
+               AccumLayout(100, 128, 128, 1, False, 32), AccumLayout(100, 128, 128, 1, False, 32, two_cta=True),
+               AccumLayout(None, 64, 256, 1, False, 32)]
+    for layout in layouts:
+        for mode in ("dense", "dense_seqused", "varlen"):
+            k = compile_.get_kernel(jnp.bfloat16, layout, 128, mode, arch=arch)
+            assert k.arch == arch and k.module[:4] == b"\x7fELF"

@@ -39,10 +39,12 @@ def assert_same_bits(got, want, what=""):
 
 
 def run_case(rng, platform, config, head_dim, seqlen, dtype, *, batch=2, heads=3, scale=None):
-    tile_m, threads, atom, swap, mult = config
-    layout = AccumLayout(90, tile_m, threads, atom, swap, mult)
+    """``config``: an AccumLayout, or a Hopper (tile_m, threads, atom, swap, mult) tuple."""
+    layout = config if isinstance(config, AccumLayout) else AccumLayout(90, *config)
     logical = oracle.random_logical(rng, (batch, seqlen, heads, head_dim))
-    acc = oracle.build_accumulator(logical, (tile_m, threads, atom, swap), hdim_multiple_of=mult, rng=rng)
+    acc = oracle.build_accumulator(logical, (layout.tile_m, layout.num_threads, layout.atom_layout, layout.swap_ab),
+                                   hdim_multiple_of=layout.hdim_multiple_of, rng=rng, arch=layout.arch,
+                                   two_cta=layout.two_cta)
     scale = float(rng.uniform(0.05, 2.0)) if scale is None else scale
     device = jax.devices(platform)[0]
     fn = jax.jit(lambda a, s: dq_postprocess(a, s, seqlen_q=seqlen, head_dim=head_dim, dtype=dtype, layout=layout))
@@ -68,6 +70,37 @@ def test_every_head_dim(rng, platform, dtype, head_dim):
     causal = bool(rng.integers(2))
     run_case(rng, platform, fa_cute_hopper_config(head_dim, causal), head_dim, int(rng.integers(1, 300)), dtype,
              batch=1, heads=2)
+
+
+OTHER_ORDERS = {
+    "sm120": (AccumLayout(80, 64, 128, 4, False, 32), (64, 128, 96, 256)),
+    "sm80-swap": (AccumLayout(80, 64, 256, 2, True, 32), (128, 256)),
+    "sm80-cxx-hd64": (AccumLayout(80, 128, 256, 4, False, 64), (64, 40)),
+    "sm100-1cta": (AccumLayout(100, 128, 128, 1, False, 32), (64, 96, 120)),
+    "sm100-2cta": (AccumLayout(100, 128, 128, 1, False, 32, two_cta=True), (128, 192, 160)),
+    "row-major": (AccumLayout(None, 64, 256, 1, False, 32), (40, 128, 256)),
+}
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "f16"])
+@pytest.mark.parametrize("name", sorted(OTHER_ORDERS))
+def test_other_accumulator_orders(rng, platform, dtype, name):
+    layout, head_dims = OTHER_ORDERS[name]
+    for head_dim in head_dims:
+        for seqlen in (layout.tile_m - 1, 2 * layout.tile_m + 3):
+            run_case(rng, platform, layout, head_dim, seqlen, dtype, batch=2, heads=2)
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "f16"])
+@pytest.mark.parametrize("arch", [90, 100, 120])
+def test_flash_attention_presets(rng, platform, dtype, arch):
+    for head_dim in (8, 40, 64, 72, 96, 120, 128, 136, 192, 200, 256):
+        if arch == 100 and head_dim > 192:
+            continue
+        layout = AccumLayout.flash_attention(arch, head_dim, causal=bool(rng.integers(2)))
+        run_case(rng, platform, layout, head_dim, int(rng.integers(1, 2 * layout.tile_m)), dtype, batch=1, heads=2)
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import FA_HOPPER_CONFIGS, FA_HOPPER_HEAD_DIM, HAS_GPU
 from jax_dqpost import AccumLayout, dq_postprocess
-from test_dq_postprocess import DTYPES, assert_same_bits
+from test_dq_postprocess import DTYPES, OTHER_ORDERS, assert_same_bits
 import oracle
 
 pytestmark = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
@@ -36,9 +36,7 @@ def _case(rng, name, dtype, seqlen, batch=2, heads=3):
     return layout, head_dim, logical, acc, scale, oracle.expected_dq(logical, scale, dtype)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "f16"])
-@pytest.mark.parametrize("name", sorted(FA_HOPPER_CONFIGS))
-def test_kernel_on_poisoned_output(rng, name, dtype):
+def _kernel_on_poisoned_output(rng, layout, head_dim, seqlen, dtype, what):
     """Run the compiled module directly on a poisoned buffer with a poisoned guard zone after it."""
     torch = _torch()
     import cuda.bindings.driver as cuda
@@ -48,30 +46,49 @@ def test_kernel_on_poisoned_output(rng, name, dtype):
 
     from jax_dqpost import compile as compile_
 
-    tile_m = FA_HOPPER_CONFIGS[name][0]
-    for seqlen in (tile_m - 3, 5 * tile_m + 1):
-        layout, head_dim, logical, acc, scale, want = _case(rng, name, dtype, seqlen)
-        B, S, H, D = logical.shape
-        executor = compile_.compile_executor(compile_.dtype_name(dtype), layout, layout.padded_head_dim(D),
-                                             "dense", compile_.target_arch())
-        t_acc = torch.from_numpy(acc).cuda()
-        t_out = torch.full((B * S * H * D + GUARD,), np.uint16(POISON).view(np.int16).item(), dtype=torch.int16,
-                           device="cuda")
-        t_scale = torch.tensor([scale], dtype=torch.float32).cuda()
-        gmem = cute.AddressSpace.gmem
-        cdt = {"bf16": cutlass.BFloat16, "f16": cutlass.Float16}[compile_.dtype_name(dtype)]
-        executor(make_ptr(cutlass.Float32, t_acc.data_ptr(), gmem, assumed_align=16),
-                 make_ptr(cdt, t_out.data_ptr(), gmem, assumed_align=16),
-                 make_ptr(cutlass.Float32, t_scale.data_ptr(), gmem, assumed_align=4),
-                 make_ptr(cutlass.Int32, t_scale.data_ptr(), gmem, assumed_align=4),  # unused when dense
-                 cutlass.Int32(B), cutlass.Int32(H), cutlass.Int32(S), cutlass.Int32(D),
-                 cutlass.Int32(-(-S // layout.tile_m)),
-                 cuda.CUstream(torch.cuda.current_stream().cuda_stream))
-        torch.cuda.synchronize()
-        out = t_out.cpu().numpy().view(np.uint16)
-        assert (out[B * S * H * D:] == POISON).all(), "kernel wrote past the end of dQ"
-        got = out[:B * S * H * D].view(np.dtype(dtype)).reshape(B, S, H, D)
-        assert_same_bits(got, want, f"kernel {name} S={seqlen}")
+    B, H, D, S = 2, 3, head_dim, seqlen
+    logical = oracle.random_logical(rng, (B, S, H, D))
+    acc = oracle.build_accumulator(logical, (layout.tile_m, layout.num_threads, layout.atom_layout, layout.swap_ab),
+                                   hdim_multiple_of=layout.hdim_multiple_of, rng=rng, arch=layout.arch,
+                                   two_cta=layout.two_cta)
+    scale = float(rng.uniform(0.05, 2.0))
+    want = oracle.expected_dq(logical, scale, dtype)
+    executor = compile_.compile_executor(compile_.dtype_name(dtype), layout, layout.padded_head_dim(D), "dense",
+                                         compile_.target_arch())
+    t_acc = torch.from_numpy(acc).cuda()
+    t_out = torch.full((B * S * H * D + GUARD,), np.uint16(POISON).view(np.int16).item(), dtype=torch.int16,
+                       device="cuda")
+    t_scale = torch.tensor([scale], dtype=torch.float32).cuda()
+    gmem = cute.AddressSpace.gmem
+    cdt = {"bf16": cutlass.BFloat16, "f16": cutlass.Float16}[compile_.dtype_name(dtype)]
+    executor(make_ptr(cutlass.Float32, t_acc.data_ptr(), gmem, assumed_align=16),
+             make_ptr(cdt, t_out.data_ptr(), gmem, assumed_align=16),
+             make_ptr(cutlass.Float32, t_scale.data_ptr(), gmem, assumed_align=4),
+             make_ptr(cutlass.Int32, t_scale.data_ptr(), gmem, assumed_align=4),  # unused when dense
+             cutlass.Int32(B), cutlass.Int32(H), cutlass.Int32(S), cutlass.Int32(D),
+             cutlass.Int32(-(-S // layout.tile_m)),
+             cuda.CUstream(torch.cuda.current_stream().cuda_stream))
+    torch.cuda.synchronize()
+    out = t_out.cpu().numpy().view(np.uint16)
+    assert (out[B * S * H * D:] == POISON).all(), f"{what}: kernel wrote past the end of dQ"
+    got = out[:B * S * H * D].view(np.dtype(dtype)).reshape(B, S, H, D)
+    assert_same_bits(got, want, what)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "f16"])
+@pytest.mark.parametrize("name", sorted(FA_HOPPER_CONFIGS))
+def test_kernel_on_poisoned_output(rng, name, dtype):
+    layout = AccumLayout(90, *FA_HOPPER_CONFIGS[name])
+    for seqlen in (layout.tile_m - 3, 5 * layout.tile_m + 1):
+        _kernel_on_poisoned_output(rng, layout, FA_HOPPER_HEAD_DIM[name], seqlen, dtype, f"kernel {name} S={seqlen}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "f16"])
+@pytest.mark.parametrize("name", sorted(OTHER_ORDERS))
+def test_other_orders_on_poisoned_output(rng, name, dtype):
+    layout, head_dims = OTHER_ORDERS[name]
+    for head_dim in head_dims:
+        _kernel_on_poisoned_output(rng, layout, head_dim, 2 * layout.tile_m + 5, dtype, f"kernel {name} D={head_dim}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "f16"])
@@ -201,3 +218,36 @@ def test_varlen_bit_identical_to_flash_attention_4(rng, name, dtype):
         for b in range(batch):
             covered[cu[b]: cu[b] + (lengths[b] if used is None else used[b])] = True
         assert_same_bits(ours[covered], theirs[covered], f"ours vs FlashAttention-4 varlen {name} B={batch}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "f16"])
+@pytest.mark.parametrize("layout, head_dim", [
+    (AccumLayout(80, 64, 128, 4, False, 32), 64), (AccumLayout(80, 64, 128, 4, False, 32), 128),
+    (AccumLayout(80, 64, 128, 4, False, 32), 256), (AccumLayout(80, 128, 256, 4, False, 64), 64),
+    (AccumLayout(80, 64, 256, 2, True, 32), 128)], ids=["sm120-hd64", "sm120-hd128", "sm120-hd256", "sm80-hd64",
+                                                        "sm80-swap-hd128"])
+def test_sm80_order_bit_identical_to_flash_attention_4(rng, layout, head_dim, dtype):
+    """FlashAttention-4's sm80/sm120 postprocess path runs on the H200: same bits on the same accumulators."""
+    torch = _torch()
+    import cutlass
+
+    postprocess = _flash_attn_postprocess()
+    B, S, H, D = 2, 3 * layout.tile_m + 7, 3, head_dim
+    logical = oracle.random_logical(rng, (B, S, H, D))
+    acc = oracle.build_accumulator(logical, (layout.tile_m, layout.num_threads, layout.atom_layout, layout.swap_ab),
+                                   hdim_multiple_of=layout.hdim_multiple_of, rng=rng, arch=80)
+    scale = float(rng.uniform(0.05, 2.0))
+    ours = jax.jit(lambda a: dq_postprocess(a, scale, seqlen_q=S, head_dim=D, dtype=dtype, layout=layout))(acc)
+    assert_same_bits(ours, oracle.expected_dq(logical, scale, dtype), "ours vs oracle")
+    t_dtype = {np.dtype(jnp.bfloat16): torch.bfloat16, np.dtype(jnp.float16): torch.float16}[np.dtype(dtype)]
+    out = torch.full((B, S, H, D), float("nan"), dtype=t_dtype, device="cuda")
+    cdt = cutlass.BFloat16 if t_dtype == torch.bfloat16 else cutlass.Float16
+    try:
+        postprocess(torch.from_numpy(acc).cuda(), out, scale, None, None, 80, cdt, D, layout.tile_m,
+                    layout.num_threads, layout.atom_layout, layout.swap_ab, fake_mode=False,
+                    hdim_multiple_of=layout.hdim_multiple_of)
+    except Exception as e:  # noqa: BLE001 - report configurations the peer cannot run
+        pytest.skip(f"FlashAttention-4 cannot run {layout} D={D}: {type(e).__name__}: {str(e)[:200]}")
+    torch.cuda.synchronize()
+    theirs = out.view(torch.int16).cpu().numpy().view(np.uint16).view(np.dtype(dtype))
+    assert_same_bits(ours, theirs, f"ours vs FlashAttention-4 sm80 path {layout} D={D}")

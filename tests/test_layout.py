@@ -21,7 +21,13 @@ def test_frozen_hashable_and_normalised():
 
 
 @pytest.mark.parametrize("kwargs, exc, pattern", [
-    (dict(arch=80), ValueError, r"AccumLayout.arch=80 is not supported"),
+    (dict(arch=70), ValueError, r"AccumLayout.arch=70 is not supported"),
+    (dict(arch=100, tile_m=64, num_threads=128), ValueError, r"AccumLayout.tile_m must be 128 for arch=100, got 64"),
+    (dict(arch=100, tile_m=128, num_threads=128, swap_ab=True), ValueError, r"swap_ab must be False for arch=100"),
+    (dict(arch=90, two_cta=True), ValueError, r"two_cta=True is a Blackwell \(arch=100\) order, got arch=90"),
+    (dict(arch=80, num_threads=100), ValueError, r"multiple of 32 \(whole warps\), at most 1024, for arch=80, got 100"),
+    (dict(arch=80, tile_m=40, num_threads=128, atom_layout=4), ValueError, r"tile_m=40 must be a multiple of 64"),
+    (dict(arch=None, atom_layout=2), ValueError, r"atom_layout must be 1 for arch=None, got 2"),
     (dict(arch="90"), TypeError, r"AccumLayout.arch must be an int, got '90'"),
     (dict(tile_m=0), ValueError, r"AccumLayout.tile_m must be >= 1, got 0"),
     (dict(tile_m=60), ValueError, r"AccumLayout.tile_m must be a multiple of 8, got 60"),
@@ -71,3 +77,68 @@ def test_index_map_matches_oracle_for_every_head_dim(tile_m, threads, atom, swap
             assert want is not None
             np.testing.assert_array_equal(got, want)
             assert np.array_equal(np.sort(got.ravel()), np.arange(tile_m * dr))
+
+
+ALL_ORDERS = [
+    (90, 64, 256, 1, False, False), (90, 80, 256, 1, True, False), (90, 128, 256, 2, False, False),
+    (80, 64, 128, 4, False, False), (80, 128, 256, 4, False, False), (80, 64, 256, 2, True, False),
+    (80, 64, 128, 1, False, False), (100, 128, 128, 1, False, False), (100, 128, 128, 1, False, True),
+    (None, 64, 256, 1, False, False), (None, 8, 32, 1, False, False),
+]
+
+
+@pytest.mark.parametrize("arch, tile_m, threads, atom, swap, two_cta", ALL_ORDERS)
+def test_every_order_matches_the_producer_emulation(arch, tile_m, threads, atom, swap, two_cta):
+    for mult in (32, 64):
+        for head_dim in range(8, 257, 8):
+            layout = AccumLayout(arch, tile_m, threads, atom, swap, mult, two_cta=two_cta)
+            dr = layout.padded_head_dim(head_dim)
+            want = oracle.tile_positions(arch, tile_m, dr, threads, atom, swap, two_cta)
+            try:
+                got = layout.tile_index_map(head_dim)
+            except ValueError:
+                assert want is None or (tile_m * dr) % (4 * threads), (layout, head_dim)
+                continue
+            assert want is not None, (layout, head_dim)
+            np.testing.assert_array_equal(got, want, err_msg=f"{layout} head_dim={head_dim}")
+
+
+def test_spec_samples_for_other_orders():
+    i, j = np.arange(64)[:, None], np.arange(128)[None, :]
+    d = AccumLayout(80, 64, 128, 4, False, 32).tile_index_map(128)  # SPEC example D (sm120)
+    np.testing.assert_array_equal(d, 32 * (i // 16) + 4 * (i % 8) + (j % 8) // 2
+                                  + 128 * ((j % 2) + 2 * ((i % 16) // 8) + 4 * (j // 8)))
+    one = AccumLayout(100, 128, 128, 1, False, 32).tile_index_map(128)
+    assert [one[0, 0], one[0, 3], one[0, 4], one[0, 31], one[0, 32], one[1, 0], one[63, 0], one[127, 127]] == \
+        [0, 3, 512, 3587, 4096, 4, 252, 16383]
+    two = AccumLayout(100, 128, 128, 1, False, 32, two_cta=True).tile_index_map(128)
+    assert [two[0, 63], two[0, 64], two[0, 127], two[1, 64], two[64, 0]] == [7683, 256, 7939, 260, 8192]
+    # The tcgen05 layouts do not depend on how many columns the producer reduced at a time.
+    for two_cta in (False, True):
+        np.testing.assert_array_equal(oracle.tcgen05_tile_positions(128, two_cta, 8),
+                                      oracle.tcgen05_tile_positions(128, two_cta, 32))
+
+
+def test_flash_attention_presets():
+    fa = AccumLayout.flash_attention
+    assert fa(90, 64) == AccumLayout(90, 128, 256, 2, False, 32)
+    assert fa(90, 96) == AccumLayout(90, 64, 128, 1, False, 32)
+    assert fa(90, 128) == AccumLayout(90, 80, 256, 1, True, 32)
+    assert fa(90, 128, causal=True) == AccumLayout(90, 64, 256, 1, False, 32)
+    assert fa(90, 192) == fa(90, 136) == fa(90, 256) == AccumLayout(90, 64, 256, 1, False, 64)
+    assert fa(90, 136).padded_head_dim(136) == 192
+    assert fa(100, 64) == AccumLayout(100, 128, 128, 1, False, 32)
+    assert fa(100, 128) == fa(103, 192) == AccumLayout(100, 128, 128, 1, False, 32, two_cta=True)
+    assert fa(120, 256) == AccumLayout(80, 64, 128, 4, False, 32)
+    with pytest.raises(ValueError, match="dedicated hd256 kernel"):
+        fa(100, 256)
+    with pytest.raises(ValueError, match="no dQ postprocess configuration for arch=80"):
+        fa(80, 128)
+    with pytest.raises(ValueError, match="head_dim must be a positive multiple of 8"):
+        fa(90, 100)
+    for arch in (90, 100, 120):  # every preset accepts every head dim it is defined for
+        for head_dim in range(8, 257, 8):
+            if arch == 100 and head_dim > 192:
+                continue
+            for causal in (False, True):
+                fa(arch, head_dim, causal=causal).check_head_dim(head_dim)

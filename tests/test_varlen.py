@@ -79,6 +79,25 @@ def test_varlen_static_and_traced_match_oracle(rng, platform, dtype, name):
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize("layout", [AccumLayout(80, 64, 128, 4, False, 32),
+                                    AccumLayout(100, 128, 128, 1, False, 32, two_cta=True),
+                                    AccumLayout(None, 64, 256, 1, False, 32)], ids=["sm120", "sm100-2cta", "row-major"])
+def test_varlen_other_orders(rng, platform, layout):
+    lengths = [0, 5, 300, 130, 1]
+    cu = [0] + [int(v) for v in np.cumsum(lengths)]
+    seqused = [0, 5, 200, 129, 0]
+    total_q, head_dim = cu[-1] + 9, 128
+    acc, want = oracle.build_varlen(rng, cu, seqused, total_q, 2, head_dim,
+                                    (layout.tile_m, layout.num_threads, layout.atom_layout, layout.swap_ab),
+                                    hdim_multiple_of=layout.hdim_multiple_of, scale=0.75, dtype=jnp.bfloat16,
+                                    arch=layout.arch, two_cta=layout.two_cta)
+    for static in (True, False):
+        got = _run(platform, acc, 0.75, static=static, cu=cu, seqused=seqused, total_q=total_q, head_dim=head_dim,
+                   layout=layout, dtype=jnp.bfloat16)
+        assert_same_bits(got, want, f"{layout} static={static}")
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
 def test_many_short_sequences(rng, platform):
     name = "cute-hd128"
     lengths = _random_lengths(rng, 2000, 6)

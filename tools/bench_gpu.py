@@ -55,7 +55,7 @@ def main():
 
     from jax_dqpost import AccumLayout
     from jax_dqpost import compile as compile_
-    from jax_dqpost.kernel import DqPostprocessSm90Order
+    from jax_dqpost.kernel import DqPostprocess
 
     # Kernel variants measured side by side (the first is what the package compiles).
     variants = {"default": {}, "no-launch-hint": dict(min_ctas_per_sm=0)}
@@ -95,7 +95,7 @@ def main():
         t_var = {}
         for vname, kw in variants.items():
             CuTeDSL._get_dsl().envar.arch = compile_.target_arch()
-            kern = DqPostprocessSm90Order(cutlass.BFloat16, layout, Dr, **kw)
+            kern = DqPostprocess(cutlass.BFloat16, layout, Dr, **kw)
             vex = cute.compile(kern, *args, options=f"--gpu-arch {compile_.target_arch()}")
             t_var[vname] = time_ms(lambda: vex(*args))
         src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")

@@ -9,13 +9,13 @@ span up in the work list (varlen.py) and converts tile ``x - tile_start[span]`` 
 zeros (seqused_q shorter than the sequence, rows no sequence covers).
 
 Per tile with rows to convert, every thread
-  1. loads its fp32 accumulator fragment straight from global memory with 16-byte coalesced loads, in
-     the order the producer's WGMMA threads stored it (no shared-memory staging of the fp32 tile),
+  1. loads its fp32 accumulator fragment straight from global memory, coalesced, in the order the
+     producer's threads stored it (no shared-memory staging of the fp32 tile),
   2. multiplies by ``scale`` (one fp32 multiply, round-to-nearest) and rounds to bf16/fp16 (RNE),
-  3. writes the fragment into a swizzled shared-memory dQ tile with ``stmatrix`` (``.trans`` when the
-     producer computed dQ^T), placed by the same tiled MMA that produced it,
+  3. writes the values into a swizzled shared-memory dQ tile at their (row, column) (see
+     :class:`DqPostprocess` for how each order family does it),
   4. after one barrier, copies rows of the dQ tile to global memory as 16-byte vectors, predicated on
-     ``row < seqlen - m * tile_m`` and ``column < head_dim``.
+     the tile's rows and ``column < head_dim``, zeros for rows past the converted ones.
 
 Every address is derived from the launch grid and the extents passed in; nothing read from device
 memory other than the accumulator values and ``scale`` influences where the kernel reads or writes.
@@ -77,10 +77,14 @@ class DqPostprocess:
 
     * ``mma`` (arch 90 and 80): each thread loads the registers the producer's thread stored (90: 16-byte
       vectors; 80: one float per register, consecutive threads adjacent), and the producer's own tiled MMA
-      places them into shared memory (``stmatrix`` on sm_90+, 32/16-bit stores below).
+      places them into shared memory (``stmatrix``, ``.trans`` for swap_ab, on sm_90+; 32/16-bit stores
+      below). A Hopper-order fragment compiled for a GPU without WGMMA is placed element by element from
+      the wgmma fragment coordinates.
     * ``rows`` (arch 100): thread t reads TMEM lane t's row (2-CTA: two half rows) as 16-byte vectors,
-      32 columns at a time, and writes them as row vectors into shared memory.
-    * ``rowmajor`` (arch None): 16-byte loads of 4 consecutive floats, 8-byte row stores.
+      32 columns at a time, and writes the converted values element by element into its row.
+    * ``rowmajor`` (arch None): 16-byte loads of 4 consecutive floats, written element by element.
+
+    The element-by-element shared-memory writes are correct but not tuned (2-byte stores).
     """
 
     MODES = ("dense", "dense_seqused", "varlen")
@@ -116,7 +120,7 @@ class DqPostprocess:
             live = self.step_cols
         else:
             live = self.regs if self.family == "mma" else 16
-        self.chunk = self.tile_m * tile_hdim // max(1, layout.num_threads // 128)
+        self.chunk = self.tile_m * tile_hdim // max(1, layout.num_threads // 128)  # arch 90: per warpgroup
         self.store_threads = _store_thread_shape(self.tile_m, tile_hdim, self.num_threads, dtype.width // 8)
         self.smem_bytes = self.tile_m * tile_hdim * dtype.width // 8
         if min_ctas_per_sm is None:

@@ -6,8 +6,8 @@ softmax scale and one round-to-nearest-even. On CUDA it runs a CuTe DSL kernel t
 target; on every other platform, a bit-identical jax.numpy reference.
 """
 
-from .api import dq_postprocess
+from .api import dq_accum_from_dq, dq_postprocess
 from .layout import AccumLayout
 
-__all__ = ["AccumLayout", "dq_postprocess"]
+__all__ = ["AccumLayout", "dq_accum_from_dq", "dq_postprocess"]
 __version__ = "0.1.0"

@@ -10,6 +10,7 @@ import numpy as np
 from . import varlen
 from .layout import AccumLayout
 from .primitive import dq_postprocess_p
+from .reference import accum_from_dq_reference
 
 _OUT_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 _INT32_MAX = 2**31 - 1
@@ -65,8 +66,47 @@ def dq_postprocess(dq_accum, scale, *, head_dim: int, seqlen_q: int | None = Non
         raise ValueError(f"dtype must be bfloat16 or float16, got {out_dtype}")
     dq_accum = jnp.asarray(dq_accum)
     scale = _scale_operand(scale)
-    params = dict(head_dim=head_dim, dtype=out_dtype, layout=layout)
+    aux, mode, rows, num_tiles = _work(layout, seqlen_q, total_q, cu_seqlens_q, seqused_q)
+    return dq_postprocess_p.bind(dq_accum, scale, aux, mode=mode, rows=rows, num_tiles=num_tiles, head_dim=head_dim,
+                                 dtype=out_dtype, layout=layout)
 
+
+def dq_accum_from_dq(dq, scale, *, layout: AccumLayout = AccumLayout(), cu_seqlens_q=None, seqused_q=None):
+    """The transpose of :func:`dq_postprocess`: build the float32 accumulator a producer would have written.
+
+    Dense: ``dq`` ``(B, S, H, D)`` -> ``(B, H, Sr * Dr)``. Varlen (``cu_seqlens_q`` given): ``dq`` ``(T, H, D)``
+    -> ``(H, Tp * Dr)``. Every position that ``dq_postprocess`` reads element ``(i, j)`` from holds
+    ``float32(scale) * float32(dq[i, j])`` (one fp32 multiply); every other entry (padding rows and columns,
+    rows past ``seqused_q``, rows no sequence covers) is 0. With ``scale = 1`` it inverts
+    ``dq_postprocess`` on bf16/fp16 values; it is also how to build an accumulator in a given order.
+    ``cu_seqlens_q`` / ``seqused_q``: as in :func:`dq_postprocess` (static ints or traced int32 arrays).
+    """
+    if not isinstance(layout, AccumLayout):
+        raise TypeError(f"layout must be an AccumLayout, got {type(layout).__name__}: {layout!r}")
+    dq = jnp.asarray(dq)
+    if not jnp.issubdtype(dq.dtype, jnp.floating):
+        raise TypeError(f"dq must be a floating-point array, got {dq.dtype}")
+    varlen_mode = cu_seqlens_q is not None
+    if dq.ndim != (3 if varlen_mode else 4):
+        want = "(T, H, D) with cu_seqlens_q" if varlen_mode else "(B, S, H, D)"
+        raise ValueError(f"dq must have shape {want}, got shape {dq.shape}")
+    head_dim = int(dq.shape[-1])
+    layout.check_head_dim(head_dim)
+    scale = _scale_operand(scale)
+    if varlen_mode:
+        aux, mode, rows, num_tiles = _work(layout, None, int(dq.shape[0]), cu_seqlens_q, seqused_q)
+        heads, batch = int(dq.shape[1]), varlen.batch_from_meta(aux.shape[0], num_tiles)
+    else:
+        aux, mode, rows, num_tiles = _work(layout, int(dq.shape[1]), None, None, seqused_q)
+        heads, batch = int(dq.shape[2]), int(dq.shape[0])
+        if mode == "dense_seqused" and aux.shape != (batch,):
+            raise ValueError(f"seqused_q must have shape ({batch},), got {aux.shape}")
+    return accum_from_dq_reference(dq, scale, aux, mode=mode, rows=rows, head_dim=head_dim, layout=layout,
+                                   num_tiles=num_tiles, heads=heads, batch=batch)
+
+
+def _work(layout, seqlen_q, total_q, cu_seqlens_q, seqused_q):
+    """(aux operand, mode, rows, num_tiles) for the primitive, with the checks of dq_postprocess."""
     if cu_seqlens_q is None:
         if total_q is not None:
             raise ValueError(f"total_q={total_q} is only for variable-length batches (with cu_seqlens_q)")
@@ -74,18 +114,14 @@ def dq_postprocess(dq_accum, scale, *, head_dim: int, seqlen_q: int | None = Non
             raise ValueError("seqlen_q is required for dense batches (or pass cu_seqlens_q and total_q)")
         seqlen_q = _static_int("seqlen_q", seqlen_q, minimum=0)
         if seqused_q is None:
-            return dq_postprocess_p.bind(dq_accum, scale, jnp.zeros((0,), jnp.int32), mode="dense", rows=seqlen_q,
-                                         num_tiles=0, **params)
+            return jnp.zeros((0,), jnp.int32), "dense", seqlen_q, 0
         if _is_static(seqused_q):
             used = _static_ints("seqused_q", seqused_q)
             bad = [(b, u) for b, u in enumerate(used) if not 0 <= u <= seqlen_q]
             if bad:
                 raise ValueError(f"seqused_q[{bad[0][0]}]={bad[0][1]} must be in [0, seqlen_q={seqlen_q}]")
-            used = jnp.asarray(np.asarray(used, np.int32).reshape(-1))
-        else:
-            used = _int_array("seqused_q", seqused_q)
-        return dq_postprocess_p.bind(dq_accum, scale, used, mode="dense_seqused", rows=seqlen_q, num_tiles=0,
-                                     **params)
+            return jnp.asarray(np.asarray(used, np.int32).reshape(-1)), "dense_seqused", seqlen_q, 0
+        return _int_array("seqused_q", seqused_q), "dense_seqused", seqlen_q, 0
 
     if seqlen_q is not None:
         raise ValueError(f"seqlen_q={seqlen_q} is only for dense batches; variable-length batches take total_q")
@@ -97,23 +133,21 @@ def dq_postprocess(dq_accum, scale, *, head_dim: int, seqlen_q: int | None = Non
         cu = _static_ints("cu_seqlens_q", cu_seqlens_q)
         used = None if seqused_q is None else _static_ints("seqused_q", seqused_q)
         varlen.check_static(cu, used, total_q)
-        batch = len(cu) - 1
-        _check_int32_range(total_q, batch, layout.tile_m)
+        _check_int32_range(total_q, len(cu) - 1, layout.tile_m)
         meta, num_tiles = varlen.work_list(np, np.asarray(cu), None if used is None else np.asarray(used),
                                            total_q=total_q, tile_m=layout.tile_m)
-        meta = jnp.asarray(meta)
-    else:
-        cu = _int_array("cu_seqlens_q", _static_as_array(cu_seqlens_q))
-        if cu.shape[0] < 2:
-            raise ValueError(f"cu_seqlens_q must have at least 2 entries (batch + 1), got shape {cu.shape}")
-        batch = cu.shape[0] - 1
-        used = None if seqused_q is None else _int_array("seqused_q", _static_as_array(seqused_q))
-        if used is not None and used.shape != (batch,):
-            raise ValueError(f"seqused_q must have shape ({batch},) to match cu_seqlens_q, got {used.shape}")
-        _check_int32_range(total_q, batch, layout.tile_m)
-        num_tiles = varlen.max_tiles(total_q, batch, layout.tile_m)
-        meta, _ = varlen.work_list(jnp, cu, used, total_q=total_q, tile_m=layout.tile_m, num_tiles=num_tiles)
-    return dq_postprocess_p.bind(dq_accum, scale, meta, mode="varlen", rows=total_q, num_tiles=num_tiles, **params)
+        return jnp.asarray(meta), "varlen", total_q, num_tiles
+    cu = _int_array("cu_seqlens_q", _static_as_array(cu_seqlens_q))
+    if cu.shape[0] < 2:
+        raise ValueError(f"cu_seqlens_q must have at least 2 entries (batch + 1), got shape {cu.shape}")
+    batch = cu.shape[0] - 1
+    used = None if seqused_q is None else _int_array("seqused_q", _static_as_array(seqused_q))
+    if used is not None and used.shape != (batch,):
+        raise ValueError(f"seqused_q must have shape ({batch},) to match cu_seqlens_q, got {used.shape}")
+    _check_int32_range(total_q, batch, layout.tile_m)
+    num_tiles = varlen.max_tiles(total_q, batch, layout.tile_m)
+    meta, _ = varlen.work_list(jnp, cu, used, total_q=total_q, tile_m=layout.tile_m, num_tiles=num_tiles)
+    return meta, "varlen", total_q, num_tiles
 
 
 def _static_int(name: str, value, *, minimum: int) -> int:

@@ -22,17 +22,18 @@ import functools
 
 import jax
 import numpy as np
-from jax._src import dispatch
+from jax._src import ad_util, dispatch
 from jax.extend.core import Primitive
-from jax.interpreters import mlir
+from jax.interpreters import ad, batching, mlir
 
 from . import _ffi, varlen
 from .layout import AccumLayout
-from .reference import dq_postprocess_reference
+from .reference import accum_from_dq_reference, dq_postprocess_reference, gather_accumulator, mul_f32_rn
 
 dq_postprocess_p = Primitive("dq_postprocess")
 
 MODES = ("dense", "dense_seqused", "varlen")
+_NOT_MAPPED = None  # vmap's batch dimension of an unbatched operand
 
 
 def _abstract_eval(acc, scale, aux, *, mode: str, rows: int, head_dim: int, dtype, layout: AccumLayout,
@@ -88,6 +89,72 @@ def _cuda_lowering(ctx, acc, scale, aux, *, mode: str, rows: int, head_dim: int,
     )
 
 
+# ---- autodiff: the op is linear in dq_accum (and in scale) ------------------------------------------
+def _jvp(primals, tangents, **params):
+    acc, scale, aux = primals
+    acc_dot, scale_dot, _ = tangents
+    out = dq_postprocess_p.bind(acc, scale, aux, **params)
+    terms = []
+    if type(acc_dot) is not ad_util.Zero:
+        terms.append(dq_postprocess_p.bind(acc_dot, scale, aux, **params))
+    if type(scale_dot) is not ad_util.Zero:
+        terms.append(dq_postprocess_p.bind(acc, scale_dot, aux, **params))
+    if not terms:
+        return out, ad_util.p2tz(out)
+    return out, terms[0] if len(terms) == 1 else terms[0] + terms[1]
+
+
+def _transpose(ct, acc, scale, aux, *, mode, rows, head_dim, dtype, layout, num_tiles):
+    """dq_accum's cotangent is the scatter back into accumulator order (``dq_accum_from_dq``); scale's is
+    the sum of cotangent times the accumulator values the op read."""
+    params = dict(mode=mode, rows=rows, head_dim=head_dim, layout=layout, num_tiles=num_tiles)
+    if ad.is_undefined_primal(aux):
+        raise ValueError("dq_postprocess is not differentiable in its integer operand")
+    if ad.is_undefined_primal(acc) and ad.is_undefined_primal(scale):
+        raise ValueError("dq_postprocess is bilinear in (dq_accum, scale); transpose one at a time")
+    if type(ct) is ad_util.Zero:
+        return [None, None, None]
+    if ad.is_undefined_primal(acc):
+        shape = acc.aval.shape
+        heads, batch = (shape[0], varlen.batch_from_meta(aux.shape[0], num_tiles)) if mode == "varlen" else (
+            shape[1], shape[0])
+        return [accum_from_dq_reference(ct, scale, aux, heads=heads, batch=batch, **params), None, None]
+    x, keep = gather_accumulator(acc, aux, **params)
+    scale_bar = jax.numpy.sum(jax.numpy.where(keep, ct.astype(np.float32) * x, 0.0))
+    return [None, scale_bar.astype(scale.aval.dtype), None]
+
+
+# ---- vmap: fold the mapped axis into the kernel's batch where the layout allows it ---------------
+def _batch(args, dims, *, mode, rows, head_dim, dtype, layout, num_tiles):
+    params = dict(mode=mode, rows=rows, head_dim=head_dim, dtype=dtype, layout=layout, num_tiles=num_tiles)
+    acc, scale, aux = args
+    acc_dim, scale_dim, aux_dim = dims
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not _NOT_MAPPED)
+    acc = _moved(acc, acc_dim, size)
+    if scale_dim is not _NOT_MAPPED:
+        # A per-element scale: apply it first (the same single fp32 multiply), then convert with 1.
+        s = jax.numpy.moveaxis(scale, scale_dim, 0).reshape((size,) + (1,) * (acc.ndim - 1))
+        acc, scale = mul_f32_rn(acc, s), jax.numpy.float32(1.0)
+    if mode == "varlen":
+        meta = _moved(aux, aux_dim, size)
+        out = jax.lax.map(lambda xs: dq_postprocess_p.bind(xs[0], scale, xs[1], **params), (acc, meta))
+        return out, 0
+    # Dense: (N, B, H, L) is (N*B, H, L); seqused_q (N, B) is (N*B,).
+    n, b = acc.shape[0], acc.shape[1]
+    acc = acc.reshape((n * b,) + acc.shape[2:])
+    if mode == "dense_seqused":
+        aux = _moved(aux, aux_dim, size).reshape(n * b)
+    out = dq_postprocess_p.bind(acc, scale, aux, **params)
+    return out.reshape((n, b) + out.shape[1:]), 0
+
+
+def _moved(x, dim, size):
+    """``x`` with its mapped axis first (broadcast to ``size`` if unmapped)."""
+    if dim is _NOT_MAPPED:
+        return jax.numpy.broadcast_to(x, (size,) + x.shape)
+    return jax.numpy.moveaxis(x, dim, 0)
+
+
 @functools.cache
 def _has_cuda_backend() -> bool:
     try:
@@ -101,3 +168,6 @@ dq_postprocess_p.def_impl(functools.partial(dispatch.apply_primitive, dq_postpro
 dq_postprocess_p.def_abstract_eval(_abstract_eval)
 mlir.register_lowering(dq_postprocess_p, mlir.lower_fun(dq_postprocess_reference, multiple_results=False))
 mlir.register_lowering(dq_postprocess_p, _cuda_lowering, platform="cuda")
+ad.primitive_jvps[dq_postprocess_p] = _jvp
+ad.primitive_transposes[dq_postprocess_p] = _transpose
+batching.primitive_batchers[dq_postprocess_p] = _batch

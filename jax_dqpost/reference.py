@@ -22,18 +22,57 @@ from .layout import AccumLayout
 def dq_postprocess_reference(dq_accum, scale, aux, *, mode: str, rows: int, head_dim: int, dtype,
                              layout: AccumLayout, num_tiles: int):
     """The primitive's semantics (see primitive.py for the operands of each ``mode``)."""
+    x, keep = gather_accumulator(dq_accum, aux, mode=mode, rows=rows, head_dim=head_dim, layout=layout,
+                                 num_tiles=num_tiles)
+    y = mul_f32_rn(x, jnp.asarray(scale, jnp.float32)).astype(dtype)
+    return jnp.where(keep, y, jnp.zeros((), dtype))
+
+
+def gather_accumulator(dq_accum, aux, *, mode: str, rows: int, head_dim: int, layout: AccumLayout, num_tiles: int):
+    """The accumulator values of every output element, in the output's shape, as float32, and a mask that
+    is False where the output is zero (rows past seqused_q, rows no sequence covers)."""
     if mode == "varlen":
-        return _varlen(dq_accum, scale, aux, total_q=rows, head_dim=head_dim, dtype=dtype, layout=layout,
-                       num_tiles=num_tiles)
-    return _dense(dq_accum, scale, aux if mode == "dense_seqused" else None, seqlen_q=rows, head_dim=head_dim,
-                  dtype=dtype, layout=layout)
+        return _varlen_gather(dq_accum, aux, total_q=rows, head_dim=head_dim, layout=layout, num_tiles=num_tiles)
+    return _dense_gather(dq_accum, aux if mode == "dense_seqused" else None, seqlen_q=rows, head_dim=head_dim,
+                         layout=layout)
 
 
-def _convert(x, scale, dtype):
-    return mul_f32_rn(x, jnp.asarray(scale, jnp.float32)).astype(dtype)
+def accum_from_dq_reference(dq, scale, aux, *, mode: str, rows: int, head_dim: int, layout: AccumLayout,
+                            num_tiles: int, heads: int, batch: int):
+    """The transpose of the op: the float32 accumulator with ``scale * dq[i, j]`` (one fp32 multiply) at the
+    position the op reads element (i, j) from, and 0 in every other entry (padding, unread rows)."""
+    tile_m, tile_hdim = layout.tile_m, layout.padded_head_dim(head_dim)
+    x = mul_f32_rn(dq.astype(jnp.float32), jnp.asarray(scale, jnp.float32))
+    inverse = jnp.asarray(np.argsort(layout.tile_index_map(head_dim).ravel()).astype(np.int32))
+    if mode == "varlen":
+        k_spans = varlen.num_spans(batch)
+        spans = aux[k_spans + 1: k_spans + 1 + varlen.SPAN_FIELDS * k_spans].reshape(k_spans, varlen.SPAN_FIELDS)
+        row_start, span_rows, conv_rows, acc_row = (spans[1:-1, f] for f in range(varlen.SPAN_FIELDS))
+        padded_total = varlen.padded_total(rows, batch, tile_m)
+        # The sequence (if any) whose tiles hold each accumulator row, and the dq row it came from.
+        a = jnp.arange(padded_total, dtype=jnp.int32)
+        ends = acc_row + (span_rows + tile_m - 1) // tile_m * tile_m
+        b = jnp.clip(jnp.searchsorted(acc_row, a, side="right") - 1, 0, batch - 1)
+        local = a - acc_row[b]
+        valid = (a >= acc_row[b]) & (a < ends[b]) & (local < conv_rows[b])
+        src = jnp.where(valid, row_start[b] + local, 0)
+        logical = jnp.where(valid[None, :, None], jnp.transpose(x[src], (1, 0, 2)), 0.0)  # (H, Tp, D)
+        logical = jnp.pad(logical, ((0, 0), (0, 0), (0, tile_hdim - head_dim)))
+        tiles = logical.reshape(heads, padded_total // tile_m, tile_m * tile_hdim)
+        return jnp.take(tiles, inverse, axis=2).reshape(heads, padded_total * tile_hdim)
+    seqlen = rows
+    y = jnp.transpose(x, (0, 2, 1, 3))  # (B, H, S, D)
+    if mode == "dense_seqused":
+        used = jnp.clip(aux.astype(jnp.int32), 0, seqlen)
+        keep = jnp.arange(seqlen, dtype=jnp.int32)[None, :] < used[:, None]
+        y = jnp.where(keep[:, None, :, None], y, 0.0)
+    padded_rows = layout.padded_seqlen(seqlen)
+    y = jnp.pad(y, ((0, 0), (0, 0), (0, padded_rows - seqlen), (0, tile_hdim - head_dim)))
+    tiles = y.reshape(batch, heads, padded_rows // tile_m, tile_m * tile_hdim)
+    return jnp.take(tiles, inverse, axis=3).reshape(batch, heads, padded_rows * tile_hdim)
 
 
-def _dense(dq_accum, scale, seqused, *, seqlen_q, head_dim, dtype, layout):
+def _dense_gather(dq_accum, seqused, *, seqlen_q, head_dim, layout):
     batch, heads, _ = dq_accum.shape
     tile_m, tile_hdim = layout.tile_m, layout.padded_head_dim(head_dim)
     num_blocks = layout.padded_seqlen(seqlen_q) // tile_m
@@ -42,15 +81,15 @@ def _dense(dq_accum, scale, seqused, *, seqlen_q, head_dim, dtype, layout):
     tiles = dq_accum.reshape(batch, heads, num_blocks, tile_m * tile_hdim)
     x = jnp.take(tiles, jnp.asarray(index.ravel()), axis=3, unique_indices=True)
     x = x.reshape(batch, heads, num_blocks * tile_m, head_dim)[:, :, :seqlen_q, :]
-    y = jnp.transpose(_convert(x, scale, dtype), (0, 2, 1, 3))  # (B, S, H, D)
-    if seqused is not None:
-        used = jnp.clip(seqused.astype(jnp.int32), 0, seqlen_q)
-        keep = jnp.arange(seqlen_q, dtype=jnp.int32)[None, :] < used[:, None]
-        y = jnp.where(keep[:, :, None, None], y, jnp.zeros((), dtype))
-    return y
+    x = jnp.transpose(x, (0, 2, 1, 3))  # (B, S, H, D)
+    if seqused is None:
+        return x, jnp.ones((), bool)
+    used = jnp.clip(seqused.astype(jnp.int32), 0, seqlen_q)
+    keep = jnp.arange(seqlen_q, dtype=jnp.int32)[None, :] < used[:, None]
+    return x, keep[:, :, None, None]
 
 
-def _varlen(dq_accum, scale, meta, *, total_q, head_dim, dtype, layout, num_tiles):
+def _varlen_gather(dq_accum, meta, *, total_q, head_dim, layout, num_tiles):
     heads = dq_accum.shape[0]
     tile_m, tile_hdim = layout.tile_m, layout.padded_head_dim(head_dim)
     batch = varlen.batch_from_meta(meta.shape[0], num_tiles)
@@ -67,17 +106,17 @@ def _varlen(dq_accum, scale, meta, *, total_q, head_dim, dtype, layout, num_tile
     index = jnp.asarray(layout.tile_index_map(head_dim)[:, :head_dim].astype(np.int32))
     within = index[i % tile_m]  # (T, D)
     tiles = dq_accum.reshape(heads, -1, tile_m * tile_hdim)
-    x = tiles[:, tile[:, None], within]  # (H, T, D)
-    y = jnp.transpose(_convert(x, scale, dtype), (1, 0, 2))  # (T, H, D)
-    return jnp.where(converted[:, None, None], y, jnp.zeros((), dtype))
+    x = jnp.transpose(tiles[:, tile[:, None], within], (1, 0, 2))  # (T, H, D)
+    return x, converted[:, None, None]
 
 
+@jax.custom_jvp
 def mul_f32_rn(x, y):
     """IEEE-754 binary32 ``x * y``, round-to-nearest-even with subnormals, whatever the denormal mode.
 
     Integer arithmetic on the bits (uint32 only, so it runs without x64): the 24x24-bit significand
     product is formed exactly as two 24-bit words, then rounded once. NaN results are canonical
-    (0x7FFFFFFF).
+    (0x7FFFFFFF). Differentiable as a product (custom JVP).
     """
     u32 = jnp.uint32
     ux = jax.lax.bitcast_convert_type(jnp.asarray(x, jnp.float32), u32)
@@ -138,3 +177,10 @@ def mul_f32_rn(x, y):
     nan = nan_x | nan_y | (inf_x & zero_y) | (zero_x & inf_y)
     bits = jnp.where(nan, u32(0x7FFFFFFF), bits)
     return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+@mul_f32_rn.defjvp
+def _mul_f32_rn_jvp(primals, tangents):
+    x, y = primals
+    x_dot, y_dot = tangents
+    return mul_f32_rn(x, y), jnp.asarray(x_dot, jnp.float32) * y + x * jnp.asarray(y_dot, jnp.float32)

@@ -147,7 +147,9 @@ def build_accumulator(dq_logical, layout_args, *, hdim_multiple_of, rng, padding
     Sr = round_up(S, tile_m)
     pos = tile_positions(arch, tile_m, Dr, *layout_args[1:], two_cta=two_cta)
     padded = rng.standard_normal((B, H, Sr, Dr)).astype(np.float32) * 1e3
-    if padding == "random":
+    if padding == "zeros":
+        padded[:] = 0
+    elif padding == "random":
         junk = rng.random((B, H, Sr, Dr)) < 0.05
         padded[junk] = np.nan
     padded[:, :, :S, :D] = np.transpose(dq_logical, (0, 2, 1, 3))

@@ -12,3 +12,10 @@ def test_quickstart():
                          cwd="/", timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "bit-exact vs numpy: True" in out.stdout
+
+
+def test_train_step():
+    out = subprocess.run([sys.executable, str(EXAMPLES / "train_step.py")], capture_output=True, text=True,
+                         cwd="/", timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:] + out.stdout[-2000:]
+    assert "gradient vs plain autodiff" in out.stdout

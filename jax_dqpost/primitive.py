@@ -11,8 +11,12 @@ mode                dq_accum              aux                      rows         
 ``varlen``          ``(H, Tp*Dr)``        work list (varlen.py)    ``T`` (total_q)       ``(T, H, D)``
 ==================  ====================  =======================  ====================  ==================
 
-``num_tiles`` is the varlen launch grid per head (0 otherwise). Lowering: on CUDA, a custom call to our XLA
-FFI target carrying the CuTe DSL-compiled module; on every other platform, the jax.numpy reference
+``num_tiles`` is the varlen launch grid per head (0 otherwise).
+
+Two primitives: ``dq_postprocess_p`` is what users bind; it carries the vmap, JVP and transpose rules and
+lowers through ``custom_partitioning`` (batch and heads shard, other axes are gathered). Each device then runs
+``_dq_postprocess_shard_p`` on its shards, which lowers on CUDA to a custom call to our XLA FFI target
+carrying the CuTe DSL-compiled module, and on every other platform to the jax.numpy reference
 (``reference.py``), so results are the same bits everywhere.
 """
 
@@ -22,6 +26,9 @@ import functools
 
 import jax
 import numpy as np
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from jax._src import ad_util, dispatch
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
@@ -31,6 +38,8 @@ from .layout import AccumLayout
 from .reference import accum_from_dq_reference, dq_postprocess_reference, gather_accumulator, mul_f32_rn
 
 dq_postprocess_p = Primitive("dq_postprocess")
+# The same op once partitioned: what each device runs on its shards (lowers to the kernel or reference).
+_dq_postprocess_shard_p = Primitive("dq_postprocess_shard")
 
 MODES = ("dense", "dense_seqused", "varlen")
 _NOT_MAPPED = None  # vmap's batch dimension of an unbatched operand
@@ -87,6 +96,50 @@ def _cuda_lowering(ctx, acc, scale, aux, *, mode: str, rows: int, head_dim: int,
         tile_hdim=np.int64(layout.padded_head_dim(head_dim)),
         num_tiles=np.int64(num_tiles),
     )
+
+
+# ---- sharding: batch and heads shard without any collective; other axes are gathered ---------------
+def _partition_spec(sharding, ndim):
+    spec = tuple(getattr(sharding, "spec", ())) if sharding is not None else ()
+    return spec + (None,) * (ndim - len(spec))
+
+
+def _make_partitioned(mode: str):
+    """custom_partitioning of the op for one mode, with a Shardy rule: batch (dense) and heads factors
+    shard; sequence, head-dim and work-list factors need replication (Shardy all-gathers them)."""
+
+    def shard_fn(acc, scale, aux, params):
+        return _dq_postprocess_shard_p.bind(acc, scale, aux, **dict(params))
+
+    fn = custom_partitioning(shard_fn, static_argnums=(3,))
+
+    def partition(params, mesh, arg_shapes, result_shape):
+        acc_spec = _partition_spec(arg_shapes[0].sharding, len(arg_shapes[0].shape))
+        if mode == "varlen":  # (H, Tp*Dr) -> (T, H, D): heads only
+            heads = acc_spec[0]
+            acc_s, aux_s, out_s = P(heads, None), P(None), P(None, heads, None)
+        else:  # (B, H, Sr*Dr) -> (B, S, H, D): batch and heads
+            batch, heads = acc_spec[0], acc_spec[1]
+            acc_s, out_s = P(batch, heads, None), P(batch, None, heads, None)
+            aux_s = P(batch) if mode == "dense_seqused" else P(None)
+        arg_shardings = tuple(NamedSharding(mesh, spec) for spec in (acc_s, P(), aux_s))
+
+        def lower(acc, scale, aux):
+            return _dq_postprocess_shard_p.bind(acc, scale, aux, **dict(params))
+
+        return mesh, lower, NamedSharding(mesh, out_s), arg_shardings
+
+    rule, replicated = {
+        "dense": ("b h l, , z -> b s h d", ("l", "z", "s", "d")),  # factors in order of appearance
+        "dense_seqused": ("b h l, , b -> b s h d", ("l", "s", "d")),
+        "varlen": ("h l, , k -> t h d", ("l", "k", "t", "d")),
+    }[mode]
+    fn.def_partition(partition, sharding_rule=rule, need_replication_factors=replicated)
+    return fn
+
+
+def _partitioned_impl(acc, scale, aux, **params):
+    return _PARTITIONED[params["mode"]](acc, scale, aux, tuple(sorted(params.items(), key=lambda kv: kv[0])))
 
 
 # ---- autodiff: the op is linear in dq_accum (and in scale) ------------------------------------------
@@ -163,11 +216,18 @@ def _has_cuda_backend() -> bool:
         return False
 
 
-# ---- registrations: every rule of the primitive, in one place ------------------------------------
+# ---- registrations: every rule of the primitives, in one place -----------------------------------
+# dq_postprocess_p: what users bind; autodiff and vmap rules; lowers through custom partitioning (which
+# needs the devices while lowering).
 dq_postprocess_p.def_impl(functools.partial(dispatch.apply_primitive, dq_postprocess_p))
 dq_postprocess_p.def_abstract_eval(_abstract_eval)
-mlir.register_lowering(dq_postprocess_p, mlir.lower_fun(dq_postprocess_reference, multiple_results=False))
-mlir.register_lowering(dq_postprocess_p, _cuda_lowering, platform="cuda")
+mlir.register_lowering(dq_postprocess_p, mlir.lower_fun(_partitioned_impl, multiple_results=False))
+dispatch.prim_requires_devices_during_lowering.add(dq_postprocess_p)
+# _dq_postprocess_shard_p: one device's shards; the CUDA kernel, or the jax.numpy reference elsewhere.
+_dq_postprocess_shard_p.def_abstract_eval(_abstract_eval)
+mlir.register_lowering(_dq_postprocess_shard_p, mlir.lower_fun(dq_postprocess_reference, multiple_results=False))
+mlir.register_lowering(_dq_postprocess_shard_p, _cuda_lowering, platform="cuda")
+_PARTITIONED = {mode: _make_partitioned(mode) for mode in MODES}
 ad.primitive_jvps[dq_postprocess_p] = _jvp
 ad.primitive_transposes[dq_postprocess_p] = _transpose
 batching.primitive_batchers[dq_postprocess_p] = _batch

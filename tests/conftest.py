@@ -5,9 +5,13 @@ from __future__ import annotations
 import os
 import sys
 
-import jax
-import numpy as np
-import pytest
+# Eight CPU devices for the sharding tests (must be set before JAX initialises its CPU backend).
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests/oracle.py
 

@@ -7,7 +7,8 @@ target; on every other platform, a bit-identical jax.numpy reference.
 """
 
 from .api import dq_accum_from_dq, dq_postprocess
+from .compile import cuda_arch
 from .layout import AccumLayout
 
-__all__ = ["AccumLayout", "dq_accum_from_dq", "dq_postprocess"]
+__all__ = ["AccumLayout", "cuda_arch", "dq_accum_from_dq", "dq_postprocess"]
 __version__ = "0.1.0"

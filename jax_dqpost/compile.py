@@ -1,16 +1,27 @@
 """Compile the CuTe DSL kernel once per binary-changing configuration; cutlass is imported lazily here.
 
-The key holds what changes the binary: output dtype, accumulator layout, padded head dim and the
-target GPU architecture. Batch, heads, sequence length, head dim and scale are runtime arguments of
-the compiled module, so they never trigger a compile.
+The key holds what changes the binary: output dtype, accumulator layout, padded head dim, mode and the
+target GPU architecture. Batch, heads, sequence lengths, head dim and scale are runtime arguments of the
+compiled module, so they never trigger a compile.
+
+Two caches: in memory (per process), and on disk (``$JAX_DQPOST_CACHE_DIR``, default
+``$XDG_CACHE_HOME/jax_dqpost`` or ``~/.cache/jax_dqpost``; ``JAX_DQPOST_CACHE_DIR=none`` turns it off). A disk
+entry's name hashes the key with the package version, the kernel source and the CuTe DSL version, so a change
+to any of them misses; entries are written to a temporary file and renamed into place, so processes sharing the
+directory never see a partial file. A disk hit does not import cutlass. ``python -m jax_dqpost.precompile``
+fills the cache ahead of time.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import os
+import re
+import tempfile
 import threading
+from pathlib import Path
 
 import numpy as np
 
@@ -28,6 +39,28 @@ class CompiledKernel:
 
 _lock = threading.Lock()  # CuTe tracing mutates process-global DSL state: one compile at a time
 _cache: dict[tuple, CompiledKernel] = {}
+_arch_override: list[str] = []  # the cuda_arch() context stack
+_ARCH_PATTERN = re.compile(r"^sm_\d{2,3}[af]?$")
+
+
+def _check_arch(arch: str) -> str:
+    if not isinstance(arch, str) or not _ARCH_PATTERN.match(arch):
+        raise ValueError(f"GPU architecture must look like 'sm_90a', 'sm_80' or 'sm_100a', got {arch!r}")
+    return arch
+
+
+@contextlib.contextmanager
+def cuda_arch(arch: str):
+    """Compile the kernel for ``arch`` (e.g. ``"sm_90a"``) while lowering for CUDA inside this block, whatever
+    GPU (if any) this machine has: for ``jax.export`` on a machine without a GPU, or for another GPU.
+
+    Precedence: this context, then the ``CUTE_DSL_ARCH`` environment variable, then the first CUDA device.
+    """
+    _arch_override.append(_check_arch(arch))
+    try:
+        yield
+    finally:
+        _arch_override.pop()
 
 
 def dtype_name(dtype) -> str:
@@ -43,14 +76,14 @@ def dtype_name(dtype) -> str:
 
 
 def target_arch() -> str:
-    """The GPU architecture to compile for.
-
-    ``CUTE_DSL_ARCH`` (e.g. ``sm_90a``) when set, so lowering for CUDA works on machines without a GPU;
-    else the first CUDA device JAX sees. Never guesses.
-    """
+    """The GPU architecture to compile for: the innermost :func:`cuda_arch` context; else ``CUTE_DSL_ARCH``
+    (e.g. ``sm_90a``), so lowering for CUDA works on machines without a GPU; else the first CUDA device JAX
+    sees. Never guesses."""
+    if _arch_override:
+        return _arch_override[-1]
     env = os.environ.get("CUTE_DSL_ARCH")
     if env:
-        return env
+        return _check_arch(env)
     import jax
 
     try:
@@ -80,13 +113,68 @@ def get_kernel(dtype, layout: AccumLayout, tile_hdim: int, mode: str = "dense",
 
     ``mode``: ``"dense"``, ``"dense_seqused"`` or ``"varlen"`` (how tiles are found, see primitive.py).
     """
-    arch = arch or target_arch()
+    arch = _check_arch(arch) if arch else target_arch()
     key = (dtype_name(dtype), layout, int(tile_hdim), mode, arch)
     with _lock:
         hit = _cache.get(key)
         if hit is None:
-            hit = _cache[key] = _compile(*key)
+            hit = _load(key)
+        if hit is None:
+            hit = _compile(*key)
+            _store(key, hit)
+        _cache[key] = hit
     return hit
+
+
+def cache_dir() -> Path | None:
+    """The on-disk cache directory, or None when ``JAX_DQPOST_CACHE_DIR=none``."""
+    configured = os.environ.get("JAX_DQPOST_CACHE_DIR")
+    if configured is not None:
+        return None if configured.strip().lower() in ("", "none", "off", "0") else Path(configured)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "jax_dqpost"
+
+
+def _disk_name(key: tuple) -> str:
+    from importlib import metadata
+
+    from . import __version__
+
+    try:
+        dsl = metadata.version("nvidia-cutlass-dsl")
+    except metadata.PackageNotFoundError:  # a DSL on PYTHONPATH (e.g. the GPU machine's copy)
+        dsl = "unknown"
+    source = (Path(__file__).with_name("kernel.py").read_bytes() + Path(__file__).with_name("layout.py").read_bytes())
+    digest = hashlib.sha256(repr((key, __version__, dsl, FUNCTION_PREFIX)).encode() + source).hexdigest()
+    return f"{key[0]}-{key[3]}-{key[4]}-{digest[:40]}.cute"
+
+
+def _load(key: tuple) -> CompiledKernel | None:
+    directory = cache_dir()
+    if directory is None:
+        return None
+    try:
+        module = (directory / _disk_name(key)).read_bytes()
+    except OSError:
+        return None
+    if module[:4] != b"\x7fELF":  # not ours or damaged: recompile and overwrite
+        return None
+    return CompiledKernel(module=module, fingerprint=hashlib.sha256(module).hexdigest(), arch=key[4])
+
+
+def _store(key: tuple, kernel: CompiledKernel) -> None:
+    directory = cache_dir()
+    if directory is None:
+        return
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
+        with os.fdopen(fd, "wb") as f:
+            f.write(kernel.module)
+        os.replace(tmp, directory / _disk_name(key))  # atomic: readers see the old file or the whole new one
+    except OSError:  # a read-only or full cache is not an error: the kernel is compiled, just not kept
+        with contextlib.suppress(OSError, UnboundLocalError):
+            os.unlink(tmp)
 
 
 def cache_size() -> int:

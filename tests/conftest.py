@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
+
+# A fresh on-disk kernel cache per test session: every compile test compiles (test_cache.py tests the cache).
+os.environ["JAX_DQPOST_CACHE_DIR"] = tempfile.mkdtemp(prefix="jax_dqpost_test_cache_")
 
 # Eight CPU devices for the sharding tests (must be set before JAX initialises its CPU backend).
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):

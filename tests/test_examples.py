@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
@@ -19,3 +21,11 @@ def test_train_step():
                          cwd="/", timeout=600)
     assert out.returncode == 0, out.stderr[-2000:] + out.stdout[-2000:]
     assert "gradient vs plain autodiff" in out.stdout
+
+
+def test_flax_attention():
+    pytest.importorskip("flax", reason="flax is in the package's test extras")
+    out = subprocess.run([sys.executable, str(EXAMPLES / "flax_attention.py")], capture_output=True, text=True,
+                         cwd="/", timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:] + out.stdout[-2000:]
+    assert "query-kernel gradient vs flax's attention" in out.stdout

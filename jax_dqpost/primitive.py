@@ -1,4 +1,5 @@
-"""The ``dq_postprocess`` primitive: abstract evaluation and lowerings, registered in one block below.
+"""The ``dq_postprocess`` primitive: every rule (abstract eval, lowerings, vmap, JVP, transpose, sharding),
+registered in one block at the end.
 
 Operands: ``dq_accum`` float32, ``scale`` float32 ``()``, ``aux`` int32 1-D. Params: ``mode``, ``rows``,
 ``head_dim``, ``dtype`` (numpy dtype, bf16 or fp16), ``layout`` (AccumLayout), ``num_tiles``.
@@ -123,10 +124,7 @@ def _make_partitioned(mode: str):
             acc_s, out_s = P(batch, heads, None), P(batch, None, heads, None)
             aux_s = P(batch) if mode == "dense_seqused" else P(None)
         arg_shardings = tuple(NamedSharding(mesh, spec) for spec in (acc_s, P(), aux_s))
-
-        def lower(acc, scale, aux):
-            return _dq_postprocess_shard_p.bind(acc, scale, aux, **dict(params))
-
+        lower = functools.partial(shard_fn, params=params)  # the same op on each device's shards
         return mesh, lower, NamedSharding(mesh, out_s), arg_shardings
 
     rule, replicated = {

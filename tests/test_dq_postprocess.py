@@ -6,11 +6,9 @@ kernel through our XLA FFI target.
 
 from __future__ import annotations
 
-import itertools
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 

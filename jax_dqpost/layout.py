@@ -195,6 +195,12 @@ class AccumLayout:
         """Shape of a dense accumulator: ``(batch, heads, Sr * Dr)``."""
         return (batch, heads, self.padded_seqlen(seqlen) * self.padded_head_dim(head_dim))
 
+    def varlen_accum_shape(self, batch: int, heads: int, total_q: int, head_dim: int) -> tuple[int, int]:
+        """Shape of a varlen accumulator for ``batch`` packed sequences of ``total_q`` rows:
+        ``(heads, Tp * Dr)`` with FlashAttention's ``Tp = round_up(total_q + batch * tile_m, tile_m)``."""
+        tp = (total_q + (batch + 1) * self.tile_m - 1) // self.tile_m * self.tile_m
+        return (heads, tp * self.padded_head_dim(head_dim))
+
     def mma_geometry(self, head_dim: int) -> dict:
         """The producer's dQ MMA (arch 80 and 90) as the kernel rebuilds it (all ints; None if it does not
         divide).

@@ -253,3 +253,60 @@ def test_sm80_order_bit_identical_to_flash_attention_4(rng, layout, head_dim, dt
     torch.cuda.synchronize()
     theirs = out.view(torch.int16).cpu().numpy().view(np.uint16).view(np.dtype(dtype))
     assert_same_bits(ours, theirs, f"ours vs FlashAttention-4 sm80 path {layout} D={D}")
+
+
+def _manifest():
+    import json
+    from pathlib import Path
+
+    data = Path(__file__).parent / "data"
+    return data, json.loads((data / "exported_manifest.json").read_text())
+
+
+@pytest.mark.parametrize("name", ["dense", "varlen"])
+def test_artifact_exported_on_a_cpu_machine_runs_here(rng, name):
+    """tests/data/exported_*.bin were exported for platforms=["cuda"] on a machine without a GPU
+    (tools/export_artifacts.py, jax.export + jax_dqpost.cuda_arch("sm_90a")): same bits as the oracle here."""
+    data, manifest = _manifest()
+    case = manifest["cases"][name]
+    exported = jax.export.deserialize(bytearray((data / case["file"]).read_bytes()))
+    assert exported.platforms == ("cuda",)
+    tile_m, threads, atom, swap, mult = case["layout"][1:]
+    dtype, D, H = jnp.dtype(case["dtype"]), case["head_dim"], case["heads"]
+    if case["mode"] == "dense":
+        B, S = case["batch"], case["seqlen"]
+        logical = oracle.random_logical(rng, (B, S, H, D))
+        acc = oracle.build_accumulator(logical, (tile_m, threads, atom, swap), hdim_multiple_of=mult, rng=rng)
+        scale = np.float32(rng.uniform(0.05, 2.0))
+        got = exported.call(acc, scale)
+        want = oracle.expected_dq(logical, scale, dtype)
+    else:
+        B, T = case["batch"], case["total_q"]
+        lengths = rng.integers(0, 2 * T // B, B)
+        cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+        used = np.array([rng.integers(0, n + 1) for n in lengths], np.int32)
+        acc, want = oracle.build_varlen(rng, cu.tolist(), used.tolist(), T, H, D, (tile_m, threads, atom, swap),
+                                        hdim_multiple_of=mult, scale=case["scale"], dtype=dtype)
+        got = exported.call(acc, cu, used)
+    assert_same_bits(got, want, f"artifact {name} exported on {manifest['exported_on']}")
+
+
+def test_captured_in_a_cuda_graph():
+    """XLA puts the FFI call into a command buffer (a CUDA graph) in a straight chain and in a
+    lax.fori_loop, and the graph's results are bit-exact (tests/command_buffer_main.py, own process)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent / "command_buffer_main.py"
+    env = {**os.environ, "XLA_FLAGS": "--xla_gpu_graph_min_graph_size=1", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    out = subprocess.run([sys.executable, str(script), str(int.from_bytes(os.urandom(4), "little"))], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    print(report)
+    for name in ("chain", "fori_loop"):
+        assert report[name]["bit_exact"], report
+        assert report[name]["command_buffers_with_our_call"], f"{name}: no command buffer holds our call: {report}"

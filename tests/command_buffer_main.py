@@ -1,0 +1,81 @@
+"""CUDA-graph evidence, run as its own process (XLA reads its flags once, at backend start):
+
+    XLA_FLAGS=--xla_gpu_graph_min_graph_size=1 python3 tests/command_buffer_main.py SEED
+
+Compiles two jitted programs that call dq_postprocess repeatedly, a straight chain and a `lax.fori_loop`,
+reads XLA's optimized HLO for `command_buffer` computations that hold our FFI call, runs both and checks
+every result bit for bit against the oracle. Prints one JSON object (test_gpu.py reads it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import oracle  # noqa: E402
+
+from jax_dqpost import AccumLayout, dq_postprocess  # noqa: E402
+from jax_dqpost import _ffi  # noqa: E402
+
+
+def computations(hlo_text: str) -> dict[str, str]:
+    """HLO module text -> {computation name: body}."""
+    out, name, body = {}, None, []
+    for line in hlo_text.splitlines():
+        m = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
+        if name is None and m:
+            name, body = m.group(1), []
+        elif name is not None and line.startswith("}"):
+            out[name] = "\n".join(body)
+            name = None
+        elif name is not None:
+            body.append(line)
+    return out
+
+
+def captured(compiled) -> list[str]:
+    """Names of command-buffer computations of a compiled program that contain our FFI call."""
+    comps = computations(compiled.as_text())
+    target = f'custom_call_target="{_ffi.TARGET_NAME}"'
+    return sorted(n for n, b in comps.items() if "command_buffer" in n and target in b)
+
+
+def main(seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    layout = AccumLayout.flash_attention(90, 128)
+    B, S, H, D, steps = 2, 300, 4, 128, 6
+    logical = oracle.random_logical(rng, (B, S, H, D), specials=False)
+    acc = jnp.asarray(oracle.build_accumulator(
+        logical, (layout.tile_m, layout.num_threads, layout.atom_layout, layout.swap_ab),
+        hdim_multiple_of=layout.hdim_multiple_of, rng=rng))
+    scales = rng.uniform(0.05, 2.0, steps).astype(np.float32)
+
+    def op(s):
+        return dq_postprocess(acc, s, seqlen_q=S, head_dim=D, dtype=jnp.bfloat16, layout=layout)
+
+    def chain(scales):  # `steps` calls in a straight line
+        return jnp.stack([op(scales[i]) for i in range(steps)])
+
+    def loop(scales):  # the same calls in a device-side loop
+        out = jnp.zeros((steps, B, S, H, D), jnp.bfloat16)
+        return jax.lax.fori_loop(0, steps, lambda i, o: o.at[i].set(op(scales[i])), out)
+
+    report = {"xla_flags": os.environ.get("XLA_FLAGS", ""), "device": str(jax.devices()[0])}
+    for name, fn in (("chain", chain), ("fori_loop", loop)):
+        compiled = jax.jit(fn).lower(scales).compile()
+        got = np.asarray(compiled(scales))
+        exact = all(np.array_equal(got[i].view(np.uint16), oracle.expected_dq(logical, scales[i], jnp.bfloat16)
+                                   .view(np.uint16)) for i in range(steps))
+        report[name] = {"command_buffers_with_our_call": captured(compiled), "bit_exact": exact}
+    return report
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(int(sys.argv[1]) if len(sys.argv) > 1 else 0)))

@@ -1,14 +1,17 @@
 """CUDA-graph evidence, run as its own process (XLA reads its flags once, at backend start):
 
-    XLA_FLAGS=--xla_gpu_graph_min_graph_size=1 python3 tests/command_buffer_main.py SEED
+    XLA_FLAGS=--xla_dump_to=DIR python3 tests/command_buffer_main.py SEED DIR
 
 Compiles two jitted programs that call dq_postprocess repeatedly, a straight chain and a `lax.fori_loop`,
-reads XLA's optimized HLO for `command_buffer` computations that hold our FFI call, runs both and checks
-every result bit for bit against the oracle. Prints one JSON object (test_gpu.py reads it).
+runs both and checks every result bit for bit against the oracle, and reports where XLA put our FFI call:
+in command buffers (CUDA graphs) formed on the HLO (`command_buffer` computations) or, in current XLA, on
+the thunk sequence (`*thunk_sequence_after_thunk_passes*.txt` in the dump directory). Prints one JSON
+object (test_gpu.py reads it).
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
@@ -40,14 +43,35 @@ def computations(hlo_text: str) -> dict[str, str]:
     return out
 
 
-def captured(compiled) -> list[str]:
+def hlo_command_buffers(compiled) -> list[str]:
     """Names of command-buffer computations of a compiled program that contain our FFI call."""
     comps = computations(compiled.as_text())
     target = f'custom_call_target="{_ffi.TARGET_NAME}"'
     return sorted(n for n, b in comps.items() if "command_buffer" in n and target in b)
 
 
-def main(seed: int) -> dict:
+def thunk_dumps(dump_dir: str, module: str) -> dict[str, str]:
+    """XLA's dumped thunk sequences (after its thunk passes) of the modules named like ``module``."""
+    paths = glob.glob(os.path.join(dump_dir, f"*{module}*thunk_sequence_after_thunk_passes*.txt"))
+    return {os.path.basename(p): open(p).read() for p in sorted(paths)}
+
+
+def thunk_command_buffer_holds_call(text: str) -> bool:
+    """Whether a dumped thunk sequence has a command-buffer thunk with a custom-call thunk nested in it
+    (nesting is shown by indentation)."""
+    lines = text.splitlines()
+    indent = lambda line: len(line) - len(line.lstrip())  # noqa: E731
+    for i, line in enumerate(lines):
+        if "kCommandBuffer" in line:
+            for inner in lines[i + 1:]:
+                if inner.strip() and indent(inner) <= indent(line):
+                    break
+                if "kCustomCall" in inner or _ffi.TARGET_NAME in inner:
+                    return True
+    return False
+
+
+def main(seed: int, dump_dir: str) -> dict:
     rng = np.random.default_rng(seed)
     layout = AccumLayout.flash_attention(90, 128)
     B, S, H, D, steps = 2, 300, 4, 128, 6
@@ -69,13 +93,18 @@ def main(seed: int) -> dict:
 
     report = {"xla_flags": os.environ.get("XLA_FLAGS", ""), "device": str(jax.devices()[0])}
     for name, fn in (("chain", chain), ("fori_loop", loop)):
+        fn.__name__ = f"dqpost_{name}"  # the module's name in the dump
         compiled = jax.jit(fn).lower(scales).compile()
         got = np.asarray(compiled(scales))
         exact = all(np.array_equal(got[i].view(np.uint16), oracle.expected_dq(logical, scales[i], jnp.bfloat16)
                                    .view(np.uint16)) for i in range(steps))
-        report[name] = {"command_buffers_with_our_call": captured(compiled), "bit_exact": exact}
+        thunks = thunk_dumps(dump_dir, fn.__name__) if dump_dir else {}
+        report[name] = {"bit_exact": exact, "hlo_command_buffers": hlo_command_buffers(compiled),
+                        "thunk_command_buffers": sorted(f for f, t in thunks.items()
+                                                        if thunk_command_buffer_holds_call(t)),
+                        "thunk_sequences": thunks}
     return report
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(int(sys.argv[1]) if len(sys.argv) > 1 else 0)))
+    print(json.dumps(main(int(sys.argv[1]) if len(sys.argv) > 1 else 0, sys.argv[2] if len(sys.argv) > 2 else "")))

@@ -291,7 +291,7 @@ def test_artifact_exported_on_a_cpu_machine_runs_here(rng, name):
     assert_same_bits(got, want, f"artifact {name} exported on {manifest['exported_on']}")
 
 
-def test_captured_in_a_cuda_graph():
+def test_captured_in_a_cuda_graph(tmp_path):
     """XLA puts the FFI call into a command buffer (a CUDA graph) in a straight chain and in a
     lax.fori_loop, and the graph's results are bit-exact (tests/command_buffer_main.py, own process)."""
     import json
@@ -301,12 +301,14 @@ def test_captured_in_a_cuda_graph():
     from pathlib import Path
 
     script = Path(__file__).parent / "command_buffer_main.py"
-    env = {**os.environ, "XLA_FLAGS": "--xla_gpu_graph_min_graph_size=1", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
-    out = subprocess.run([sys.executable, str(script), str(int.from_bytes(os.urandom(4), "little"))], env=env,
-                         capture_output=True, text=True, timeout=600)
+    env = {**os.environ, "XLA_FLAGS": f"--xla_dump_to={tmp_path}", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    out = subprocess.run([sys.executable, str(script), str(int.from_bytes(os.urandom(4), "little")), str(tmp_path)],
+                         env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])
-    print(report)
     for name in ("chain", "fori_loop"):
+        for file, text in report[name]["thunk_sequences"].items():
+            print(f"---- {name}: {file}\n{text[:4000]}")
         assert report[name]["bit_exact"], report
-        assert report[name]["command_buffers_with_our_call"], f"{name}: no command buffer holds our call: {report}"
+        where = report[name]["hlo_command_buffers"] + report[name]["thunk_command_buffers"]
+        assert where, f"{name}: no command buffer holds our call ({report['xla_flags']})"

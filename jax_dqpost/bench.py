@@ -1,0 +1,501 @@
+"""Benchmark of the dQ postprocess on the local GPU, every implementation side by side in one run:
+
+    python -m jax_dqpost.bench [--out DIR] [--quick]
+
+For FlashAttention's Hopper configurations (head dims 64, 96, 128, 128 causal, 192, 256), dense and
+varlen (64 random lengths, the same tokens), sizes from a few KB to 1 GB moved per call, it times
+
+- ``ours``: our CuTe kernel, launched back to back on a torch stream (device time: CUDA events);
+- ``FA4``: FlashAttention-4's postprocess (``flash_attn.cute``), when importable (CUDA events);
+- ``copy``: a device-to-device copy of the same number of bytes, the ceiling (CUDA events);
+- ``ours_jax``: ``jax.jit(dq_postprocess)`` called from Python, pipelined (wall clock per call);
+- ``jnp_gather``: what a JAX user writes without this package, a gather by the tile order, a multiply
+  and a cast, under ``jax.jit`` (wall clock per call, pipelined like ``ours_jax``).
+
+Each sample runs enough calls back to back for at least 2 ms, cycling through enough distinct input and
+output buffers (at least 256 MiB, several times the L2) that no call finds its data in L2; the median of
+the samples is reported. Bandwidth counts the useful bytes of a call: for every row of dQ, the accumulator's
+row (4 bytes per element, head dim padded as the producer stores it) and the row written (2 bytes per
+element); padding rows of partial tiles and of varlen allocations are not counted. It also measures the per-call
+cost in a jitted chain of 200 tiny calls, cold and warm (on-disk cache hit) start, and the import time.
+Prints tables, writes ``bench.json`` and ``bench.png`` into ``--out``; progress goes to stderr. Needs a
+CUDA GPU and torch (for events and the copy); ``python -m jax_dqpost.bench --plot JSON`` redraws a plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+CONFIGS = [("hd64", 64, False), ("hd96", 96, False), ("hd128-causal", 128, True), ("hd128", 128, False),
+           ("hd192", 192, False), ("hd256", 256, False)]
+SIZES = [2**12, 2**16, 2**20, 2**24, 2**27, 2**30]  # bytes moved per call (approximately)
+REFERENCE_SHAPE = (2, 32, 8192)  # (B, H, S): the sizes of the performance issue's table
+ROTATE_BYTES = 256 << 20  # distinct buffers cycled per sample (H200 L2: 50 MiB)
+MIN_SAMPLE_S = 2e-3
+IMPLS = ("ours", "FA4", "copy", "ours_jax", "jnp_gather")
+METHOD = ("ours/FA4/copy: CUDA events around back-to-back launches on one torch stream; ours_jax/jnp_gather: "
+          "wall clock of pipelined jitted calls; median of samples of >= 2 ms; >= 256 MiB of rotated buffers; "
+          "seconds per call")
+_EXECUTORS: dict = {}
+
+
+def log(*a):
+    print(*a, file=sys.stderr, flush=True)
+
+
+# ---- timing ------------------------------------------------------------------------------------------
+def _per_call(run, calls: int, samples: int, clock) -> float:
+    """Median over ``samples`` of (time of ``run(n)``) / n, with n >= ``calls`` chosen so one sample lasts
+    at least MIN_SAMPLE_S; ``clock(run, n)`` returns seconds."""
+    clock(run, calls)  # warm-up (compiles, first-touch)
+    est = clock(run, calls) / calls
+    n = max(calls, min(20000, math.ceil(MIN_SAMPLE_S / max(est, 1e-7) / calls) * calls))
+    return statistics.median(clock(run, n) / n for _ in range(samples))
+
+
+def _event_clock(torch):
+    def clock(run, n):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        run(n)
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b) * 1e-3
+    return clock
+
+
+def _wall_clock(run, n):
+    t0 = time.perf_counter()
+    run(n).block_until_ready()
+    return time.perf_counter() - t0
+
+
+# ---- problem sizes -----------------------------------------------------------------------------------
+def problem(layout, head_dim: int, target_bytes: int | None):
+    """(B, H, S) moving about ``target_bytes`` per call (None: the issue's reference shape)."""
+    if target_bytes is None:
+        return REFERENCE_SHAPE
+    per_token_head = head_dim * 6
+    heads = int(min(32, max(1, target_bytes // (per_token_head * 1024))))
+    seqlen = max(8, round(target_bytes / (heads * per_token_head)))
+    return 1, heads, seqlen
+
+
+def random_lengths(rng, total: int, count: int) -> list[int]:
+    count = max(1, min(count, total))
+    cuts = np.sort(rng.choice(np.arange(1, total), count - 1, replace=False)) if count > 1 else np.array([], int)
+    return [0] + [int(c) for c in cuts] + [total]
+
+
+# ---- the implementations -----------------------------------------------------------------------------
+class Case:
+    """One (configuration, mode, size): buffers and launchers of every implementation."""
+
+    def __init__(self, name, head_dim, causal, mode, target_bytes, rng, torch, fa4):
+        from . import AccumLayout
+        from . import varlen as varlen_
+
+        self.torch, self.fa4 = torch, fa4
+        self.layout = AccumLayout.flash_attention(90, head_dim, causal=causal)
+        self.name, self.mode, self.D = name, mode, head_dim
+        B, H, S = problem(self.layout, head_dim, target_bytes)
+        self.B, self.H, self.S = B, H, S
+        Dr = self.layout.padded_head_dim(head_dim)
+        tm = self.layout.tile_m
+        if mode == "dense":
+            self.acc_shape, self.out_shape = self.layout.accum_shape(B, H, S, head_dim), (B, S, H, head_dim)
+            self.tokens = B * S
+            self.cu = None
+        else:
+            self.tokens = B * S
+            self.cu = random_lengths(rng, self.tokens, 64)
+            batch = len(self.cu) - 1
+            self.acc_shape = self.layout.varlen_accum_shape(batch, H, self.tokens, head_dim)
+            self.out_shape = (self.tokens, H, head_dim)
+            self.meta, self.num_tiles = varlen_.work_list(np, self.cu, None, total_q=self.tokens, tile_m=tm)
+            self.spans = varlen_.num_spans(batch)
+        self.bytes = self.tokens * H * (Dr * 4 + head_dim * 2)  # useful bytes: rows of the sequences only
+        per_call = int(np.prod(self.acc_shape)) * 4 + int(np.prod(self.out_shape)) * 2
+        self.copies = max(2, min(256, -(-ROTATE_BYTES // per_call)))
+        self.scale = head_dim ** -0.5
+
+    # torch-side buffers (ours, FA4, copy)
+    def torch_buffers(self):
+        t = self.torch
+        self.t_acc = [t.randn(self.acc_shape, device="cuda", dtype=t.float32) for _ in range(self.copies)]
+        self.t_out = [t.empty(self.out_shape, device="cuda", dtype=t.bfloat16) for _ in range(self.copies)]
+        self.t_scale = t.tensor([self.scale], device="cuda", dtype=t.float32)
+        self.t_meta = t.from_numpy(self.meta).cuda() if self.mode == "varlen" else self.t_scale
+        self.t_cu = t.tensor(self.cu, dtype=t.int32, device="cuda") if self.cu is not None else None
+
+    def free_torch(self):
+        self.t_acc = self.t_out = self.t_meta = self.t_cu = None
+        self.torch.cuda.empty_cache()
+
+    def ours(self):
+        import cuda.bindings.driver as cuda
+        import cutlass
+        from cutlass import cute
+        from cutlass.cute.runtime import make_ptr
+
+        from . import compile as compile_
+
+        key = (self.layout, self.D, self.mode)
+        if key not in _EXECUTORS:
+            _EXECUTORS[key] = compile_.compile_executor("bf16", self.layout, self.layout.padded_head_dim(self.D),
+                                                        self.mode, compile_.target_arch())
+        ex = _EXECUTORS[key]
+        gmem = cute.AddressSpace.gmem
+        stream = cuda.CUstream(self.torch.cuda.current_stream().cuda_stream)
+        if self.mode == "dense":
+            dims = (self.B, self.H, self.S, self.D, -(-self.S // self.layout.tile_m))
+        else:
+            dims = (self.spans, self.H, self.tokens, self.D, self.num_tiles)
+        args = [(make_ptr(cutlass.Float32, a.data_ptr(), gmem, assumed_align=16),
+                 make_ptr(cutlass.BFloat16, o.data_ptr(), gmem, assumed_align=16),
+                 make_ptr(cutlass.Float32, self.t_scale.data_ptr(), gmem, assumed_align=4),
+                 make_ptr(cutlass.Int32, self.t_meta.data_ptr(), gmem, assumed_align=4),
+                 *(cutlass.Int32(d) for d in dims), stream) for a, o in zip(self.t_acc, self.t_out)]
+
+        def run(n):
+            for i in range(n):
+                ex(*args[i % self.copies])
+        return run
+
+    def fa4_run(self):
+        import cutlass
+
+        lt = self.layout
+
+        def run(n):
+            for i in range(n):
+                k = i % self.copies
+                self.fa4(self.t_acc[k], self.t_out[k], self.scale, self.t_cu, None, 90, cutlass.BFloat16, self.D,
+                         lt.tile_m, lt.num_threads, lt.atom_layout, lt.swap_ab, fake_mode=False,
+                         hdim_multiple_of=lt.hdim_multiple_of)
+        return run
+
+    def copy_run(self):
+        t = self.torch
+        half = self.bytes // 2
+        src = [t.empty(half, dtype=t.uint8, device="cuda") for _ in range(self.copies)]
+        dst = [t.empty(half, dtype=t.uint8, device="cuda") for _ in range(self.copies)]
+
+        def run(n):
+            for i in range(n):
+                dst[i % self.copies].copy_(src[i % self.copies])
+        return run
+
+    # JAX side (ours through jax.jit, and the gather a user would write)
+    def jax_inputs(self):
+        import jax
+
+        keys = jax.random.split(jax.random.PRNGKey(0), self.copies)
+        self.j_acc = [jax.random.normal(k, self.acc_shape, np.float32) for k in keys]
+
+    def jax_run(self, fn):
+        import jax
+
+        f = jax.jit(fn)
+
+        def run(n):
+            out = None
+            for i in range(n):
+                out = f(self.j_acc[i % self.copies])
+            return out
+        return run
+
+    def ours_jax_fn(self):
+        import jax.numpy as jnp
+
+        from . import dq_postprocess
+
+        if self.mode == "dense":
+            return lambda a: dq_postprocess(a, self.scale, seqlen_q=self.S, head_dim=self.D, dtype=jnp.bfloat16,
+                                            layout=self.layout)
+        return lambda a: dq_postprocess(a, self.scale, head_dim=self.D, total_q=self.tokens, cu_seqlens_q=self.cu,
+                                        dtype=jnp.bfloat16, layout=self.layout)
+
+    def gather_fn(self):
+        """A user's jax.numpy version: gather every element from its position in the tile order."""
+        import jax.numpy as jnp
+
+        lt, D = self.layout, self.D
+        Dr, tm = lt.padded_head_dim(D), lt.tile_m
+        pos = jnp.asarray(lt.tile_index_map(D)[:, :D].astype(np.int32))  # (tm, D)
+        if self.mode == "dense":
+            S = self.S
+
+            def f(a):
+                tiles = a.reshape(self.B, self.H, -1, tm * Dr)
+                x = jnp.take(tiles, pos.ravel(), axis=3).reshape(self.B, self.H, -1, D)[:, :, :S]
+                return (jnp.transpose(x, (0, 2, 1, 3)) * self.scale).astype(jnp.bfloat16)
+            return f
+        cu = np.asarray(self.cu)
+        t = np.arange(self.tokens)
+        b = np.searchsorted(cu, t, side="right") - 1
+        row = (cu[b] + b * tm) // tm * tm + (t - cu[b])  # accumulator row of every token
+        flat = jnp.asarray((row // tm * tm * Dr)[:, None] + np.asarray(pos)[row % tm])  # (T, D)
+
+        def f(a):
+            return (jnp.transpose(a[:, flat], (1, 0, 2)) * self.scale).astype(jnp.bfloat16)
+        return f
+
+    def same_bits_as_fa4(self) -> bool:
+        t = self.torch
+        self.ours()(1)
+        mine = self.t_out[0].clone()
+        self.t_out[0].fill_(float("nan"))
+        self.fa4_run()(1)
+        t.cuda.synchronize()  # (varlen: the sequences cover every row, so FlashAttention-4 writes them all)
+        return bool(t.equal(mine.view(t.int16), self.t_out[0].view(t.int16)))
+
+
+def measure(case: Case, samples: int) -> dict:
+    torch = case.torch
+    ev = _event_clock(torch)
+    res = {"config": case.name, "mode": case.mode, "head_dim": case.D, "B": case.B, "H": case.H, "S": case.S,
+           "tokens": case.tokens, "bytes": case.bytes, "buffers": case.copies,
+           "layout": [case.layout.tile_m, case.layout.num_threads, case.layout.atom_layout, case.layout.swap_ab,
+                      case.layout.hdim_multiple_of]}
+    case.torch_buffers()
+    res["ours"] = _per_call(case.ours(), case.copies, samples, ev)
+    if case.fa4 is not None:
+        try:
+            res["FA4"] = _per_call(case.fa4_run(), case.copies, samples, ev)
+            res["same_bits_as_FA4"] = case.same_bits_as_fa4()
+        except Exception as e:  # noqa: BLE001 - report what the peer cannot run
+            res["FA4_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    res["copy"] = _per_call(case.copy_run(), case.copies, samples, ev)
+    case.free_torch()
+    case.jax_inputs()
+    res["ours_jax"] = _per_call(case.jax_run(case.ours_jax_fn()), case.copies, samples, _wall_clock)
+    res["jnp_gather"] = _per_call(case.jax_run(case.gather_fn()), case.copies, samples, _wall_clock)
+    case.j_acc = None
+    return res
+
+
+# ---- overheads -----------------------------------------------------------------------------------------
+def chain_cost(samples: int) -> dict:
+    """Per-call cost inside one jitted program of 200 tiny calls chained by data dependence (each call's
+    input waits for the previous output through an optimization barrier), against the same chain of an
+    XLA elementwise op on the same bytes; per call = (t(200) - t(1)) / 199."""
+    import jax
+    import jax.numpy as jnp
+
+    from . import AccumLayout, dq_postprocess
+
+    layout = AccumLayout.flash_attention(90, 128)
+    S, D = layout.tile_m, 128
+    acc = jax.random.normal(jax.random.PRNGKey(1), layout.accum_shape(1, 1, S, D), np.float32)
+    ops = {"ours": lambda a: dq_postprocess(a, 0.125, seqlen_q=S, head_dim=D, layout=layout),
+           "xla_elementwise": lambda a: (a * 0.125).astype(jnp.bfloat16)}
+    out = {"shape": [1, S, 1, D]}
+    for name, op in ops.items():
+        def chain(a, n, op=op):
+            y = op(a)
+            for _ in range(n - 1):
+                a, y = jax.lax.optimization_barrier((a, y))
+                y = op(a)
+            return y
+        times = {}
+        for n in (1, 200):
+            f = jax.jit(chain, static_argnums=1)
+            times[n] = _per_call(lambda k, f=f, n=n: [f(acc, n) for _ in range(k)][-1], 1, samples, _wall_clock)
+        out[name] = (times[200] - times[1]) / 199
+    return out
+
+
+_START_PROBE = r"""
+import os, sys, time, json
+t0 = time.perf_counter()
+import jax, jax.numpy as jnp
+t1 = time.perf_counter()
+import jax_dqpost
+from jax_dqpost import AccumLayout, dq_postprocess, compile as compile_
+t2 = time.perf_counter()
+jnp.zeros(1).block_until_ready()
+res = {"import_jax": t1 - t0, "import_jax_dqpost": t2 - t1, "configs": []}
+for D in map(int, sys.argv[1].split(",")):
+    layout = AccumLayout.flash_attention(90, D)
+    acc = jnp.ones(layout.accum_shape(1, 2, 256, D), jnp.float32).block_until_ready()
+    s = time.perf_counter()
+    compile_.get_kernel(jnp.bfloat16, layout, layout.padded_head_dim(D))
+    k = time.perf_counter()
+    jax.jit(lambda a: dq_postprocess(a, 0.1, seqlen_q=256, head_dim=D, layout=layout))(acc).block_until_ready()
+    e = time.perf_counter()
+    res["configs"].append({"head_dim": D, "get_kernel": k - s, "first_result": e - s})
+print(json.dumps(res))
+"""
+
+
+def start_costs(head_dims=(64, 128, 256)) -> dict:
+    """Fresh processes: cold start (empty on-disk cache: the CuTe DSL compiles), then warm start (cache hit),
+    per configuration: time from the first call's start to its first result (kernel lookup, XLA compile of the
+    jitted function, module load, run); plus import times."""
+    import tempfile
+
+    cache = tempfile.mkdtemp(prefix="jax_dqpost_bench_cache_")
+    arg = ",".join(map(str, head_dims))
+    env = {**os.environ, "JAX_DQPOST_CACHE_DIR": cache, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    out = {}
+    for name in ("cold", "warm"):
+        p = subprocess.run([sys.executable, "-c", _START_PROBE, arg], env=env, capture_output=True, text=True)
+        if p.returncode:
+            return {"error": p.stderr[-2000:]}
+        out[name] = json.loads(p.stdout.strip().splitlines()[-1])
+    return out
+
+
+# ---- report ----------------------------------------------------------------------------------------------
+def _tbps(res, impl):
+    return res["bytes"] / res[impl] / 1e12 if impl in res else float("nan")
+
+
+def table(rows) -> str:
+    head = (f"{'config':>13} {'mode':>6} | {'MB':>6} | {'ours us (TB/s)':>15} | {'FA4 us (TB/s)':>15} | "
+            f"{'copy us (TB/s)':>15} | {'ours/FA4':>8} | {'of copy':>7} | {'jax us':>8} | {'gather us':>9} | "
+            f"{'x gather':>8}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        us = lambda k: f"{r[k] * 1e6:7.1f} ({_tbps(r, k):4.2f})" if k in r else f"{'-':>15}"  # noqa: E731
+        lines.append(
+            f"{r['config']:>13} {r['mode']:>6} | {r['bytes'] / 1e6:6.1f} | {us('ours'):>15} | {us('FA4'):>15} | "
+            f"{us('copy'):>15} | {r.get('FA4', math.nan) / r['ours']:8.3f} | {r['copy'] / r['ours']:7.1%} | "
+            f"{r['ours_jax'] * 1e6:8.1f} | {r['jnp_gather'] * 1e6:9.1f} | {r['jnp_gather'] / r['ours_jax']:8.1f}")
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in report["sweep"]]
+    configs = [c for c, _, _ in CONFIGS]
+    fig, axes = plt.subplots(2, len(configs), figsize=(4 * len(configs), 7), sharey=True, squeeze=False)
+    for i, mode in enumerate(("dense", "varlen")):
+        for j, config in enumerate(configs):
+            ax = axes[i, j]
+            rs = sorted((r for r in rows if r["mode"] == mode and r["config"] == config), key=lambda r: r["bytes"])
+            for impl in IMPLS:
+                pts = [(r["bytes"], _tbps(r, impl)) for r in rs if impl in r]
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", ms=3, label=impl)
+            ax.set_xscale("log")
+            ax.set_title(f"{config} {mode}", fontsize=9)
+            ax.grid(True, alpha=0.3)
+            if i == 1:
+                ax.set_xlabel("bytes moved per call")
+            if j == 0:
+                ax.set_ylabel("TB/s")
+    axes[0, 0].legend(fontsize=8)
+    fig.suptitle(f"dQ postprocess, bf16, {report['gpu']}, {report['date']} ({report['commit']})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def _commit() -> str:
+    try:
+        here = Path(__file__).resolve().parents[1]
+        c = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True)
+        if c.returncode == 0:
+            return c.stdout.strip()
+    except OSError:
+        pass
+    return os.environ.get("JAX_DQPOST_COMMIT", "unknown")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jax_dqpost.bench", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="bench_results", help="directory for bench.json and bench.png")
+    parser.add_argument("--quick", action="store_true", help="fewer sizes and samples")
+    parser.add_argument("--samples", type=int, default=None, help="samples per measurement (median)")
+    parser.add_argument("--plot", metavar="JSON", help="only redraw the plot of a saved bench.json")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.plot:
+        plot(json.loads(Path(args.plot).read_text()), out / "bench.png")
+        return 0
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch and JAX share the GPU
+    import jax
+    import torch
+
+    if not torch.cuda.is_available() or jax.default_backend() != "gpu":
+        print("python -m jax_dqpost.bench needs a CUDA GPU visible to both torch and JAX", file=sys.stderr)
+        return 1
+    try:
+        from flash_attn.cute.interface import _bwd_postprocess_convert as fa4
+    except Exception as e:  # noqa: BLE001
+        log(f"FlashAttention-4 not importable ({type(e).__name__}: {e}); its columns stay empty")
+        fa4 = None
+    samples = args.samples or (9 if args.quick else 25)
+    sizes = SIZES[::2] if args.quick else SIZES
+    report = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+              "commit": _commit(), "gpu": torch.cuda.get_device_name(), "jax": jax.__version__,
+              "flash_attn": _version("flash-attn-4") or _version("flash_attn"), "samples": samples,
+              "method": METHOD, "reference": [], "sweep": []}
+    rng = np.random.default_rng(0)
+    todo = [(c, m, s) for c in CONFIGS for m in ("dense", "varlen") for s in [None, *sizes]]
+    for k, ((name, D, causal), mode, size) in enumerate(todo):
+        log(f"[{k + 1}/{len(todo)}] {name} {mode} {'B,H,S=' + str(REFERENCE_SHAPE) if size is None else size}")
+        r = measure(Case(name, D, causal, mode, size, rng, torch, fa4), samples)
+        report["reference" if size is None else "sweep"].append(r)
+    log("chain of 200 tiny calls")
+    report["chain"] = chain_cost(samples)
+    log("cold and warm start")
+    report["start"] = start_costs()
+    (out / "bench.json").write_text(json.dumps(report, indent=1) + "\n")
+    plot(report, out / "bench.png")
+    print(f"== {report['gpu']}, {report['date']}, commit {report['commit']}, jax {report['jax']}, "
+          f"FlashAttention-4 {report['flash_attn']}; median of {samples} samples")
+    print(f"\n== B, H, S = {REFERENCE_SHAPE}, bf16 (varlen: 64 random lengths, same tokens)")
+    print(table(report["reference"]))
+    dense = {r["config"]: r for r in report["reference"] if r["mode"] == "dense"}
+    for r in report["reference"]:
+        if r["mode"] == "varlen":
+            d = dense[r["config"]]
+            print(f"varlen {r['config']}: {d['ours'] / r['ours']:.1%} of our dense throughput "
+                  f"(time {d['ours'] * 1e6:.1f} -> {r['ours'] * 1e6:.1f} us for {r['tokens']} tokens)")
+    print("\n== size sweep (bytes moved per call)")
+    print(table(sorted(report["sweep"], key=lambda r: (r["config"], r["mode"], r["bytes"]))))
+    c = report["chain"]
+    print(f"\n== per-call cost in a jitted chain of 200 tiny calls {tuple(c['shape'])}: ours {c['ours'] * 1e6:.2f} us, "
+          f"XLA elementwise op {c['xla_elementwise'] * 1e6:.2f} us")
+    s = report["start"]
+    if "error" in s:
+        print(f"start probe failed: {s['error']}")
+    else:
+        for name in ("cold", "warm"):
+            cfg = ", ".join(f"hd{c['head_dim']} {c['first_result']:.3f} s (kernel {c['get_kernel']:.3f} s)"
+                            for c in s[name]["configs"])
+            print(f"== {name} start, first call to first result: {cfg}; import jax {s[name]['import_jax']:.3f} s, "
+                  f"import jax_dqpost {s[name]['import_jax_dqpost']:.3f} s")
+    print(f"\nwrote {out / 'bench.json'} and {out / 'bench.png'}")
+    return 0
+
+
+def _version(dist: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -5,16 +5,18 @@
 For FlashAttention's Hopper configurations (head dims 64, 96, 128, 128 causal, 192, 256), dense and
 varlen (64 random lengths, the same tokens), sizes from a few KB to 1 GB moved per call, it times
 
-- ``ours``: our CuTe kernel, launched back to back on a torch stream (device time: CUDA events);
-- ``FA4``: FlashAttention-4's postprocess (``flash_attn.cute``), when importable (CUDA events);
-- ``copy``: a device-to-device copy of the same number of bytes, the ceiling (CUDA events);
+- ``ours``: our CuTe kernel (the module the FFI target runs), launched from a torch stream;
+- ``FA4``: FlashAttention-4's postprocess (``flash_attn.cute``), when importable;
+- ``copy``: a device-to-device copy of the same number of bytes, the ceiling;
 - ``ours_jax``: ``jax.jit(dq_postprocess)`` called from Python, pipelined (wall clock per call);
 - ``jnp_gather``: what a JAX user writes without this package, a gather by the tile order, a multiply
   and a cast, under ``jax.jit`` (wall clock per call, pipelined like ``ours_jax``).
 
-Each sample runs enough calls back to back for at least 2 ms, cycling through enough distinct input and
-output buffers (at least 256 MiB, several times the L2) that no call finds its data in L2; the median of
-the samples is reported. Bandwidth counts the useful bytes of a call: for every row of dQ, the accumulator's
+These three are captured in a CUDA graph of back-to-back calls and timed with CUDA events around its
+replay: device time, free of Python's launch cost (their eager times are kept in the JSON too). Each
+sample runs enough calls for at least 2 ms, cycling through enough distinct input and output buffers (at
+least 256 MiB, several times the L2) that no call finds its data in L2; the median of the samples is
+reported. Bandwidth counts the useful bytes of a call: for every row of dQ, the accumulator's
 row (4 bytes per element, head dim padded as the producer stores it) and the row written (2 bytes per
 element); padding rows of partial tiles and of varlen allocations are not counted. It also measures the per-call
 cost in a jitted chain of 200 tiny calls, cold and warm (on-disk cache hit) start, and the import time.
@@ -44,9 +46,9 @@ REFERENCE_SHAPE = (2, 32, 8192)  # (B, H, S): the sizes of the performance issue
 ROTATE_BYTES = 256 << 20  # distinct buffers cycled per sample (H200 L2: 50 MiB)
 MIN_SAMPLE_S = 2e-3
 IMPLS = ("ours", "FA4", "copy", "ours_jax", "jnp_gather")
-METHOD = ("ours/FA4/copy: CUDA events around back-to-back launches on one torch stream; ours_jax/jnp_gather: "
-          "wall clock of pipelined jitted calls; median of samples of >= 2 ms; >= 256 MiB of rotated buffers; "
-          "seconds per call")
+METHOD = ("ours/FA4/copy: CUDA events around the replay of a CUDA graph of back-to-back calls (*_eager: "
+          "events around eager launches); ours_jax/jnp_gather: wall clock of pipelined jitted calls; median of "
+          "samples of >= 2 ms; >= 256 MiB of rotated buffers; seconds per call")
 _EXECUTORS: dict = {}
 
 
@@ -73,6 +75,20 @@ def _event_clock(torch):
         b.synchronize()
         return a.elapsed_time(b) * 1e-3
     return clock
+
+
+def _graph_per_call(torch, run, calls: int, samples: int) -> tuple[float, float]:
+    """(device seconds per call from CUDA-graph replay, eager seconds per call). ``run(n)`` enqueues n calls
+    on torch's current stream."""
+    eager = _per_call(run, calls, samples, _event_clock(torch))
+    n = max(calls, min(4000, max(200, math.ceil(MIN_SAMPLE_S / eager))) // calls * calls)
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with torch.cuda.graph(graph, stream=stream):
+        run(n)
+    graph.replay()
+    torch.cuda.synchronize()
+    replay = _event_clock(torch)
+    return statistics.median(replay(lambda _: graph.replay(), n) / n for _ in range(samples)), eager
 
 
 def _wall_clock(run, n):
@@ -157,7 +173,6 @@ class Case:
                                                         self.mode, compile_.target_arch())
         ex = _EXECUTORS[key]
         gmem = cute.AddressSpace.gmem
-        stream = cuda.CUstream(self.torch.cuda.current_stream().cuda_stream)
         if self.mode == "dense":
             dims = (self.B, self.H, self.S, self.D, -(-self.S // self.layout.tile_m))
         else:
@@ -166,11 +181,12 @@ class Case:
                  make_ptr(cutlass.BFloat16, o.data_ptr(), gmem, assumed_align=16),
                  make_ptr(cutlass.Float32, self.t_scale.data_ptr(), gmem, assumed_align=4),
                  make_ptr(cutlass.Int32, self.t_meta.data_ptr(), gmem, assumed_align=4),
-                 *(cutlass.Int32(d) for d in dims), stream) for a, o in zip(self.t_acc, self.t_out)]
+                 *(cutlass.Int32(d) for d in dims)) for a, o in zip(self.t_acc, self.t_out)]
 
         def run(n):
+            stream = cuda.CUstream(self.torch.cuda.current_stream().cuda_stream)  # the capture stream, too
             for i in range(n):
-                ex(*args[i % self.copies])
+                ex(*args[i % self.copies], stream)
         return run
 
     def fa4_run(self):
@@ -264,20 +280,19 @@ class Case:
 
 def measure(case: Case, samples: int) -> dict:
     torch = case.torch
-    ev = _event_clock(torch)
     res = {"config": case.name, "mode": case.mode, "head_dim": case.D, "B": case.B, "H": case.H, "S": case.S,
            "tokens": case.tokens, "bytes": case.bytes, "buffers": case.copies,
            "layout": [case.layout.tile_m, case.layout.num_threads, case.layout.atom_layout, case.layout.swap_ab,
                       case.layout.hdim_multiple_of]}
     case.torch_buffers()
-    res["ours"] = _per_call(case.ours(), case.copies, samples, ev)
+    res["ours"], res["ours_eager"] = _graph_per_call(torch, case.ours(), case.copies, samples)
     if case.fa4 is not None:
         try:
-            res["FA4"] = _per_call(case.fa4_run(), case.copies, samples, ev)
+            res["FA4"], res["FA4_eager"] = _graph_per_call(torch, case.fa4_run(), case.copies, samples)
             res["same_bits_as_FA4"] = case.same_bits_as_fa4()
         except Exception as e:  # noqa: BLE001 - report what the peer cannot run
             res["FA4_error"] = f"{type(e).__name__}: {str(e)[:200]}"
-    res["copy"] = _per_call(case.copy_run(), case.copies, samples, ev)
+    res["copy"], res["copy_eager"] = _graph_per_call(torch, case.copy_run(), case.copies, samples)
     case.free_torch()
     case.jax_inputs()
     res["ours_jax"] = _per_call(case.jax_run(case.ours_jax_fn()), case.copies, samples, _wall_clock)
@@ -287,33 +302,53 @@ def measure(case: Case, samples: int) -> dict:
 
 
 # ---- overheads -----------------------------------------------------------------------------------------
-def chain_cost(samples: int) -> dict:
-    """Per-call cost inside one jitted program of 200 tiny calls chained by data dependence (each call's
-    input waits for the previous output through an optimization barrier), against the same chain of an
-    XLA elementwise op on the same bytes; per call = (t(200) - t(1)) / 199."""
-    import jax
-    import jax.numpy as jnp
+def chain_cost(samples: int, n: int = 200) -> dict:
+    """Per-call cost inside one jitted program of ``n`` tiny calls: (t(n) - t(1)) / (n - 1), where t is the
+    median time from dispatch to result of the whole program. Each call has its own scale (no two are
+    common subexpressions) and every output is returned (none is dead); the compiled program is checked
+    to launch ``n`` of our calls. For comparison, a chain of XLA elementwise ops of the same bytes
+    (x -> x * s, each on the previous result), per kernel XLA launched."""
+    import re
 
-    from . import AccumLayout, dq_postprocess
+    import jax
+
+    from . import AccumLayout, _ffi, dq_postprocess
 
     layout = AccumLayout.flash_attention(90, 128)
     S, D = layout.tile_m, 128
     acc = jax.random.normal(jax.random.PRNGKey(1), layout.accum_shape(1, 1, S, D), np.float32)
-    ops = {"ours": lambda a: dq_postprocess(a, 0.125, seqlen_q=S, head_dim=D, layout=layout),
-           "xla_elementwise": lambda a: (a * 0.125).astype(jnp.bfloat16)}
-    out = {"shape": [1, S, 1, D]}
-    for name, op in ops.items():
-        def chain(a, n, op=op):
-            y = op(a)
-            for _ in range(n - 1):
-                a, y = jax.lax.optimization_barrier((a, y))
-                y = op(a)
-            return y
-        times = {}
-        for n in (1, 200):
-            f = jax.jit(chain, static_argnums=1)
-            times[n] = _per_call(lambda k, f=f, n=n: [f(acc, n) for _ in range(k)][-1], 1, samples, _wall_clock)
-        out[name] = (times[200] - times[1]) / 199
+
+    def ours(a, k):
+        return [dq_postprocess(a, 0.125 + i / 4096, seqlen_q=S, head_dim=D, layout=layout) for i in range(k)]
+
+    def elementwise(a, k):
+        for i in range(k):
+            a = jax.lax.optimization_barrier(a * (1 + i / 4096))
+        return a
+
+    def timed(fn, k):
+        f = jax.jit(fn, static_argnums=1)
+        text = f.lower(acc, k).compile().as_text()
+        for _ in range(3):
+            jax.block_until_ready(f(acc, k))
+        ts = []
+        for _ in range(max(samples, 30)):
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(acc, k))
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts), text
+
+    out = {"shape": [1, S, 1, D], "calls": n}
+    t1, _ = timed(ours, 1)
+    tn, text = timed(ours, n)
+    out["our_calls_in_program"] = len(re.findall(f'custom_call_target="{_ffi.TARGET_NAME}"', text))
+    out["ours"] = (tn - t1) / (n - 1)
+    out["ours_program_1"], out["ours_program_n"] = t1, tn
+    t1, text1 = timed(elementwise, 1)
+    tn, textn = timed(elementwise, n)
+    kernels = lambda t: len(re.findall(r"^\s*(?:ROOT )?\S+ = \S+ fusion\(", t, re.M))  # noqa: E731
+    out["xla_kernels_in_program"] = kernels(textn)
+    out["xla_elementwise"] = (tn - t1) / max(1, kernels(textn) - kernels(text1))
     return out
 
 
@@ -326,6 +361,7 @@ import jax_dqpost
 from jax_dqpost import AccumLayout, dq_postprocess, compile as compile_
 t2 = time.perf_counter()
 jnp.zeros(1).block_until_ready()
+jax.jit(lambda x: jnp.sin(x) * 2)(jnp.ones(8)).block_until_ready()  # XLA's compiler warmed up, not ours
 res = {"import_jax": t1 - t0, "import_jax_dqpost": t2 - t1, "configs": []}
 for D in map(int, sys.argv[1].split(",")):
     layout = AccumLayout.flash_attention(90, D)
@@ -473,8 +509,10 @@ def main(argv=None) -> int:
     print("\n== size sweep (bytes moved per call)")
     print(table(sorted(report["sweep"], key=lambda r: (r["config"], r["mode"], r["bytes"]))))
     c = report["chain"]
-    print(f"\n== per-call cost in a jitted chain of 200 tiny calls {tuple(c['shape'])}: ours {c['ours'] * 1e6:.2f} us, "
-          f"XLA elementwise op {c['xla_elementwise'] * 1e6:.2f} us")
+    print(f"\n== per-call cost in a jitted chain of {c['calls']} tiny calls {tuple(c['shape'])}: ours "
+          f"{c['ours'] * 1e6:.2f} us ({c['our_calls_in_program']} calls in the compiled program; whole program "
+          f"{c['ours_program_n'] * 1e6:.0f} us vs {c['ours_program_1'] * 1e6:.0f} us for one call), XLA elementwise "
+          f"op {c['xla_elementwise'] * 1e6:.2f} us per kernel ({c['xla_kernels_in_program']} kernels)")
     s = report["start"]
     if "error" in s:
         print(f"start probe failed: {s['error']}")

@@ -255,24 +255,36 @@ class DqPostprocess:
         s_layout = self._smem_layout()
         s_dq = smem.allocate_tensor(self.dtype, s_layout, byte_alignment=1024)
         if rows_conv > 0:
-            self._convert_tile(acc_ptr, tile_elem, scale_ptr, s_dq, s_layout, tidx)
+            self._convert_tile(acc_ptr, tile_elem, scale_ptr, s_dq, s_layout, rows_conv, tidx)
         cute.arch.barrier()
         dq_offset = (dq_row0 * Int64(heads) + Int64(head)) * Int64(head_dim)
         self._store_tile(dq_ptr, dq_offset, heads * head_dim, head_dim, s_dq, rows_total, rows_conv, tidx)
 
     @cute.jit
-    def _convert_tile(self, acc_ptr, tile_elem, scale_ptr, s_dq, s_layout, tidx):
-        """Steps 1-3: fragment from global memory, scale and round, into the shared-memory tile ``s_dq``."""
+    def _convert_tile(self, acc_ptr, tile_elem, scale_ptr, s_dq, s_layout, rows_conv, tidx):
+        """Steps 1-3: fragment from global memory, scale and round, into the shared-memory tile ``s_dq``.
+        Outside ``dense`` mode, loads whose rows are all >= ``rows_conv`` are skipped (partial tiles of
+        varlen sequences and of seqused_q): those rows are written as zeros, their values never read."""
         scale = cute.make_tensor(scale_ptr, cute.make_layout(1))[0]
         if const_expr(self.family == "mma"):
-            self._convert_mma(acc_ptr, tile_elem, scale, s_dq, s_layout, tidx)
+            self._convert_mma(acc_ptr, tile_elem, scale, s_dq, s_layout, rows_conv, tidx)
         elif const_expr(self.family == "rows"):
-            self._convert_rows(acc_ptr, tile_elem, scale, s_dq, tidx)
+            self._convert_rows(acc_ptr, tile_elem, scale, s_dq, rows_conv, tidx)
         else:
-            self._convert_rowmajor(acc_ptr, tile_elem, scale, s_dq, tidx)
+            self._convert_rowmajor(acc_ptr, tile_elem, scale, s_dq, rows_conv, tidx)
+
+    def _wgmma_vector_row(self, k: int, tidx):
+        """The lower dQ row of 16-byte vector ``k`` (registers 4k..4k+3) of a Hopper-order fragment: its
+        registers are rows (row, row + 8) at two adjacent columns, or (swap_ab) rows (row, row + 1)."""
+        per_atom, atoms_m = self.n_atom // 2, self.atoms_mn[0]
+        v, mm = (4 * k) % per_atom, (4 * k) // per_atom
+        w, t = tidx // 128, tidx % 128
+        if const_expr(self.layout.swap_ab):
+            return self.n_atom * (w // atoms_m) + 8 * (v // 4) + 2 * (t % 4)
+        return 64 * (w % atoms_m) + 64 * atoms_m * mm + 16 * (t // 32) + (t % 32) // 4
 
     @cute.jit
-    def _convert_mma(self, acc_ptr, tile_elem, scale, s_dq, s_layout, tidx):
+    def _convert_mma(self, acc_ptr, tile_elem, scale, s_dq, s_layout, rows_conv, tidx):
         tile_m, tile_hdim = self.tile_m, self.tile_hdim
         # ---- 1. the fp32 fragment, in the producer's thread order ------------------------------
         if const_expr(self.wgmma_atoms):
@@ -287,8 +299,14 @@ class DqPostprocess:
             src = cute.make_tensor(src_base, cute.make_layout((4, self.regs // 4), stride=(1, 512)))
             acc_flat = cute.make_tensor(acc.iterator, cute.make_layout((4, self.regs // 4)))
             load_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128)
-            for k in cutlass.range_constexpr(self.regs // 4):
-                cute.copy(load_atom, src[None, k], acc_flat[None, k])
+            if const_expr(self.mode == "dense"):
+                for k in cutlass.range_constexpr(self.regs // 4):
+                    cute.copy(load_atom, src[None, k], acc_flat[None, k])
+            else:
+                acc.fill(0.0)
+                for k in cutlass.range_constexpr(self.regs // 4):
+                    if self._wgmma_vector_row(k, tidx) < rows_conv:
+                        cute.copy(load_atom, src[None, k], acc_flat[None, k])
         else:
             # mma.sync: register r of thread tid at tid + num_threads * r (coalesced 4-byte loads).
             src = cute.make_tensor(acc_ptr + tile_elem + Int64(tidx),
@@ -343,7 +361,7 @@ class DqPostprocess:
                 s_dq[m, n] = frag[r]
 
     @cute.jit
-    def _convert_rows(self, acc_ptr, tile_elem, scale, s_dq, tidx):
+    def _convert_rows(self, acc_ptr, tile_elem, scale, s_dq, rows_conv, tidx):
         """tcgen05 order: thread t = TMEM lane t; columns 4c..4c+3 of its row at 512 c + 4 t (2-CTA: the
         pair's halves, see layout.py), converted ``step_cols`` columns at a time."""
         tile_hdim, cols, step = self.tile_hdim, self.row_cols, self.step_cols
@@ -360,14 +378,16 @@ class DqPostprocess:
                                                 cute.AddressSpace.gmem),
                                        cute.make_layout((4, step // 4), stride=(1, 512)))
                 vals = cute.make_rmem_tensor(cute.make_layout((4, step // 4)), Float32)
-                cute.autovec_copy(src, vals)
+                vals.fill(0.0)
+                if row < rows_conv:
+                    cute.autovec_copy(src, vals)
                 out = cute.make_rmem_tensor_like(vals, self.dtype)
                 out.store((vals.load() * scale).to(self.dtype))
                 for q in cutlass.range_constexpr(step):
                     s_dq[row, col0 + st * step + q] = out[q % 4, q // 4]
 
     @cute.jit
-    def _convert_rowmajor(self, acc_ptr, tile_elem, scale, s_dq, tidx):
+    def _convert_rowmajor(self, acc_ptr, tile_elem, scale, s_dq, rows_conv, tidx):
         """Row-major order: 16-byte loads of 4 consecutive floats, consecutive threads adjacent."""
         quads_per_row = self.tile_hdim // 4
         for k in cutlass.range_constexpr(self.tile_m * quads_per_row // self.num_threads):
@@ -376,7 +396,9 @@ class DqPostprocess:
             src = cute.make_tensor(_aligned(acc_ptr + tile_elem + Int64(4 * v), cute.AddressSpace.gmem),
                                    cute.make_layout(4))
             vals = cute.make_rmem_tensor(cute.make_layout(4), Float32)
-            cute.autovec_copy(src, vals)
+            vals.fill(0.0)
+            if row < rows_conv:
+                cute.autovec_copy(src, vals)
             out = cute.make_rmem_tensor_like(vals, self.dtype)
             out.store((vals.load() * scale).to(self.dtype))
             for e in cutlass.range_constexpr(4):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import os
 import threading
 from pathlib import Path
@@ -34,10 +35,12 @@ def cute_runtime_path() -> Path:
     override = os.environ.get("JAX_DQPOST_CUTE_RUNTIME")
     if override:
         return Path(override)
-    import cutlass  # only reached from the CUDA lowering
-
-    # .../nvidia_cutlass_dsl/dsl_packages/cutlass/__init__.py -> .../nvidia_cutlass_dsl/cu*/lib/
-    root = Path(cutlass.__file__).resolve().parents[2]
+    # Found, not imported: importing cutlass costs seconds, and a warm start (kernels from the on-disk
+    # cache) needs none of it. .../nvidia_cutlass_dsl/dsl_packages/cutlass/__init__.py -> .../cu*/lib/
+    spec = importlib.util.find_spec("cutlass")
+    if spec is None or not spec.origin:
+        raise RuntimeError("jax_dqpost: the CUDA path needs nvidia-cutlass-dsl (package `cutlass` not found)")
+    root = Path(spec.origin).resolve().parents[2]
     found = sorted(root.glob("cu*/lib/libcute_dsl_runtime.so"), reverse=True)  # prefer cu13 over cu12
     if not found:
         raise RuntimeError(f"jax_dqpost: libcute_dsl_runtime.so not found under {root}/cu*/lib")

@@ -204,9 +204,9 @@ class Case:
 
     def copy_run(self):
         t = self.torch
-        half = self.bytes // 2
-        src = [t.empty(half, dtype=t.uint8, device="cuda") for _ in range(self.copies)]
-        dst = [t.empty(half, dtype=t.uint8, device="cuda") for _ in range(self.copies)]
+        words = self.bytes // 2 // 16 * 4  # half the bytes each way, as int32 (16-byte multiples)
+        src = [t.empty(words, dtype=t.int32, device="cuda") for _ in range(self.copies)]
+        dst = [t.empty(words, dtype=t.int32, device="cuda") for _ in range(self.copies)]
 
         def run(n):
             for i in range(n):
@@ -220,15 +220,16 @@ class Case:
         keys = jax.random.split(jax.random.PRNGKey(0), self.copies)
         self.j_acc = [jax.random.normal(k, self.acc_shape, np.float32) for k in keys]
 
-    def jax_run(self, fn):
+    def jax_run(self, fn, rotate=True):
         import jax
 
         f = jax.jit(fn)
+        copies = self.copies if rotate else 1
 
         def run(n):
             out = None
             for i in range(n):
-                out = f(self.j_acc[i % self.copies])
+                out = f(self.j_acc[i % copies])
             return out
         return run
 
@@ -296,6 +297,8 @@ def measure(case: Case, samples: int) -> dict:
     case.free_torch()
     case.jax_inputs()
     res["ours_jax"] = _per_call(case.jax_run(case.ours_jax_fn()), case.copies, samples, _wall_clock)
+    res["ours_jax_same_input"] = _per_call(case.jax_run(case.ours_jax_fn(), rotate=False), case.copies, samples,
+                                           _wall_clock)
     res["jnp_gather"] = _per_call(case.jax_run(case.gather_fn()), case.copies, samples, _wall_clock)
     case.j_acc = None
     return res
@@ -318,8 +321,11 @@ def chain_cost(samples: int, n: int = 200) -> dict:
     S, D = layout.tile_m, 128
     acc = jax.random.normal(jax.random.PRNGKey(1), layout.accum_shape(1, 1, S, D), np.float32)
 
-    def ours(a, k):
+    def returned(a, k):  # every output is a result of the program: fresh buffers at every run
         return [dq_postprocess(a, 0.125 + i / 4096, seqlen_q=S, head_dim=D, layout=layout) for i in range(k)]
+
+    def ours(a, k):  # outputs consumed inside the program, as in a training step (one reduction at the end)
+        return sum(y[0, 0, 0, 0].astype(np.float32) for y in returned(a, k))
 
     def elementwise(a, k):
         for i in range(k):
@@ -344,6 +350,9 @@ def chain_cost(samples: int, n: int = 200) -> dict:
     out["our_calls_in_program"] = len(re.findall(f'custom_call_target="{_ffi.TARGET_NAME}"', text))
     out["ours"] = (tn - t1) / (n - 1)
     out["ours_program_1"], out["ours_program_n"] = t1, tn
+    t1, _ = timed(returned, 1)
+    tn, _ = timed(returned, n)
+    out["ours_outputs_returned"] = (tn - t1) / (n - 1)
     t1, text1 = timed(elementwise, 1)
     tn, textn = timed(elementwise, n)
     kernels = lambda t: len(re.findall(r"^\s*(?:ROOT )?\S+ = \S+ fusion\(", t, re.M))  # noqa: E731
@@ -374,6 +383,30 @@ for D in map(int, sys.argv[1].split(",")):
     res["configs"].append({"head_dim": D, "get_kernel": k - s, "first_result": e - s})
 print(json.dumps(res))
 """
+
+
+_JAX_PATH_PROBE = r"""
+import json, sys
+from jax_dqpost import bench
+case = bench.Case("hd128", 128, False, "dense", None, None, None, None)
+case.jax_inputs()
+res = {}
+for name, rotate in (("rotated_inputs", True), ("same_input", False)):
+    res[name] = bench._per_call(case.jax_run(case.ours_jax_fn(), rotate=rotate), case.copies, 15, bench._wall_clock)
+print(json.dumps(res))
+"""
+
+
+def jax_path_costs() -> dict:
+    """ours_jax at the reference shape (hd128) in fresh processes, with XLA's command buffers (CUDA graphs)
+    as configured by default and with them off: what a standalone call on new buffers costs."""
+    out = {}
+    for name, flags in (("default", ""), ("command_buffers_off", "--xla_gpu_enable_command_buffer=")):
+        env = {**os.environ, "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " " + flags).strip(),
+               "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+        p = subprocess.run([sys.executable, "-c", _JAX_PATH_PROBE], env=env, capture_output=True, text=True)
+        out[name] = json.loads(p.stdout.strip().splitlines()[-1]) if p.returncode == 0 else {"error": p.stderr[-1500:]}
+    return out
 
 
 def start_costs(head_dims=(64, 128, 256)) -> dict:
@@ -494,6 +527,8 @@ def main(argv=None) -> int:
     report["chain"] = chain_cost(samples)
     log("cold and warm start")
     report["start"] = start_costs()
+    log("jax path with and without command buffers")
+    report["jax_path"] = jax_path_costs()
     (out / "bench.json").write_text(json.dumps(report, indent=1) + "\n")
     plot(report, out / "bench.png")
     print(f"== {report['gpu']}, {report['date']}, commit {report['commit']}, jax {report['jax']}, "
@@ -511,8 +546,10 @@ def main(argv=None) -> int:
     c = report["chain"]
     print(f"\n== per-call cost in a jitted chain of {c['calls']} tiny calls {tuple(c['shape'])}: ours "
           f"{c['ours'] * 1e6:.2f} us ({c['our_calls_in_program']} calls in the compiled program; whole program "
-          f"{c['ours_program_n'] * 1e6:.0f} us vs {c['ours_program_1'] * 1e6:.0f} us for one call), XLA elementwise "
-          f"op {c['xla_elementwise'] * 1e6:.2f} us per kernel ({c['xla_kernels_in_program']} kernels)")
+          f"{c['ours_program_n'] * 1e6:.0f} us vs {c['ours_program_1'] * 1e6:.0f} us for one call); "
+          f"{c['ours_outputs_returned'] * 1e6:.2f} us when all {c['calls']} outputs are results of the program; "
+          f"XLA elementwise op {c['xla_elementwise'] * 1e6:.2f} us per kernel ({c['xla_kernels_in_program']} "
+          f"kernels)")
     s = report["start"]
     if "error" in s:
         print(f"start probe failed: {s['error']}")
@@ -522,6 +559,10 @@ def main(argv=None) -> int:
                             for c in s[name]["configs"])
             print(f"== {name} start, first call to first result: {cfg}; import jax {s[name]['import_jax']:.3f} s, "
                   f"import jax_dqpost {s[name]['import_jax_dqpost']:.3f} s")
+    for name, r in report["jax_path"].items():
+        print(f"== jax.jit(dq_postprocess) hd128 dense {REFERENCE_SHAPE}, XLA command buffers {name}: " + (
+            r["error"][-300:] if "error" in r else
+            ", ".join(f"{k.replace('_', ' ')} {v * 1e6:.1f} us per call" for k, v in r.items())))
     print(f"\nwrote {out / 'bench.json'} and {out / 'bench.png'}")
     return 0
 

@@ -190,7 +190,7 @@ def _compile(dtype: str, layout: AccumLayout, tile_hdim: int, mode: str, arch: s
 def compile_executor(dtype: str, layout: AccumLayout, tile_hdim: int, mode: str, arch: str):
     """``cute.compile`` the kernel; returns CuTe's executor, callable from Python with the arguments of the
     C ABI (kernel.py: pointers, int32 extents, stream). Callers serialise through ``_lock`` or accept that
-    the DSL's global arch is set here."""
+    the DSL's global arch is set here (and restored afterwards)."""
     import cuda.bindings.driver as cuda
     import cutlass
     import cutlass.cute as cute
@@ -203,19 +203,25 @@ def compile_executor(dtype: str, layout: AccumLayout, tile_hdim: int, mode: str,
     if not DqPostprocess.can_implement(cute_dtype, layout, tile_hdim):
         raise ValueError(f"jax_dqpost: no kernel for dtype={dtype}, {layout}, padded head dim {tile_hdim}")
     kernel = DqPostprocess(cute_dtype, layout, tile_hdim, mode=mode, target_sm=sm_version(arch))
-    CuTeDSL._get_dsl().envar.arch = arch  # arch-dependent code paths inside the DSL read this global
+    # Arch-dependent code paths inside the DSL read a process-wide setting: set it for this compile only,
+    # so that other users of the DSL in this process (e.g. FlashAttention) keep theirs.
+    envar = CuTeDSL._get_dsl().envar
+    previous, envar.arch = envar.arch, arch
     gmem = cute.AddressSpace.gmem
-    return cute.compile(
-        kernel,
-        make_ptr(cutlass.Float32, 16, gmem, assumed_align=16),  # dq_accum
-        make_ptr(cute_dtype, 16, gmem, assumed_align=16),  # dq
-        make_ptr(cutlass.Float32, 16, gmem, assumed_align=4),  # scale
-        make_ptr(cutlass.Int32, 16, gmem, assumed_align=4),  # seqused_q / work list (unused when dense)
-        cutlass.Int32(1),  # batch, or spans (varlen)
-        cutlass.Int32(1),  # heads
-        cutlass.Int32(1),  # seqlen, or total_q (varlen)
-        cutlass.Int32(8),  # head_dim
-        cutlass.Int32(1),  # CTAs per head along x
-        cuda.CUstream(0),
-        options=f"--gpu-arch {arch}",
-    )
+    try:
+        return cute.compile(
+            kernel,
+            make_ptr(cutlass.Float32, 16, gmem, assumed_align=16),  # dq_accum
+            make_ptr(cute_dtype, 16, gmem, assumed_align=16),  # dq
+            make_ptr(cutlass.Float32, 16, gmem, assumed_align=4),  # scale
+            make_ptr(cutlass.Int32, 16, gmem, assumed_align=4),  # seqused_q / work list (unused when dense)
+            cutlass.Int32(1),  # batch, or spans (varlen)
+            cutlass.Int32(1),  # heads
+            cutlass.Int32(1),  # seqlen, or total_q (varlen)
+            cutlass.Int32(8),  # head_dim
+            cutlass.Int32(1),  # CTAs per head along x
+            cuda.CUstream(0),
+            options=f"--gpu-arch {arch}",
+        )
+    finally:
+        envar.arch = previous

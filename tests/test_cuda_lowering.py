@@ -97,3 +97,23 @@ def test_every_order_and_mode_compiles_for(arch):
         for mode in ("dense", "dense_seqused", "varlen"):
             k = compile_.get_kernel(jnp.bfloat16, layout, 128, mode, arch=arch)
             assert k.arch == arch and k.module[:4] == b"\x7fELF"
+
+
+def test_compiling_for_another_arch_leaves_the_dsl_setting_alone():
+    """The DSL's target arch is process-wide; compiling ours for sm_100a must not change it for other
+    users of the DSL in the process (on the H200, FlashAttention-4 then failed to compile for sm_90a)."""
+    from cutlass.cutlass_dsl.cutlass import CuTeDSL
+
+    envar = CuTeDSL._get_dsl().envar
+    before = envar.arch
+    for arch in ("sm_100a", "sm_80"):
+        compile_.compile_executor("bf16", LAYOUT, 128, "varlen", arch)
+        assert envar.arch == before, (arch, envar.arch, before)
+
+
+def test_cute_runtime_is_found_without_importing_cutlass():
+    """A warm start (kernels from the on-disk cache) must not pay for importing the DSL (seconds)."""
+    code = ("import sys; from jax_dqpost import _ffi; p = _ffi.cute_runtime_path(); "
+            "assert 'cutlass' not in sys.modules, 'cutlass imported'; print(p.is_file(), p.name)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/")
+    assert out.returncode == 0 and out.stdout.split() == ["True", "libcute_dsl_runtime.so"], (out.stdout, out.stderr)

@@ -205,8 +205,12 @@ def compile_executor(dtype: str, layout: AccumLayout, tile_hdim: int, mode: str,
     kernel = DqPostprocess(cute_dtype, layout, tile_hdim, mode=mode, target_sm=sm_version(arch))
     # Arch-dependent code paths inside the DSL read a process-wide setting: set it for this compile only,
     # so that other users of the DSL in this process (e.g. FlashAttention) keep theirs.
+    # (Reading ``envar.arch`` when it is unset probes the GPU through the driver; the raw field is saved
+    # instead where this DSL version has it.)
     envar = CuTeDSL._get_dsl().envar
-    previous, envar.arch = envar.arch, arch
+    raw = hasattr(envar, "_arch")
+    previous = envar._arch if raw else envar.arch
+    envar.arch = arch
     gmem = cute.AddressSpace.gmem
     try:
         return cute.compile(
@@ -224,4 +228,7 @@ def compile_executor(dtype: str, layout: AccumLayout, tile_hdim: int, mode: str,
             options=f"--gpu-arch {arch}",
         )
     finally:
-        envar.arch = previous
+        if raw:
+            envar._arch = previous
+        else:
+            envar.arch = previous

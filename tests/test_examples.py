@@ -29,3 +29,12 @@ def test_flax_attention():
                          cwd="/", timeout=600)
     assert out.returncode == 0, out.stderr[-2000:] + out.stdout[-2000:]
     assert "query-kernel gradient vs flax's attention" in out.stdout
+
+
+def test_transformations():
+    out = subprocess.run([sys.executable, str(EXAMPLES / "transformations.py")], capture_output=True, text=True,
+                         cwd="/", timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:] + out.stdout[-2000:]
+    lines = out.stdout.strip().splitlines()
+    assert [line.split(":")[0] for line in lines] == ["jit", "vmap", "grad", "export", "sharding", "fori_loop"], lines
+    assert all(line.endswith("True") for line in lines), lines

@@ -10,7 +10,8 @@ zeros (seqused_q shorter than the sequence, rows no sequence covers).
 
 Per tile with rows to convert, every thread
   1. loads its fp32 accumulator fragment straight from global memory, coalesced, in the order the
-     producer's threads stored it (no shared-memory staging of the fp32 tile),
+     producer's threads stored it (no shared-memory staging of the fp32 tile); outside ``dense`` mode it
+     skips the loads whose rows are all past ``rows_conv`` (those rows are written as zeros),
   2. multiplies by ``scale`` (one fp32 multiply, round-to-nearest) and rounds to bf16/fp16 (RNE),
   3. writes the values into a swizzled shared-memory dQ tile at their (row, column) (see
      :class:`DqPostprocess` for how each order family does it),

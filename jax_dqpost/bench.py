@@ -12,7 +12,7 @@ varlen (64 random lengths, the same tokens), sizes from a few KB to 1 GB moved p
 - ``jnp_gather``: what a JAX user writes without this package, a gather by the tile order, a multiply
   and a cast, under ``jax.jit`` (wall clock per call, pipelined like ``ours_jax``).
 
-These three are captured in a CUDA graph of back-to-back calls and timed with CUDA events around its
+The first three are captured in a CUDA graph of back-to-back calls and timed with CUDA events around its
 replay: device time, free of Python's launch cost (their eager times are kept in the JSON too). Each
 sample runs enough calls for at least 2 ms, cycling through enough distinct input and output buffers (at
 least 256 MiB, several times the L2) that no call finds its data in L2; the median of the samples is

@@ -187,7 +187,13 @@ def _batch(args, dims, *, mode, rows, head_dim, dtype, layout, num_tiles):
         s = jax.numpy.moveaxis(scale, scale_dim, 0).reshape((size,) + (1,) * (acc.ndim - 1))
         acc, scale = mul_f32_rn(acc, s), jax.numpy.float32(1.0)
     if mode == "varlen":
-        meta = _moved(aux, aux_dim, size)
+        if aux_dim is _NOT_MAPPED:
+            # The same offsets for every element: (N, H, L) is (N*H, L), one call; the result (T, N*H, D)
+            # is (T, N, H, D) with the mapped axis at 1 (no transpose here; JAX moves it if needed).
+            n, h = acc.shape[0], acc.shape[1]
+            out = dq_postprocess_p.bind(acc.reshape((n * h,) + acc.shape[2:]), scale, aux, **params)
+            return out.reshape((out.shape[0], n, h) + out.shape[2:]), 1
+        meta = _moved(aux, aux_dim, size)  # per-element offsets: one call each
         out = jax.lax.map(lambda xs: dq_postprocess_p.bind(xs[0], scale, xs[1], **params), (acc, meta))
         return out, 0
     # Dense: (N, B, H, L) is (N*B, H, L); seqused_q (N, B) is (N*B,).

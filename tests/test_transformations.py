@@ -61,7 +61,21 @@ def test_vmap_varlen_matches_a_loop(rng, platform):
     op = lambda a, c: dq_postprocess(a, 0.3, head_dim=D, total_q=T, cu_seqlens_q=c, layout=LAYOUT)
     got = jax.jit(jax.vmap(op))(acc, cu)
     want = np.stack([np.asarray(jax.jit(op)(acc[i], cu[i])) for i in range(n)])
-    assert_same_bits(got, want, "vmap varlen")
+    assert_same_bits(got, want, "vmap varlen, per-element offsets (one call each)")
+    # The same offsets for every element (traced or static), per-element scales: folded into the heads, one call.
+    scales = jax.device_put(rng.uniform(0.1, 2.0, n).astype(np.float32), device)
+    same = lambda a, s: dq_postprocess(a, s, head_dim=D, total_q=T, cu_seqlens_q=cu[0], layout=LAYOUT)  # noqa: E731
+    static = lambda a, s: dq_postprocess(a, s, head_dim=D, total_q=T, cu_seqlens_q=cus[0].tolist(),  # noqa: E731
+                                         layout=LAYOUT)
+    for name, fn in (("traced", same), ("static", static)):
+        jaxpr = str(jax.make_jaxpr(jax.vmap(fn))(acc, scales))
+        assert jaxpr.count("dq_postprocess") == 1 and "while" not in jaxpr, jaxpr
+        got = jax.jit(jax.vmap(fn))(acc, scales)
+        want = np.stack([np.asarray(jax.jit(fn)(acc[i], scales[i])) for i in range(n)])
+        assert_same_bits(got, want, f"vmap varlen, shared {name} offsets")
+        nested = jax.jit(jax.vmap(jax.vmap(fn, in_axes=(0, None)), in_axes=(0, None)))(acc[None], scales[0])
+        assert_same_bits(nested[0], np.stack([np.asarray(jax.jit(fn)(acc[i], scales[0])) for i in range(n)]),
+                         f"nested vmap varlen, shared {name} offsets")
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)

@@ -98,7 +98,7 @@ def _wall_clock(run, n):
 
 
 # ---- problem sizes -----------------------------------------------------------------------------------
-def problem(layout, head_dim: int, target_bytes: int | None):
+def problem(head_dim: int, target_bytes: int | None):
     """(B, H, S) moving about ``target_bytes`` per call (None: the issue's reference shape)."""
     if target_bytes is None:
         return REFERENCE_SHAPE
@@ -125,7 +125,7 @@ class Case:
         self.torch, self.fa4 = torch, fa4
         self.layout = AccumLayout.flash_attention(90, head_dim, causal=causal)
         self.name, self.mode, self.D = name, mode, head_dim
-        B, H, S = problem(self.layout, head_dim, target_bytes)
+        B, H, S = problem(head_dim, target_bytes)
         self.B, self.H, self.S = B, H, S
         Dr = self.layout.padded_head_dim(head_dim)
         tm = self.layout.tile_m

@@ -26,6 +26,8 @@ import dataclasses
 
 import numpy as np
 
+from .varlen import padded_total
+
 __all__ = ["AccumLayout"]
 
 _SUPPORTED_ARCHS = (80, 90, 100, None)
@@ -198,8 +200,7 @@ class AccumLayout:
     def varlen_accum_shape(self, batch: int, heads: int, total_q: int, head_dim: int) -> tuple[int, int]:
         """Shape of a varlen accumulator for ``batch`` packed sequences of ``total_q`` rows:
         ``(heads, Tp * Dr)`` with FlashAttention's ``Tp = round_up(total_q + batch * tile_m, tile_m)``."""
-        tp = (total_q + (batch + 1) * self.tile_m - 1) // self.tile_m * self.tile_m
-        return (heads, tp * self.padded_head_dim(head_dim))
+        return (heads, padded_total(total_q, batch, self.tile_m) * self.padded_head_dim(head_dim))
 
     def mma_geometry(self, head_dim: int) -> dict:
         """The producer's dQ MMA (arch 80 and 90) as the kernel rebuilds it (all ints; None if it does not

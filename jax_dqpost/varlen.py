@@ -31,8 +31,7 @@ SPAN_FIELDS = 4  # row_start, span_rows, conv_rows, acc_row
 
 
 def padded_total(total_q: int, batch: int, tile_m: int) -> int:
-    """``Tp``: accumulator rows FlashAttention allocates, ``round_up(T + B * tile_m, tile_m)`` (as in
-    ``AccumLayout.varlen_accum_shape``)."""
+    """``Tp``: accumulator rows FlashAttention allocates, ``round_up(T + B * tile_m, tile_m)``."""
     return (total_q + (batch + 1) * tile_m - 1) // tile_m * tile_m
 
 

@@ -45,6 +45,7 @@ SIZES = [2**12, 2**16, 2**20, 2**24, 2**27, 2**30]  # bytes moved per call (appr
 REFERENCE_SHAPE = (2, 32, 8192)  # (B, H, S): the sizes of the performance issue's table
 ROTATE_BYTES = 256 << 20  # distinct buffers cycled per sample (H200 L2: 50 MiB)
 MIN_SAMPLE_S = 2e-3
+MANY_SEQUENCES = 2000  # "large batches of short sequences"
 IMPLS = ("ours", "FA4", "copy", "ours_jax", "jnp_gather")
 METHOD = ("ours/FA4/copy: CUDA events around the replay of a CUDA graph of back-to-back calls (*_eager: "
           "events around eager launches); ours_jax/jnp_gather: wall clock of pipelined jitted calls; median of "
@@ -118,7 +119,7 @@ def random_lengths(rng, total: int, count: int) -> list[int]:
 class Case:
     """One (configuration, mode, size): buffers and launchers of every implementation."""
 
-    def __init__(self, name, head_dim, causal, mode, target_bytes, rng, torch, fa4):
+    def __init__(self, name, head_dim, causal, mode, target_bytes, rng, torch, fa4, sequences=64):
         from . import AccumLayout
         from . import varlen as varlen_
 
@@ -135,11 +136,13 @@ class Case:
             self.cu = None
         else:
             self.tokens = B * S
-            self.cu = random_lengths(rng, self.tokens, 64)
+            self.cu = random_lengths(rng, self.tokens, sequences)
             batch = len(self.cu) - 1
             self.acc_shape = self.layout.varlen_accum_shape(batch, H, self.tokens, head_dim)
             self.out_shape = (self.tokens, H, head_dim)
             self.meta, self.num_tiles = varlen_.work_list(np, self.cu, None, total_q=self.tokens, tile_m=tm)
+            # CTAs per head: launched (the work list's grid) and what the sequences' rows need at the least
+            self.tiles_needed = int(sum(-(-n // tm) for n in np.diff(self.cu)))
             self.spans = varlen_.num_spans(batch)
         self.bytes = self.tokens * H * (Dr * 4 + head_dim * 2)  # useful bytes: rows of the sequences only
         per_call = int(np.prod(self.acc_shape)) * 4 + int(np.prod(self.out_shape)) * 2
@@ -285,6 +288,8 @@ def measure(case: Case, samples: int) -> dict:
            "tokens": case.tokens, "bytes": case.bytes, "buffers": case.copies,
            "layout": [case.layout.tile_m, case.layout.num_threads, case.layout.atom_layout, case.layout.swap_ab,
                       case.layout.hdim_multiple_of]}
+    if case.mode == "varlen":
+        res.update(sequences=len(case.cu) - 1, tiles_launched=case.num_tiles, tiles_needed=case.tiles_needed)
     case.torch_buffers()
     res["ours"], res["ours_eager"] = _graph_per_call(torch, case.ours(), case.copies, samples)
     if case.fa4 is not None:
@@ -523,6 +528,9 @@ def main(argv=None) -> int:
         log(f"[{k + 1}/{len(todo)}] {name} {mode} {'B,H,S=' + str(REFERENCE_SHAPE) if size is None else size}")
         r = measure(Case(name, D, causal, mode, size, rng, torch, fa4), samples)
         report["reference" if size is None else "sweep"].append(r)
+    log(f"{MANY_SEQUENCES} short sequences (hd128)")
+    report["many_sequences"] = measure(Case(f"hd128-{MANY_SEQUENCES}seq", 128, False, "varlen", None, rng, torch, fa4,
+                                            sequences=MANY_SEQUENCES), samples)
     log("chain of 200 tiny calls")
     report["chain"] = chain_cost(samples)
     log("cold and warm start")
@@ -541,6 +549,10 @@ def main(argv=None) -> int:
             d = dense[r["config"]]
             print(f"varlen {r['config']}: {d['ours'] / r['ours']:.1%} of our dense throughput "
                   f"(time {d['ours'] * 1e6:.1f} -> {r['ours'] * 1e6:.1f} us for {r['tokens']} tokens)")
+    m, d = report["many_sequences"], dense["hd128"]
+    print(f"{m['sequences']} random lengths, hd128, {m['tokens']} tokens: ours {m['ours'] * 1e6:.1f} us "
+          f"({d['ours'] / m['ours']:.1%} of dense), FlashAttention-4 {m.get('FA4', math.nan) * 1e6:.1f} us; CTAs per "
+          f"head launched {m['tiles_launched']}, needed by the sequences {m['tiles_needed']}")
     print("\n== size sweep (bytes moved per call)")
     print(table(sorted(report["sweep"], key=lambda r: (r["config"], r["mode"], r["bytes"]))))
     c = report["chain"]

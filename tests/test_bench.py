@@ -40,3 +40,54 @@ def test_plot_draws_a_saved_report(tmp_path):
              "jnp_gather": b / 0.5e12} for c, _, _ in bench.CONFIGS for m in ("dense", "varlen") for b in bench.SIZES]
     bench.plot({"sweep": rows, "gpu": "test", "date": "today", "commit": "abc"}, tmp_path / "b.png")
     assert (tmp_path / "b.png").stat().st_size > 10_000
+
+
+def test_many_short_sequences_launch_exactly_the_tiles_they_need(rng):
+    """With static offsets the varlen grid is exact: 2000 short sequences launch the tiles their rows need
+    (a partial tile per sequence end), no more."""
+    case = bench.Case("x", 128, False, "varlen", None, rng, None, None, sequences=bench.MANY_SEQUENCES)
+    lengths = np.diff(case.cu)
+    assert len(lengths) == bench.MANY_SEQUENCES and (lengths > 0).all()
+    tm = case.layout.tile_m
+    assert case.num_tiles == case.tiles_needed == sum(-(-int(n) // tm) for n in lengths)
+
+
+def test_main_reports_from_measurements(tmp_path, monkeypatch, capsys):
+    """The report path of `python -m jax_dqpost.bench` (tables, JSON, plot) on synthetic measurements, so a
+    GPU run never fails on its printing. The measurements themselves need a GPU (recorded runs)."""
+    import sys
+    import types
+
+    def fake_measure(case, samples):
+        t = case.bytes / 4e12
+        r = {"config": case.name, "mode": case.mode, "bytes": case.bytes, "tokens": case.tokens, "ours": t,
+             "FA4": t * 1.01, "copy": t * 0.98, "ours_jax": t * 1.1, "jnp_gather": t * 4}
+        if case.mode == "varlen":
+            r.update(sequences=len(case.cu) - 1, tiles_launched=case.num_tiles, tiles_needed=case.tiles_needed)
+        return r
+
+    fake_torch = types.SimpleNamespace(cuda=types.SimpleNamespace(is_available=lambda: True,
+                                                                   get_device_name=lambda: "fake GPU"))
+    monkeypatch.setitem(sys.modules, "torch", fake_torch)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(bench, "measure", fake_measure)
+    monkeypatch.setattr(bench, "chain_cost", lambda samples: {
+        "shape": [1, 80, 1, 128], "calls": 200, "our_calls_in_program": 200, "ours": 3e-6, "ours_program_1": 1e-4,
+        "ours_program_n": 7e-4, "ours_outputs_returned": 8e-6, "xla_kernels_in_program": 199,
+        "xla_elementwise": 1.3e-6})
+    start = {"import_jax": 1.0, "import_jax_dqpost": 0.03, "configs": [{"head_dim": 64, "get_kernel": 0.3,
+                                                                         "first_result": 0.35}]}
+    monkeypatch.setattr(bench, "start_costs", lambda: {"cold": start, "warm": start})
+    monkeypatch.setattr(bench, "jax_path_costs", lambda: {"default": {"rotated_inputs": 1e-4}})
+    has_plot = True
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        has_plot = False
+        monkeypatch.setattr(bench, "plot", lambda report, path: None)
+    assert bench.main(["--out", str(tmp_path), "--quick"]) == 0
+    out = capsys.readouterr().out
+    assert "fake GPU" in out and "2000 random lengths" in out and "per-call cost in a jitted chain" in out
+    report = __import__("json").loads((tmp_path / "bench.json").read_text())
+    assert len(report["reference"]) == 2 * len(bench.CONFIGS) and report["many_sequences"]["sequences"] == 2000
+    assert (tmp_path / "bench.png").exists() == has_plot

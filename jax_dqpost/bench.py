@@ -164,9 +164,6 @@ class Case:
 
     def ours(self):
         import cuda.bindings.driver as cuda
-        import cutlass
-        from cutlass import cute
-        from cutlass.cute.runtime import make_ptr
 
         from . import compile as compile_
 
@@ -175,16 +172,12 @@ class Case:
             _EXECUTORS[key] = compile_.compile_executor("bf16", self.layout, self.layout.padded_head_dim(self.D),
                                                         self.mode, compile_.target_arch())
         ex = _EXECUTORS[key]
-        gmem = cute.AddressSpace.gmem
         if self.mode == "dense":
             dims = (self.B, self.H, self.S, self.D, -(-self.S // self.layout.tile_m))
         else:
             dims = (self.spans, self.H, self.tokens, self.D, self.num_tiles)
-        args = [(make_ptr(cutlass.Float32, a.data_ptr(), gmem, assumed_align=16),
-                 make_ptr(cutlass.BFloat16, o.data_ptr(), gmem, assumed_align=16),
-                 make_ptr(cutlass.Float32, self.t_scale.data_ptr(), gmem, assumed_align=4),
-                 make_ptr(cutlass.Int32, self.t_meta.data_ptr(), gmem, assumed_align=4),
-                 *(cutlass.Int32(d) for d in dims)) for a, o in zip(self.t_acc, self.t_out)]
+        args = [compile_.executor_args("bf16", a.data_ptr(), o.data_ptr(), self.t_scale.data_ptr(),
+                                       self.t_meta.data_ptr(), dims) for a, o in zip(self.t_acc, self.t_out)]
 
         def run(n):
             stream = cuda.CUstream(self.torch.cuda.current_stream().cuda_stream)  # the capture stream, too

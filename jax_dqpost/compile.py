@@ -187,6 +187,24 @@ def _compile(dtype: str, layout: AccumLayout, tile_hdim: int, mode: str, arch: s
     return CompiledKernel(module=module, fingerprint=hashlib.sha256(module).hexdigest(), arch=arch)
 
 
+def executor_args(dtype: str, acc: int, dq: int, scale: int, aux: int, dims) -> tuple:
+    """The arguments of the kernel's C ABI (kernel.py ``__call__``) but the stream, as CuTe values: device
+    addresses of the fp32 accumulator, dQ (``dtype``), the fp32 scale and the int32 aux buffer (seqused_q or
+    the work list; any address when unused), then the int32 extents ``dims = (dim0, heads, rows, head_dim,
+    grid_x)``."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_ptr
+
+    gmem = cute.AddressSpace.gmem
+    cute_dtype = {"bf16": cutlass.BFloat16, "f16": cutlass.Float16}[dtype]
+    return (make_ptr(cutlass.Float32, acc, gmem, assumed_align=16),
+            make_ptr(cute_dtype, dq, gmem, assumed_align=16),
+            make_ptr(cutlass.Float32, scale, gmem, assumed_align=4),
+            make_ptr(cutlass.Int32, aux, gmem, assumed_align=4),
+            *(cutlass.Int32(d) for d in dims))
+
+
 def compile_executor(dtype: str, layout: AccumLayout, tile_hdim: int, mode: str, arch: str):
     """``cute.compile`` the kernel; returns CuTe's executor, callable from Python with the arguments of the
     C ABI (kernel.py: pointers, int32 extents, stream). Callers serialise through ``_lock`` or accept that
@@ -194,7 +212,6 @@ def compile_executor(dtype: str, layout: AccumLayout, tile_hdim: int, mode: str,
     import cuda.bindings.driver as cuda
     import cutlass
     import cutlass.cute as cute
-    from cutlass.cute.runtime import make_ptr
     from cutlass.cutlass_dsl.cutlass import CuTeDSL
 
     from .kernel import DqPostprocess
@@ -211,22 +228,9 @@ def compile_executor(dtype: str, layout: AccumLayout, tile_hdim: int, mode: str,
     raw = hasattr(envar, "_arch")
     previous = envar._arch if raw else envar.arch
     envar.arch = arch
-    gmem = cute.AddressSpace.gmem
-    try:
-        return cute.compile(
-            kernel,
-            make_ptr(cutlass.Float32, 16, gmem, assumed_align=16),  # dq_accum
-            make_ptr(cute_dtype, 16, gmem, assumed_align=16),  # dq
-            make_ptr(cutlass.Float32, 16, gmem, assumed_align=4),  # scale
-            make_ptr(cutlass.Int32, 16, gmem, assumed_align=4),  # seqused_q / work list (unused when dense)
-            cutlass.Int32(1),  # batch, or spans (varlen)
-            cutlass.Int32(1),  # heads
-            cutlass.Int32(1),  # seqlen, or total_q (varlen)
-            cutlass.Int32(8),  # head_dim
-            cutlass.Int32(1),  # CTAs per head along x
-            cuda.CUstream(0),
-            options=f"--gpu-arch {arch}",
-        )
+    try:  # placeholder addresses and extents: the executor takes the real ones at every call
+        return cute.compile(kernel, *executor_args(dtype, 16, 16, 16, 16, (1, 1, 1, 8, 1)), cuda.CUstream(0),
+                            options=f"--gpu-arch {arch}")
     finally:
         if raw:
             envar._arch = previous

@@ -40,9 +40,6 @@ def _kernel_on_poisoned_output(rng, layout, head_dim, seqlen, dtype, what):
     """Run the compiled module directly on a poisoned buffer with a poisoned guard zone after it."""
     torch = _torch()
     import cuda.bindings.driver as cuda
-    import cutlass
-    import cutlass.cute as cute
-    from cutlass.cute.runtime import make_ptr
 
     from jax_dqpost import compile as compile_
 
@@ -59,14 +56,9 @@ def _kernel_on_poisoned_output(rng, layout, head_dim, seqlen, dtype, what):
     t_out = torch.full((B * S * H * D + GUARD,), np.uint16(POISON).view(np.int16).item(), dtype=torch.int16,
                        device="cuda")
     t_scale = torch.tensor([scale], dtype=torch.float32).cuda()
-    gmem = cute.AddressSpace.gmem
-    cdt = {"bf16": cutlass.BFloat16, "f16": cutlass.Float16}[compile_.dtype_name(dtype)]
-    executor(make_ptr(cutlass.Float32, t_acc.data_ptr(), gmem, assumed_align=16),
-             make_ptr(cdt, t_out.data_ptr(), gmem, assumed_align=16),
-             make_ptr(cutlass.Float32, t_scale.data_ptr(), gmem, assumed_align=4),
-             make_ptr(cutlass.Int32, t_scale.data_ptr(), gmem, assumed_align=4),  # unused when dense
-             cutlass.Int32(B), cutlass.Int32(H), cutlass.Int32(S), cutlass.Int32(D),
-             cutlass.Int32(-(-S // layout.tile_m)),
+    executor(*compile_.executor_args(compile_.dtype_name(dtype), t_acc.data_ptr(), t_out.data_ptr(),
+                                     t_scale.data_ptr(), t_scale.data_ptr(),  # aux: unused when dense
+                                     (B, H, S, D, -(-S // layout.tile_m))),
              cuda.CUstream(torch.cuda.current_stream().cuda_stream))
     torch.cuda.synchronize()
     out = t_out.cpu().numpy().view(np.uint16)

@@ -105,7 +105,7 @@ struct Launch {
   int32_t heads = 0;
   int32_t rows = 0;      // seqlen, or total_q (varlen)
   int32_t head_dim = 0;
-  int32_t grid_x = 0;    // CTAs per head along x
+  int32_t grid_x = 0;    // CTAs per head (the kernel launches heads * grid_x along x)
 };
 
 enum Mode : int64_t { kDense = 0, kDenseSeqused = 1, kVarlen = 2 };
@@ -157,9 +157,11 @@ ffi::Error Plan(int64_t mode, const ffi::Buffer<ffi::F32>& acc, const ffi::Buffe
   if (head_dim % 8 != 0 || head_dim > tile_hdim) {
     return ffi::Error::InvalidArgument("jax_dqpost: head_dim must be a multiple of 8 and <= tile_hdim");
   }
-  if (!FitsInt32(dim0) || !FitsInt32(rows) || !FitsInt32(heads * head_dim) || !FitsInt32(grid_x) ||
-      dim0 > 65535 || heads > 65535) {
-    return ffi::Error::InvalidArgument("jax_dqpost: batch/heads must be <= 65535 and rows, heads*head_dim < 2^31");
+  // The launch grid is (heads * grid_x, 1, batch) (varlen: batch 1): x < 2^31, z <= 65535.
+  if (!FitsInt32(dim0) || !FitsInt32(rows) || !FitsInt32(heads * head_dim) || !FitsInt32(heads * grid_x) ||
+      (mode != kVarlen && dim0 > 65535)) {
+    return ffi::Error::InvalidArgument(
+        "jax_dqpost: need batch <= 65535 and rows, heads * head_dim, heads * CTAs per head < 2^31");
   }
   *launch = Launch{static_cast<int32_t>(dim0), static_cast<int32_t>(heads), static_cast<int32_t>(rows),
                    static_cast<int32_t>(head_dim), static_cast<int32_t>(grid_x)};

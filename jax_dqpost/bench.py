@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import math
 import os
@@ -45,6 +46,8 @@ SIZES = [2**12, 2**16, 2**20, 2**24, 2**27, 2**30]  # bytes moved per call (appr
 REFERENCE_SHAPE = (2, 32, 8192)  # (B, H, S): the sizes of the performance issue's table
 ROTATE_BYTES = 256 << 20  # distinct buffers cycled per sample (H200 L2: 50 MiB)
 MIN_SAMPLE_S = 2e-3
+# Pipelined jax.jit calls: a sample's fixed costs (first dispatch, final sync: ~60 us) amortised below 1%
+MIN_WALL_SAMPLE_S = 10e-3
 MANY_SEQUENCES = 2000  # "large batches of short sequences"
 IMPLS = ("ours", "FA4", "copy", "ours_jax", "jnp_gather")
 METHOD = ("ours/FA4/copy: CUDA events around the replay of a CUDA graph of back-to-back calls (*_eager: "
@@ -58,12 +61,12 @@ def log(*a):
 
 
 # ---- timing ------------------------------------------------------------------------------------------
-def _per_call(run, calls: int, samples: int, clock) -> float:
+def _per_call(run, calls: int, samples: int, clock, min_sample_s: float = MIN_SAMPLE_S) -> float:
     """Median over ``samples`` of (time of ``run(n)``) / n, with n >= ``calls`` chosen so one sample lasts
-    at least MIN_SAMPLE_S; ``clock(run, n)`` returns seconds."""
+    at least ``min_sample_s``; ``clock(run, n)`` returns seconds."""
     clock(run, calls)  # warm-up (compiles, first-touch)
     est = clock(run, calls) / calls
-    n = max(calls, min(20000, math.ceil(MIN_SAMPLE_S / max(est, 1e-7) / calls) * calls))
+    n = max(calls, min(20000, math.ceil(min_sample_s / max(est, 1e-7) / calls) * calls))
     return statistics.median(clock(run, n) / n for _ in range(samples))
 
 
@@ -162,15 +165,16 @@ class Case:
         self.t_acc = self.t_out = self.t_meta = self.t_cu = None
         self.torch.cuda.empty_cache()
 
-    def ours(self):
+    def ours(self, **tuning):
+        """Launcher of our kernel; ``tuning``: DqPostprocess keyword arguments (experiments only)."""
         import cuda.bindings.driver as cuda
 
         from . import compile as compile_
 
-        key = (self.layout, self.D, self.mode)
+        key = (self.layout, self.D, self.mode, tuple(sorted(tuning.items())))
         if key not in _EXECUTORS:
             _EXECUTORS[key] = compile_.compile_executor("bf16", self.layout, self.layout.padded_head_dim(self.D),
-                                                        self.mode, compile_.target_arch())
+                                                        self.mode, compile_.target_arch(), **tuning)
         ex = _EXECUTORS[key]
         if self.mode == "dense":
             dims = (self.B, self.H, self.S, self.D, -(-self.S // self.layout.tile_m))
@@ -240,6 +244,13 @@ class Case:
         return lambda a: dq_postprocess(a, self.scale, head_dim=self.D, total_q=self.tokens, cu_seqlens_q=self.cu,
                                         dtype=jnp.bfloat16, layout=self.layout)
 
+    def same_bytes_fn(self):
+        """An XLA op moving the same bytes as a dense call (x * scale -> bf16, no reordering): what a plain
+        jax.jit call of this size costs, for comparison with ours through jax.jit."""
+        import jax.numpy as jnp
+
+        return lambda a: (a * np.float32(self.scale)).astype(jnp.bfloat16)
+
     def gather_fn(self):
         """A user's jax.numpy version: gather every element from its position in the tile order."""
         import jax.numpy as jnp
@@ -294,10 +305,11 @@ def measure(case: Case, samples: int) -> dict:
     res["copy"], res["copy_eager"] = _graph_per_call(torch, case.copy_run(), case.copies, samples)
     case.free_torch()
     case.jax_inputs()
-    res["ours_jax"] = _per_call(case.jax_run(case.ours_jax_fn()), case.copies, samples, _wall_clock)
-    res["ours_jax_same_input"] = _per_call(case.jax_run(case.ours_jax_fn(), rotate=False), case.copies, samples,
-                                           _wall_clock)
-    res["jnp_gather"] = _per_call(case.jax_run(case.gather_fn()), case.copies, samples, _wall_clock)
+    wall = functools.partial(_per_call, calls=case.copies, samples=samples, clock=_wall_clock,
+                             min_sample_s=MIN_WALL_SAMPLE_S)
+    res["ours_jax"] = wall(case.jax_run(case.ours_jax_fn()))
+    res["ours_jax_same_input"] = wall(case.jax_run(case.ours_jax_fn(), rotate=False))
+    res["jnp_gather"] = wall(case.jax_run(case.gather_fn()))
     case.j_acc = None
     return res
 
@@ -308,7 +320,8 @@ def chain_cost(samples: int, n: int = 200) -> dict:
     median time from dispatch to result of the whole program. Each call has its own scale (no two are
     common subexpressions) and every output is returned (none is dead); the compiled program is checked
     to launch ``n`` of our calls. For comparison, a chain of XLA elementwise ops of the same bytes
-    (x -> x * s, each on the previous result), per kernel XLA launched."""
+    (x -> x * s, each on the previous result), per kernel XLA launched. Both also from the GPU's own timeline
+    (jax.profiler): device time per call, kernel duration and idle gap, which the wall clock cannot split."""
     import re
 
     import jax
@@ -345,6 +358,7 @@ def chain_cost(samples: int, n: int = 200) -> dict:
     out = {"shape": [1, S, 1, D], "calls": n}
     t1, _ = timed(ours, 1)
     tn, text = timed(ours, n)
+    out["ours_device"] = _device_per_kernel(jax.jit(ours, static_argnums=1), acc, n, "DqPostprocess")
     out["our_calls_in_program"] = len(re.findall(f'custom_call_target="{_ffi.TARGET_NAME}"', text))
     out["ours"] = (tn - t1) / (n - 1)
     out["ours_program_1"], out["ours_program_n"] = t1, tn
@@ -356,7 +370,44 @@ def chain_cost(samples: int, n: int = 200) -> dict:
     kernels = lambda t: len(re.findall(r"^\s*(?:ROOT )?\S+ = \S+ fusion\(", t, re.M))  # noqa: E731
     out["xla_kernels_in_program"] = kernels(textn)
     out["xla_elementwise"] = (tn - t1) / max(1, kernels(textn) - kernels(text1))
+    out["xla_device"] = _device_per_kernel(jax.jit(elementwise, static_argnums=1), acc, n, "multiply")
     return out
+
+
+def gpu_activities(trace_dir) -> list[tuple[str, str, int, int]]:
+    """(GPU timeline line, activity name, start ns, duration ns) of every GPU activity in the newest
+    jax.profiler trace under ``trace_dir`` (CUPTI's own timestamps)."""
+    import glob
+
+    from jax.profiler import ProfileData
+
+    path = max(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True), key=os.path.getmtime)
+    return [(line.name, e.name, e.start_ns, e.duration_ns)
+            for plane in ProfileData.from_file(path).planes if plane.name.startswith("/device:GPU")
+            for line in plane.lines for e in line.events]
+
+
+def _device_per_kernel(f, acc, n: int, name: str) -> dict:
+    """One execution of ``f(acc, n)`` under jax.profiler: the GPU time per kernel whose name contains ``name``
+    (span from the first one's start to the last one's end, over their count), their median duration and the
+    median idle gap between consecutive ones. Empty if the profiler records no GPU activity."""
+    import tempfile
+
+    import jax
+
+    jax.block_until_ready(f(acc, n))
+    trace_dir = tempfile.mkdtemp(prefix="jax_dqpost_trace_")
+    try:
+        with jax.profiler.trace(trace_dir):
+            jax.block_until_ready(f(acc, n))
+        evs = sorted((start, dur) for _, ev, start, dur in gpu_activities(trace_dir) if name in ev)
+    except Exception as e:  # noqa: BLE001 - the profiler is optional evidence, not the measurement
+        return {"error": f"{type(e).__name__}: {e}"[:300]}
+    if len(evs) < 2:
+        return {}
+    gaps = [b[0] - (a[0] + a[1]) for a, b in zip(evs, evs[1:])]
+    return {"kernels": len(evs), "per_call": (evs[-1][0] + evs[-1][1] - evs[0][0]) / len(evs) * 1e-9,
+            "median_duration": statistics.median(d for _, d in evs) * 1e-9, "median_gap": statistics.median(gaps) * 1e-9}
 
 
 _START_PROBE = r"""
@@ -389,15 +440,18 @@ from jax_dqpost import bench
 case = bench.Case("hd128", 128, False, "dense", None, None, None, None)
 case.jax_inputs()
 res = {}
-for name, rotate in (("rotated_inputs", True), ("same_input", False)):
-    res[name] = bench._per_call(case.jax_run(case.ours_jax_fn(), rotate=rotate), case.copies, 15, bench._wall_clock)
+for name, fn, rotate in (("rotated_inputs", case.ours_jax_fn(), True), ("same_input", case.ours_jax_fn(), False),
+                         ("xla_same_bytes_op", case.same_bytes_fn(), True)):
+    res[name] = bench._per_call(case.jax_run(fn, rotate=rotate), case.copies, 15, bench._wall_clock,
+                                bench.MIN_WALL_SAMPLE_S)
 print(json.dumps(res))
 """
 
 
 def jax_path_costs() -> dict:
     """ours_jax at the reference shape (hd128) in fresh processes, with XLA's command buffers (CUDA graphs)
-    as configured by default and with them off: what a standalone call on new buffers costs."""
+    as configured by default and with them off: what a standalone call on new buffers costs; and an XLA op of
+    the same bytes (Case.same_bytes_fn) in the same harness: the cost of a jax.jit call of that size as such."""
     out = {}
     for name, flags in (("default", ""), ("command_buffers_off", "--xla_gpu_enable_command_buffer=")):
         env = {**os.environ, "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " " + flags).strip(),
@@ -555,6 +609,14 @@ def main(argv=None) -> int:
           f"{c['ours_outputs_returned'] * 1e6:.2f} us when all {c['calls']} outputs are results of the program; "
           f"XLA elementwise op {c['xla_elementwise'] * 1e6:.2f} us per kernel ({c['xla_kernels_in_program']} "
           f"kernels)")
+    for label, key in (("ours", "ours_device"), ("XLA elementwise", "xla_device")):
+        dev = c.get(key) or {}
+        if "per_call" in dev:
+            print(f"   GPU timeline (jax.profiler, one execution): {label} {dev['per_call'] * 1e6:.2f} us per call on the "
+                  f"device ({dev['kernels']} kernels, median {dev['median_duration'] * 1e6:.2f} us each, median gap "
+                  f"{dev['median_gap'] * 1e6:.2f} us)")
+        else:
+            print(f"   GPU timeline of {label}: not recorded {dev.get('error', '')}")
     s = report["start"]
     if "error" in s:
         print(f"start probe failed: {s['error']}")

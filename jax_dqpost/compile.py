@@ -205,10 +205,12 @@ def executor_args(dtype: str, acc: int, dq: int, scale: int, aux: int, dims) -> 
             *(cutlass.Int32(d) for d in dims))
 
 
-def compile_executor(dtype: str, layout: AccumLayout, tile_hdim: int, mode: str, arch: str):
+def compile_executor(dtype: str, layout: AccumLayout, tile_hdim: int, mode: str, arch: str, **tuning):
     """``cute.compile`` the kernel; returns CuTe's executor, callable from Python with the arguments of the
     C ABI (kernel.py: pointers, int32 extents, stream). Callers serialise through ``_lock`` or accept that
-    the DSL's global arch is set here (and restored afterwards)."""
+    the DSL's global arch is set here (and restored afterwards). ``tuning``: keyword arguments of
+    :class:`~jax_dqpost.kernel.DqPostprocess` for experiments (tools/ncu_kernels.py); the package itself
+    always compiles with the defaults, which is why they are not part of the cache key."""
     import cuda.bindings.driver as cuda
     import cutlass
     import cutlass.cute as cute
@@ -219,7 +221,7 @@ def compile_executor(dtype: str, layout: AccumLayout, tile_hdim: int, mode: str,
     cute_dtype = {"bf16": cutlass.BFloat16, "f16": cutlass.Float16}[dtype]
     if not DqPostprocess.can_implement(cute_dtype, layout, tile_hdim):
         raise ValueError(f"jax_dqpost: no kernel for dtype={dtype}, {layout}, padded head dim {tile_hdim}")
-    kernel = DqPostprocess(cute_dtype, layout, tile_hdim, mode=mode, target_sm=sm_version(arch))
+    kernel = DqPostprocess(cute_dtype, layout, tile_hdim, mode=mode, target_sm=sm_version(arch), **tuning)
     # Arch-dependent code paths inside the DSL read a process-wide setting: set it for this compile only,
     # so that other users of the DSL in this process (e.g. FlashAttention) keep theirs.
     # (Reading ``envar.arch`` when it is unset probes the GPU through the driver; the raw field is saved

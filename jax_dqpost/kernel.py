@@ -2,9 +2,11 @@
 
 Imports cutlass at module import: load this module lazily (``compile.py`` does).
 
-Which tile a CTA takes depends on the mode (compiled in): ``dense`` / ``dense_seqused``: grid
-``(ceil(S / tile_m), H, B)``, tile ``(b, h, m)``; ``varlen``: grid ``(num_tiles, H)``, CTA ``x`` looks its
-span up in the work list (varlen.py) and converts tile ``x - tile_start[span]`` of it. A tile has
+Which tile a CTA takes depends on the mode (compiled in). The grid is ``(H * grid_x, 1, B)`` (varlen:
+``B`` = 1), heads fastest: CTA ``x`` takes head ``x % H`` and tile ``m = x // H`` of that head (so the CTAs in
+flight write whole rows of dQ, every head of them, as a copy would). ``dense`` / ``dense_seqused``:
+``grid_x = ceil(S / tile_m)``, tile ``(b, h, m)``; ``varlen``: ``grid_x = num_tiles``, tile ``m`` looks its
+span up in the work list (varlen.py) and converts tile ``m - tile_start[span]`` of it. A tile has
 ``rows_total`` rows to write, of which the first ``rows_conv`` come from the accumulator and the rest are
 zeros (seqused_q shorter than the sequence, rows no sequence covers).
 
@@ -91,15 +93,20 @@ class DqPostprocess:
     MODES = ("dense", "dense_seqused", "varlen")
 
     def __init__(self, dtype: type[cutlass.Numeric], layout: AccumLayout, tile_hdim: int, *,
-                 mode: str = "dense", target_sm: int = 90, min_ctas_per_sm: int | None = None):
+                 mode: str = "dense", target_sm: int = 90, min_ctas_per_sm: int | None = None,
+                 heads_fastest: bool = True):
         """``mode``: how a CTA finds its tile (see the module docstring). ``target_sm``: the GPU generation
-        compiled for (e.g. 80, 90, 100). ``min_ctas_per_sm``: the launch-bounds hint given to ptxas (None:
-        chosen here; 0: none)."""
+        compiled for (e.g. 80, 90, 100). Tuning (tools/ncu_kernels.py compares them): ``min_ctas_per_sm``,
+        the launch-bounds hint given to ptxas (None: chosen here; 0: none); ``heads_fastest``, the launch
+        order: True (default), consecutive CTAs take the same tile of consecutive heads, so the CTAs in flight
+        write whole dQ rows (all heads) of a few tiles; False, consecutive tiles of one head (FlashAttention's
+        order), so they write narrow slices (one head) of many rows."""
         if not self.can_implement(dtype, layout, tile_hdim):
             raise ValueError(f"cannot implement dtype={dtype}, {layout}, tile_hdim={tile_hdim}")
         if mode not in self.MODES:
             raise ValueError(f"mode must be one of {self.MODES}, got {mode!r}")
         self.mode = mode
+        self.heads_fastest = heads_fastest
         self.family = {90: "mma", 80: "mma", 100: "rows", None: "rowmajor"}[layout.arch]
         self.use_stmatrix = target_sm >= 90
         # WGMMA atoms exist only on sm_90: elsewhere a Hopper-order fragment is placed by its coordinates.
@@ -190,7 +197,8 @@ class DqPostprocess:
         grid_x: Int32,  # CTAs per head along x: ceil(S / tile_m), varlen: the work list's num_tiles
         stream: cuda.CUstream,
     ):
-        grid = [grid_x, heads, 1] if const_expr(self.mode == "varlen") else [grid_x, heads, dim0]
+        z = 1 if const_expr(self.mode == "varlen") else dim0
+        grid = [heads * grid_x, 1, z] if const_expr(self.heads_fastest) else [grid_x, heads, z]
         self.kernel(acc_ptr, dq_ptr, scale_ptr, aux_ptr, dim0, heads, rows, head_dim, grid_x).launch(
             grid=grid,
             block=[self.num_threads, 1, 1],
@@ -217,6 +225,8 @@ class DqPostprocess:
     ):
         tidx, _, _ = cute.arch.thread_idx()
         bx, head, bz = cute.arch.block_idx()
+        if const_expr(self.heads_fastest):
+            bx, head = bx // heads, bx % heads
         tile_m, tile_hdim = self.tile_m, self.tile_hdim
 
         # ---- 0. this CTA's tile: accumulator tile, first dQ row, rows to write and to convert ------

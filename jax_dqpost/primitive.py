@@ -80,9 +80,29 @@ def _abstract_eval(acc, scale, aux, *, mode: str, rows: int, head_dim: int, dtyp
     return jax.core.ShapedArray((batch, rows, heads, head_dim), dtype)
 
 
+_INT32_MAX = 2**31 - 1
+
+
+def _check_launch_grid(mode: str, acc_shape, rows: int, layout: AccumLayout, num_tiles: int) -> None:
+    """The kernel's grid is (heads * CTAs per head, 1, batch): x < 2^31, batch <= 65535 (CUDA's limits)."""
+    if mode == "varlen":
+        heads, per_head, batch = acc_shape[0], num_tiles, 1
+    else:
+        batch, heads = acc_shape[0], acc_shape[1]
+        per_head = layout.padded_seqlen(rows) // layout.tile_m
+    if batch > 65535:
+        raise ValueError(f"dq_postprocess on CUDA: batch (with any vmapped axes folded in) must be <= 65535, "
+                         f"got {batch}")
+    if heads * per_head > _INT32_MAX or rows > _INT32_MAX:
+        raise ValueError(f"dq_postprocess on CUDA: heads * ceil(rows / tile_m) must be < 2^31, got heads={heads}, "
+                         f"{per_head} tiles per head ({rows} rows)")
+
+
 def _cuda_lowering(ctx, acc, scale, aux, *, mode: str, rows: int, head_dim: int, dtype, layout: AccumLayout,
                    num_tiles: int):
     from . import compile as compile_  # imports cutlass lazily, at the first CUDA lowering
+
+    _check_launch_grid(mode, ctx.avals_in[0].shape, rows, layout, num_tiles)
 
     kernel = compile_.get_kernel(dtype, layout, layout.padded_head_dim(head_dim), mode)
     if _has_cuda_backend():  # lowering for export on a machine without a GPU needs no registration

@@ -51,6 +51,22 @@ def test_export_for_cuda_emits_our_custom_call(dtype, name):
     assert f'fingerprint = "{kernel.fingerprint}"' in text
 
 
+@pytest.mark.parametrize("batch, heads, seqlen, what", [
+    (65536, 1, 80, "batch"),  # grid z
+    (1, 2**16, 2**15 * 80, "heads"),  # grid x: heads * ceil(S / tile_m) = 2^31
+])
+def test_cuda_lowering_rejects_grids_cuda_cannot_launch(batch, heads, seqlen, what):
+    """Shapes past CUDA's grid limits fail at lowering time with a ValueError naming them (before any
+    kernel compile or launch); the largest batch that fits still lowers."""
+    f = jax.jit(lambda a: dq_postprocess(a, 0.5, seqlen_q=seqlen, head_dim=128, layout=LAYOUT))
+    spec = jax.ShapeDtypeStruct(LAYOUT.accum_shape(batch, heads, seqlen, 128), jnp.float32)
+    with pytest.raises(ValueError, match=what):
+        jax.export.export(f, platforms=["cuda"], disabled_checks=DISABLED)(spec)
+    if what == "batch":
+        ok = jax.ShapeDtypeStruct(LAYOUT.accum_shape(batch - 1, heads, seqlen, 128), jnp.float32)
+        assert _ffi.TARGET_NAME in jax.export.export(f, platforms=["cuda"], disabled_checks=DISABLED)(ok).mlir_module()
+
+
 def test_export_serializes_and_multi_platform():
     exported = _export(["cpu", "cuda"])
     assert exported.platforms == ("cpu", "cuda")

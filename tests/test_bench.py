@@ -69,12 +69,16 @@ def test_main_reports_from_measurements(tmp_path, monkeypatch, capsys):
     fake_torch = types.SimpleNamespace(cuda=types.SimpleNamespace(is_available=lambda: True,
                                                                    get_device_name=lambda: "fake GPU"))
     monkeypatch.setitem(sys.modules, "torch", fake_torch)
+    # FlashAttention-4 must not be imported against the fake torch: a half-imported flash_attn would stay in
+    # sys.modules and break the FlashAttention-4 tests later in this process (seen on the GPU machine).
+    monkeypatch.setitem(sys.modules, "flash_attn", None)
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(bench, "measure", fake_measure)
     monkeypatch.setattr(bench, "chain_cost", lambda samples: {
         "shape": [1, 80, 1, 128], "calls": 200, "our_calls_in_program": 200, "ours": 3e-6, "ours_program_1": 1e-4,
         "ours_program_n": 7e-4, "ours_outputs_returned": 8e-6, "xla_kernels_in_program": 199,
-        "xla_elementwise": 1.3e-6})
+        "xla_elementwise": 1.3e-6, "ours_device": {"kernels": 200, "per_call": 2e-6, "median_duration": 1.8e-6,
+                                                   "median_gap": 2e-7}})
     start = {"import_jax": 1.0, "import_jax_dqpost": 0.03, "configs": [{"head_dim": 64, "get_kernel": 0.3,
                                                                          "first_result": 0.35}]}
     monkeypatch.setattr(bench, "start_costs", lambda: {"cold": start, "warm": start})
@@ -88,6 +92,7 @@ def test_main_reports_from_measurements(tmp_path, monkeypatch, capsys):
     assert bench.main(["--out", str(tmp_path), "--quick"]) == 0
     out = capsys.readouterr().out
     assert "fake GPU" in out and "2000 random lengths" in out and "per-call cost in a jitted chain" in out
+    assert "GPU timeline (jax.profiler, one execution): ours 2.00 us per call" in out
     report = __import__("json").loads((tmp_path / "bench.json").read_text())
     assert len(report["reference"]) == 2 * len(bench.CONFIGS) and report["many_sequences"]["sequences"] == 2000
     assert (tmp_path / "bench.png").exists() == has_plot

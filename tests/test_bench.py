@@ -96,3 +96,20 @@ def test_main_reports_from_measurements(tmp_path, monkeypatch, capsys):
     report = __import__("json").loads((tmp_path / "bench.json").read_text())
     assert len(report["reference"]) == 2 * len(bench.CONFIGS) and report["many_sequences"]["sequences"] == 2000
     assert (tmp_path / "bench.png").exists() == has_plot
+
+
+def test_device_timeline_of_a_chain():
+    """The chain's device-side split comes from jax.profiler's own trace: on a GPU, one kernel per call with
+    their span, durations and gaps; without GPU activity (CPU) an empty result, never an exception."""
+    import jax.numpy as jnp
+
+    def chain(a, k):
+        for i in range(k):
+            a = jax.lax.optimization_barrier(a * (1 + i / 4096))
+        return a
+
+    res = bench._device_per_kernel(jax.jit(chain, static_argnums=1), jnp.ones((64, 128), np.float32), 5, "multiply")
+    if jax.default_backend() != "gpu":
+        assert res == {}
+    else:
+        assert res["kernels"] == 5 and res["median_duration"] > 0 and res["per_call"] > 0, res

@@ -245,8 +245,9 @@ class Case:
                                         dtype=jnp.bfloat16, layout=self.layout)
 
     def same_bytes_fn(self):
-        """An XLA op moving the same bytes as a dense call (x * scale -> bf16, no reordering): what a plain
-        jax.jit call of this size costs, for comparison with ours through jax.jit."""
+        """An XLA op moving about the bytes of a dense call (x * scale -> bf16 of the whole accumulator, its
+        padded rows included, no reordering): what a plain jax.jit call of this size costs, for comparison
+        with ours through jax.jit."""
         import jax.numpy as jnp
 
         return lambda a: (a * np.float32(self.scale)).astype(jnp.bfloat16)
@@ -391,6 +392,7 @@ def _device_per_kernel(f, acc, n: int, name: str) -> dict:
     """One execution of ``f(acc, n)`` under jax.profiler: the GPU time per kernel whose name contains ``name``
     (span from the first one's start to the last one's end, over their count), their median duration and the
     median idle gap between consecutive ones. Empty if the profiler records no GPU activity."""
+    import shutil
     import tempfile
 
     import jax
@@ -403,6 +405,8 @@ def _device_per_kernel(f, acc, n: int, name: str) -> dict:
         evs = sorted((start, dur) for _, ev, start, dur in gpu_activities(trace_dir) if name in ev)
     except Exception as e:  # noqa: BLE001 - the profiler is optional evidence, not the measurement
         return {"error": f"{type(e).__name__}: {e}"[:300]}
+    finally:
+        shutil.rmtree(trace_dir, ignore_errors=True)
     if len(evs) < 2:
         return {}
     gaps = [b[0] - (a[0] + a[1]) for a, b in zip(evs, evs[1:])]

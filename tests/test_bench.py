@@ -105,7 +105,7 @@ def test_device_timeline_of_a_chain():
 
     def chain(a, k):
         for i in range(k):
-            a = jax.lax.optimization_barrier(a * (1 + i / 4096))
+            a = jax.lax.optimization_barrier(a * (1 + (i + 1) / 4096))  # (x * 1 would be simplified away)
         return a
 
     res = bench._device_per_kernel(jax.jit(chain, static_argnums=1), jnp.ones((64, 128), np.float32), 5, "multiply")

@@ -10,6 +10,7 @@
 Without the profiler (it slows the host down): the same pipelined calls' host enqueue time and wall time
 per call, with the outputs dropped at once (as the benchmark does) or kept alive, and the chain's wall time.
 Run it again with XLA_FLAGS=--xla_gpu_enable_command_buffer= to see XLA's command buffers' share.
+3. The chain as a training-loop step with a donated state (no address changes between executions) or not.
 """
 
 from __future__ import annotations
@@ -137,7 +138,46 @@ def chain(trace_root, n=200):
         summarize(label, gpu_activities(d))
 
 
+def stable_addresses(n=200, reps=30):
+    """The chain again, as a step function whose only result is a small state: donated (the result reuses the
+    state's buffer, so no buffer the program touches changes address between executions, as in a training
+    loop with donated state) or not (a new result buffer every execution). Per call: (t(n) - t(1)) / (n - 1)
+    of the synchronous wall time per execution. Shows how much of a call's cost is XLA updating its command
+    buffer when addresses change."""
+    layout = AccumLayout.flash_attention(90, 128)
+    S, D = layout.tile_m, 128
+    acc = jax.random.normal(jax.random.PRNGKey(1), layout.accum_shape(1, 1, S, D), np.float32)
+
+    def ours(state, a, k):
+        ys = [dq_postprocess(a, 0.125 + i / 4096, seqlen_q=S, head_dim=D, layout=layout) for i in range(k)]
+        return state + sum(y[0, 0, 0, 0].astype(np.float32) for y in ys)
+
+    def elementwise(state, a, k):
+        for i in range(k):
+            a = jax.lax.optimization_barrier(a * (1 + (i + 1) / 4096))
+        return state + a[0, 0, 0]
+
+    for label, fn in (("ours", ours), ("XLA elementwise", elementwise)):
+        for donate in (True, False):
+            per_k = {}
+            for k in (1, n):
+                f = jax.jit(fn, static_argnums=2, donate_argnums=(0,) if donate else ())
+                state = jnp.zeros((), np.float32)
+                for _ in range(3):
+                    state = f(state, acc, k)
+                walls = []
+                for _ in range(reps):
+                    t0 = time.perf_counter()
+                    state = jax.block_until_ready(f(state, acc, k))
+                    walls.append(time.perf_counter() - t0)
+                per_k[k] = statistics.median(walls)
+            print(f"chain step of {label}, state {'donated' if donate else 'not donated'}: "
+                  f"{(per_k[n] - per_k[1]) / (n - 1) * 1e6:.2f} us per call (program {per_k[n] * 1e6:.0f} us, "
+                  f"one call {per_k[1] * 1e6:.0f} us)", flush=True)
+
+
 if __name__ == "__main__":
     root = sys.argv[1] if len(sys.argv) > 1 else None
     standalone(root)
     chain(root)
+    stable_addresses()

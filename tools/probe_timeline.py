@@ -1,16 +1,16 @@
-"""Where the time of the `jax.jit` path goes, from the GPU's own timeline (jax.profiler / CUPTI), on the GPU:
+"""Where the time of the `jax.jit` path goes, on the GPU machine:
 
     python tools/probe_timeline.py [TRACE_DIR]      (no TRACE_DIR: host-side timings only, no profiler)
 
-1. `jax.jit(dq_postprocess)` at the benchmark's reference shape (hd128, B, H, S = 2, 32, 8192), 20 pipelined
-   calls on two rotating inputs, and for comparison an XLA op moving the same bytes (x * s -> bf16 of the
-   same accumulator): host time to enqueue the calls, wall time to the last result, and on the GPU every
-   activity's count and median duration and the median idle gap between consecutive activities.
-2. The benchmark's chain of 200 tiny calls in one program: the same GPU statistics per execution.
-Without the profiler (it slows the host down): the same pipelined calls' host enqueue time and wall time
-per call, with the outputs dropped at once (as the benchmark does) or kept alive, and the chain's wall time.
-Run it again with XLA_FLAGS=--xla_gpu_enable_command_buffer= to see XLA's command buffers' share.
+1. `jax.jit(dq_postprocess)` at the benchmark's reference shape (hd128, B, H, S = 2, 32, 8192), pipelined calls
+   on two rotating inputs, and for comparison an XLA op moving about the same bytes (x * s -> bf16 of the same
+   accumulator): host time to enqueue the calls and wall time per call, with the outputs dropped at once (as
+   the benchmark does) or kept alive.
+2. The benchmark's chain of 200 tiny calls in one program (and XLA's elementwise chain): wall time per execution.
 3. The chain as a training-loop step with a donated state (no address changes between executions) or not.
+With TRACE_DIR, 1 and 2 also run under jax.profiler (which slows the host down) and print the GPU's own
+timeline (CUPTI): every activity's count and median duration and the idle gaps between consecutive ones.
+Run it again with XLA_FLAGS=--xla_gpu_enable_command_buffer= to see XLA's command buffers' share.
 """
 
 from __future__ import annotations
@@ -67,7 +67,8 @@ def pipelined(label, f, inputs, trace_dir, n=20):
 
 
 def host_costs(f, inputs, n=50, keep=False):
-    """(host enqueue, wall to the last result) per call of n pipelined calls, median of 7 samples."""
+    """(host enqueue, wall to the last result) per call of n pipelined calls, median of 7 samples (after one
+    warm-up)."""
     samples = []
     for _ in range(8):
         kept, out = [], None

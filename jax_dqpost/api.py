@@ -13,7 +13,6 @@ from .primitive import dq_postprocess_p
 from .reference import accum_from_dq_reference
 
 _OUT_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
-_INT32_MAX = 2**31 - 1
 
 
 def dq_postprocess(dq_accum, scale, *, head_dim: int, seqlen_q: int | None = None, total_q: int | None = None,
@@ -185,7 +184,7 @@ def _int_array(name: str, x):
 
 
 def _check_int32_range(total_q: int, batch: int, tile_m: int) -> None:
-    if total_q + (batch + 2) * tile_m > _INT32_MAX:
+    if total_q + (batch + 2) * tile_m > varlen.INT32_MAX:
         raise ValueError(f"total_q={total_q} with batch={batch} overflows the int32 row offsets")
 
 

@@ -80,9 +80,6 @@ def _abstract_eval(acc, scale, aux, *, mode: str, rows: int, head_dim: int, dtyp
     return jax.core.ShapedArray((batch, rows, heads, head_dim), dtype)
 
 
-_INT32_MAX = 2**31 - 1
-
-
 def _check_launch_grid(mode: str, acc_shape, rows: int, layout: AccumLayout, num_tiles: int) -> None:
     """The kernel's grid is (heads * CTAs per head, 1, batch): x < 2^31, batch <= 65535 (CUDA's limits)."""
     if mode == "varlen":
@@ -93,7 +90,7 @@ def _check_launch_grid(mode: str, acc_shape, rows: int, layout: AccumLayout, num
     if batch > 65535:
         raise ValueError(f"dq_postprocess on CUDA: batch (with any vmapped axes folded in) must be <= 65535, "
                          f"got {batch}")
-    if heads * per_head > _INT32_MAX or rows > _INT32_MAX:
+    if heads * per_head > varlen.INT32_MAX or rows > varlen.INT32_MAX:
         raise ValueError(f"dq_postprocess on CUDA: heads * ceil(rows / tile_m) must be < 2^31, got heads={heads}, "
                          f"{per_head} tiles per head ({rows} rows)")
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import numpy as np
 
 SPAN_FIELDS = 4  # row_start, span_rows, conv_rows, acc_row
+INT32_MAX = 2**31 - 1  # row offsets, extents and the kernel's launch grid are int32
 
 
 def padded_total(total_q: int, batch: int, tile_m: int) -> int:

@@ -86,6 +86,15 @@ ffi::ErrorOr<CuteFunction*> GetFunction(std::string_view module, std::string_vie
 
 bool FitsInt32(int64_t v) { return v >= 0 && v <= std::numeric_limits<int32_t>::max(); }
 
+// The varlen work list's layout (jax_dqpost/varlen.py; tests/test_cuda_lowering.py pins these to it):
+// tile_start[spans + 1] | spans[spans][kSpanFields] | tile_span[num_tiles], spans = batch + 2.
+constexpr int64_t kSpanFields = 4;
+int64_t WorkListSize(int64_t batch, int64_t num_tiles) { return (kSpanFields + 1) * (batch + 2) + 1 + num_tiles; }
+// Accumulator rows FlashAttention allocates for a packed batch: round_up(total + batch * tile_m, tile_m).
+int64_t PaddedTotal(int64_t total, int64_t batch, int64_t tile_m) {
+  return (total + (batch + 1) * tile_m - 1) / tile_m * tile_m;
+}
+
 bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 // ------------------------------------------------------------------------------------------------
@@ -110,12 +119,13 @@ struct Launch {
 
 enum Mode : int64_t { kDense = 0, kDenseSeqused = 1, kVarlen = 2 };
 
-// Checks the buffers against the mode's contract (jax_dqpost/primitive.py) and fills the launch.
-ffi::Error Plan(int64_t mode, const ffi::Buffer<ffi::F32>& acc, const ffi::Buffer<ffi::S32>& aux,
-                const ffi::AnyBuffer& dq, int64_t tile_m, int64_t tile_hdim, int64_t num_tiles, Launch* launch) {
+// Checks the buffers against the tiling's contract (jax_dqpost/plan.py) and fills the launch.
+ffi::Error CheckAndPlan(int64_t mode, const ffi::Buffer<ffi::F32>& acc, const ffi::Buffer<ffi::S32>& aux,
+                        const ffi::AnyBuffer& dq, int64_t tile_m, int64_t padded_head_dim, int64_t num_tiles,
+                        Launch* launch) {
   const auto a = acc.dimensions();
   const auto d = dq.dimensions();
-  if (tile_m <= 0 || tile_hdim <= 0) return ffi::Error::InvalidArgument("jax_dqpost: bad tile attributes");
+  if (tile_m <= 0 || padded_head_dim <= 0) return ffi::Error::InvalidArgument("jax_dqpost: bad tile attributes");
   int64_t batch = 0, heads = 0, rows = 0, head_dim = 0, grid_x = 0, dim0 = 0;
   if (mode == kDense || mode == kDenseSeqused) {
     if (a.size() != 3 || d.size() != 4) {
@@ -126,7 +136,7 @@ ffi::Error Plan(int64_t mode, const ffi::Buffer<ffi::F32>& acc, const ffi::Buffe
       return ffi::Error::InvalidArgument("jax_dqpost: dq_accum and dq disagree on batch or heads");
     }
     grid_x = (rows + tile_m - 1) / tile_m;
-    if (a[2] != grid_x * tile_m * tile_hdim) {
+    if (a[2] != grid_x * tile_m * padded_head_dim) {
       return ffi::Error::InvalidArgument("jax_dqpost: dq_accum's last dim is not ceil(S/tile_m)*tile_m*tile_hdim");
     }
     const int64_t want_aux = mode == kDenseSeqused ? batch : 0;
@@ -139,22 +149,21 @@ ffi::Error Plan(int64_t mode, const ffi::Buffer<ffi::F32>& acc, const ffi::Buffe
       return ffi::Error::InvalidArgument("jax_dqpost: varlen dq_accum must have rank 2 and dq rank 3");
     }
     rows = d[0], heads = d[1], head_dim = d[2];
-    // Work list: 5 * spans + 1 + num_tiles entries, spans = batch + 2.
-    const int64_t rest = static_cast<int64_t>(aux.element_count()) - 1 - num_tiles;
-    if (num_tiles < 0 || rest < 15 || rest % 5 != 0) {
+    // The batch whose work list has this size (at least one sequence).
+    const int64_t rest = static_cast<int64_t>(aux.element_count()) - WorkListSize(-2, num_tiles);
+    batch = rest / (kSpanFields + 1) - 2;
+    if (num_tiles < 0 || batch < 1 || WorkListSize(batch, num_tiles) != static_cast<int64_t>(aux.element_count())) {
       return ffi::Error::InvalidArgument("jax_dqpost: the work list does not match num_tiles");
     }
-    dim0 = rest / 5;
-    batch = dim0 - 2;
-    const int64_t padded_total = (rows + (batch + 1) * tile_m - 1) / tile_m * tile_m;
-    if (a[0] != heads || a[1] != padded_total * tile_hdim) {
+    dim0 = batch + 2;  // the kernel takes the number of spans
+    if (a[0] != heads || a[1] != PaddedTotal(rows, batch, tile_m) * padded_head_dim) {
       return ffi::Error::InvalidArgument("jax_dqpost: dq_accum is not (heads, Tp * tile_hdim)");
     }
     grid_x = num_tiles;
   } else {
     return ffi::Error::InvalidArgument("jax_dqpost: unknown mode");
   }
-  if (head_dim % 8 != 0 || head_dim > tile_hdim) {
+  if (head_dim % 8 != 0 || head_dim > padded_head_dim) {
     return ffi::Error::InvalidArgument("jax_dqpost: head_dim must be a multiple of 8 and <= tile_hdim");
   }
   // The launch grid is (heads * grid_x, 1, batch) (varlen: batch 1): x < 2^31, z <= 65535.
@@ -177,9 +186,9 @@ ffi::Error Execute(CudaStream stream,
                    std::string_view module,          // CuTe object module (bytes)
                    std::string_view fingerprint,     // sha256 of module, the load-cache key
                    std::string_view dtype,           // "bf16" or "f16": the type compiled into module
-                   int64_t mode,                     // 0 dense, 1 dense with seqused_q, 2 varlen
+                   int64_t mode,                     // plan.Tiling: 0 dense, 1 dense with seqused_q, 2 varlen
                    int64_t tile_m,                   // rows per accumulator tile
-                   int64_t tile_hdim,                // padded head dim compiled into module
+                   int64_t padded_head_dim,          // attribute "tile_hdim": Dr, compiled into module
                    int64_t num_tiles) {              // varlen: CTAs per head (0 otherwise)
   if (scale.element_count() != 1) return ffi::Error::InvalidArgument("jax_dqpost: scale must be a scalar");
   const ffi::DataType want = dtype == "bf16" ? ffi::DataType::BF16
@@ -189,7 +198,8 @@ ffi::Error Execute(CudaStream stream,
     return ffi::Error::InvalidArgument("jax_dqpost: dq element type does not match the compiled kernel");
   }
   Launch launch;
-  if (ffi::Error err = Plan(mode, acc, aux, *dq, tile_m, tile_hdim, num_tiles, &launch); err.failure()) {
+  if (ffi::Error err = CheckAndPlan(mode, acc, aux, *dq, tile_m, padded_head_dim, num_tiles, &launch);
+      err.failure()) {
     return err;
   }
   if (!Aligned16(acc.untyped_data()) || !Aligned16(dq->untyped_data())) {
@@ -238,6 +248,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDqpostExecute, Execute,
                                   .Attr<int64_t>("tile_hdim")
                                   .Attr<int64_t>("num_tiles"),
                               {ffi::Traits::kCmdBufferCompatible});
+
+// The work list's size and the padded total as the handler computes them, for the test that pins them to
+// the Python side (jax_dqpost/varlen.py).
+extern "C" int64_t jax_dqpost_work_list_size(int64_t batch, int64_t num_tiles) {
+  return WorkListSize(batch, num_tiles);
+}
+extern "C" int64_t jax_dqpost_padded_total(int64_t total, int64_t batch, int64_t tile_m) {
+  return PaddedTotal(total, batch, tile_m);
+}
 
 // Called once from Python (ctypes) with the path of libcute_dsl_runtime.so. Returns 0 on success,
 // else writes a message into err (size errlen) and returns -1. Idempotent.

@@ -6,9 +6,9 @@ softmax scale and one round-to-nearest-even. On CUDA it runs a CuTe DSL kernel t
 target; on every other platform, a bit-identical jax.numpy reference.
 """
 
+from ._version import __version__
 from .api import dq_accum_from_dq, dq_postprocess
-from .compile import cuda_arch
+from .arch import cuda_arch
 from .layout import AccumLayout
 
-__all__ = ["AccumLayout", "cuda_arch", "dq_accum_from_dq", "dq_postprocess"]
-__version__ = "0.1.0"
+__all__ = ["AccumLayout", "__version__", "cuda_arch", "dq_accum_from_dq", "dq_postprocess"]

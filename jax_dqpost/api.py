@@ -1,4 +1,5 @@
-"""Public entry points: argument checks with clear errors, then ``bind``."""
+"""Public entry points: argument checks with clear errors, the call's :class:`~jax_dqpost.plan.Plan`, then
+``bind``."""
 
 from __future__ import annotations
 
@@ -7,12 +8,13 @@ import numbers
 import jax.numpy as jnp
 import numpy as np
 
-from . import varlen
+from . import _validate
+from ._validate import describe
 from .layout import AccumLayout
+from .plan import OUT_DTYPES, Plan
 from .primitive import dq_postprocess_p
 from .reference import accum_from_dq_reference
-
-_OUT_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+from .varlen import INT32_MAX, WorkList, check_static
 
 
 def dq_postprocess(dq_accum, scale, *, head_dim: int, seqlen_q: int | None = None, total_q: int | None = None,
@@ -53,21 +55,14 @@ def dq_postprocess(dq_accum, scale, *, head_dim: int, seqlen_q: int | None = Non
       dq of ``dtype``, every element defined: ``round_to_nearest_even(float32(scale) * acc[F(i, j)])`` for
       covered rows, 0 elsewhere.
     """
-    if not isinstance(layout, AccumLayout):
-        raise TypeError(f"layout must be an AccumLayout, got {type(layout).__name__}: {layout!r}")
-    head_dim = _static_int("head_dim", head_dim, minimum=1)
+    _check_layout(layout)
+    head_dim = _validate.head_dim(head_dim)
     layout.check_head_dim(head_dim)
-    try:
-        out_dtype = np.dtype(dtype)
-    except TypeError:
-        raise TypeError(f"dtype must be jnp.bfloat16 or jnp.float16, got {dtype!r}") from None
-    if out_dtype not in _OUT_DTYPES:
-        raise ValueError(f"dtype must be bfloat16 or float16, got {out_dtype}")
+    out_dtype = _out_dtype(dtype)
     dq_accum = jnp.asarray(dq_accum)
     scale = _scale_operand(scale)
-    aux, mode, rows, num_tiles = _work(layout, seqlen_q, total_q, cu_seqlens_q, seqused_q)
-    return dq_postprocess_p.bind(dq_accum, scale, aux, mode=mode, rows=rows, num_tiles=num_tiles, head_dim=head_dim,
-                                 dtype=out_dtype, layout=layout)
+    plan, aux = _plan(layout, head_dim, out_dtype, seqlen_q, total_q, cu_seqlens_q, seqused_q)
+    return dq_postprocess_p.bind(dq_accum, scale, aux, plan=plan)
 
 
 def dq_accum_from_dq(dq, scale, *, layout: AccumLayout = AccumLayout(), cu_seqlens_q=None, seqused_q=None):
@@ -80,62 +75,60 @@ def dq_accum_from_dq(dq, scale, *, layout: AccumLayout = AccumLayout(), cu_seqle
     ``dq_postprocess`` on bf16/fp16 values; it is also how to build an accumulator in a given order.
     ``cu_seqlens_q`` / ``seqused_q``: as in :func:`dq_postprocess` (static ints or traced int32 arrays).
     """
-    if not isinstance(layout, AccumLayout):
-        raise TypeError(f"layout must be an AccumLayout, got {type(layout).__name__}: {layout!r}")
+    _check_layout(layout)
     dq = jnp.asarray(dq)
     if not jnp.issubdtype(dq.dtype, jnp.floating):
-        raise TypeError(f"dq must be a floating-point array, got {dq.dtype}")
-    varlen_mode = cu_seqlens_q is not None
-    if dq.ndim != (3 if varlen_mode else 4):
-        want = "(T, H, D) with cu_seqlens_q" if varlen_mode else "(B, S, H, D)"
+        raise TypeError(f"dq must be a floating-point array, got dtype {dq.dtype}")
+    packed = cu_seqlens_q is not None
+    if dq.ndim != (3 if packed else 4):
+        want = "(T, H, D) with cu_seqlens_q" if packed else "(B, S, H, D)"
         raise ValueError(f"dq must have shape {want}, got shape {dq.shape}")
     head_dim = int(dq.shape[-1])
     layout.check_head_dim(head_dim)
     scale = _scale_operand(scale)
-    if varlen_mode:
-        aux, mode, rows, num_tiles = _work(layout, None, int(dq.shape[0]), cu_seqlens_q, seqused_q)
-        heads, batch = int(dq.shape[1]), varlen.batch_from_meta(aux.shape[0], num_tiles)
+    if packed:
+        plan, aux = _plan(layout, head_dim, dq.dtype, None, int(dq.shape[0]), cu_seqlens_q, seqused_q)
     else:
-        aux, mode, rows, num_tiles = _work(layout, int(dq.shape[1]), None, None, seqused_q)
-        heads, batch = int(dq.shape[2]), int(dq.shape[0])
-        if mode == "dense_seqused" and aux.shape != (batch,):
-            raise ValueError(f"seqused_q must have shape ({batch},), got {aux.shape}")
-    return accum_from_dq_reference(dq, scale, aux, mode=mode, rows=rows, head_dim=head_dim, layout=layout,
-                                   num_tiles=num_tiles, heads=heads, batch=batch)
+        plan, aux = _plan(layout, head_dim, dq.dtype, int(dq.shape[1]), None, None, seqused_q)
+        if aux.shape != plan.aux_shape(dq.shape[0]):
+            raise ValueError(f"seqused_q must have shape {plan.aux_shape(dq.shape[0])}, got {aux.shape}")
+    return accum_from_dq_reference(dq, scale, aux, plan)
 
 
-def _work(layout, seqlen_q, total_q, cu_seqlens_q, seqused_q):
-    """(aux operand, mode, rows, num_tiles) for the primitive, with the checks of dq_postprocess."""
+def _plan(layout, head_dim, dtype, seqlen_q, total_q, cu_seqlens_q, seqused_q) -> tuple[Plan, object]:
+    """The call's plan and its int32 aux operand (empty, seqused_q or the work list), with the checks of
+    dq_postprocess."""
     if cu_seqlens_q is None:
         if total_q is not None:
-            raise ValueError(f"total_q={total_q} is only for variable-length batches (with cu_seqlens_q)")
+            raise ValueError(f"total_q={total_q!r} is only for variable-length batches (with cu_seqlens_q)")
         if seqlen_q is None:
             raise ValueError("seqlen_q is required for dense batches (or pass cu_seqlens_q and total_q)")
-        seqlen_q = _static_int("seqlen_q", seqlen_q, minimum=0)
+        plan = Plan(layout, head_dim, dtype, seqlen_q=_validate.static_int("seqlen_q", seqlen_q, minimum=0),
+                    seqused_q=seqused_q is not None)
         if seqused_q is None:
-            return jnp.zeros((0,), jnp.int32), "dense", seqlen_q, 0
+            return plan, jnp.zeros((0,), jnp.int32)
         if _is_static(seqused_q):
             used = _static_ints("seqused_q", seqused_q)
-            bad = [(b, u) for b, u in enumerate(used) if not 0 <= u <= seqlen_q]
+            bad = [(b, u) for b, u in enumerate(used) if not 0 <= u <= plan.seqlen_q]
             if bad:
-                raise ValueError(f"seqused_q[{bad[0][0]}]={bad[0][1]} must be in [0, seqlen_q={seqlen_q}]")
-            return jnp.asarray(np.asarray(used, np.int32).reshape(-1)), "dense_seqused", seqlen_q, 0
-        return _int_array("seqused_q", seqused_q), "dense_seqused", seqlen_q, 0
+                raise ValueError(f"seqused_q[{bad[0][0]}]={bad[0][1]} must be in [0, seqlen_q={plan.seqlen_q}]")
+            return plan, jnp.asarray(np.asarray(used, np.int32).reshape(-1))
+        return plan, _int_array("seqused_q", seqused_q)
 
     if seqlen_q is not None:
-        raise ValueError(f"seqlen_q={seqlen_q} is only for dense batches; variable-length batches take total_q")
+        raise ValueError(f"seqlen_q={seqlen_q!r} is only for dense batches; variable-length batches take total_q")
     if total_q is None:
         raise ValueError("total_q (rows of the packed dq) is required with cu_seqlens_q")
-    total_q = _static_int("total_q", total_q, minimum=0)
-    static = _is_static(cu_seqlens_q) and (seqused_q is None or _is_static(seqused_q))
-    if static:
+    total_q = _validate.static_int("total_q", total_q, minimum=0)
+    tile_m = layout.tile_m
+    if _is_static(cu_seqlens_q) and (seqused_q is None or _is_static(seqused_q)):
         cu = _static_ints("cu_seqlens_q", cu_seqlens_q)
         used = None if seqused_q is None else _static_ints("seqused_q", seqused_q)
-        varlen.check_static(cu, used, total_q)
-        _check_int32_range(total_q, len(cu) - 1, layout.tile_m)
-        meta, num_tiles = varlen.work_list(np, np.asarray(cu), None if used is None else np.asarray(used),
-                                           total_q=total_q, tile_m=layout.tile_m)
-        return jnp.asarray(meta), "varlen", total_q, num_tiles
+        check_static(cu, used, total_q)
+        _check_int32_range(total_q, len(cu) - 1, tile_m)
+        work, meta = WorkList.build(np, np.asarray(cu), None if used is None else np.asarray(used),
+                                    total_q=total_q, tile_m=tile_m)
+        return Plan(layout, head_dim, dtype, work=work), jnp.asarray(meta)
     cu = _int_array("cu_seqlens_q", _static_as_array(cu_seqlens_q))
     if cu.shape[0] < 2:
         raise ValueError(f"cu_seqlens_q must have at least 2 entries (batch + 1), got shape {cu.shape}")
@@ -143,18 +136,28 @@ def _work(layout, seqlen_q, total_q, cu_seqlens_q, seqused_q):
     used = None if seqused_q is None else _int_array("seqused_q", _static_as_array(seqused_q))
     if used is not None and used.shape != (batch,):
         raise ValueError(f"seqused_q must have shape ({batch},) to match cu_seqlens_q, got {used.shape}")
-    _check_int32_range(total_q, batch, layout.tile_m)
-    num_tiles = varlen.max_tiles(total_q, batch, layout.tile_m)
-    meta, _ = varlen.work_list(jnp, cu, used, total_q=total_q, tile_m=layout.tile_m, num_tiles=num_tiles)
-    return meta, "varlen", total_q, num_tiles
+    _check_int32_range(total_q, batch, tile_m)
+    work, meta = WorkList.build(jnp, cu, used, total_q=total_q, tile_m=tile_m,
+                                num_tiles=WorkList.max_tiles(total_q, batch, tile_m))
+    return Plan(layout, head_dim, dtype, work=work), meta
 
 
-def _static_int(name: str, value, *, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be a Python int, got {value!r} ({type(value).__name__})")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return int(value)
+def _check_layout(layout) -> None:
+    if not isinstance(layout, AccumLayout):
+        raise TypeError(f"layout must be an AccumLayout, got {describe(layout)}")
+
+
+def _out_dtype(dtype) -> np.dtype:
+    """dQ's dtype: bfloat16 or float16 (``None`` is not float64 here)."""
+    try:
+        out = None if dtype is None else np.dtype(dtype)
+    except TypeError:
+        out = None
+    if out is None:
+        raise TypeError(f"dtype must be jnp.bfloat16 or jnp.float16, got {describe(dtype)}")
+    if out not in OUT_DTYPES:
+        raise ValueError(f"dtype must be jnp.bfloat16 or jnp.float16, got {out.name}")
+    return out
 
 
 def _is_static(x) -> bool:
@@ -165,7 +168,7 @@ def _is_static(x) -> bool:
 def _static_ints(name: str, x) -> list[int]:
     arr = np.asarray(x)
     if arr.ndim != 1 or not (np.issubdtype(arr.dtype, np.integer) or arr.size == 0):
-        raise TypeError(f"{name} must be a 1-D sequence of ints, got {x!r}")
+        raise TypeError(f"{name} must be a 1-D sequence of ints, got {describe(x)}")
     return [int(v) for v in arr]
 
 
@@ -184,18 +187,18 @@ def _int_array(name: str, x):
 
 
 def _check_int32_range(total_q: int, batch: int, tile_m: int) -> None:
-    if total_q + (batch + 2) * tile_m > varlen.INT32_MAX:
+    if total_q + (batch + 2) * tile_m > INT32_MAX:
         raise ValueError(f"total_q={total_q} with batch={batch} overflows the int32 row offsets")
 
 
 def _scale_operand(scale):
-    if isinstance(scale, bool):
-        raise TypeError(f"scale must be a float or a float32 scalar, got {scale!r}")
-    if isinstance(scale, numbers.Real):
+    """scale as a float32 scalar operand: a Python real or a floating-point scalar array (traced or not)."""
+    if isinstance(scale, numbers.Real) and not isinstance(scale, (bool, np.bool_)):
         return jnp.float32(scale)
-    shape, dtype = np.shape(scale), getattr(scale, "dtype", None)
-    if shape != ():
-        raise ValueError(f"scale must be a scalar, got shape {shape}")
+    dtype = getattr(scale, "dtype", None)
     if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
-        raise TypeError(f"scale must be a float or a floating-point scalar, got dtype {dtype}")
+        raise TypeError(f"scale must be a Python float or a floating-point scalar, got {describe(scale)}"
+                        + ("" if dtype is None else f" of dtype {dtype}"))
+    if np.shape(scale) != ():
+        raise ValueError(f"scale must be a scalar, got shape {np.shape(scale)}")
     return jnp.asarray(scale).astype(jnp.float32)

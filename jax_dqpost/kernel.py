@@ -2,17 +2,17 @@
 
 Imports cutlass at module import: load this module lazily (``compile.py`` does).
 
-Which tile a CTA takes depends on the mode (compiled in). The grid is ``(H * grid_x, 1, B)`` (varlen:
-``B`` = 1), heads fastest: CTA ``x`` takes head ``x % H`` and tile ``m = x // H`` of that head (so the CTAs in
-flight write whole rows of dQ, every head of them, as a copy would). ``dense`` / ``dense_seqused``:
-``grid_x = ceil(S / tile_m)``, tile ``(b, h, m)``; ``varlen``: ``grid_x = num_tiles``, tile ``m`` looks its
-span up in the work list (varlen.py) and converts tile ``m - tile_start[span]`` of it. A tile has
+Which tile a CTA takes depends on the tiling (``plan.Tiling``, compiled in). The grid is ``(H * grid_x, 1,
+B)`` (varlen: ``B`` = 1), heads fastest: CTA ``x`` takes head ``x % H`` and tile ``m = x // H`` of that head (so
+the CTAs in flight write whole rows of dQ, every head of them, as a copy would). Dense tilings:
+``grid_x = ceil(S / tile_m)``, tile ``(b, h, m)``; varlen: ``grid_x = num_tiles``, tile ``m`` looks its span up
+in the work list (varlen.py) and converts tile ``m - tile_start[span]`` of it. A tile has
 ``rows_total`` rows to write, of which the first ``rows_conv`` come from the accumulator and the rest are
 zeros (seqused_q shorter than the sequence, rows no sequence covers).
 
 Per tile with rows to convert, every thread
   1. loads its fp32 accumulator fragment straight from global memory, coalesced, in the order the
-     producer's threads stored it (no shared-memory staging of the fp32 tile); outside ``dense`` mode it
+     producer's threads stored it (no shared-memory staging of the fp32 tile); outside the dense tiling it
      skips the loads whose rows are all past ``rows_conv`` (those rows are written as zeros),
   2. multiplies by ``scale`` (one fp32 multiply, round-to-nearest) and rounds to bf16/fp16 (RNE),
   3. writes the values into a swizzled shared-memory dQ tile at their (row, column) (see
@@ -36,32 +36,13 @@ from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import warp, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
+from . import varlen
 from .layout import AccumLayout
+from .plan import Tiling
 
 _VEC_BYTES = 16
 _REGS_PER_SM = 65536
 _THREADS_PER_SM = 2048
-
-
-def _store_thread_shape(tile_m: int, tile_hdim: int, num_threads: int, elem_bytes: int) -> tuple[int, int]:
-    """Threads (rows, per_row) for the 16-byte global stores of a (tile_m, tile_hdim) tile.
-
-    ``per_row`` divides the row's vector count and the thread count, and the rows covered per pass
-    divide tile_m, so the tile is covered exactly; among those, the widest rows win (coalescing).
-    """
-    vecs_per_row = tile_hdim * elem_bytes // _VEC_BYTES
-    best = None
-    for per_row in range(1, vecs_per_row + 1):
-        if vecs_per_row % per_row or num_threads % per_row:
-            continue
-        rows = num_threads // per_row
-        if tile_m % rows == 0:
-            best = (rows, per_row)
-    if best is None:
-        raise ValueError(
-            f"no exact 16-byte store tiling for a ({tile_m}, {tile_hdim}) tile with {num_threads} threads"
-        )
-    return best
 
 
 def _aligned(ptr: cute.Pointer, space) -> cute.Pointer:
@@ -73,8 +54,8 @@ def _aligned(ptr: cute.Pointer, space) -> cute.Pointer:
 class DqPostprocess:
     """dQ postprocess for an accumulator in any :class:`AccumLayout` order.
 
-    The binary depends on the output dtype, the layout, the padded head dim ``tile_hdim``, the mode and
-    the target GPU only; batch, heads, sequence lengths and head_dim are runtime arguments.
+    The binary depends on the output dtype, the layout, the padded head dim, the tiling and the target GPU
+    only (``Plan.kernel_key``); batch, heads, sequence lengths and head_dim are runtime arguments.
 
     How the fragment is read, by order family:
 
@@ -90,12 +71,11 @@ class DqPostprocess:
     The element-by-element shared-memory writes are correct but not tuned (2-byte stores).
     """
 
-    MODES = ("dense", "dense_seqused", "varlen")
-
     def __init__(self, dtype: type[cutlass.Numeric], layout: AccumLayout, tile_hdim: int, *,
-                 mode: str = "dense", target_sm: int = 90, min_ctas_per_sm: int | None = None,
+                 tiling: Tiling = Tiling.DENSE, target_sm: int = 90, min_ctas_per_sm: int | None = None,
                  heads_fastest: bool = True):
-        """``mode``: how a CTA finds its tile (see the module docstring). ``target_sm``: the GPU generation
+        """``tile_hdim``: the padded head dim ``Dr``. ``tiling``: how a CTA finds its tile (see the module
+        docstring). ``target_sm``: the GPU generation
         compiled for (e.g. 80, 90, 100). Tuning (tools/ncu_kernels.py compares them): ``min_ctas_per_sm``,
         the launch-bounds hint given to ptxas (None: chosen here; 0: none); ``heads_fastest``, the launch
         order: True (default), consecutive CTAs take the same tile of consecutive heads, so the CTAs in flight
@@ -103,9 +83,7 @@ class DqPostprocess:
         order), so they write narrow slices (one head) of many rows."""
         if not self.can_implement(dtype, layout, tile_hdim):
             raise ValueError(f"cannot implement dtype={dtype}, {layout}, tile_hdim={tile_hdim}")
-        if mode not in self.MODES:
-            raise ValueError(f"mode must be one of {self.MODES}, got {mode!r}")
-        self.mode = mode
+        self.tiling = Tiling(tiling)
         self.heads_fastest = heads_fastest
         self.family = {90: "mma", 80: "mma", 100: "rows", None: "rowmajor"}[layout.arch]
         self.use_stmatrix = target_sm >= 90
@@ -129,7 +107,7 @@ class DqPostprocess:
         else:
             live = self.regs if self.family == "mma" else 16
         self.chunk = self.tile_m * tile_hdim // max(1, layout.num_threads // 128)  # arch 90: per warpgroup
-        self.store_threads = _store_thread_shape(self.tile_m, tile_hdim, self.num_threads, dtype.width // 8)
+        self.store_threads = layout.store_tiling(tile_hdim)
         self.smem_bytes = self.tile_m * tile_hdim * dtype.width // 8
         if min_ctas_per_sm is None:
             # Room for the whole fp32 fragment (all its loads in flight at once) plus ~24 registers of
@@ -144,8 +122,7 @@ class DqPostprocess:
         if tile_hdim % layout.hdim_multiple_of:
             return False
         try:
-            layout.check_head_dim(tile_hdim)
-            _store_thread_shape(layout.tile_m, tile_hdim, layout.num_threads, dtype.width // 8)
+            layout.check_head_dim(tile_hdim)  # every rule the kernel relies on, as the API checks it
         except ValueError:
             return False
         return True
@@ -190,14 +167,14 @@ class DqPostprocess:
         dq_ptr: cute.Pointer,  # dQ: (B, S, H, head_dim), varlen (T, H, head_dim)
         scale_ptr: cute.Pointer,  # one fp32 value in device memory
         aux_ptr: cute.Pointer,  # int32: seqused_q (dense_seqused) or the work list (varlen); else unused
-        dim0: Int32,  # B, varlen: the number of spans K = B + 2
+        dim0: Int32,  # B; varlen: the number of spans K = B + 2 (Plan.launch_extents)
         heads: Int32,
         rows: Int32,  # S, varlen: T
         head_dim: Int32,
         grid_x: Int32,  # CTAs per head along x: ceil(S / tile_m), varlen: the work list's num_tiles
         stream: cuda.CUstream,
     ):
-        z = 1 if const_expr(self.mode == "varlen") else dim0
+        z = 1 if const_expr(self.tiling == Tiling.VARLEN) else dim0
         grid = [heads * grid_x, 1, z] if const_expr(self.heads_fastest) else [grid_x, heads, z]
         self.kernel(acc_ptr, dq_ptr, scale_ptr, aux_ptr, dim0, heads, rows, head_dim, grid_x).launch(
             grid=grid,
@@ -230,18 +207,19 @@ class DqPostprocess:
         tile_m, tile_hdim = self.tile_m, self.tile_hdim
 
         # ---- 0. this CTA's tile: accumulator tile, first dQ row, rows to write and to convert ------
-        if const_expr(self.mode == "varlen"):
+        if const_expr(self.tiling == Tiling.VARLEN):
             num_spans = dim0
-            # work list: tile_start[K + 1] | (row_start, span_rows, conv_rows, acc_row)[K] | tile_span[grid_x]
-            meta = cute.make_tensor(aux_ptr, cute.make_layout(5 * num_spans + 1 + grid_x))
-            span = meta[5 * num_spans + 1 + bx]
+            # the work list (varlen.py): tile_start[K + 1] | spans[K][SPAN_FIELDS] | tile_span[grid_x]
+            spans_at, tile_span_at = varlen.sections(num_spans)
+            meta = cute.make_tensor(aux_ptr, cute.make_layout(tile_span_at + grid_x))
+            span = meta[tile_span_at + bx]
             tile_in_span = bx - meta[span]
-            field = num_spans + 1 + 4 * span
-            row0 = meta[field] + tile_in_span * tile_m
-            rows_total = cutlass.min(meta[field + 1] - tile_in_span * tile_m, tile_m)
-            rows_conv = cutlass.max(cutlass.min(meta[field + 2] - tile_in_span * tile_m, tile_m), 0)
-            acc_row = meta[field + 3] + tile_in_span * tile_m
-            padded_total = (rows + (num_spans - 1) * tile_m - 1) // tile_m * tile_m
+            field = spans_at + len(varlen.SPAN_FIELDS) * span
+            row0 = meta[field + varlen.ROW_START] + tile_in_span * tile_m
+            rows_total = cutlass.min(meta[field + varlen.SPAN_ROWS] - tile_in_span * tile_m, tile_m)
+            rows_conv = cutlass.max(cutlass.min(meta[field + varlen.CONV_ROWS] - tile_in_span * tile_m, tile_m), 0)
+            acc_row = meta[field + varlen.ACC_ROW] + tile_in_span * tile_m
+            padded_total = varlen.padded_total(rows, num_spans - 2, tile_m)
             # Defence in depth; the work list already guarantees all of these.
             if bx >= meta[num_spans] or row0 < 0 or rows_total > rows - row0:
                 rows_total = 0
@@ -254,7 +232,7 @@ class DqPostprocess:
             batch, m_block = bz, bx
             rows_total = cutlass.min(rows - m_block * tile_m, tile_m)
             rows_conv = rows_total
-            if const_expr(self.mode == "dense_seqused"):
+            if const_expr(self.tiling == Tiling.DENSE_SEQUSED):
                 seqused = cute.make_tensor(aux_ptr, cute.make_layout(dim0))
                 used = cutlass.max(cutlass.min(seqused[batch], rows), 0)
                 rows_conv = cutlass.max(cutlass.min(used - m_block * tile_m, tile_m), 0)
@@ -274,7 +252,7 @@ class DqPostprocess:
     @cute.jit
     def _convert_tile(self, acc_ptr, tile_elem, scale_ptr, s_dq, s_layout, rows_conv, tidx):
         """Steps 1-3: fragment from global memory, scale and round, into the shared-memory tile ``s_dq``.
-        Outside ``dense`` mode, loads whose rows are all >= ``rows_conv`` are skipped (partial tiles of
+        Outside the dense tiling, loads whose rows are all >= ``rows_conv`` are skipped (partial tiles of
         varlen sequences and of seqused_q): those rows are written as zeros, their values never read."""
         scale = cute.make_tensor(scale_ptr, cute.make_layout(1))[0]
         if const_expr(self.family == "mma"):
@@ -310,7 +288,7 @@ class DqPostprocess:
             src = cute.make_tensor(src_base, cute.make_layout((4, self.regs // 4), stride=(1, 512)))
             acc_flat = cute.make_tensor(acc.iterator, cute.make_layout((4, self.regs // 4)))
             load_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128)
-            if const_expr(self.mode == "dense"):
+            if const_expr(self.tiling == Tiling.DENSE):
                 for k in cutlass.range_constexpr(self.regs // 4):
                     cute.copy(load_atom, src[None, k], acc_flat[None, k])
             else:

@@ -4,7 +4,7 @@ The FlashAttention backward kernels reduce-add dQ into an fp32 scratch buffer ("
 their MMA accumulator fragments sit in registers, thread by thread. This module describes that order as
 plain data (no GPU, no JAX, no CuTe): the padded shapes, validation, FlashAttention's presets, and the
 per-tile index map ``F[i, j]`` = position of logical element ``(row i, column j)`` inside one tile of
-``tile_m * Dr`` floats. The orders (SPEC.md section 4 has the derivations):
+``tile_m * Dr`` floats. The orders (``docs/design.md`` derives each one and names its upstream source):
 
 * ``arch=90``, Hopper WGMMA (``flash_bwd_sm90.py``): warpgroup ``w`` owns the contiguous chunk ``w`` of the
   tile; inside it, thread ``t`` stores registers ``4k .. 4k+3`` as one 16-byte vector at ``512 k + 4 t``.
@@ -26,28 +26,31 @@ import dataclasses
 
 import numpy as np
 
+from . import _validate
+from ._validate import MAX_HEAD_DIM
 from .varlen import padded_total
 
 __all__ = ["AccumLayout"]
 
 _SUPPORTED_ARCHS = (80, 90, 100, None)
+# GPU generations whose FlashAttention backward writes one of the orders above.
+_ORDER_OF_GPU = {86: 80, 89: 80, 120: 80, 121: 80, 103: 100, 110: 100}
 _WARPGROUP = 128
 _WGMMA_M = 64
 _MMA_SYNC_TILE = 16  # m16n8k16 atoms, 16 x 16 permutation tile per warp
+_VEC_BYTES = 16  # the kernel's global loads and stores are 16-byte vectors
+_OUT_BYTES = 2  # bf16 and fp16
+SMEM_LIMIT = 99 * 1024
+"""Shared memory a CTA may use on every supported GPU (the opt-in maximum of sm_86, sm_89 and sm_120; sm_80
+has 163 KiB, sm_90 and sm_100 227 KiB). The kernel stages one ``tile_m x Dr`` dQ tile there."""
 
 
 def _check_int(name: str, value, *, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"AccumLayout.{name} must be an int, got {value!r} ({type(value).__name__})")
-    if value < minimum:
-        raise ValueError(f"AccumLayout.{name} must be >= {minimum}, got {value}")
-    return int(value)
+    return _validate.static_int(f"AccumLayout.{name}", value, minimum=minimum)
 
 
 def _check_bool(name: str, value) -> bool:
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"AccumLayout.{name} must be a bool, got {value!r}")
-    return bool(value)
+    return _validate.static_bool(f"AccumLayout.{name}", value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,9 +86,13 @@ class AccumLayout:
     def __post_init__(self):
         arch = None if self.arch is None else _check_int("arch", self.arch)
         if arch not in _SUPPORTED_ARCHS:
-            raise ValueError(
-                f"AccumLayout.arch={arch} is not supported; supported accumulator orders: {_SUPPORTED_ARCHS}"
-            )
+            hint = ""
+            if arch in _ORDER_OF_GPU:
+                hint = (f"; FlashAttention's sm{arch} backward writes the arch={_ORDER_OF_GPU[arch]} order "
+                        f"(AccumLayout.flash_attention({arch}, head_dim) gives its layout)")
+            raise ValueError(f"AccumLayout.arch={arch} is not an accumulator order; the orders are "
+                             f"{_SUPPORTED_ARCHS} (90 Hopper wgmma, 80 mma.sync, 100 Blackwell tcgen05, None "
+                             f"row-major){hint}")
         tile_m = _check_int("tile_m", self.tile_m)
         if tile_m % 8:
             raise ValueError(f"AccumLayout.tile_m must be a multiple of 8, got {tile_m}")
@@ -94,8 +101,9 @@ class AccumLayout:
         swap_ab = _check_bool("swap_ab", self.swap_ab)
         two_cta = _check_bool("two_cta", self.two_cta)
         mult = _check_int("hdim_multiple_of", self.hdim_multiple_of)
-        if mult % 8:
-            raise ValueError(f"AccumLayout.hdim_multiple_of must be a multiple of 8, got {mult}")
+        if mult % 8 or mult > MAX_HEAD_DIM:
+            raise ValueError(f"AccumLayout.hdim_multiple_of must be a multiple of 8 and at most {MAX_HEAD_DIM}, "
+                             f"got {mult}")
         # Normalise numpy scalars so equal layouts hash equal.
         for name, value in (("arch", arch), ("tile_m", tile_m), ("num_threads", num_threads),
                             ("atom_layout", atom_layout), ("hdim_multiple_of", mult), ("swap_ab", swap_ab),
@@ -155,11 +163,8 @@ class AccumLayout:
         no separate postprocess) and the sm120 branch (sm80 MMA, 4 warps). FlashAttention-4 has no sm80
         backward, so ``arch=80`` (and anything else) raises ``ValueError``.
         """
-        arch = _check_int("arch", arch)
-        if isinstance(head_dim, bool) or not isinstance(head_dim, (int, np.integer)):
-            raise TypeError(f"head_dim must be an int, got {head_dim!r}")
-        if not 0 < head_dim <= 256 or head_dim % 8:
-            raise ValueError(f"head_dim must be a positive multiple of 8 and at most 256, got {head_dim}")
+        arch = _validate.static_int("arch", arch, minimum=1)
+        head_dim = _validate.head_dim(head_dim)
         family = arch // 10
         if family == 9:
             if head_dim <= 64:
@@ -222,13 +227,50 @@ class AccumLayout:
             regs=self.tile_m * dr // self.num_threads,
         )
 
+    def store_tiling(self, padded_head_dim: int) -> tuple[int, int] | None:
+        """Threads ``(rows, per_row)`` of the kernel's 16-byte dQ stores over a ``(tile_m, Dr)`` tile, or None.
+
+        ``per_row`` divides the row's vector count and the thread count, and the rows covered per pass divide
+        ``tile_m``, so the tile is covered exactly; among those, the widest rows win (coalescing).
+        """
+        vecs_per_row = padded_head_dim * _OUT_BYTES // _VEC_BYTES
+        best = None
+        for per_row in range(1, vecs_per_row + 1):
+            if vecs_per_row % per_row == 0 and self.num_threads % per_row == 0:
+                if self.tile_m % (self.num_threads // per_row) == 0:
+                    best = (self.num_threads // per_row, per_row)
+        return best
+
+    def smem_bytes(self, head_dim: int) -> int:
+        """Shared memory of the kernel's dQ tile: ``tile_m * Dr`` bf16/fp16 values."""
+        return self.tile_m * self.padded_head_dim(head_dim) * _OUT_BYTES
+
     def check_head_dim(self, head_dim: int) -> None:
-        """Raise ``ValueError`` unless ``head_dim`` can be stored in this accumulator order."""
-        if isinstance(head_dim, bool) or not isinstance(head_dim, (int, np.integer)):
-            raise TypeError(f"head_dim must be an int, got {head_dim!r}")
-        if head_dim <= 0 or head_dim % 8 or head_dim > 256:
-            raise ValueError(f"head_dim must be a positive multiple of 8 and at most 256, got {head_dim}")
-        what = f"head_dim={head_dim} (padded to {self.padded_head_dim(head_dim)}) with {self}"
+        """Raise ``ValueError`` unless ``head_dim`` can be stored in this accumulator order and postprocessed on
+        every supported GPU: the MMA tiling divides, the padded head dim is at most 256, the kernel's
+        threads tile the dQ tile's 16-byte stores exactly, and the tile fits in shared memory
+        (:data:`SMEM_LIMIT`). What passes compiles for sm_80, sm_90a and sm_100a alike."""
+        head_dim, dr, what = self._check_order(head_dim)
+        if self.smem_bytes(head_dim) > SMEM_LIMIT:
+            raise ValueError(f"{what}: the kernel's dQ tile needs {self.smem_bytes(head_dim)} bytes of shared memory "
+                             f"(tile_m * Dr * 2), more than the {SMEM_LIMIT} a CTA may use on every supported GPU")
+        if self.store_tiling(dr) is None:
+            raise ValueError(f"{what}: num_threads={self.num_threads} cannot store the ({self.tile_m}, {dr}) dQ tile "
+                             f"as 16-byte vectors exactly (threads per row must divide the {dr // 8} vectors of a "
+                             f"row and the rows per pass must divide tile_m)")
+
+    def _check_order(self, head_dim: int):
+        """The order itself is defined for ``head_dim`` (the producer's MMA tiling divides, Dr <= 256):
+        ``(head_dim, Dr, description)``, else ``ValueError``. What the index map needs; the kernel needs more."""
+        head_dim = _validate.head_dim(head_dim)
+        dr = self.padded_head_dim(head_dim)
+        what = f"head_dim={head_dim} (padded to {dr}) with {self}"
+        if dr > MAX_HEAD_DIM:
+            raise ValueError(f"{what}: the padded head dim must be at most {MAX_HEAD_DIM}")
+        self._check_mma_tiling(head_dim, what)
+        return head_dim, dr, what
+
+    def _check_mma_tiling(self, head_dim: int, what: str) -> None:
         if self.arch not in (80, 90):
             if (self.tile_m * self.padded_head_dim(head_dim)) % (4 * self.num_threads):
                 raise ValueError(f"{what}: a tile is not a whole number of 16-byte vectors per thread")
@@ -255,9 +297,10 @@ class AccumLayout:
     def tile_index_map(self, head_dim: int) -> np.ndarray:
         """``F``: int64 array ``(tile_m, Dr)``; ``F[i, j]`` = float offset of dQ(i, j) in its tile.
 
-        A permutation of ``range(tile_m * Dr)``, computed from the order's closed form (vectorised).
+        A permutation of ``range(tile_m * Dr)``, computed from the order's closed form (vectorised). Defined for
+        every head dim the order can hold, also where the kernel's own limits (:meth:`check_head_dim`) refuse it.
         """
-        self.check_head_dim(head_dim)
+        self._check_order(head_dim)
         dr = self.padded_head_dim(head_dim)
         if self.arch == 90:
             return self._wgmma_map(head_dim, dr)
@@ -299,7 +342,7 @@ class AccumLayout:
         return out
 
     def _mma_sync_map(self, head_dim: int, dr: int, i, j) -> np.ndarray:
-        """Inverse of the m16n8k16 fragment (SPEC.md 4.2): element (i, j) -> (thread, register)."""
+        """Inverse of the m16n8k16 fragment (docs/design.md): element (i, j) -> (thread, register)."""
         g = self.mma_geometry(head_dim)
         atoms_m, atoms_n = g["atoms_m"], g["atoms_n"]
         m, n = (j, i) if self.swap_ab else (i, j)

@@ -1,9 +1,10 @@
 """Fill the on-disk kernel cache ahead of time with FlashAttention's preset layouts.
 
     python -m jax_dqpost.precompile                       # the local GPU's presets, every head dim
-    python -m jax_dqpost.precompile --arch sm_90a --presets 90 --dtypes bf16 --modes dense,varlen
+    python -m jax_dqpost.precompile --arch sm_90a --presets 90 --dtypes bf16 --tilings dense,varlen
 
-Works without a GPU when ``--arch`` (or ``CUTE_DSL_ARCH``) names the target. Prints what it compiled.
+Works without a GPU when ``--arch`` (or ``CUTE_DSL_ARCH``) names the target. Prints what it compiled. Bad
+arguments, and requests that select no kernel, exit with status 2 and a message naming the value.
 """
 
 from __future__ import annotations
@@ -12,13 +13,12 @@ import argparse
 import sys
 import time
 
-import jax.numpy as jnp
-
-from . import compile as compile_
+from . import _validate, arch as arch_, kernel_cache
 from .layout import AccumLayout
+from .plan import OUT_DTYPES, Tiling
 
-_DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16}
-_MODES = ("dense", "dense_seqused", "varlen")
+_DTYPE_NAMES = tuple(OUT_DTYPES.values())
+_TILING_NAMES = tuple(t.name.lower() for t in Tiling)
 
 
 def configurations(presets, head_dims):
@@ -35,36 +35,89 @@ def configurations(presets, head_dims):
     return list(seen)
 
 
+def _list_of(parse):
+    """An argparse type: a comma-separated list, each item through ``parse`` (ValueError/TypeError -> usage)."""
+    def convert(text: str):
+        items = [x.strip() for x in text.split(",") if x.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError("empty list")
+        out = []
+        for item in items:
+            try:
+                out.append(parse(item))
+            except (TypeError, ValueError) as e:
+                raise argparse.ArgumentTypeError(f"{item!r}: {e}") from None
+        return out
+    return convert
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError("not an integer") from None
+
+
+def _preset_arch(text: str) -> int:
+    value = _int(text)
+    if value <= 0:
+        raise ValueError("a GPU architecture is a positive number such as 90, 100 or 120")
+    return value
+
+
+def _head_dim(text: str) -> int:
+    return _validate.head_dim(_int(text))
+
+
+def _choice(names):
+    def parse(text: str) -> str:
+        if text not in names:
+            raise ValueError(f"choose from {', '.join(names)}")
+        return text
+    return parse
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m jax_dqpost.precompile", description=__doc__.split("\n")[0])
+    p.add_argument("--arch", type=lambda s: arch_.check_arch(s),
+                   help="target GPU, e.g. sm_90a, sm_80, sm_100a (default: CUTE_DSL_ARCH, else the local GPU)")
+    p.add_argument("--presets", type=_list_of(_preset_arch), default=None,
+                   help="comma-separated GPU architectures whose FlashAttention presets to compile, e.g. 90,100,120 "
+                        "(default: the target's, e.g. 90 for sm_90a)")
+    p.add_argument("--head-dims", type=_list_of(_head_dim), default=list(range(8, 257, 8)),
+                   help="comma-separated head dimensions (multiples of 8, at most 256; default: all of them)")
+    p.add_argument("--dtypes", type=_list_of(_choice(_DTYPE_NAMES)), default=list(_DTYPE_NAMES),
+                   help=f"comma-separated dQ types, from {', '.join(_DTYPE_NAMES)} (default: both)")
+    p.add_argument("--tilings", type=_list_of(_choice(_TILING_NAMES)), default=list(_TILING_NAMES),
+                   help=f"comma-separated kernel tilings, from {', '.join(_TILING_NAMES)} (default: all)")
+    return p
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jax_dqpost.precompile", description=__doc__.split("\n")[0])
-    parser.add_argument("--arch", help="target GPU, e.g. sm_90a (default: CUTE_DSL_ARCH, else the local GPU)")
-    parser.add_argument("--presets", default=None,
-                        help="comma-separated GPU architectures whose FlashAttention presets to compile "
-                             "(default: the target's, e.g. 90 for sm_90a)")
-    parser.add_argument("--head-dims", default=",".join(str(d) for d in range(8, 257, 8)))
-    parser.add_argument("--dtypes", default="bf16,f16")
-    parser.add_argument("--modes", default=",".join(_MODES))
+    parser = _parser()
     args = parser.parse_args(argv)
-    arch = args.arch or compile_.target_arch()
-    presets = [int(x) for x in args.presets.split(",")] if args.presets else [compile_.sm_version(arch)]
-    head_dims = [int(x) for x in args.head_dims.split(",")]
-    dtypes = [_DTYPES[x] for x in args.dtypes.split(",")]
-    modes = [m for m in args.modes.split(",") if m]
-    for m in modes:
-        if m not in _MODES:
-            parser.error(f"--modes: unknown mode {m!r}; choose from {_MODES}")
-    if compile_.cache_dir() is None:
+    try:
+        arch = args.arch or arch_.target_arch()
+    except RuntimeError:
+        parser.error("no CUDA GPU here: pass --arch (e.g. --arch sm_90a) or set CUTE_DSL_ARCH to choose the target")
+    presets = args.presets or [arch_.sm_version(arch)]
+    configs = configurations(presets, args.head_dims)
+    if not configs:
+        parser.error(f"--presets {','.join(map(str, presets))} with --head-dims {','.join(map(str, args.head_dims))} "
+                     "selects no kernel: FlashAttention-4's backward has a dQ postprocess on sm90, sm100, sm110 and "
+                     "sm120 (head dims up to 192 on sm100/sm110)")
+    if kernel_cache.cache_dir() is None:
         print("the on-disk cache is off (JAX_DQPOST_CACHE_DIR=none): nothing would be kept", file=sys.stderr)
         return 1
-    configs = configurations(presets, head_dims)
+    tilings = [Tiling[name.upper()] for name in args.tilings]
     start, n = time.perf_counter(), 0
-    for layout, tile_hdim in configs:
-        for dtype in dtypes:
-            for mode in modes:
-                compile_.get_kernel(dtype, layout, tile_hdim, mode, arch=arch)
+    for layout, padded_head_dim in configs:
+        for dtype in args.dtypes:
+            for tiling in tilings:
+                kernel_cache.get_kernel(dtype, layout, padded_head_dim, tiling, arch=arch, persist=True)
                 n += 1
-    print(f"{n} kernels for {arch} ({len(configs)} layouts x {len(dtypes)} dtypes x {len(modes)} modes) in "
-          f"{time.perf_counter() - start:.1f} s, cached in {compile_.cache_dir()}")
+    print(f"{n} kernels for {arch} ({len(configs)} layouts x {len(args.dtypes)} dtypes x {len(tilings)} tilings) in "
+          f"{time.perf_counter() - start:.1f} s, cached in {kernel_cache.cache_dir()}")
     return 0
 
 

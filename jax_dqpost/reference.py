@@ -15,97 +15,92 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import varlen
-from .layout import AccumLayout
+from .plan import Plan
 
 
-def dq_postprocess_reference(dq_accum, scale, aux, *, mode: str, rows: int, head_dim: int, dtype,
-                             layout: AccumLayout, num_tiles: int):
-    """The primitive's semantics (see primitive.py for the operands of each ``mode``)."""
-    x, keep = gather_accumulator(dq_accum, aux, mode=mode, rows=rows, head_dim=head_dim, layout=layout,
-                                 num_tiles=num_tiles)
-    y = mul_f32_rn(x, jnp.asarray(scale, jnp.float32)).astype(dtype)
-    return jnp.where(keep, y, jnp.zeros((), dtype))
+def dq_postprocess_reference(dq_accum, scale, aux, *, plan: Plan):
+    """The primitive's semantics (operands as ``plan.py`` describes them)."""
+    x, keep = gather_accumulator(dq_accum, aux, plan)
+    y = mul_f32_rn(x, jnp.asarray(scale, jnp.float32)).astype(plan.dtype)
+    return jnp.where(keep, y, jnp.zeros((), plan.dtype))
 
 
-def gather_accumulator(dq_accum, aux, *, mode: str, rows: int, head_dim: int, layout: AccumLayout, num_tiles: int):
+def gather_accumulator(dq_accum, aux, plan: Plan):
     """The accumulator values of every output element, in the output's shape, as float32, and a mask that
     is False where the output is zero (rows past seqused_q, rows no sequence covers)."""
-    if mode == "varlen":
-        return _varlen_gather(dq_accum, aux, total_q=rows, head_dim=head_dim, layout=layout, num_tiles=num_tiles)
-    return _dense_gather(dq_accum, aux if mode == "dense_seqused" else None, seqlen_q=rows, head_dim=head_dim,
-                         layout=layout)
+    if plan.work is not None:
+        return _varlen_gather(dq_accum, aux, plan)
+    return _dense_gather(dq_accum, aux if plan.seqused_q else None, plan)
 
 
-def accum_from_dq_reference(dq, scale, aux, *, mode: str, rows: int, head_dim: int, layout: AccumLayout,
-                            num_tiles: int, heads: int, batch: int):
+def accum_from_dq_reference(dq, scale, aux, plan: Plan):
     """The transpose of the op: the float32 accumulator with ``scale * dq[i, j]`` (one fp32 multiply) at the
-    position the op reads element (i, j) from, and 0 in every other entry (padding, unread rows)."""
-    tile_m, tile_hdim = layout.tile_m, layout.padded_head_dim(head_dim)
+    position the op reads element (i, j) from, and 0 in every other entry (padding, unread rows).
+    ``dq``: ``(B, S, H, D)`` (dense) or ``(T, H, D)`` (varlen)."""
+    layout, tile_m, dr = plan.layout, plan.layout.tile_m, plan.padded_head_dim
     x = mul_f32_rn(dq.astype(jnp.float32), jnp.asarray(scale, jnp.float32))
-    inverse = jnp.asarray(np.argsort(layout.tile_index_map(head_dim).ravel()).astype(np.int32))
-    if mode == "varlen":
-        k_spans = varlen.num_spans(batch)
-        spans = aux[k_spans + 1: k_spans + 1 + varlen.SPAN_FIELDS * k_spans].reshape(k_spans, varlen.SPAN_FIELDS)
-        row_start, span_rows, conv_rows, acc_row = (spans[1:-1, f] for f in range(varlen.SPAN_FIELDS))
-        padded_total = varlen.padded_total(rows, batch, tile_m)
+    inverse = jnp.asarray(np.argsort(layout.tile_index_map(plan.head_dim).ravel()).astype(np.int32))
+    if plan.work is not None:
+        heads, w = dq.shape[1], plan.work
+        s = w.decode(aux)
+        row_start, span_rows, conv_rows, acc_row = (f[1:-1] for f in s[1:5])  # the sequences' spans
         # The sequence (if any) whose tiles hold each accumulator row, and the dq row it came from.
-        a = jnp.arange(padded_total, dtype=jnp.int32)
+        a = jnp.arange(w.padded_total, dtype=jnp.int32)
         ends = acc_row + (span_rows + tile_m - 1) // tile_m * tile_m
-        b = jnp.clip(jnp.searchsorted(acc_row, a, side="right") - 1, 0, batch - 1)
+        b = jnp.clip(jnp.searchsorted(acc_row, a, side="right") - 1, 0, w.batch - 1)
         local = a - acc_row[b]
         valid = (a >= acc_row[b]) & (a < ends[b]) & (local < conv_rows[b])
         src = jnp.where(valid, row_start[b] + local, 0)
         logical = jnp.where(valid[None, :, None], jnp.transpose(x[src], (1, 0, 2)), 0.0)  # (H, Tp, D)
-        logical = jnp.pad(logical, ((0, 0), (0, 0), (0, tile_hdim - head_dim)))
-        tiles = logical.reshape(heads, padded_total // tile_m, tile_m * tile_hdim)
-        return jnp.take(tiles, inverse, axis=2).reshape(heads, padded_total * tile_hdim)
-    seqlen = rows
+        logical = jnp.pad(logical, ((0, 0), (0, 0), (0, dr - plan.head_dim)))
+        tiles = logical.reshape(heads, w.padded_total // tile_m, tile_m * dr)
+        return jnp.take(tiles, inverse, axis=2).reshape(heads, w.padded_total * dr)
+    batch, seqlen, heads = dq.shape[0], plan.seqlen_q, dq.shape[2]
     y = jnp.transpose(x, (0, 2, 1, 3))  # (B, H, S, D)
-    if mode == "dense_seqused":
-        used = jnp.clip(aux.astype(jnp.int32), 0, seqlen)
-        keep = jnp.arange(seqlen, dtype=jnp.int32)[None, :] < used[:, None]
-        y = jnp.where(keep[:, None, :, None], y, 0.0)
+    if plan.seqused_q:
+        y = jnp.where(_rows_used(aux, seqlen)[:, None, :, None], y, 0.0)
     padded_rows = layout.padded_seqlen(seqlen)
-    y = jnp.pad(y, ((0, 0), (0, 0), (0, padded_rows - seqlen), (0, tile_hdim - head_dim)))
-    tiles = y.reshape(batch, heads, padded_rows // tile_m, tile_m * tile_hdim)
-    return jnp.take(tiles, inverse, axis=3).reshape(batch, heads, padded_rows * tile_hdim)
+    y = jnp.pad(y, ((0, 0), (0, 0), (0, padded_rows - seqlen), (0, dr - plan.head_dim)))
+    tiles = y.reshape(batch, heads, padded_rows // tile_m, tile_m * dr)
+    return jnp.take(tiles, inverse, axis=3).reshape(batch, heads, padded_rows * dr)
 
 
-def _dense_gather(dq_accum, seqused, *, seqlen_q, head_dim, layout):
+def _rows_used(seqused, seqlen: int):
+    """(B, S) bool: row s of batch b is below its (clamped) ``seqused_q[b]``."""
+    used = jnp.clip(seqused.astype(jnp.int32), 0, seqlen)
+    return jnp.arange(seqlen, dtype=jnp.int32)[None, :] < used[:, None]
+
+
+def _dense_gather(dq_accum, seqused, plan: Plan):
     batch, heads, _ = dq_accum.shape
-    tile_m, tile_hdim = layout.tile_m, layout.padded_head_dim(head_dim)
-    num_blocks = layout.padded_seqlen(seqlen_q) // tile_m
+    layout, seqlen, head_dim = plan.layout, plan.seqlen_q, plan.head_dim
+    tile_m, dr = layout.tile_m, plan.padded_head_dim
+    num_blocks = layout.padded_seqlen(seqlen) // tile_m
     # Positions of the wanted (row, column) elements inside one tile, rows < tile_m, columns < D.
     index = layout.tile_index_map(head_dim)[:, :head_dim].astype(np.int32)
-    tiles = dq_accum.reshape(batch, heads, num_blocks, tile_m * tile_hdim)
+    tiles = dq_accum.reshape(batch, heads, num_blocks, tile_m * dr)
     x = jnp.take(tiles, jnp.asarray(index.ravel()), axis=3, unique_indices=True)
-    x = x.reshape(batch, heads, num_blocks * tile_m, head_dim)[:, :, :seqlen_q, :]
+    x = x.reshape(batch, heads, num_blocks * tile_m, head_dim)[:, :, :seqlen, :]
     x = jnp.transpose(x, (0, 2, 1, 3))  # (B, S, H, D)
     if seqused is None:
         return x, jnp.ones((), bool)
-    used = jnp.clip(seqused.astype(jnp.int32), 0, seqlen_q)
-    keep = jnp.arange(seqlen_q, dtype=jnp.int32)[None, :] < used[:, None]
-    return x, keep[:, :, None, None]
+    return x, _rows_used(seqused, seqlen)[:, :, None, None]
 
 
-def _varlen_gather(dq_accum, meta, *, total_q, head_dim, layout, num_tiles):
-    heads = dq_accum.shape[0]
-    tile_m, tile_hdim = layout.tile_m, layout.padded_head_dim(head_dim)
-    batch = varlen.batch_from_meta(meta.shape[0], num_tiles)
-    k_spans = varlen.num_spans(batch)
-    spans = meta[k_spans + 1: k_spans + 1 + varlen.SPAN_FIELDS * k_spans].reshape(k_spans, varlen.SPAN_FIELDS)
-    row_start, span_rows, conv_rows, acc_row = (spans[:, f] for f in range(varlen.SPAN_FIELDS))
+def _varlen_gather(dq_accum, meta, plan: Plan):
+    heads, w = dq_accum.shape[0], plan.work
+    tile_m, dr, head_dim = plan.layout.tile_m, plan.padded_head_dim, plan.head_dim
+    s = w.decode(meta)
     # The span of every output row (spans partition [0, T) in order), and the row inside it.
-    r = jnp.arange(total_q, dtype=jnp.int32)
-    k = jnp.clip(jnp.searchsorted(row_start + span_rows, r, side="right"), 0, k_spans - 1)
-    i = r - row_start[k]
-    converted = i < conv_rows[k]
+    r = jnp.arange(w.total_q, dtype=jnp.int32)
+    k = jnp.clip(jnp.searchsorted(s.row_start + s.span_rows, r, side="right"), 0, w.num_spans - 1)
+    i = r - s.row_start[k]
+    converted = i < s.conv_rows[k]
     # Accumulator tile of each row, and each element's position inside its tile.
-    tile = jnp.where(converted, (acc_row[k] + i // tile_m * tile_m) // tile_m, 0)
-    index = jnp.asarray(layout.tile_index_map(head_dim)[:, :head_dim].astype(np.int32))
+    tile = jnp.where(converted, (s.acc_row[k] + i // tile_m * tile_m) // tile_m, 0)
+    index = jnp.asarray(plan.layout.tile_index_map(head_dim)[:, :head_dim].astype(np.int32))
     within = index[i % tile_m]  # (T, D)
-    tiles = dq_accum.reshape(heads, -1, tile_m * tile_hdim)
+    tiles = dq_accum.reshape(heads, -1, tile_m * dr)
     x = jnp.transpose(tiles[:, tile[:, None], within], (1, 0, 2))  # (T, H, D)
     return x, converted[:, None, None]
 

@@ -1,4 +1,4 @@
-"""Variable-length (packed) batches: from ``cu_seqlens_q`` / ``seqused_q`` to the work list ("spans").
+"""Variable-length (packed) batches: from ``cu_seqlens_q`` / ``seqused_q`` to the work list, and back.
 
 The output ``dq`` of shape ``(T, H, D)`` is cut into ``K = B + 2`` consecutive spans of rows: the rows before
 the first sequence, the ``B`` sequences, the rows after the last. Span ``k`` starts at output row
@@ -15,82 +15,124 @@ other values it is still a partition of the rows, so every output row is written
 tile read lies inside the ``(H, Tp * Dr)`` accumulator: corrupt device data can never cause an access out of
 bounds, and the result is still a deterministic function of the inputs.
 
-The work list is a flat int32 array ("meta"): ``tile_start[0..K]`` (exclusive prefix sum of
-``ceil(span_rows / tile_m)``; ``tile_start[K]`` tiles in all), then ``(row_start, span_rows, conv_rows,
-acc_row)`` for each span, then ``tile_span[0..num_tiles)``: the span of each tile of the launch grid (tiles at
-or past ``tile_start[K]`` do nothing). The grid has ``num_tiles`` CTAs per head: exactly the tiles needed for
-static offsets, the bound ``ceil(T / tile_m) + K`` for traced ones. The same function builds the list from
-static Python ints (numpy, at trace time) or from traced int32 arrays (jax.numpy, inside the computation).
+The work list is one flat int32 array, in three sections (:func:`sections` gives their offsets):
+
+    tile_start[0..K]            exclusive prefix sum of ceil(span_rows / tile_m); tile_start[K] tiles in all
+    spans[K][SPAN_FIELDS]       (row_start, span_rows, conv_rows, acc_row) of each span
+    tile_span[0..num_tiles)     the span of each tile of the launch grid (tiles >= tile_start[K] do nothing)
+
+The grid has ``num_tiles`` CTAs per head: exactly the tiles needed for static offsets, the bound
+``ceil(T / tile_m) + K`` for traced ones. :meth:`WorkList.build` makes the list from static Python ints (numpy,
+at trace time) or from traced int32 arrays (jax.numpy, inside the computation); :meth:`WorkList.decode` is the
+one reader on the JAX side, and the kernel reads the same offsets through :func:`sections`. The C++ handler
+checks the size at its boundary with its own copy of :meth:`WorkList.size`, pinned to this one by a test.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from typing import NamedTuple
+
 import numpy as np
 
-SPAN_FIELDS = 4  # row_start, span_rows, conv_rows, acc_row
+SPAN_FIELDS = ("row_start", "span_rows", "conv_rows", "acc_row")
+ROW_START, SPAN_ROWS, CONV_ROWS, ACC_ROW = range(len(SPAN_FIELDS))
 INT32_MAX = 2**31 - 1  # row offsets, extents and the kernel's launch grid are int32
 
 
-def padded_total(total_q: int, batch: int, tile_m: int) -> int:
-    """``Tp``: accumulator rows FlashAttention allocates, ``round_up(T + B * tile_m, tile_m)``."""
+def padded_total(total_q, batch, tile_m: int):
+    """``Tp``: accumulator rows FlashAttention allocates, ``round_up(T + B * tile_m, tile_m)``. Plain arithmetic:
+    also evaluated on the kernel's run-time integers."""
     return (total_q + (batch + 1) * tile_m - 1) // tile_m * tile_m
 
 
-def num_spans(batch: int) -> int:
-    return batch + 2
+def sections(num_spans):
+    """Offsets of the sections ``(spans, tile_span)`` in a work list of ``num_spans`` spans (``tile_start`` is at
+    0). Plain arithmetic: also evaluated on the kernel's run-time integers."""
+    return num_spans + 1, (len(SPAN_FIELDS) + 1) * num_spans + 1
 
 
-def max_tiles(total_q: int, batch: int, tile_m: int) -> int:
-    """An upper bound on the tiles of any work list: ``sum(ceil(rows_k / tile_m)) <= ceil(T / tile_m) + K``."""
-    return -(-total_q // tile_m) + num_spans(batch)
+class Spans(NamedTuple):
+    """A decoded work list (arrays of the builder's kind)."""
+
+    tile_start: object  # (K + 1,)
+    row_start: object  # (K,)
+    span_rows: object
+    conv_rows: object
+    acc_row: object
+    tile_span: object  # (num_tiles,)
 
 
-def meta_size(batch: int, num_tiles: int) -> int:
-    return (SPAN_FIELDS + 1) * num_spans(batch) + 1 + num_tiles
+@dataclasses.dataclass(frozen=True)
+class WorkList:
+    """The static shape of a work list: ``batch`` sequences packed into ``total_q`` rows, ``tile_m``-row tiles,
+    ``num_tiles`` CTAs per head."""
 
+    total_q: int
+    batch: int
+    tile_m: int
+    num_tiles: int
 
-def batch_from_meta(size: int, num_tiles: int) -> int:
-    """Inverse of meta_size (None if ``size`` is not a work list's size for ``num_tiles``)."""
-    k, rem = divmod(size - 1 - num_tiles, SPAN_FIELDS + 1)
-    return k - 2 if rem == 0 and k >= 2 else None
+    @property
+    def num_spans(self) -> int:
+        return self.batch + 2
 
+    @property
+    def size(self) -> int:
+        return sections(self.num_spans)[1] + self.num_tiles
 
-def work_list(xp, cu_seqlens_q, seqused_q, *, total_q: int, tile_m: int, num_tiles: int | None = None):
-    """The int32 work list; ``xp`` is ``numpy`` (static values) or ``jax.numpy`` (traced values).
+    @property
+    def padded_total(self) -> int:
+        return padded_total(self.total_q, self.batch, self.tile_m)
 
-    ``num_tiles``: CTAs per head of the launch (None: exactly the tiles needed; needs static values).
-    Returns ``(meta, num_tiles)``.
-    """
-    cu = xp.asarray(cu_seqlens_q).astype(np.int32)
-    batch = cu.shape[0] - 1
-    if xp is np:
-        running_max = np.maximum.accumulate(cu)
-    else:
-        import jax
+    @staticmethod
+    def max_tiles(total_q: int, batch: int, tile_m: int) -> int:
+        """An upper bound on the tiles of any work list: ``sum(ceil(rows_k / tile_m)) <= ceil(T / tile_m) + K``."""
+        return -(-total_q // tile_m) + batch + 2
 
-        running_max = jax.lax.cummax(cu, axis=0)
-    c = xp.clip(running_max, 0, total_q).astype(np.int32)
-    starts = xp.concatenate([xp.zeros(1, np.int32), c])  # span k starts at starts[k]
-    ends = xp.concatenate([c, xp.full(1, total_q, np.int32)])
-    span_rows = ends - starts
-    seq_rows = span_rows[1:-1]
-    if seqused_q is None:
-        seq_conv = seq_rows
-    else:
-        seq_conv = xp.clip(xp.asarray(seqused_q).astype(np.int32), 0, seq_rows)
-    zero = xp.zeros(1, np.int32)
-    conv_rows = xp.concatenate([zero, seq_conv, zero])
-    b = xp.arange(batch, dtype=np.int32)
-    seq_acc = (c[:-1] + b * tile_m) // tile_m * tile_m
-    acc_row = xp.concatenate([zero, seq_acc, zero])
-    tiles = (span_rows + tile_m - 1) // tile_m
-    tile_start = xp.concatenate([zero, xp.cumsum(tiles).astype(np.int32)])
-    spans = xp.stack([starts, span_rows, conv_rows, acc_row], axis=1).reshape(-1)
-    if num_tiles is None:
-        num_tiles = int(tile_start[-1])
-    tile_span = xp.searchsorted(tile_start, xp.arange(num_tiles, dtype=np.int32), side="right") - 1
-    tile_span = xp.clip(tile_span, 0, batch + 1).astype(np.int32)
-    return xp.concatenate([tile_start, spans, tile_span]).astype(np.int32), num_tiles
+    @classmethod
+    def build(cls, xp, cu_seqlens_q, seqused_q, *, total_q: int, tile_m: int, num_tiles: int | None = None):
+        """``(WorkList, int32 array)``; ``xp`` is ``numpy`` (static values) or ``jax.numpy`` (traced values).
+
+        ``num_tiles``: CTAs per head of the launch (None: exactly the tiles needed; needs static values).
+        """
+        cu = xp.asarray(cu_seqlens_q).astype(np.int32)
+        batch = cu.shape[0] - 1
+        if xp is np:
+            running_max = np.maximum.accumulate(cu)
+        else:
+            import jax
+
+            running_max = jax.lax.cummax(cu, axis=0)
+        c = xp.clip(running_max, 0, total_q).astype(np.int32)
+        starts = xp.concatenate([xp.zeros(1, np.int32), c])  # span k starts at starts[k]
+        ends = xp.concatenate([c, xp.full(1, total_q, np.int32)])
+        span_rows = ends - starts
+        seq_rows = span_rows[1:-1]
+        if seqused_q is None:
+            seq_conv = seq_rows
+        else:
+            seq_conv = xp.clip(xp.asarray(seqused_q).astype(np.int32), 0, seq_rows)
+        zero = xp.zeros(1, np.int32)
+        conv_rows = xp.concatenate([zero, seq_conv, zero])
+        b = xp.arange(batch, dtype=np.int32)
+        seq_acc = (c[:-1] + b * tile_m) // tile_m * tile_m
+        acc_row = xp.concatenate([zero, seq_acc, zero])
+        tiles = (span_rows + tile_m - 1) // tile_m
+        tile_start = xp.concatenate([zero, xp.cumsum(tiles).astype(np.int32)])
+        spans = xp.stack([starts, span_rows, conv_rows, acc_row], axis=1).reshape(-1)
+        if num_tiles is None:
+            num_tiles = int(tile_start[-1])
+        tile_span = xp.searchsorted(tile_start, xp.arange(num_tiles, dtype=np.int32), side="right") - 1
+        tile_span = xp.clip(tile_span, 0, batch + 1).astype(np.int32)
+        work = cls(total_q=total_q, batch=batch, tile_m=tile_m, num_tiles=num_tiles)
+        return work, xp.concatenate([tile_start, spans, tile_span]).astype(np.int32)
+
+    def decode(self, meta) -> Spans:
+        """The sections of the work list ``meta`` (numpy or jax array of :attr:`size` entries)."""
+        spans_at, tile_span_at = sections(self.num_spans)
+        spans = meta[spans_at:tile_span_at].reshape(self.num_spans, len(SPAN_FIELDS))
+        return Spans(meta[:spans_at], *(spans[:, f] for f in range(len(SPAN_FIELDS))), meta[tile_span_at:])
 
 
 def check_static(cu_seqlens_q, seqused_q, total_q: int) -> None:

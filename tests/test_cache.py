@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import pytest
 
 from jax_dqpost import AccumLayout, cuda_arch, dq_postprocess
-from jax_dqpost import compile as compile_
+from jax_dqpost import kernel_cache
 
 LAYOUT = AccumLayout.flash_attention(90, 128)
 DISABLED = [jax.export.DisabledSafetyCheck.custom_call("jax_dqpost_postprocess_v1")]
@@ -27,7 +27,7 @@ def test_cuda_arch_chooses_the_target_and_validates():
     for arch in ("sm_80", "sm_100a"):
         with cuda_arch(arch):
             text = _export().mlir_module()
-        assert compile_.get_kernel(jnp.bfloat16, LAYOUT, 128, arch=arch).fingerprint in text
+        assert kernel_cache.get_kernel(jnp.bfloat16, LAYOUT, 128, arch=arch).fingerprint in text
     with pytest.raises(ValueError, match=r"GPU architecture must look like 'sm_90a'.*got 'hopper'"):
         with cuda_arch("hopper"):
             pass
@@ -35,8 +35,9 @@ def test_cuda_arch_chooses_the_target_and_validates():
 
 _SCRIPT = textwrap.dedent("""
     import sys, jax, jax.numpy as jnp
-    from jax_dqpost import AccumLayout, compile as c
-    k = c.get_kernel(jnp.bfloat16, AccumLayout.flash_attention(90, 128), 128, "varlen", arch="sm_90a")
+    from jax_dqpost import AccumLayout, kernel_cache as c
+    from jax_dqpost.plan import Tiling
+    k = c.get_kernel(jnp.bfloat16, AccumLayout.flash_attention(90, 128), 128, Tiling.VARLEN, arch="sm_90a")
     print(k.fingerprint, "cutlass" in sys.modules)
 """)
 
@@ -70,10 +71,10 @@ def test_concurrent_writers_and_damaged_entries(tmp_path):
 def test_cache_off_and_precompile_cli(tmp_path):
     env = {**__import__("os").environ, "JAX_DQPOST_CACHE_DIR": str(tmp_path)}
     out = subprocess.run([sys.executable, "-m", "jax_dqpost.precompile", "--arch", "sm_90a", "--presets", "90",
-                          "--head-dims", "64,128", "--dtypes", "bf16", "--modes", "dense,varlen"],
+                          "--head-dims", "64,128", "--dtypes", "bf16", "--tilings", "dense,varlen"],
                          cwd="/", env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "6 kernels for sm_90a (3 layouts x 1 dtypes x 2 modes)" in out.stdout
+    assert "6 kernels for sm_90a (3 layouts x 1 dtypes x 2 tilings)" in out.stdout
     assert len(list(tmp_path.glob("*.cute"))) == 6
     off = subprocess.run([sys.executable, "-m", "jax_dqpost.precompile", "--arch", "sm_90a"], cwd="/",
                          env={**env, "JAX_DQPOST_CACHE_DIR": "none"}, capture_output=True, text=True, timeout=600)

@@ -17,7 +17,8 @@ import pytest
 
 import jax_dqpost
 from jax_dqpost import AccumLayout, dq_postprocess
-from jax_dqpost import _ffi, compile as compile_
+from jax_dqpost import _ffi, kernel_cache
+from jax_dqpost.plan import Tiling
 
 LAYOUT = AccumLayout(90, 80, 256, 1, True, 32)
 DISABLED = [jax.export.DisabledSafetyCheck.custom_call(_ffi.TARGET_NAME)]
@@ -46,7 +47,7 @@ def test_export_for_cuda_emits_our_custom_call(dtype, name):
     assert "mode = 0 : i64" in text and "num_tiles = 0 : i64" in text
     assert "mhlo.backend_config = {" in text  # typed XLA FFI: attributes as a dictionary
     assert "tensor<2x1000x4x128x" in text  # (B, S, H, D) result
-    kernel = compile_.get_kernel(dtype, LAYOUT, 128, arch="sm_90a")
+    kernel = kernel_cache.get_kernel(dtype, LAYOUT, 128, arch="sm_90a")
     assert kernel.module[:4] == b"\x7fELF"  # a host object holding the sm_90a cubin
     assert f'fingerprint = "{kernel.fingerprint}"' in text
 
@@ -84,7 +85,7 @@ def test_cuda_kernel_compiles_for_sm90a_for_every_fa_head_dim():
     for head_dim in (64, 96, 128, 192, 256, 40, 200):
         for causal in (False, True):
             layout = AccumLayout(90, *fa_cute_hopper_config(head_dim, causal))
-            k = compile_.get_kernel(jnp.float16, layout, layout.padded_head_dim(head_dim), arch="sm_90a")
+            k = kernel_cache.get_kernel(jnp.float16, layout, layout.padded_head_dim(head_dim), arch="sm_90a")
             assert k.arch == "sm_90a" and len(k.module) > 1000
 
 
@@ -110,8 +111,8 @@ def test_every_order_and_mode_compiles_for(arch):
                AccumLayout(100, 128, 128, 1, False, 32), AccumLayout(100, 128, 128, 1, False, 32, two_cta=True),
                AccumLayout(None, 64, 256, 1, False, 32)]
     for layout in layouts:
-        for mode in ("dense", "dense_seqused", "varlen"):
-            k = compile_.get_kernel(jnp.bfloat16, layout, 128, mode, arch=arch)
+        for tiling in Tiling:
+            k = kernel_cache.get_kernel(jnp.bfloat16, layout, 128, tiling, arch=arch)
             assert k.arch == arch and k.module[:4] == b"\x7fELF"
 
 
@@ -123,7 +124,7 @@ def test_compiling_for_another_arch_leaves_the_dsl_setting_alone():
     envar = CuTeDSL._get_dsl().envar
     before = envar.arch
     for arch in ("sm_100a", "sm_80"):
-        compile_.compile_executor("bf16", LAYOUT, 128, "varlen", arch)
+        kernel_cache.compile_executor("bf16", LAYOUT, 128, Tiling.VARLEN, arch)
         assert envar.arch == before, (arch, envar.arch, before)
 
 

@@ -147,11 +147,16 @@ def test_errors_name_argument_and_value():
         (dict(seqlen_q=65), ValueError, r"dq_accum.shape\[2\] must be Sr\*Dr = 128\*128"),
         (dict(dq_accum=acc.astype(jnp.bfloat16)), TypeError, "dq_accum must be float32, got bfloat16"),
         (dict(dq_accum=acc[0]), ValueError, r"dq_accum must have shape \(batch, heads, Sr\*Dr\), got shape"),
-        (dict(dtype=jnp.float32), ValueError, "dtype must be bfloat16 or float16, got float32"),
+        (dict(dtype=jnp.float32), ValueError, "dtype must be jnp.bfloat16 or jnp.float16, got float32"),
+        (dict(dtype=None), TypeError, r"dtype must be jnp.bfloat16 or jnp.float16, got None \(NoneType\)"),
+        (dict(dtype="bfloat17"), TypeError, r"dtype must be .* got 'bfloat17' \(str\)"),
         (dict(scale=jnp.ones(2)), ValueError, r"scale must be a scalar, got shape \(2,\)"),
-        (dict(scale=jnp.int32(1)), TypeError, "scale must be a float or a floating-point scalar, got dtype int32"),
-        (dict(scale=True), TypeError, "scale must be a float"),
-        (dict(layout=(90, 64)), TypeError, "layout must be an AccumLayout, got tuple"),
+        (dict(scale=jnp.int32(1)), TypeError, "scale must be a Python float or a floating-point scalar, got .* int32"),
+        (dict(scale=True), TypeError, r"scale must be a Python float .* got True \(bool\)"),
+        (dict(scale="0.1"), TypeError, r"scale must be a Python float .* got '0.1' \(str\)"),
+        (dict(scale=1j), TypeError, r"scale must be a Python float .* got 1j \(complex\)"),
+        (dict(scale=None), TypeError, r"scale must be a Python float .* got None \(NoneType\)"),
+        (dict(layout=(90, 64)), TypeError, r"layout must be an AccumLayout, got \(90, 64\) \(tuple\)"),
         (dict(layout=AccumLayout(90, 80, 256, 1, True, 32), head_dim=96), ValueError,
          "head_dim=96 .* 64-row WGMMA atoms"),
     ]
@@ -163,7 +168,7 @@ def test_errors_name_argument_and_value():
 
 
 def test_scale_and_values_do_not_recompile(rng):
-    from jax_dqpost import compile as compile_
+    from jax_dqpost import kernel_cache
 
     layout = AccumLayout(90, 64, 256, 1, False, 32)
     f = jax.jit(lambda a, s: dq_postprocess(a, s, seqlen_q=100, head_dim=128, layout=layout))
@@ -171,7 +176,7 @@ def test_scale_and_values_do_not_recompile(rng):
         jax.export.DisabledSafetyCheck.custom_call("jax_dqpost_postprocess_v1")])(
         jax.ShapeDtypeStruct(layout.accum_shape(2, 2, 100, 128), jnp.float32), jax.ShapeDtypeStruct((), jnp.float32))
     exported()
-    n = compile_.cache_size()
+    n = kernel_cache.cache_size()
     for scale in (0.5, 0.25):
         f(jnp.asarray(rng.standard_normal(layout.accum_shape(2, 2, 100, 128)), jnp.float32), jnp.float32(scale))
     # Other shapes of the same binary configuration reuse the compiled kernel.
@@ -179,4 +184,4 @@ def test_scale_and_values_do_not_recompile(rng):
                       platforms=["cuda"], disabled_checks=[
                           jax.export.DisabledSafetyCheck.custom_call("jax_dqpost_postprocess_v1")])(
         jax.ShapeDtypeStruct(layout.accum_shape(5, 1, 7, 120), jnp.float32), jax.ShapeDtypeStruct((), jnp.float32))
-    assert compile_.cache_size() == n
+    assert kernel_cache.cache_size() == n

@@ -41,7 +41,8 @@ def _kernel_on_poisoned_output(rng, layout, head_dim, seqlen, dtype, what):
     torch = _torch()
     import cuda.bindings.driver as cuda
 
-    from jax_dqpost import compile as compile_
+    from jax_dqpost import arch, kernel_cache
+    from jax_dqpost.plan import Plan
 
     B, H, D, S = 2, 3, head_dim, seqlen
     logical = oracle.random_logical(rng, (B, S, H, D))
@@ -50,15 +51,16 @@ def _kernel_on_poisoned_output(rng, layout, head_dim, seqlen, dtype, what):
                                    two_cta=layout.two_cta)
     scale = float(rng.uniform(0.05, 2.0))
     want = oracle.expected_dq(logical, scale, dtype)
-    executor = compile_.compile_executor(compile_.dtype_name(dtype), layout, layout.padded_head_dim(D), "dense",
-                                         compile_.target_arch())
+    plan = Plan(layout, D, np.dtype(dtype), seqlen_q=S)
+    name, _, padded, tiling = plan.kernel_key
+    executor = kernel_cache.compile_executor(name, layout, padded, tiling, arch.target_arch())
     t_acc = torch.from_numpy(acc).cuda()
     t_out = torch.full((B * S * H * D + GUARD,), np.uint16(POISON).view(np.int16).item(), dtype=torch.int16,
                        device="cuda")
     t_scale = torch.tensor([scale], dtype=torch.float32).cuda()
-    executor(*compile_.executor_args(compile_.dtype_name(dtype), t_acc.data_ptr(), t_out.data_ptr(),
-                                     t_scale.data_ptr(), t_scale.data_ptr(),  # aux: unused when dense
-                                     (B, H, S, D, -(-S // layout.tile_m))),
+    executor(*kernel_cache.executor_args(name, t_acc.data_ptr(), t_out.data_ptr(),
+                                         t_scale.data_ptr(), t_scale.data_ptr(),  # aux: unused when dense
+                                         plan.launch_extents(acc.shape)),
              cuda.CUstream(torch.cuda.current_stream().cuda_stream))
     torch.cuda.synchronize()
     out = t_out.cpu().numpy().view(np.uint16)
@@ -109,10 +111,10 @@ def test_jax_output_poisoned_by_allocator_reuse(rng, dtype):
 
 def test_ffi_rejects_inconsistent_attributes(rng):
     """The handler validates buffers against its attributes and returns an error, never launches."""
-    from jax_dqpost import _ffi, compile as compile_
+    from jax_dqpost import _ffi, kernel_cache
 
     layout = AccumLayout(90, 64, 256, 1, False, 32)
-    kernel = compile_.get_kernel(jnp.bfloat16, layout, 128)
+    kernel = kernel_cache.get_kernel(jnp.bfloat16, layout, 128)
     _ffi.register()
     acc = jnp.zeros(layout.accum_shape(1, 2, 64, 128), jnp.float32)
 
@@ -265,7 +267,7 @@ def test_artifact_exported_on_a_cpu_machine_runs_here(rng, name):
     assert exported.platforms == ("cuda",)
     tile_m, threads, atom, swap, mult = case["layout"][1:]
     dtype, D, H = jnp.dtype(case["dtype"]), case["head_dim"], case["heads"]
-    if case["mode"] == "dense":
+    if case["packing"] == "dense":
         B, S = case["batch"], case["seqlen"]
         logical = oracle.random_logical(rng, (B, S, H, D))
         acc = oracle.build_accumulator(logical, (tile_m, threads, atom, swap), hdim_multiple_of=mult, rng=rng)

@@ -21,14 +21,14 @@ def test_frozen_hashable_and_normalised():
 
 
 @pytest.mark.parametrize("kwargs, exc, pattern", [
-    (dict(arch=70), ValueError, r"AccumLayout.arch=70 is not supported"),
+    (dict(arch=70), ValueError, r"AccumLayout.arch=70 is not an accumulator order"),
     (dict(arch=100, tile_m=64, num_threads=128), ValueError, r"AccumLayout.tile_m must be 128 for arch=100, got 64"),
     (dict(arch=100, tile_m=128, num_threads=128, swap_ab=True), ValueError, r"swap_ab must be False for arch=100"),
     (dict(arch=90, two_cta=True), ValueError, r"two_cta=True is a Blackwell \(arch=100\) order, got arch=90"),
     (dict(arch=80, num_threads=100), ValueError, r"multiple of 32 \(whole warps\), at most 1024, for arch=80, got 100"),
     (dict(arch=80, tile_m=40, num_threads=128, atom_layout=4), ValueError, r"tile_m=40 must be a multiple of 64"),
     (dict(arch=None, atom_layout=2), ValueError, r"atom_layout must be 1 for arch=None, got 2"),
-    (dict(arch="90"), TypeError, r"AccumLayout.arch must be an int, got '90'"),
+    (dict(arch="90"), TypeError, r"AccumLayout.arch must be a Python int, got '90' \(str\)"),
     (dict(tile_m=0), ValueError, r"AccumLayout.tile_m must be >= 1, got 0"),
     (dict(tile_m=60), ValueError, r"AccumLayout.tile_m must be a multiple of 8, got 60"),
     (dict(tile_m=96), ValueError, r"AccumLayout.tile_m=96 must be a multiple of 64"),
@@ -36,8 +36,11 @@ def test_frozen_hashable_and_normalised():
     (dict(num_threads=640), ValueError, r"got 640"),
     (dict(atom_layout=3), ValueError, r"atom_layout=3 must divide the number of warpgroups num_threads/128=2"),
     (dict(swap_ab=1), TypeError, r"AccumLayout.swap_ab must be a bool, got 1"),
-    (dict(hdim_multiple_of=12), ValueError, r"hdim_multiple_of must be a multiple of 8, got 12"),
-    (dict(tile_m=64.0), TypeError, r"AccumLayout.tile_m must be an int, got 64.0"),
+    (dict(hdim_multiple_of=12), ValueError, r"hdim_multiple_of must be a multiple of 8 and at most 256, got 12"),
+    (dict(tile_m=64.0), TypeError, r"AccumLayout.tile_m must be a Python int, got 64.0 \(float\)"),
+    (dict(arch=120), ValueError, r"arch=120 is not an accumulator order.*sm120 backward writes the arch=80 order"),
+    (dict(arch=110), ValueError, r"sm110 backward writes the arch=100 order"),
+    (dict(hdim_multiple_of=512), ValueError, r"hdim_multiple_of must be a multiple of 8 and at most 256, got 512"),
 ])
 def test_invalid_fields_are_named(kwargs, exc, pattern):
     with pytest.raises(exc, match=pattern):

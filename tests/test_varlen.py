@@ -156,7 +156,7 @@ def test_dense_with_seqused(rng, platform, dtype):
 
 
 def test_new_traced_values_do_not_retrace_or_recompile(rng):
-    from jax_dqpost import compile as compile_
+    from jax_dqpost import kernel_cache
 
     layout = _layout("cute-hd128")
     traces = []
@@ -172,8 +172,8 @@ def test_new_traced_values_do_not_retrace_or_recompile(rng):
         cu = np.concatenate([[0], np.sort(rng.integers(0, 501, 3)), [500]]).astype(np.int32)
         used = rng.integers(0, 200, 4).astype(np.int32)
         f(acc, jnp.asarray(cu), jnp.asarray(used)).block_until_ready()
-        kernels = compile_.cache_size() if kernels is None else kernels
-        assert compile_.cache_size() == kernels  # no CuTe compile after the first call (on GPU)
+        kernels = kernel_cache.cache_size() if kernels is None else kernels
+        assert kernel_cache.cache_size() == kernels  # no CuTe compile after the first call (on GPU)
     assert len(traces) == 1, f"retraced {len(traces)} times"
     assert f._cache_size() == 1  # one XLA executable
 

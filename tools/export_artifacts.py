@@ -26,17 +26,17 @@ DISABLED = [jax.export.DisabledSafetyCheck.custom_call(_ffi.TARGET_NAME)]
 
 CASES = {
     # dense, bf16, FlashAttention's hd128 Hopper configuration (tile_m 80, swapAB); scale traced
-    "dense": dict(mode="dense", dtype="bfloat16", head_dim=128, batch=2, seqlen=1000, heads=4,
+    "dense": dict(packing="dense", dtype="bfloat16", head_dim=128, batch=2, seqlen=1000, heads=4,
                   layout=AccumLayout.flash_attention(90, 128)),
     # varlen with traced cu_seqlens_q and seqused_q, fp16, hd64 (tile_m 128, 2 warpgroups); scale static
-    "varlen": dict(mode="varlen", dtype="float16", head_dim=64, batch=5, total_q=700, heads=3, scale=0.125,
+    "varlen": dict(packing="varlen", dtype="float16", head_dim=64, batch=5, total_q=700, heads=3, scale=0.125,
                    layout=AccumLayout.flash_attention(90, 64)),
 }
 
 
 def export(case: dict) -> jax.export.Exported:
     layout, D, dtype = case["layout"], case["head_dim"], jnp.dtype(case["dtype"])
-    if case["mode"] == "dense":
+    if case["packing"] == "dense":
         B, S, H = case["batch"], case["seqlen"], case["heads"]
         f = jax.jit(lambda a, s: dq_postprocess(a, s, seqlen_q=S, head_dim=D, dtype=dtype, layout=layout))
         args = (jax.ShapeDtypeStruct(layout.accum_shape(B, H, S, D), jnp.float32),

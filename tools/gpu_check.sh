@@ -1,29 +1,33 @@
 #!/bin/bash
-# Build, test and benchmark jax-dqpost on the GPU machine in one call (see GPU_RESULTS.md for runs):
-#   ../shared/device/stage.sh --peer && git rev-parse HEAD > .device/COMMIT     (here, before the run)
-#   source .device/setup.sh && bash tools/gpu_check.sh                          (on the GPU machine)
-# STEPS (default "tests sanitizer bench") picks steps; the build always runs. BENCH_ARGS go to the benchmark.
+# Build, test and benchmark jax-dqpost on a CUDA machine in one call, from the repository root:
+#   bash tools/gpu_check.sh
+# It installs the package from this checkout (no dependencies, no index: they must be there already, e.g. from
+# the README's install with the [cuda13,test,bench] extras) into $TARGET (default: a temporary folder put first on
+# PYTHONPATH), then runs the steps in $STEPS (default "tests sanitizer bench"): the whole pytest suite on 4 workers,
+# compute-sanitizer memcheck on corrupt traced varlen offsets, and `python -m jax_dqpost.bench`.
+# PYTEST_ARGS replaces the test selection, BENCH_ARGS goes to the benchmark. Logs and bench.json/png go to $OUT
+# (default: ./gpu_check_out).
 set -o pipefail
 repo=$(pwd)
-out=${OUT:-/tmp/out}; mkdir -p "$out"
+out=${OUT:-$repo/gpu_check_out}; mkdir -p "$out"
+target=${TARGET:-$(mktemp -d)}
 steps=${STEPS:-tests sanitizer bench}
-echo "== date: $(date -u '+%Y-%m-%d %H:%M:%S UTC')"
-echo "== commit: $(cat .device/COMMIT 2>/dev/null || echo unknown)"
-export JAX_DQPOST_COMMIT=$(cut -c1-7 .device/COMMIT 2>/dev/null)
+export JAX_DQPOST_COMMIT=${JAX_DQPOST_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+echo "== date: $(date -u '+%Y-%m-%d %H:%M:%S UTC'), commit $JAX_DQPOST_COMMIT"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-python3 -c "import jax, jaxlib; print('jax', jax.__version__, jax.devices())"
+python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
 
-echo "== build (pip install --no-build-isolation: scikit-build-core + CMake + the FFI handler)"
+echo "== build (scikit-build-core + CMake + the FFI handler) into $target"
 t0=$(date +%s)
-python3 -m pip install -q --no-build-isolation --no-deps --no-index --target /tmp/pkg "$repo" || exit 1
-echo "built in $(( $(date +%s) - t0 )) s: $(ls /tmp/pkg/jax_dqpost/*.so)"
-export PYTHONPATH=/tmp/pkg:$PYTHONPATH
+python3 -m pip install -q --no-build-isolation --no-deps --no-index --target "$target" "$repo" || exit 1
+echo "built in $(( $(date +%s) - t0 )) s: $(ls "$target"/jax_dqpost/*.so)"
+export PYTHONPATH=$target${PYTHONPATH:+:$PYTHONPATH}
 rc=0
 if [[ $steps == *tests* ]]; then
   echo "== tests ${PYTEST_ARGS:-}"
   # 4 workers (pytest-xdist), each without JAX's 75% preallocation of the GPU's memory
-  (cd /tmp && XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -n 4 -q -rA -p no:warnings -p no:cacheprovider \
-    ${PYTEST_ARGS:-"$repo/tests"} 2>&1 | tee "$out/pytest.log" | grep -E -v "^PASSED" | tail -40) || rc=1
+  (cd /tmp && XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -n 4 -q -rs -p no:cacheprovider \
+    ${PYTEST_ARGS:-"$repo/tests"} 2>&1 | tee "$out/pytest.log" | tail -40) || rc=1
 fi
 if [[ $steps == *sanitizer* ]]; then
   echo "== compute-sanitizer memcheck: corrupt traced offsets"

@@ -8,7 +8,7 @@
         one launch of ours (the first two variants) and one of FlashAttention-4 per dense configuration,
         between cudaProfilerStart/Stop (after warm-up), for Nsight Compute's counters
 
-Configuration names are the benchmark's (jax_dqpost.bench.CONFIGS).
+Configuration names are the benchmark's (jax_dqpost.bench_cases.CONFIGS).
 """
 
 from __future__ import annotations
@@ -20,29 +20,29 @@ import numpy as np
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-from jax_dqpost import bench  # noqa: E402
+from jax_dqpost.bench import cases as bench_cases, harness  # noqa: E402
 
 # Variants tried per configuration by `sweep` (the first, {}, is the package's default).
 VARIANTS = [{}, {"heads_fastest": False}, {"min_ctas_per_sm": 0}]
 
 
-def cases(names, torch, fa4, modes=("dense",)):
-    configs = {c[0]: c for c in bench.CONFIGS}
+def cases(names, torch, fa4, packings=("dense",)):
+    configs = {c[0]: c for c in bench_cases.CONFIGS}
     for name in names:
-        for mode in modes:
+        for packing in packings:
             _, D, causal = configs[name]
-            case = bench.Case(name, D, causal, mode, None, np.random.default_rng(0), torch, fa4)
+            case = bench_cases.Case(name, D, causal, packing, None, np.random.default_rng(0), torch, fa4)
             case.torch_buffers()
             yield case
             case.free_torch()
 
 
 def sweep(names, torch, fa4, samples=15):
-    for case in cases(names, torch, fa4, modes=("dense", "varlen")):
-        copy, _ = bench._graph_per_call(torch, case.copy_run(), case.copies, samples)
+    for case in cases(names, torch, fa4, packings=("dense", "varlen")):
+        copy, _ = harness.graph_per_call(torch, case.copy_run(), case.copies, samples)
         rows = [("copy", copy)]
         if fa4 is not None:
-            rows.append(("FA4", bench._graph_per_call(torch, case.fa4_run(), case.copies, samples)[0]))
+            rows.append(("FA4", harness.graph_per_call(torch, case.fa4_run(), case.copies, samples)[0]))
         expected = None
         for tuning in VARIANTS:
             try:
@@ -52,13 +52,13 @@ def sweep(names, torch, fa4, samples=15):
                 out = case.t_out[0].view(torch.int16).clone()
                 expected = out if expected is None else expected
                 same = "same bits" if torch.equal(out, expected) else "DIFFERENT BITS"
-                t, _ = bench._graph_per_call(torch, run, case.copies, samples)
+                t, _ = harness.graph_per_call(torch, run, case.copies, samples)
             except Exception as e:  # noqa: BLE001 - a variant that cannot compile for this tile
                 print(f"{case.name} ours {tuning}: {type(e).__name__}: {str(e)[:160]}", flush=True)
                 continue
             rows.append((f"ours {tuning or 'default'} ({same})", t))
         for label, t in rows:
-            print(f"{case.name:13s} {case.mode:6s} {label:45s} {t * 1e6:8.1f} us {case.bytes / t / 1e12:5.2f} TB/s "
+            print(f"{case.name:13s} {case.packing:7s} {label:45s} {t * 1e6:8.1f} us {case.bytes / t / 1e12:5.2f} TB/s "
                   f"{copy / t:7.1%} of copy", flush=True)
 
 

@@ -28,7 +28,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jax_dqpost import AccumLayout, dq_postprocess  # noqa: E402
-from jax_dqpost.bench import gpu_activities  # noqa: E402
+from jax_dqpost.bench.harness import gpu_activities  # noqa: E402
 
 
 def summarize(label, acts):

@@ -1,15 +1,17 @@
 """Compile the CuTe DSL kernel once per binary-changing configuration; cutlass is imported lazily here.
 
-The key holds what changes the binary: output dtype, accumulator layout, padded head dim, mode and the
-target GPU architecture. Batch, heads, sequence lengths, head dim and scale are runtime arguments of the
-compiled module, so they never trigger a compile.
+The key (``Plan.kernel_key`` and the target GPU) holds what changes the binary: output dtype, accumulator
+layout, padded head dim, tiling and GPU architecture. Batch, heads, sequence lengths, head dim and scale are
+run-time arguments of the compiled module, so they never trigger a compile.
 
 Two caches: in memory (per process), and on disk (``$JAX_DQPOST_CACHE_DIR``, default
 ``$XDG_CACHE_HOME/jax_dqpost`` or ``~/.cache/jax_dqpost``; ``JAX_DQPOST_CACHE_DIR=none`` turns it off). A disk
 entry's name hashes the key with the package version, the kernel source and the CuTe DSL version, so a change
 to any of them misses; entries are written to a temporary file and renamed into place, so processes sharing the
-directory never see a partial file. A disk hit does not import cutlass. ``python -m jax_dqpost.precompile``
-fills the cache ahead of time.
+directory never see a partial file. A disk hit does not import cutlass. Kernels are written to the default
+directory only on a machine with a CUDA GPU (a CPU-only machine that exports for CUDA leaves the user's cache
+alone) or when asked to (``python -m jax_dqpost.precompile``); a configured ``JAX_DQPOST_CACHE_DIR`` is always
+written.
 """
 
 from __future__ import annotations
@@ -18,17 +20,20 @@ import contextlib
 import dataclasses
 import hashlib
 import os
-import re
 import tempfile
 import threading
 from pathlib import Path
 
 import numpy as np
 
+from . import arch as arch_
+from ._version import __version__
 from .layout import AccumLayout
+from .plan import OUT_DTYPES, Tiling
 
 FUNCTION_PREFIX = "jax_dqpost"
 """Symbol prefix of the compiled entry point; ffi/dqpost_ffi.cc looks the function up by it."""
+
 
 @dataclasses.dataclass(frozen=True)
 class CompiledKernel:
@@ -39,89 +44,34 @@ class CompiledKernel:
 
 _lock = threading.Lock()  # CuTe tracing mutates process-global DSL state: one compile at a time
 _cache: dict[tuple, CompiledKernel] = {}
-_arch_override: list[str] = []  # the cuda_arch() context stack
-_ARCH_PATTERN = re.compile(r"^sm_\d{2,3}[af]?$")
-
-
-def _check_arch(arch: str) -> str:
-    if not isinstance(arch, str) or not _ARCH_PATTERN.match(arch):
-        raise ValueError(f"GPU architecture must look like 'sm_90a', 'sm_80' or 'sm_100a', got {arch!r}")
-    return arch
-
-
-@contextlib.contextmanager
-def cuda_arch(arch: str):
-    """Compile the kernel for ``arch`` (e.g. ``"sm_90a"``) while lowering for CUDA inside this block, whatever
-    GPU (if any) this machine has: for ``jax.export`` on a machine without a GPU, or for another GPU.
-
-    Precedence: this context, then the ``CUTE_DSL_ARCH`` environment variable, then the first CUDA device.
-    """
-    _arch_override.append(_check_arch(arch))
-    try:
-        yield
-    finally:
-        _arch_override.pop()
 
 
 def dtype_name(dtype) -> str:
-    """'bf16' or 'f16' (the FFI attribute), else ValueError."""
-    import ml_dtypes
-
-    dtype = np.dtype(dtype)
-    if dtype == np.dtype(ml_dtypes.bfloat16):
-        return "bf16"
-    if dtype == np.dtype(np.float16):
-        return "f16"
-    raise ValueError(f"dtype must be bfloat16 or float16, got {dtype}")
+    """'bf16' or 'f16' for the output dtype (or that name itself), else ValueError."""
+    if isinstance(dtype, str) and dtype in OUT_DTYPES.values():
+        return dtype
+    name = OUT_DTYPES.get(np.dtype(dtype))
+    if name is None:
+        raise ValueError(f"dtype must be bfloat16 or float16, got {np.dtype(dtype)}")
+    return name
 
 
-def target_arch() -> str:
-    """The GPU architecture to compile for: the innermost :func:`cuda_arch` context; else ``CUTE_DSL_ARCH``
-    (e.g. ``sm_90a``), so lowering for CUDA works on machines without a GPU; else the first CUDA device JAX
-    sees. Never guesses."""
-    if _arch_override:
-        return _arch_override[-1]
-    env = os.environ.get("CUTE_DSL_ARCH")
-    if env:
-        return _check_arch(env)
-    import jax
+def get_kernel(dtype, layout: AccumLayout, padded_head_dim: int, tiling: Tiling = Tiling.DENSE, *,
+               arch: str | None = None, persist: bool | None = None) -> CompiledKernel:
+    """The compiled module for this configuration (``Plan.kernel_key``), from a cache or compiled now.
 
-    try:
-        devices = jax.devices("cuda")
-    except RuntimeError:
-        devices = []
-    if not devices:
-        raise RuntimeError(
-            "jax_dqpost: lowering for CUDA without a CUDA device; set CUTE_DSL_ARCH (e.g. CUTE_DSL_ARCH=sm_90a) "
-            "to choose the GPU architecture to compile the kernel for"
-        )
-    major, minor = str(devices[0].compute_capability).split(".")
-    return f"sm_{major}{minor}{'a' if int(major) >= 9 else ''}"
-
-
-def sm_version(arch: str) -> int:
-    """``"sm_90a"`` -> 90, ``"sm_100a"`` -> 100, ``"sm_80"`` -> 80."""
-    digits = "".join(ch for ch in arch[3:] if ch.isdigit())
-    if not arch.startswith("sm_") or not digits:
-        raise ValueError(f"GPU architecture must look like sm_90a, got {arch!r}")
-    return int(digits)
-
-
-def get_kernel(dtype, layout: AccumLayout, tile_hdim: int, mode: str = "dense",
-               arch: str | None = None) -> CompiledKernel:
-    """The compiled module for this configuration, from the in-memory cache or compiled now.
-
-    ``mode``: ``"dense"``, ``"dense_seqused"`` or ``"varlen"`` (how tiles are found, see primitive.py).
+    ``arch``: the target GPU (default: :func:`jax_dqpost.arch.target_arch`). ``persist``: write a new module to
+    the default on-disk cache even without a local GPU (None: see the module docstring).
     """
-    arch = _check_arch(arch) if arch else target_arch()
-    key = (dtype_name(dtype), layout, int(tile_hdim), mode, arch)
+    arch = arch_.check_arch(arch) if arch else arch_.target_arch()
+    key = (dtype_name(dtype), layout, int(padded_head_dim), Tiling(tiling), arch)
     with _lock:
         hit = _cache.get(key)
         if hit is None:
             hit = _load(key)
         if hit is None:
             hit = _compile(*key)
-            _store(key, hit)
+            _store(key, hit, persist)
         _cache[key] = hit
     return hit
 
@@ -135,18 +85,23 @@ def cache_dir() -> Path | None:
     return Path(base) / "jax_dqpost"
 
 
+def cache_size() -> int:
+    """Modules held in memory (compiled or loaded by this process)."""
+    with _lock:
+        return len(_cache)
+
+
 def _disk_name(key: tuple) -> str:
     from importlib import metadata
 
-    from . import __version__
-
     try:
         dsl = metadata.version("nvidia-cutlass-dsl")
-    except metadata.PackageNotFoundError:  # a DSL on PYTHONPATH (e.g. the GPU machine's copy)
+    except metadata.PackageNotFoundError:  # a DSL on PYTHONPATH, not installed as a distribution
         dsl = "unknown"
-    source = (Path(__file__).with_name("kernel.py").read_bytes() + Path(__file__).with_name("layout.py").read_bytes())
+    here = Path(__file__).parent
+    source = b"".join((here / name).read_bytes() for name in ("kernel.py", "layout.py", "varlen.py"))
     digest = hashlib.sha256(repr((key, __version__, dsl, FUNCTION_PREFIX)).encode() + source).hexdigest()
-    return f"{key[0]}-{key[3]}-{key[4]}-{digest[:40]}.cute"
+    return f"{key[0]}-{key[3].name.lower()}-{key[4]}-{digest[:40]}.cute"
 
 
 def _load(key: tuple) -> CompiledKernel | None:
@@ -162,9 +117,13 @@ def _load(key: tuple) -> CompiledKernel | None:
     return CompiledKernel(module=module, fingerprint=hashlib.sha256(module).hexdigest(), arch=key[4])
 
 
-def _store(key: tuple, kernel: CompiledKernel) -> None:
+def _store(key: tuple, kernel: CompiledKernel, persist: bool | None) -> None:
     directory = cache_dir()
     if directory is None:
+        return
+    if persist is None:
+        persist = "JAX_DQPOST_CACHE_DIR" in os.environ or bool(arch_.cuda_devices())
+    if not persist:
         return
     try:
         directory.mkdir(parents=True, exist_ok=True)
@@ -177,51 +136,52 @@ def _store(key: tuple, kernel: CompiledKernel) -> None:
             os.unlink(tmp)
 
 
-def cache_size() -> int:
-    with _lock:
-        return len(_cache)
-
-
-def _compile(dtype: str, layout: AccumLayout, tile_hdim: int, mode: str, arch: str) -> CompiledKernel:
-    module = bytes(compile_executor(dtype, layout, tile_hdim, mode, arch).dump_to_object(FUNCTION_PREFIX))
+def _compile(dtype: str, layout: AccumLayout, padded_head_dim: int, tiling: Tiling, arch: str) -> CompiledKernel:
+    executor = compile_executor(dtype, layout, padded_head_dim, tiling, arch)
+    module = bytes(executor.dump_to_object(FUNCTION_PREFIX))
     return CompiledKernel(module=module, fingerprint=hashlib.sha256(module).hexdigest(), arch=arch)
 
 
-def executor_args(dtype: str, acc: int, dq: int, scale: int, aux: int, dims) -> tuple:
+def cute_dtype(dtype: str):
+    """The CuTe numeric type of an output dtype name ('bf16', 'f16')."""
+    import cutlass
+
+    return {"bf16": cutlass.BFloat16, "f16": cutlass.Float16}[dtype_name(dtype)]
+
+
+def executor_args(dtype: str, acc: int, dq: int, scale: int, aux: int, extents) -> tuple:
     """The arguments of the kernel's C ABI (kernel.py ``__call__``) but the stream, as CuTe values: device
-    addresses of the fp32 accumulator, dQ (``dtype``), the fp32 scale and the int32 aux buffer (seqused_q or
-    the work list; any address when unused), then the int32 extents ``dims = (dim0, heads, rows, head_dim,
-    grid_x)``."""
+    addresses of the fp32 accumulator, dQ (``dtype``), the fp32 scale and the int32 aux operand (seqused_q or
+    the work list; any address when unused), then the int32 ``extents`` (``Plan.launch_extents``)."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_ptr
 
     gmem = cute.AddressSpace.gmem
-    cute_dtype = {"bf16": cutlass.BFloat16, "f16": cutlass.Float16}[dtype]
     return (make_ptr(cutlass.Float32, acc, gmem, assumed_align=16),
-            make_ptr(cute_dtype, dq, gmem, assumed_align=16),
+            make_ptr(cute_dtype(dtype), dq, gmem, assumed_align=16),
             make_ptr(cutlass.Float32, scale, gmem, assumed_align=4),
             make_ptr(cutlass.Int32, aux, gmem, assumed_align=4),
-            *(cutlass.Int32(d) for d in dims))
+            *(cutlass.Int32(d) for d in extents))
 
 
-def compile_executor(dtype: str, layout: AccumLayout, tile_hdim: int, mode: str, arch: str, **tuning):
+def compile_executor(dtype: str, layout: AccumLayout, padded_head_dim: int, tiling: Tiling, arch: str, **tuning):
     """``cute.compile`` the kernel; returns CuTe's executor, callable from Python with the arguments of the
     C ABI (kernel.py: pointers, int32 extents, stream). Callers serialise through ``_lock`` or accept that
     the DSL's global arch is set here (and restored afterwards). ``tuning``: keyword arguments of
     :class:`~jax_dqpost.kernel.DqPostprocess` for experiments (tools/ncu_kernels.py); the package itself
     always compiles with the defaults, which is why they are not part of the cache key."""
     import cuda.bindings.driver as cuda
-    import cutlass
     import cutlass.cute as cute
     from cutlass.cutlass_dsl.cutlass import CuTeDSL
 
     from .kernel import DqPostprocess
 
-    cute_dtype = {"bf16": cutlass.BFloat16, "f16": cutlass.Float16}[dtype]
-    if not DqPostprocess.can_implement(cute_dtype, layout, tile_hdim):
-        raise ValueError(f"jax_dqpost: no kernel for dtype={dtype}, {layout}, padded head dim {tile_hdim}")
-    kernel = DqPostprocess(cute_dtype, layout, tile_hdim, mode=mode, target_sm=sm_version(arch), **tuning)
+    cute_type = cute_dtype(dtype)
+    if not DqPostprocess.can_implement(cute_type, layout, padded_head_dim):
+        raise ValueError(f"jax_dqpost: no kernel for dtype={dtype}, {layout}, padded head dim {padded_head_dim}")
+    kernel = DqPostprocess(cute_type, layout, padded_head_dim, tiling=Tiling(tiling),
+                           target_sm=arch_.sm_version(arch), **tuning)
     # Arch-dependent code paths inside the DSL read a process-wide setting: set it for this compile only,
     # so that other users of the DSL in this process (e.g. FlashAttention) keep theirs.
     # (Reading ``envar.arch`` when it is unset probes the GPU through the driver; the raw field is saved

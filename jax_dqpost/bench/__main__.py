@@ -1,0 +1,145 @@
+"""Benchmark of the dQ postprocess on the local GPU, every implementation side by side in one run:
+
+    python -m jax_dqpost.bench [--out DIR] [--quick]       (extras: pip install "jax-dqpost[bench]")
+
+For FlashAttention's Hopper configurations (head dims 64, 96, 128, 128 causal, 192, 256), dense and varlen (64
+random lengths, the same tokens), sizes from a few KB to 1 GB moved per call, it times
+
+- ``ours``: our CuTe kernel (the module the FFI target runs), launched from a torch stream;
+- ``FA4``: FlashAttention-4's postprocess (``flash_attn.cute``), when importable;
+- ``copy``: a device-to-device copy of the same number of bytes;
+- ``ours_jax``: ``jax.jit(dq_postprocess)`` called from Python, pipelined (wall clock per call);
+- ``xla_same_bytes``: XLA's own fused ``(acc * scale).astype(bf16)`` of the same accumulator, likewise;
+- ``jnp_gather``: what a JAX user writes without this package (a gather by the tile order, a multiply and a
+  cast), likewise.
+
+The first three are captured in a CUDA graph of back-to-back calls and timed with CUDA events around its replay
+(device time); they need torch, and the others run without it. Each sample cycles through enough distinct
+buffers (>= 256 MiB) that no call finds its data in L2; the median of the samples is reported. Bandwidth counts
+the useful bytes of a call: for every row of dQ, the accumulator's row (4 bytes per element, head dim padded as
+the producer stores it) and the row written (2 bytes per element). It also measures 2000 short sequences, the
+per-call cost in a jitted chain of 200 tiny calls, cold and warm start, and the jax.jit path with and without
+XLA's command buffers. Prints tables, writes ``bench.json`` (and ``bench.png`` with matplotlib) into ``--out``;
+progress goes to stderr. ``--plot JSON`` only redraws the plot of a saved report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+EXTRAS = 'pip install "jax-dqpost[bench]"'
+
+
+def _import_optional(name: str, what: str):
+    try:
+        return __import__(name)
+    except ImportError:
+        print(f"{name} is not installed: {what} ({EXTRAS} installs it)", file=sys.stderr)
+        return None
+
+
+def _commit() -> str:
+    try:
+        here = Path(__file__).resolve().parents[2]
+        c = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True)
+        if c.returncode == 0:
+            return c.stdout.strip()
+    except OSError:
+        pass
+    return os.environ.get("JAX_DQPOST_COMMIT", "unknown")
+
+
+def _version(dist: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jax_dqpost.bench", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="bench_results", help="directory for bench.json and bench.png")
+    parser.add_argument("--quick", action="store_true", help="fewer sizes and samples")
+    parser.add_argument("--samples", type=int, default=None, help="samples per measurement (median)")
+    parser.add_argument("--plot", metavar="JSON", help="only redraw the plot of a saved bench.json into --out")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    if args.plot:
+        try:
+            report = json.loads(Path(args.plot).read_text())
+        except (OSError, ValueError) as e:
+            parser.error(f"--plot {args.plot}: cannot read a report: {e}")
+        if _import_optional("matplotlib", "--plot draws with it") is None:
+            return 1
+        from .report import plot
+
+        out.mkdir(parents=True, exist_ok=True)
+        plot(report, out / "bench.png")
+        print(f"wrote {out / 'bench.png'}")
+        return 0
+
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch and JAX share the GPU
+    import jax
+
+    if jax.default_backend() != "gpu":
+        print(f"python -m jax_dqpost.bench needs a CUDA GPU visible to JAX (JAX's backend here: "
+              f"{jax.default_backend()})", file=sys.stderr)
+        return 1
+    torch = _import_optional("torch", "the ours/FA4/copy columns (CUDA-graph replay) are skipped")
+    if torch is not None and not torch.cuda.is_available():
+        print("torch sees no CUDA GPU: the ours/FA4/copy columns are skipped", file=sys.stderr)
+        torch = None
+    fa4 = None
+    if torch is not None:
+        try:
+            from flash_attn.cute.interface import _bwd_postprocess_convert as fa4
+        except Exception as e:  # noqa: BLE001 - any failure to import the peer only empties its column
+            print(f"FlashAttention-4 not importable ({type(e).__name__}: {e}); its columns stay empty",
+                  file=sys.stderr)
+    has_plot = _import_optional("matplotlib", "no bench.png") is not None
+
+    from . import cases, harness, probes, report as report_
+
+    samples = args.samples or (9 if args.quick else 25)
+    sizes = cases.SIZES[::2] if args.quick else cases.SIZES
+    report = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+              "commit": _commit(), "gpu": jax.devices()[0].device_kind, "jax": jax.__version__,
+              "flash_attn": _version("flash-attn-4") or _version("flash_attn"), "samples": samples,
+              "method": cases.METHOD, "reference": [], "sweep": []}
+    rng = np.random.default_rng(0)
+    todo = [(c, p, s) for c in cases.CONFIGS for p in cases.PACKINGS for s in [None, *sizes]]
+    for k, ((name, D, causal), packing, size) in enumerate(todo):
+        harness.log(f"[{k + 1}/{len(todo)}] {name} {packing} "
+                    f"{'B,H,S=' + str(cases.REFERENCE_SHAPE) if size is None else size}")
+        r = cases.measure(cases.Case(name, D, causal, packing, size, rng, torch, fa4), samples)
+        report["reference" if size is None else "sweep"].append(r)
+    harness.log(f"{cases.MANY_SEQUENCES} short sequences (hd128)")
+    report["many_sequences"] = cases.measure(cases.Case(f"hd128-{cases.MANY_SEQUENCES}seq", 128, False, "varlen", None,
+                                                        rng, torch, fa4, sequences=cases.MANY_SEQUENCES), samples)
+    harness.log("chain of 200 tiny calls")
+    report["chain"] = probes.chain_cost(samples)
+    harness.log("cold and warm start")
+    report["start"] = probes.start_costs()
+    harness.log("jax path with and without command buffers")
+    report["jax_path"] = probes.jax_path_costs()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(report, indent=1) + "\n")
+    if has_plot:
+        report_.plot(report, out / "bench.png")
+    print(report_.summary(report))
+    print(f"\nwrote {out / 'bench.json'}" + (f" and {out / 'bench.png'}" if has_plot else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

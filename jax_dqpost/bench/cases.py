@@ -1,0 +1,240 @@
+"""The benchmark's problems and implementations: one :class:`Case` per (configuration, packing, size), with
+the buffers and launchers of every implementation, and :func:`measure`."""
+
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+import numpy as np
+
+from .. import AccumLayout
+from ..plan import Plan
+from ..varlen import WorkList
+from . import harness
+
+# FlashAttention-4's Hopper dQ configurations, by head dim (AccumLayout.flash_attention(90, D, causal=...)).
+CONFIGS = [("hd64", 64, False), ("hd96", 96, False), ("hd128-causal", 128, True), ("hd128", 128, False),
+           ("hd192", 192, False), ("hd256", 256, False)]
+PACKINGS = ("dense", "varlen")
+SIZES = [2**12, 2**16, 2**20, 2**24, 2**27, 2**30]  # bytes moved per call (approximately)
+REFERENCE_SHAPE = (2, 32, 8192)  # (B, H, S): the table of docs/performance.md
+ROTATE_BYTES = 256 << 20  # distinct buffers cycled per sample (H200 L2: 50 MiB)
+MANY_SEQUENCES = 2000  # "large batches of short sequences"
+IMPLS = ("ours", "FA4", "copy", "ours_jax", "xla_same_bytes", "jnp_gather")
+METHOD = ("ours/FA4/copy: CUDA events around the replay of a CUDA graph of back-to-back calls (*_eager: "
+          "events around eager launches); ours_jax/xla_same_bytes/jnp_gather: wall clock of pipelined jitted calls; "
+          "median of samples of >= 2 ms; >= 256 MiB of rotated buffers; seconds per call")
+_EXECUTORS: dict = {}
+
+
+def problem(head_dim: int, target_bytes: int | None):
+    """(B, H, S) moving about ``target_bytes`` per call (None: :data:`REFERENCE_SHAPE`)."""
+    if target_bytes is None:
+        return REFERENCE_SHAPE
+    per_token_head = head_dim * 6
+    heads = int(min(32, max(1, target_bytes // (per_token_head * 1024))))
+    seqlen = max(8, round(target_bytes / (heads * per_token_head)))
+    return 1, heads, seqlen
+
+
+def random_lengths(rng, total: int, count: int) -> list[int]:
+    """``cu_seqlens``: ``count`` random positive lengths adding up to ``total``."""
+    count = max(1, min(count, total))
+    cuts = np.sort(rng.choice(np.arange(1, total), count - 1, replace=False)) if count > 1 else np.array([], int)
+    return [0] + [int(c) for c in cuts] + [total]
+
+
+class Case:
+    """One (configuration, packing, size): the call's plan, buffers and launchers of every implementation.
+    ``torch`` and ``fa4`` may be None (their columns are then not measured)."""
+
+    def __init__(self, name, head_dim, causal, packing, target_bytes, rng, torch, fa4, sequences=64):
+        if packing not in PACKINGS:
+            raise ValueError(f"packing must be one of {PACKINGS}, got {packing!r}")
+        self.torch, self.fa4 = torch, fa4
+        self.layout = AccumLayout.flash_attention(90, head_dim, causal=causal)
+        self.name, self.packing, self.D = name, packing, head_dim
+        B, H, S = problem(head_dim, target_bytes)
+        self.B, self.H, self.S = B, H, S
+        self.tokens = B * S
+        tm = self.layout.tile_m
+        bf16 = np.dtype(jnp.bfloat16)
+        if packing == "dense":
+            self.plan, self.cu, self.meta = Plan(self.layout, head_dim, bf16, seqlen_q=S), None, None
+            self.acc_shape, self.out_shape = self.layout.accum_shape(B, H, S, head_dim), (B, S, H, head_dim)
+        else:
+            self.cu = random_lengths(rng, self.tokens, sequences)
+            work, self.meta = WorkList.build(np, self.cu, None, total_q=self.tokens, tile_m=tm)
+            self.plan = Plan(self.layout, head_dim, bf16, work=work)
+            self.acc_shape = self.layout.varlen_accum_shape(work.batch, H, self.tokens, head_dim)
+            self.out_shape = (self.tokens, H, head_dim)
+            # CTAs per head: launched (the work list's grid) and what the sequences' rows need at the least
+            self.num_tiles = work.num_tiles
+            self.tiles_needed = int(sum(-(-n // tm) for n in np.diff(self.cu)))
+        dr = self.plan.padded_head_dim
+        self.bytes = self.tokens * H * (dr * 4 + head_dim * 2)  # useful bytes: rows of the sequences only
+        per_call = int(np.prod(self.acc_shape)) * 4 + int(np.prod(self.out_shape)) * 2
+        self.copies = max(2, min(256, -(-ROTATE_BYTES // per_call)))
+        self.scale = head_dim ** -0.5
+
+    # torch-side buffers (ours, FA4, copy)
+    def torch_buffers(self):
+        t = self.torch
+        self.t_acc = [t.randn(self.acc_shape, device="cuda", dtype=t.float32) for _ in range(self.copies)]
+        self.t_out = [t.empty(self.out_shape, device="cuda", dtype=t.bfloat16) for _ in range(self.copies)]
+        self.t_scale = t.tensor([self.scale], device="cuda", dtype=t.float32)
+        self.t_meta = t.from_numpy(self.meta).cuda() if self.meta is not None else self.t_scale
+        self.t_cu = t.tensor(self.cu, dtype=t.int32, device="cuda") if self.cu is not None else None
+
+    def free_torch(self):
+        self.t_acc = self.t_out = self.t_meta = self.t_cu = None
+        self.torch.cuda.empty_cache()
+
+    def ours(self, **tuning):
+        """Launcher of our kernel; ``tuning``: DqPostprocess keyword arguments (experiments only)."""
+        import cuda.bindings.driver as cuda
+
+        from .. import arch, kernel_cache
+
+        name, layout, padded, tiling = self.plan.kernel_key
+        key = (self.plan.kernel_key, tuple(sorted(tuning.items())))
+        if key not in _EXECUTORS:
+            _EXECUTORS[key] = kernel_cache.compile_executor(name, layout, padded, tiling, arch.target_arch(), **tuning)
+        ex = _EXECUTORS[key]
+        extents = self.plan.launch_extents(self.acc_shape)
+        args = [kernel_cache.executor_args(name, a.data_ptr(), o.data_ptr(), self.t_scale.data_ptr(),
+                                           self.t_meta.data_ptr(), extents) for a, o in zip(self.t_acc, self.t_out)]
+
+        def run(n):
+            stream = cuda.CUstream(self.torch.cuda.current_stream().cuda_stream)  # the capture stream, too
+            for i in range(n):
+                ex(*args[i % self.copies], stream)
+        return run
+
+    def fa4_run(self):
+        import cutlass
+
+        lt = self.layout
+
+        def run(n):
+            for i in range(n):
+                k = i % self.copies
+                self.fa4(self.t_acc[k], self.t_out[k], self.scale, self.t_cu, None, 90, cutlass.BFloat16, self.D,
+                         lt.tile_m, lt.num_threads, lt.atom_layout, lt.swap_ab, fake_mode=False,
+                         hdim_multiple_of=lt.hdim_multiple_of)
+        return run
+
+    def copy_run(self):
+        t = self.torch
+        words = self.bytes // 2 // 16 * 4  # half the bytes each way, as int32 (16-byte multiples)
+        src = [t.empty(words, dtype=t.int32, device="cuda") for _ in range(self.copies)]
+        dst = [t.empty(words, dtype=t.int32, device="cuda") for _ in range(self.copies)]
+
+        def run(n):
+            for i in range(n):
+                dst[i % self.copies].copy_(src[i % self.copies])
+        return run
+
+    # JAX side (ours through jax.jit, XLA's op of the same bytes, and the gather a user would write)
+    def jax_inputs(self):
+        import jax
+
+        keys = jax.random.split(jax.random.PRNGKey(0), self.copies)
+        self.j_acc = [jax.random.normal(k, self.acc_shape, np.float32) for k in keys]
+
+    def jax_run(self, fn, rotate=True):
+        import jax
+
+        f = jax.jit(fn)
+        copies = self.copies if rotate else 1
+
+        def run(n):
+            out = None
+            for i in range(n):
+                out = f(self.j_acc[i % copies])
+            return out
+        return run
+
+    def ours_jax_fn(self):
+        import jax.numpy as jnp
+
+        from .. import dq_postprocess
+
+        if self.cu is None:
+            return lambda a: dq_postprocess(a, self.scale, seqlen_q=self.S, head_dim=self.D, dtype=jnp.bfloat16,
+                                            layout=self.layout)
+        return lambda a: dq_postprocess(a, self.scale, head_dim=self.D, total_q=self.tokens, cu_seqlens_q=self.cu,
+                                        dtype=jnp.bfloat16, layout=self.layout)
+
+    def same_bytes_fn(self):
+        """An XLA op moving about the bytes of a call (x * scale -> bf16 of the whole accumulator, its padded
+        rows included, no reordering): what a plain jax.jit call of this size costs."""
+        import jax.numpy as jnp
+
+        return lambda a: (a * np.float32(self.scale)).astype(jnp.bfloat16)
+
+    def gather_fn(self):
+        """A user's jax.numpy version: gather every element from its position in the tile order."""
+        import jax.numpy as jnp
+
+        lt, D = self.layout, self.D
+        Dr, tm = lt.padded_head_dim(D), lt.tile_m
+        pos = jnp.asarray(lt.tile_index_map(D)[:, :D].astype(np.int32))  # (tm, D)
+        if self.cu is None:
+            S = self.S
+
+            def f(a):
+                tiles = a.reshape(self.B, self.H, -1, tm * Dr)
+                x = jnp.take(tiles, pos.ravel(), axis=3).reshape(self.B, self.H, -1, D)[:, :, :S]
+                return (jnp.transpose(x, (0, 2, 1, 3)) * self.scale).astype(jnp.bfloat16)
+            return f
+        cu = np.asarray(self.cu)
+        t = np.arange(self.tokens)
+        b = np.searchsorted(cu, t, side="right") - 1
+        row = (cu[b] + b * tm) // tm * tm + (t - cu[b])  # accumulator row of every token
+        flat = jnp.asarray((row // tm * tm * Dr)[:, None] + np.asarray(pos)[row % tm])  # (T, D)
+
+        def f(a):
+            return (jnp.transpose(a[:, flat], (1, 0, 2)) * self.scale).astype(jnp.bfloat16)
+        return f
+
+    def same_bits_as_fa4(self) -> bool:
+        t = self.torch
+        self.ours()(1)
+        mine = self.t_out[0].clone()
+        self.t_out[0].fill_(float("nan"))
+        self.fa4_run()(1)
+        t.cuda.synchronize()  # (varlen: the sequences cover every row, so FlashAttention-4 writes them all)
+        return bool(t.equal(mine.view(t.int16), self.t_out[0].view(t.int16)))
+
+
+def measure(case: Case, samples: int) -> dict:
+    """Every implementation of ``case`` this machine can run (torch: ours, FA4 and copy by graph replay)."""
+    res = {"config": case.name, "packing": case.packing, "head_dim": case.D, "B": case.B, "H": case.H, "S": case.S,
+           "tokens": case.tokens, "bytes": case.bytes, "buffers": case.copies,
+           "layout": [case.layout.tile_m, case.layout.num_threads, case.layout.atom_layout, case.layout.swap_ab,
+                      case.layout.hdim_multiple_of]}
+    if case.cu is not None:
+        res.update(sequences=len(case.cu) - 1, tiles_launched=case.num_tiles, tiles_needed=case.tiles_needed)
+    torch = case.torch
+    if torch is not None:
+        case.torch_buffers()
+        res["ours"], res["ours_eager"] = harness.graph_per_call(torch, case.ours(), case.copies, samples)
+        if case.fa4 is not None:
+            try:
+                res["FA4"], res["FA4_eager"] = harness.graph_per_call(torch, case.fa4_run(), case.copies, samples)
+                res["same_bits_as_FA4"] = case.same_bits_as_fa4()
+            except Exception as e:  # noqa: BLE001 - report what the peer cannot run
+                res["FA4_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        res["copy"], res["copy_eager"] = harness.graph_per_call(torch, case.copy_run(), case.copies, samples)
+        case.free_torch()
+    case.jax_inputs()
+    wall = functools.partial(harness.per_call, calls=case.copies, samples=samples, clock=harness.wall_clock,
+                             min_sample_s=harness.MIN_WALL_SAMPLE_S)
+    res["ours_jax"] = wall(case.jax_run(case.ours_jax_fn()))
+    res["ours_jax_same_input"] = wall(case.jax_run(case.ours_jax_fn(), rotate=False))
+    res["xla_same_bytes"] = wall(case.jax_run(case.same_bytes_fn()))
+    res["jnp_gather"] = wall(case.jax_run(case.gather_fn()))
+    case.j_acc = None
+    return res

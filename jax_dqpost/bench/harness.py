@@ -1,0 +1,98 @@
+"""Timing helpers of the benchmark, public for ``tools/``: CUDA-event and CUDA-graph timing (torch), wall-clock
+timing of pipelined jitted calls, and the GPU's own timeline from a jax.profiler trace."""
+
+from __future__ import annotations
+
+import glob
+import math
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+MIN_SAMPLE_S = 2e-3
+# Pipelined jax.jit calls: a sample's fixed costs (first dispatch, final sync: ~60 us) amortised below 1%
+MIN_WALL_SAMPLE_S = 10e-3
+
+
+def log(*a) -> None:
+    """Progress, on stderr (the report goes to stdout)."""
+    print(*a, file=sys.stderr, flush=True)
+
+
+def per_call(run, calls: int, samples: int, clock, min_sample_s: float = MIN_SAMPLE_S) -> float:
+    """Median over ``samples`` of (time of ``run(n)``) / n, with n >= ``calls`` chosen so one sample lasts
+    at least ``min_sample_s``; ``clock(run, n)`` returns seconds."""
+    clock(run, calls)  # warm-up (compiles, first-touch)
+    est = clock(run, calls) / calls
+    n = max(calls, min(20000, math.ceil(min_sample_s / max(est, 1e-7) / calls) * calls))
+    return statistics.median(clock(run, n) / n for _ in range(samples))
+
+
+def event_clock(torch):
+    """A clock for :func:`per_call`: CUDA events around ``run(n)`` on torch's current stream."""
+    def clock(run, n):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        run(n)
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b) * 1e-3
+    return clock
+
+
+def graph_per_call(torch, run, calls: int, samples: int) -> tuple[float, float]:
+    """(device seconds per call from CUDA-graph replay, eager seconds per call). ``run(n)`` enqueues n calls
+    on torch's current stream."""
+    eager = per_call(run, calls, samples, event_clock(torch))
+    n = max(calls, min(4000, max(200, math.ceil(MIN_SAMPLE_S / eager))) // calls * calls)
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with torch.cuda.graph(graph, stream=stream):
+        run(n)
+    graph.replay()
+    torch.cuda.synchronize()
+    replay = event_clock(torch)
+    return statistics.median(replay(lambda _: graph.replay(), n) / n for _ in range(samples)), eager
+
+
+def wall_clock(run, n) -> float:
+    """A clock for :func:`per_call`: wall time of ``run(n)`` up to its last result (a jax array)."""
+    t0 = time.perf_counter()
+    run(n).block_until_ready()
+    return time.perf_counter() - t0
+
+
+def gpu_activities(trace_dir) -> list[tuple[str, str, int, int]]:
+    """(GPU timeline line, activity name, start ns, duration ns) of every GPU activity in the newest
+    jax.profiler trace under ``trace_dir`` (CUPTI's own timestamps)."""
+    from jax.profiler import ProfileData
+
+    path = max(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True), key=os.path.getmtime)
+    return [(line.name, e.name, e.start_ns, e.duration_ns)
+            for plane in ProfileData.from_file(path).planes if plane.name.startswith("/device:GPU")
+            for line in plane.lines for e in line.events]
+
+
+def device_per_kernel(f, args, name: str) -> dict:
+    """One execution of ``f(*args)`` under jax.profiler: the GPU time per kernel whose name contains ``name``
+    (span from the first one's start to the last one's end, over their count), their median duration and the
+    median idle gap between consecutive ones. Empty if the profiler records no GPU activity."""
+    import jax
+
+    jax.block_until_ready(f(*args))
+    trace_dir = tempfile.mkdtemp(prefix="jax_dqpost_trace_")
+    try:
+        with jax.profiler.trace(trace_dir):
+            jax.block_until_ready(f(*args))
+        evs = sorted((start, dur) for _, ev, start, dur in gpu_activities(trace_dir) if name in ev)
+    except Exception as e:  # noqa: BLE001 - the profiler is optional evidence, not the measurement
+        return {"error": f"{type(e).__name__}: {e}"[:300]}
+    finally:
+        shutil.rmtree(trace_dir, ignore_errors=True)
+    if len(evs) < 2:
+        return {}
+    gaps = [b[0] - (a[0] + a[1]) for a, b in zip(evs, evs[1:])]
+    return {"kernels": len(evs), "per_call": (evs[-1][0] + evs[-1][1] - evs[0][0]) / len(evs) * 1e-9,
+            "median_duration": statistics.median(d for _, d in evs) * 1e-9, "median_gap": statistics.median(gaps) * 1e-9}

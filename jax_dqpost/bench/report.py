@@ -1,0 +1,117 @@
+"""The benchmark's report: tables on stdout, the plot (matplotlib, optional), from the measurements' JSON."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from .cases import CONFIGS, IMPLS, PACKINGS, REFERENCE_SHAPE
+
+
+def _tbps(res, impl):
+    return res["bytes"] / res[impl] / 1e12 if impl in res else float("nan")
+
+
+def _ratio(res, num, den, fmt):
+    return format(res[num] / res[den], fmt) if num in res and den in res else "-"
+
+
+def table(rows) -> str:
+    """One line per measured case; columns an implementation was not measured for show '-'."""
+    head = (f"{'config':>13} {'packing':>7} | {'MB':>6} | {'ours us (TB/s)':>15} | {'FA4 us (TB/s)':>15} | "
+            f"{'copy us (TB/s)':>15} | {'ours/FA4':>8} | {'of copy':>7} | {'jax us':>8} | {'XLA op us':>9} | "
+            f"{'gather us':>9} | {'x gather':>8}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        us = lambda k: f"{r[k] * 1e6:7.1f} ({_tbps(r, k):4.2f})" if k in r else "-"  # noqa: E731
+        plain = lambda k: f"{r[k] * 1e6:.1f}" if k in r else "-"  # noqa: E731
+        lines.append(
+            f"{r['config']:>13} {r['packing']:>7} | {r['bytes'] / 1e6:6.1f} | {us('ours'):>15} | {us('FA4'):>15} | "
+            f"{us('copy'):>15} | {_ratio(r, 'FA4', 'ours', '8.3f'):>8} | {_ratio(r, 'copy', 'ours', '7.1%'):>7} | "
+            f"{plain('ours_jax'):>8} | {plain('xla_same_bytes'):>9} | {plain('jnp_gather'):>9} | "
+            f"{_ratio(r, 'jnp_gather', 'ours_jax', '8.1f'):>8}")
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: Path) -> None:
+    """Bandwidth against size, one panel per (packing, configuration). Needs matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["sweep"]
+    configs = [c for c, _, _ in CONFIGS]
+    fig, axes = plt.subplots(2, len(configs), figsize=(4 * len(configs), 7), sharey=True, squeeze=False)
+    for i, packing in enumerate(PACKINGS):
+        for j, config in enumerate(configs):
+            ax = axes[i, j]
+            rs = sorted((r for r in rows if r["packing"] == packing and r["config"] == config), key=lambda r: r["bytes"])
+            for impl in IMPLS:
+                pts = [(r["bytes"], _tbps(r, impl)) for r in rs if impl in r]
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", ms=3, label=impl)
+            ax.set_xscale("log")
+            ax.set_title(f"{config} {packing}", fontsize=9)
+            ax.grid(True, alpha=0.3)
+            if i == 1:
+                ax.set_xlabel("bytes moved per call")
+            if j == 0:
+                ax.set_ylabel("TB/s")
+    axes[0, 0].legend(fontsize=8)
+    fig.suptitle(f"dQ postprocess, bf16, {report['gpu']}, {report['date']} ({report['commit']})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def summary(report: dict) -> str:
+    """The printed report of a run (everything but the plot)."""
+    out = [f"== {report['gpu']}, {report['date']}, commit {report['commit']}, jax {report['jax']}, "
+           f"FlashAttention-4 {report['flash_attn']}; median of {report['samples']} samples",
+           f"\n== B, H, S = {REFERENCE_SHAPE}, bf16 (varlen: 64 random lengths, same tokens)", table(report["reference"])]
+    dense = {r["config"]: r for r in report["reference"] if r["packing"] == "dense"}
+    key = "ours" if all("ours" in r for r in report["reference"]) else "ours_jax"
+    for r in report["reference"]:
+        if r["packing"] == "varlen" and r["config"] in dense:
+            d = dense[r["config"]]
+            out.append(f"varlen {r['config']}: {d[key] / r[key]:.1%} of our dense throughput ({key}: "
+                       f"{d[key] * 1e6:.1f} -> {r[key] * 1e6:.1f} us for {r['tokens']} tokens)")
+    m = report.get("many_sequences")
+    if m and "hd128" in dense:
+        d = dense["hd128"]
+        out.append(f"{m['sequences']} random lengths, hd128, {m['tokens']} tokens: ours {m[key] * 1e6:.1f} us "
+                   f"({d[key] / m[key]:.1%} of dense), FlashAttention-4 {m.get('FA4', math.nan) * 1e6:.1f} us; CTAs "
+                   f"per head launched {m['tiles_launched']}, needed by the sequences {m['tiles_needed']}")
+    if report["sweep"]:
+        out += ["\n== size sweep (bytes moved per call)",
+                table(sorted(report["sweep"], key=lambda r: (r["config"], r["packing"], r["bytes"])))]
+    c = report.get("chain")
+    if c:
+        out.append(f"\n== per-call cost in a jitted chain of {c['calls']} tiny calls {tuple(c['shape'])}: ours "
+                   f"{c['ours'] * 1e6:.2f} us ({c['our_calls_in_program']} calls in the compiled program; whole "
+                   f"program {c['ours_program_n'] * 1e6:.0f} us vs {c['ours_program_1'] * 1e6:.0f} us for one call); "
+                   f"{c['ours_outputs_returned'] * 1e6:.2f} us when all {c['calls']} outputs are results of the "
+                   f"program; XLA elementwise op {c['xla_elementwise'] * 1e6:.2f} us per kernel "
+                   f"({c['xla_kernels_in_program']} kernels)")
+        for label, k in (("ours", "ours_device"), ("XLA elementwise", "xla_device")):
+            dev = c.get(k) or {}
+            if "per_call" in dev:
+                out.append(f"   GPU timeline (jax.profiler, one execution): {label} {dev['per_call'] * 1e6:.2f} us "
+                           f"per call on the device ({dev['kernels']} kernels, median "
+                           f"{dev['median_duration'] * 1e6:.2f} us each, median gap {dev['median_gap'] * 1e6:.2f} us)")
+            else:
+                out.append(f"   GPU timeline of {label}: not recorded {dev.get('error', '')}")
+    s = report.get("start")
+    if s and "error" in s:
+        out.append(f"start probe failed: {s['error']}")
+    elif s:
+        for name in ("cold", "warm"):
+            cfg = ", ".join(f"hd{x['head_dim']} {x['first_result']:.3f} s (kernel {x['get_kernel']:.3f} s)"
+                            for x in s[name]["configs"])
+            out.append(f"== {name} start, first call to first result: {cfg}; import jax {s[name]['import_jax']:.3f} s, "
+                       f"import jax_dqpost {s[name]['import_jax_dqpost']:.3f} s")
+    for name, r in (report.get("jax_path") or {}).items():
+        out.append(f"== jax.jit(dq_postprocess) hd128 dense {REFERENCE_SHAPE}, XLA command buffers {name}: " + (
+            r["error"][-300:] if "error" in r else
+            ", ".join(f"{k.replace('_', ' ')} {v * 1e6:.1f} us per call" for k, v in r.items())))
+    return "\n".join(out)

@@ -171,8 +171,11 @@ def compile_executor(dtype: str, layout: AccumLayout, padded_head_dim: int, tili
     the DSL's global arch is set here (and restored afterwards). ``tuning``: keyword arguments of
     :class:`~jax_dqpost.kernel.DqPostprocess` for experiments (tools/ncu_kernels.py); the package itself
     always compiles with the defaults, which is why they are not part of the cache key."""
+    import warnings
+
     import cuda.bindings.driver as cuda
     import cutlass.cute as cute
+    from cutlass.base_dsl.ast_helpers import DSLOptimizationWarning
     from cutlass.cutlass_dsl.cutlass import CuTeDSL
 
     from .kernel import DqPostprocess
@@ -191,8 +194,13 @@ def compile_executor(dtype: str, layout: AccumLayout, padded_head_dim: int, tili
     previous = envar._arch if raw else envar.arch
     envar.arch = arch
     try:  # placeholder addresses and extents: the executor takes the real ones at every call
-        return cute.compile(kernel, *executor_args(dtype, 16, 16, 16, 16, (1, 1, 1, 8, 1)), cuda.CUstream(0),
-                            options=f"--gpu-arch {arch}")
+        with warnings.catch_warnings():
+            # The kernel unrolls its per-thread loops statically on purpose: register fragments must be indexed
+            # with compile-time constants (a run-time index would move them to local memory). The DSL warns
+            # about such loops from 64 iterations on; their compile time is measured in the tests.
+            warnings.filterwarnings("ignore", category=DSLOptimizationWarning)
+            return cute.compile(kernel, *executor_args(dtype, 16, 16, 16, 16, (1, 1, 1, 8, 1)), cuda.CUstream(0),
+                                options=f"--gpu-arch {arch}")
     finally:
         if raw:
             envar._arch = previous

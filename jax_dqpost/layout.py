@@ -40,6 +40,7 @@ _WGMMA_M = 64
 _MMA_SYNC_TILE = 16  # m16n8k16 atoms, 16 x 16 permutation tile per warp
 _VEC_BYTES = 16  # the kernel's global loads and stores are 16-byte vectors
 _OUT_BYTES = 2  # bf16 and fp16
+_SMEM_ROWS = 16  # the kernel's swizzled dQ tile takes whole 16-row blocks (odd multiples of 8 do not compile)
 SMEM_LIMIT = 99 * 1024
 """Shared memory a CTA may use on every supported GPU (the opt-in maximum of sm_86, sm_89 and sm_120; sm_80
 has 163 KiB, sm_90 and sm_100 227 KiB). The kernel stages one ``tile_m x Dr`` dQ tile there."""
@@ -231,14 +232,18 @@ class AccumLayout:
         """Threads ``(rows, per_row)`` of the kernel's 16-byte dQ stores over a ``(tile_m, Dr)`` tile, or None.
 
         ``per_row`` divides the row's vector count and the thread count, and the rows covered per pass divide
-        ``tile_m``, so the tile is covered exactly; among those, the widest rows win (coalescing).
+        ``tile_m``, so the tile is covered exactly; among those, the widest rows win (coalescing). The swizzled
+        shared-memory tile is partitioned in 16-row blocks: a pass covers at least two rows and whole blocks or a
+        divisor of one (the DSL refuses, or aborts on, other row counts).
         """
         vecs_per_row = padded_head_dim * _OUT_BYTES // _VEC_BYTES
         best = None
         for per_row in range(1, vecs_per_row + 1):
-            if vecs_per_row % per_row == 0 and self.num_threads % per_row == 0:
-                if self.tile_m % (self.num_threads // per_row) == 0:
-                    best = (self.num_threads // per_row, per_row)
+            if vecs_per_row % per_row or self.num_threads % per_row:
+                continue
+            rows = self.num_threads // per_row
+            if rows >= 2 and self.tile_m % rows == 0 and (rows % _SMEM_ROWS == 0 or _SMEM_ROWS % rows == 0):
+                best = (rows, per_row)
         return best
 
     def smem_bytes(self, head_dim: int) -> int:
@@ -247,10 +252,16 @@ class AccumLayout:
 
     def check_head_dim(self, head_dim: int) -> None:
         """Raise ``ValueError`` unless ``head_dim`` can be stored in this accumulator order and postprocessed on
-        every supported GPU: the MMA tiling divides, the padded head dim is at most 256, the kernel's
-        threads tile the dQ tile's 16-byte stores exactly, and the tile fits in shared memory
-        (:data:`SMEM_LIMIT`). What passes compiles for sm_80, sm_90a and sm_100a alike."""
+        every supported GPU: the MMA tiling divides, the padded head dim is at most 256, the kernel can place the
+        fragment (wgmma: 16-column multiples per warpgroup; mma.sync: a power-of-two number of warps, and at least
+        two along dQ's rows with ``swap_ab``), ``tile_m`` is a multiple of 16, the kernel's threads tile the dQ
+        tile's 16-byte stores exactly, and the tile fits in shared memory (:data:`SMEM_LIMIT`). What passes
+        compiles for sm_80, sm_90a and sm_100a alike (``tests/test_accepted_layouts.py``)."""
         head_dim, dr, what = self._check_order(head_dim)
+        self._check_fragment_stores(head_dim, what)
+        if self.tile_m % _SMEM_ROWS:
+            raise ValueError(f"{what}: the kernel's swizzled shared-memory dQ tile needs tile_m to be a multiple of "
+                             f"{_SMEM_ROWS}, got {self.tile_m}")
         if self.smem_bytes(head_dim) > SMEM_LIMIT:
             raise ValueError(f"{what}: the kernel's dQ tile needs {self.smem_bytes(head_dim)} bytes of shared memory "
                              f"(tile_m * Dr * 2), more than the {SMEM_LIMIT} a CTA may use on every supported GPU")
@@ -291,6 +302,23 @@ class AccumLayout:
                 f"{what}: the MMA's N mode ({g['n']}) split over {g['atoms_n']} warpgroups does not give "
                 "a WGMMA N that is a multiple of 8 and at most 256"
             )
+
+    def _check_fragment_stores(self, head_dim: int, what: str) -> None:
+        """How the kernel places an MMA fragment into shared memory limits the orders it takes (each limit found
+        by compiling: outside it the DSL refuses the copy, or aborts the process)."""
+        if self.arch == 90:
+            n_atom = self.mma_geometry(head_dim)["n_atom"]
+            if n_atom % 16:
+                raise ValueError(f"{what}: each warpgroup's WGMMA tile is {n_atom} wide along N; the kernel's "
+                                 "stmatrix stores need a multiple of 16")
+        elif self.arch == 80:
+            warps = self.num_threads // 32
+            if warps & (warps - 1):
+                raise ValueError(f"{what}: the kernel places mma.sync fragments for a power-of-two number of warps, "
+                                 f"got {warps}")
+            if self.swap_ab and self.atom_layout < 2:
+                raise ValueError(f"{what}: a transposed (swap_ab) mma.sync fragment needs atom_layout >= 2 (at least "
+                                 "two warps along dQ's rows) for the 16-bit stores used on GPUs without stmatrix")
 
     # ----------------------------------------------------------------------------------------------
     # The index map

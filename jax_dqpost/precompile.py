@@ -69,6 +69,13 @@ def _head_dim(text: str) -> int:
     return _validate.head_dim(_int(text))
 
 
+def _arch(text: str) -> str:
+    try:
+        return arch_.check_arch(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _choice(names):
     def parse(text: str) -> str:
         if text not in names:
@@ -79,7 +86,7 @@ def _choice(names):
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m jax_dqpost.precompile", description=__doc__.split("\n")[0])
-    p.add_argument("--arch", type=lambda s: arch_.check_arch(s),
+    p.add_argument("--arch", type=_arch,
                    help="target GPU, e.g. sm_90a, sm_80, sm_100a (default: CUTE_DSL_ARCH, else the local GPU)")
     p.add_argument("--presets", type=_list_of(_preset_arch), default=None,
                    help="comma-separated GPU architectures whose FlashAttention presets to compile, e.g. 90,100,120 "

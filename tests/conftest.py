@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 
-# A fresh on-disk kernel cache per test session: every compile test compiles (test_cache.py tests the cache).
-os.environ["JAX_DQPOST_CACHE_DIR"] = tempfile.mkdtemp(prefix="jax_dqpost_test_cache_")
+# A fresh on-disk kernel cache per test process (every compile test compiles; test_cache.py tests the cache),
+# removed when the process exits.
+_CACHE = tempfile.mkdtemp(prefix="jax_dqpost_test_cache_")
+os.environ["JAX_DQPOST_CACHE_DIR"] = _CACHE
+atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 
 # Eight CPU devices for the sharding tests (must be set before JAX initialises its CPU backend).
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
@@ -17,26 +22,19 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+from jax_dqpost import arch  # noqa: E402
+
 sys.path.insert(0, os.path.dirname(__file__))  # tests/oracle.py
 
-def _platforms():
-    out = ["cpu"]
-    try:
-        if jax.devices("cuda"):
-            out.append("cuda")
-    except RuntimeError:
-        pass
-    return out
-
-
-PLATFORMS = _platforms()
-HAS_GPU = "cuda" in PLATFORMS
+HAS_GPU = bool(arch.cuda_devices())
+PLATFORMS = ["cpu", "cuda"] if HAS_GPU else ["cpu"]
 if not HAS_GPU:
     # Lowering for CUDA without a GPU (export tests) compiles the kernel for this architecture.
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 # FlashAttention's Hopper dQ configurations: (tile_m, num_threads, atom_layout, swap_ab, hdim_multiple_of)
-# CuTe DSL (flash_attn/cute/interface.py, SPEC.md 5.1) and C++ FA3 (hopper/, SPEC.md 5.2).
+# FlashAttention-4's CuTe DSL backward (flash_attn/cute/interface.py) and C++ FA3's (hopper/flash_bwd_launch_template.h),
+# as docs/design.md lists them.
 FA_HOPPER_CONFIGS = {
     "cute-hd64": (128, 256, 2, False, 32),
     "cute-hd96-single-wg": (64, 128, 1, False, 32),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -79,3 +81,66 @@ def test_cache_off_and_precompile_cli(tmp_path):
     off = subprocess.run([sys.executable, "-m", "jax_dqpost.precompile", "--arch", "sm_90a"], cwd="/",
                          env={**env, "JAX_DQPOST_CACHE_DIR": "none"}, capture_output=True, text=True, timeout=600)
     assert off.returncode == 1 and "cache is off" in off.stderr
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--dtypes", "fp32"], "--dtypes: 'fp32': choose from bf16, f16"),
+    (["--presets", "sm90"], "--presets: 'sm90': not an integer"),
+    (["--presets", "75"], "--presets 75 .* selects no kernel"),
+    (["--head-dims", "60"], "--head-dims: '60': head_dim must be a positive multiple of 8 and at most 256, got 60"),
+    (["--tilings", "dense,sparse"], "--tilings: 'sparse': choose from dense, dense_seqused, varlen"),
+    (["--arch", "hopper"], "--arch: GPU architecture must look like 'sm_90a'.* got 'hopper'"),
+])
+def test_precompile_argument_errors_exit_2_naming_the_value(argv, message, capsys):
+    from jax_dqpost import precompile
+
+    with pytest.raises(SystemExit) as exit_:
+        precompile.main(["--arch", "sm_90a", *argv] if argv[0] != "--arch" else argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err), err
+
+
+def test_precompile_without_a_gpu_or_arch_says_what_to_pass(monkeypatch, capsys):
+    from jax_dqpost import arch, precompile
+
+    if arch.cuda_devices():
+        pytest.skip("this machine has a GPU: its architecture is the default")
+    monkeypatch.delenv("CUTE_DSL_ARCH", raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        precompile.main([])
+    assert exit_.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert "pass --arch (e.g. --arch sm_90a) or set CUTE_DSL_ARCH" in lines[-1] and "Traceback" not in lines[-1]
+
+
+def test_precompile_help_describes_every_option(capsys):
+    from jax_dqpost import precompile
+
+    with pytest.raises(SystemExit):
+        precompile.main(["--help"])
+    text = capsys.readouterr().out
+    for option in ("--arch", "--presets", "--head-dims", "--dtypes", "--tilings"):
+        assert re.search(rf"{option} \S+\s+\S", text), option
+
+
+def test_cross_compiling_without_a_gpu_leaves_the_default_cache_alone(tmp_path):
+    """A CPU-only machine that lowers for CUDA (jax.export) does not write kernels into ~/.cache; a configured
+    JAX_DQPOST_CACHE_DIR is written."""
+    from jax_dqpost import arch
+
+    if arch.cuda_devices():
+        pytest.skip("this machine has a GPU: kernels for it are cached by default")
+    code = ("import jax, jax.numpy as jnp; from jax_dqpost import kernel_cache, arch, AccumLayout\n"
+            "assert not arch.cuda_devices()\n"
+            "kernel_cache.get_kernel(jnp.bfloat16, AccumLayout.flash_attention(90, 64), 64, arch='sm_90a')\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_DQPOST_CACHE_DIR", "XDG_CACHE_HOME")}
+    out = subprocess.run([sys.executable, "-c", code], env={**env, "HOME": str(tmp_path)}, cwd="/",
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert not (tmp_path / ".cache").exists()
+    configured = tmp_path / "configured"
+    out = subprocess.run([sys.executable, "-c", code], env={**env, "HOME": str(tmp_path),
+                                                            "JAX_DQPOST_CACHE_DIR": str(configured)},
+                         cwd="/", capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and len(list(configured.glob("*.cute"))) == 1, out.stderr[-2000:]

@@ -134,3 +134,19 @@ def test_cute_runtime_is_found_without_importing_cutlass():
             "assert 'cutlass' not in sys.modules, 'cutlass imported'; print(p.is_file(), p.name)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/")
     assert out.returncode == 0 and out.stdout.split() == ["True", "libcute_dsl_runtime.so"], (out.stdout, out.stderr)
+
+
+def test_ffi_handler_reads_the_work_list_as_python_writes_it(rng):
+    """The C++ handler checks the work list at its boundary with its own copy of the layout's arithmetic:
+    pinned here to varlen.py (size of a work list, FlashAttention's padded total)."""
+    from jax_dqpost.varlen import WorkList, padded_total
+
+    lib = ctypes.CDLL(str(_ffi.library_path()))
+    size, padded = lib.jax_dqpost_work_list_size, lib.jax_dqpost_padded_total
+    size.argtypes, size.restype = [ctypes.c_int64] * 2, ctypes.c_int64
+    padded.argtypes, padded.restype = [ctypes.c_int64] * 3, ctypes.c_int64
+    for _ in range(200):
+        batch, total, tile_m = int(rng.integers(1, 5000)), int(rng.integers(0, 10**6)), 8 * int(rng.integers(1, 33))
+        num_tiles = WorkList.max_tiles(total, batch, tile_m)
+        assert size(batch, num_tiles) == WorkList(total, batch, tile_m, num_tiles).size
+        assert padded(total, batch, tile_m) == padded_total(total, batch, tile_m)

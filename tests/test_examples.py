@@ -1,5 +1,6 @@
 """The examples the README points to run and check their own results (on CPU here)."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -31,10 +32,17 @@ def test_flax_attention():
     assert "query-kernel gradient vs flax's attention" in out.stdout
 
 
-def test_transformations():
+def test_transformations(tmp_path):
+    """Every transformation checked against the plain call; on a machine without a GPU the example's export
+    for CUDA leaves the user's cache (~/.cache) alone."""
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_DQPOST_CACHE_DIR", "XDG_CACHE_HOME")}
     out = subprocess.run([sys.executable, str(EXAMPLES / "transformations.py")], capture_output=True, text=True,
-                         cwd="/", timeout=600)
+                         cwd="/", timeout=600, env={**env, "HOME": str(tmp_path)})
     assert out.returncode == 0, out.stderr[-2000:] + out.stdout[-2000:]
     lines = out.stdout.strip().splitlines()
     assert [line.split(":")[0] for line in lines] == ["jit", "vmap", "grad", "export", "sharding", "fori_loop"], lines
     assert all(line.endswith("True") for line in lines), lines
+    from jax_dqpost import arch
+
+    if not arch.cuda_devices():
+        assert not (tmp_path / ".cache").exists(), list((tmp_path / ".cache").rglob("*"))

@@ -106,9 +106,9 @@ def test_every_order_matches_the_producer_emulation(arch, tile_m, threads, atom,
             np.testing.assert_array_equal(got, want, err_msg=f"{layout} head_dim={head_dim}")
 
 
-def test_spec_samples_for_other_orders():
+def test_closed_form_samples_for_other_orders():
     i, j = np.arange(64)[:, None], np.arange(128)[None, :]
-    d = AccumLayout(80, 64, 128, 4, False, 32).tile_index_map(128)  # SPEC example D (sm120)
+    d = AccumLayout(80, 64, 128, 4, False, 32).tile_index_map(128)  # FlashAttention-4 sm120: 4 warps along the rows
     np.testing.assert_array_equal(d, 32 * (i // 16) + 4 * (i % 8) + (j % 8) // 2
                                   + 128 * ((j % 2) + 2 * ((i % 16) // 8) + 4 * (j // 8)))
     one = AccumLayout(100, 128, 128, 1, False, 32).tile_index_map(128)

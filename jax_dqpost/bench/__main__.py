@@ -116,6 +116,11 @@ def main(argv=None) -> int:
               "commit": _commit(), "gpu": jax.devices()[0].device_kind, "jax": jax.__version__,
               "flash_attn": _version("flash-attn-4") or _version("flash_attn"), "samples": samples,
               "method": cases.METHOD, "reference": [], "sweep": []}
+    out.mkdir(parents=True, exist_ok=True)
+
+    def save(done: bool = False):  # after every measurement: a run cut short keeps what it measured
+        (out / "bench.json").write_text(json.dumps({**report, "complete": done}, indent=1) + "\n")
+
     rng = np.random.default_rng(0)
     todo = [(c, p, s) for c in cases.CONFIGS for p in cases.PACKINGS for s in [None, *sizes]]
     for k, ((name, D, causal), packing, size) in enumerate(todo):
@@ -123,17 +128,18 @@ def main(argv=None) -> int:
                     f"{'B,H,S=' + str(cases.REFERENCE_SHAPE) if size is None else size}")
         r = cases.measure(cases.Case(name, D, causal, packing, size, rng, torch, fa4), samples)
         report["reference" if size is None else "sweep"].append(r)
+        save()
     harness.log(f"{cases.MANY_SEQUENCES} short sequences (hd128)")
     report["many_sequences"] = cases.measure(cases.Case(f"hd128-{cases.MANY_SEQUENCES}seq", 128, False, "varlen", None,
                                                         rng, torch, fa4, sequences=cases.MANY_SEQUENCES), samples)
     harness.log("chain of 200 tiny calls")
     report["chain"] = probes.chain_cost(samples)
+    save()
     harness.log("cold and warm start")
     report["start"] = probes.start_costs()
     harness.log("jax path with and without command buffers")
     report["jax_path"] = probes.jax_path_costs()
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench.json").write_text(json.dumps(report, indent=1) + "\n")
+    save(done=True)
     if has_plot:
         report_.plot(report, out / "bench.png")
     print(report_.summary(report))

@@ -1,0 +1,121 @@
+"""What the API accepts runs on every platform: every layout and head dim that ``AccumLayout.check_head_dim``
+accepts (and so ``dq_postprocess`` at trace time) compiles for sm_80, sm_90a and sm_100a, without a warning;
+what the kernel cannot run is refused at trace time with the reason. Compiles without a GPU."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_dqpost import AccumLayout, dq_postprocess, kernel_cache
+from jax_dqpost.layout import SMEM_LIMIT
+from jax_dqpost.plan import Tiling
+
+ARCHS = ("sm_80", "sm_90a", "sm_100a")
+
+# The edges: FlashAttention's presets, the largest tiles that fit, the most registers per thread, the smallest.
+EDGES = [
+    (AccumLayout.flash_attention(90, 64), 64), (AccumLayout.flash_attention(90, 128), 128),
+    (AccumLayout.flash_attention(90, 256), 256), (AccumLayout.flash_attention(100, 192), 192),
+    (AccumLayout.flash_attention(120, 96), 96),
+    (AccumLayout(None, 192, 256, 1, False, 32), 256),  # 96 KiB of shared memory
+    (AccumLayout(90, 128, 128, 1, False, 32), 256),  # 256 fp32 registers per thread
+    (AccumLayout(90, 192, 128, 1, True, 64), 128),
+    (AccumLayout(80, 128, 32, 1, False, 32), 192),
+    (AccumLayout(100, 128, 128, 1, False, 32, two_cta=True), 256),
+    (AccumLayout(None, 32, 32, 1, False, 8), 8), (AccumLayout(None, 128, 32, 1, False, 256), 256),
+]
+
+
+def _random_accepted(rng, count):
+    """``count`` random (layout, head_dim) pairs the API accepts."""
+    out = []
+    while len(out) < count:
+        arch = [90, 80, 100, None][rng.integers(4)]
+        kw = dict(hdim_multiple_of=int(rng.choice([8, 16, 32, 64, 128])))
+        if arch == 100:
+            kw["two_cta"] = bool(rng.integers(2))
+        else:
+            threads = int(rng.choice([32, 64, 128, 256, 384, 512]))
+            atom = int(rng.choice([1, 2, 3, 4]))
+            kw.update(tile_m=8 * int(rng.integers(1, 25)), num_threads=threads,
+                      atom_layout=atom if arch in (80, 90) else 1, swap_ab=bool(rng.integers(2)) and arch in (80, 90))
+            if arch == 100 or arch is None:
+                kw.pop("swap_ab", None)
+        try:
+            layout = AccumLayout(arch, **kw)
+            head_dim = 8 * int(rng.integers(1, 33))
+            layout.check_head_dim(head_dim)
+        except ValueError:
+            continue
+        out.append((layout, head_dim))
+    return out
+
+
+def compile_all(seed: int, count: int) -> None:
+    """Compile the edges and ``count`` random accepted layouts for every target, one tiling each in turn,
+    printing each case first (a compile that aborts the process is then named by the last line)."""
+    cases = EDGES + _random_accepted(np.random.default_rng(seed), count)
+    for k, (layout, head_dim) in enumerate(cases):
+        layout.check_head_dim(head_dim)
+        tiling = list(Tiling)[k % len(Tiling)]
+        for arch in ARCHS:
+            print(f"compiling {layout} head_dim={head_dim} {tiling.name} {arch}", flush=True)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # a user sees no warning from compiling
+                kernel = kernel_cache.get_kernel(jnp.bfloat16, layout, layout.padded_head_dim(head_dim), tiling,
+                                                 arch=arch)
+            assert kernel.module[:4] == b"\x7fELF", (layout, head_dim, arch)
+    print("compiled", len(cases), "cases", flush=True)
+
+
+def test_every_accepted_layout_compiles_for_every_target(rng):
+    """In a process of its own: a layout the DSL cannot partition aborts the process instead of raising."""
+    seed = int(rng.integers(2**31))
+    out = subprocess.run([sys.executable, __file__, str(seed), "10"], capture_output=True, text=True, timeout=1200,
+                         env={**os.environ, "JAX_DQPOST_CACHE_DIR": "none"})
+    lines = out.stdout.strip().splitlines()
+    assert out.returncode == 0, f"seed {seed}: failed at {lines[-1:]}\n{out.stderr[-3000:]}"
+    assert lines[-1] == f"compiled {len(EDGES) + 10} cases"
+
+
+@pytest.mark.parametrize("layout, head_dim, reason", [
+    (AccumLayout(90, 8, 128, 1, True, 64), 64, "WGMMA tile is 8 wide along N; the kernel's stmatrix stores need"),
+    (AccumLayout(90, 160, 512, 4, True, 64), 128, "WGMMA tile is 40 wide along N"),
+    (AccumLayout(80, 192, 384, 3, True, 32), 192, "a power-of-two number of warps, got 12"),
+    (AccumLayout(80, 64, 64, 1, True, 32), 64, "swap_ab\\) mma.sync fragment needs atom_layout >= 2"),
+    (AccumLayout(None, 80, 128, 1, False, 32), 72, "cannot store the \\(80, 96\\) dQ tile"),
+    (AccumLayout(None, 4096, 128, 1, False, 32), 128, f"1048576 bytes of shared memory .* more than the {SMEM_LIMIT}"),
+    (AccumLayout(None, 168, 64, 1, False, 128), 72, "tile_m to be a multiple of 16, got 168"),
+    (AccumLayout(90, 72, 128, 1, True, 32), 256, "WGMMA tile is 72 wide along N"),
+    (AccumLayout(None, 64, 128, 1, False, 256), 264, "head_dim must be a positive multiple of 8 and at most 256"),
+])
+def test_what_the_kernel_cannot_run_is_refused_at_trace_time(layout, head_dim, reason):
+    acc = jax.ShapeDtypeStruct((1, 1, 4096 * 256), jnp.float32)
+    with pytest.raises(ValueError, match=reason):
+        jax.eval_shape(lambda a: dq_postprocess(a, 1.0, seqlen_q=8, head_dim=head_dim, layout=layout), acc)
+    with pytest.raises(ValueError, match=reason):
+        layout.check_head_dim(head_dim)
+
+
+def test_a_padding_wider_than_any_head_dim_is_refused_on_construction():
+    with pytest.raises(ValueError, match="hdim_multiple_of must be a multiple of 8 and at most 256, got 512"):
+        AccumLayout(hdim_multiple_of=512)
+
+
+def test_the_index_map_is_defined_where_only_the_kernel_refuses():
+    """tile_index_map describes the producer's order; the kernel's own limits do not change it."""
+    layout = AccumLayout(90, 8, 128, 1, True, 64)
+    f = layout.tile_index_map(64)
+    assert np.array_equal(np.sort(f.ravel()), np.arange(8 * 64))
+
+
+if __name__ == "__main__":
+    compile_all(int(sys.argv[1]), int(sys.argv[2]))

@@ -8,7 +8,7 @@
         one launch of ours (the first two variants) and one of FlashAttention-4 per dense configuration,
         between cudaProfilerStart/Stop (after warm-up), for Nsight Compute's counters
 
-Configuration names are the benchmark's (jax_dqpost.bench_cases.CONFIGS).
+Configuration names are the benchmark's (jax_dqpost.bench.cases.CONFIGS).
 """
 
 from __future__ import annotations

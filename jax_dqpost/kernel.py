@@ -1,6 +1,6 @@
 """The CuTe DSL kernel: one CTA converts one accumulator tile.
 
-Imports cutlass at module import: load this module lazily (``compile.py`` does).
+Imports cutlass at module import: load this module lazily (``kernel_cache.py`` does).
 
 Which tile a CTA takes depends on the tiling (``plan.Tiling``, compiled in). The grid is ``(H * grid_x, 1,
 B)`` (varlen: ``B`` = 1), heads fastest: CTA ``x`` takes head ``x % H`` and tile ``m = x // H`` of that head (so
@@ -108,7 +108,7 @@ class DqPostprocess:
             live = self.regs if self.family == "mma" else 16
         self.chunk = self.tile_m * tile_hdim // max(1, layout.num_threads // 128)  # arch 90: per warpgroup
         self.store_threads = layout.store_tiling(tile_hdim)
-        self.smem_bytes = self.tile_m * tile_hdim * dtype.width // 8
+        self.smem_bytes = layout.smem_bytes(tile_hdim)
         if min_ctas_per_sm is None:
             # Room for the whole fp32 fragment (all its loads in flight at once) plus ~24 registers of
             # addresses and converted values, and as many CTAs per SM as that allows.
@@ -166,7 +166,7 @@ class DqPostprocess:
         acc_ptr: cute.Pointer,  # fp32 accumulator: (B, H, Sr * tile_hdim), varlen (H, Tp * tile_hdim)
         dq_ptr: cute.Pointer,  # dQ: (B, S, H, head_dim), varlen (T, H, head_dim)
         scale_ptr: cute.Pointer,  # one fp32 value in device memory
-        aux_ptr: cute.Pointer,  # int32: seqused_q (dense_seqused) or the work list (varlen); else unused
+        aux_ptr: cute.Pointer,  # int32: seqused_q (DENSE_SEQUSED) or the work list (VARLEN); else unused
         dim0: Int32,  # B; varlen: the number of spans K = B + 2 (Plan.launch_extents)
         heads: Int32,
         rows: Int32,  # S, varlen: T

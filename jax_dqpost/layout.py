@@ -34,7 +34,7 @@ __all__ = ["AccumLayout"]
 
 _SUPPORTED_ARCHS = (80, 90, 100, None)
 # GPU generations whose FlashAttention backward writes one of the orders above.
-_ORDER_OF_GPU = {86: 80, 89: 80, 120: 80, 121: 80, 103: 100, 110: 100}
+_ORDER_OF_GPU = {103: 100, 110: 100, 120: 80, 121: 80}
 _WARPGROUP = 128
 _WGMMA_M = 64
 _MMA_SYNC_TILE = 16  # m16n8k16 atoms, 16 x 16 permutation tile per warp

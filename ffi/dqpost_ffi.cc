@@ -110,7 +110,7 @@ ffi::Error Initialize(ffi::Dictionary attrs) {
 
 // The launch, as the compiled module's entry point takes it (jax_dqpost/kernel.py, __call__).
 struct Launch {
-  int32_t dim0 = 0;      // batch, or the number of spans (varlen)
+  int32_t batch_or_spans = 0;  // batch, or the number of spans (varlen): the kernel's z extent or work list
   int32_t heads = 0;
   int32_t rows = 0;      // seqlen, or total_q (varlen)
   int32_t head_dim = 0;
@@ -126,7 +126,7 @@ ffi::Error CheckAndPlan(int64_t mode, const ffi::Buffer<ffi::F32>& acc, const ff
   const auto a = acc.dimensions();
   const auto d = dq.dimensions();
   if (tile_m <= 0 || padded_head_dim <= 0) return ffi::Error::InvalidArgument("jax_dqpost: bad tile attributes");
-  int64_t batch = 0, heads = 0, rows = 0, head_dim = 0, grid_x = 0, dim0 = 0;
+  int64_t batch = 0, heads = 0, rows = 0, head_dim = 0, grid_x = 0, batch_or_spans = 0;
   if (mode == kDense || mode == kDenseSeqused) {
     if (a.size() != 3 || d.size() != 4) {
       return ffi::Error::InvalidArgument("jax_dqpost: dense dq_accum must have rank 3 and dq rank 4");
@@ -143,7 +143,7 @@ ffi::Error CheckAndPlan(int64_t mode, const ffi::Buffer<ffi::F32>& acc, const ff
     if (aux.element_count() != static_cast<size_t>(want_aux)) {
       return ffi::Error::InvalidArgument("jax_dqpost: seqused_q must have batch entries");
     }
-    dim0 = batch;
+    batch_or_spans = batch;
   } else if (mode == kVarlen) {
     if (a.size() != 2 || d.size() != 3) {
       return ffi::Error::InvalidArgument("jax_dqpost: varlen dq_accum must have rank 2 and dq rank 3");
@@ -155,7 +155,7 @@ ffi::Error CheckAndPlan(int64_t mode, const ffi::Buffer<ffi::F32>& acc, const ff
     if (num_tiles < 0 || batch < 1 || WorkListSize(batch, num_tiles) != static_cast<int64_t>(aux.element_count())) {
       return ffi::Error::InvalidArgument("jax_dqpost: the work list does not match num_tiles");
     }
-    dim0 = batch + 2;  // the kernel takes the number of spans
+    batch_or_spans = batch + 2;  // the kernel takes the number of spans
     if (a[0] != heads || a[1] != PaddedTotal(rows, batch, tile_m) * padded_head_dim) {
       return ffi::Error::InvalidArgument("jax_dqpost: dq_accum is not (heads, Tp * tile_hdim)");
     }
@@ -167,12 +167,12 @@ ffi::Error CheckAndPlan(int64_t mode, const ffi::Buffer<ffi::F32>& acc, const ff
     return ffi::Error::InvalidArgument("jax_dqpost: head_dim must be a multiple of 8 and <= tile_hdim");
   }
   // The launch grid is (heads * grid_x, 1, batch) (varlen: batch 1): x < 2^31, z <= 65535.
-  if (!FitsInt32(dim0) || !FitsInt32(rows) || !FitsInt32(heads * head_dim) || !FitsInt32(heads * grid_x) ||
-      (mode != kVarlen && dim0 > 65535)) {
+  if (!FitsInt32(batch_or_spans) || !FitsInt32(rows) || !FitsInt32(heads * head_dim) ||
+      !FitsInt32(heads * grid_x) || (mode != kVarlen && batch_or_spans > 65535)) {
     return ffi::Error::InvalidArgument(
         "jax_dqpost: need batch <= 65535 and rows, heads * head_dim, heads * CTAs per head < 2^31");
   }
-  *launch = Launch{static_cast<int32_t>(dim0), static_cast<int32_t>(heads), static_cast<int32_t>(rows),
+  *launch = Launch{static_cast<int32_t>(batch_or_spans), static_cast<int32_t>(heads), static_cast<int32_t>(rows),
                    static_cast<int32_t>(head_dim), static_cast<int32_t>(grid_x)};
   return ffi::Error::Success();
 }
@@ -211,14 +211,14 @@ ffi::Error Execute(CudaStream stream,
   if (fn.has_error()) return fn.error();
 
   // One pointer per argument of the @cute.jit entry point, in order, then the int32 return code:
-  // (acc, dq, scale, aux, dim0, heads, rows, head_dim, grid_x, stream) -> ret.
+  // (acc, dq, scale, aux, batch_or_spans, heads, rows, head_dim, grid_x, stream) -> ret.
   void* acc_ptr = acc.untyped_data();
   void* dq_ptr = dq->untyped_data();
   void* scale_ptr = scale.untyped_data();
   void* aux_ptr = aux.untyped_data();
   CudaStream st = stream;
   int32_t ret = 0;
-  void* args[] = {&acc_ptr, &dq_ptr, &scale_ptr, &aux_ptr, &launch.dim0, &launch.heads, &launch.rows,
+  void* args[] = {&acc_ptr, &dq_ptr, &scale_ptr, &aux_ptr, &launch.batch_or_spans, &launch.heads, &launch.rows,
                   &launch.head_dim, &launch.grid_x, &st, &ret};
   const int err = g_runtime.run(*fn, args, sizeof(args) / sizeof(args[0]));
   if (err != 0) return ffi::Error::Internal(RuntimeError("CuteDSLRT_Function_Run", err));

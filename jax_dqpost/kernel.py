@@ -71,18 +71,18 @@ class DqPostprocess:
     The element-by-element shared-memory writes are correct but not tuned (2-byte stores).
     """
 
-    def __init__(self, dtype: type[cutlass.Numeric], layout: AccumLayout, tile_hdim: int, *,
+    def __init__(self, dtype: type[cutlass.Numeric], layout: AccumLayout, padded_head_dim: int, *,
                  tiling: Tiling = Tiling.DENSE, target_sm: int = 90, min_ctas_per_sm: int | None = None,
                  heads_fastest: bool = True):
-        """``tile_hdim``: the padded head dim ``Dr``. ``tiling``: how a CTA finds its tile (see the module
+        """``padded_head_dim``: ``Dr``, the head dim as padded in the accumulator. ``tiling``: how a CTA finds its tile (see the module
         docstring). ``target_sm``: the GPU generation
         compiled for (e.g. 80, 90, 100). Tuning (tools/ncu_kernels.py compares them): ``min_ctas_per_sm``,
         the launch-bounds hint given to ptxas (None: chosen here; 0: none); ``heads_fastest``, the launch
         order: True (default), consecutive CTAs take the same tile of consecutive heads, so the CTAs in flight
         write whole dQ rows (all heads) of a few tiles; False, consecutive tiles of one head (FlashAttention's
         order), so they write narrow slices (one head) of many rows."""
-        if not self.can_implement(dtype, layout, tile_hdim):
-            raise ValueError(f"cannot implement dtype={dtype}, {layout}, tile_hdim={tile_hdim}")
+        if not self.can_implement(dtype, layout, padded_head_dim):
+            raise ValueError(f"cannot implement dtype={dtype}, {layout}, padded_head_dim={padded_head_dim}")
         self.tiling = Tiling(tiling)
         self.heads_fastest = heads_fastest
         self.family = {90: "mma", 80: "mma", 100: "rows", None: "rowmajor"}[layout.arch]
@@ -92,23 +92,23 @@ class DqPostprocess:
         self.dtype = dtype
         self.layout = layout
         self.tile_m = layout.tile_m
-        self.tile_hdim = tile_hdim
+        self.padded_head_dim = padded_head_dim
         self.num_threads = layout.num_threads
-        geom = layout.mma_geometry(tile_hdim)
+        geom = layout.mma_geometry(padded_head_dim)
         self.mma_mn = (geom["m"], geom["n"])
         self.atoms_mn = (geom["atoms_m"], geom["atoms_n"])
         self.n_atom = geom["n_atom"]
         self.regs = geom["regs"]  # fp32 values per thread and tile
         if self.family == "rows":
             # Units of (row, first column, columns) per thread, and the columns converted per step.
-            self.row_cols = tile_hdim // 2 if layout.two_cta else tile_hdim
+            self.row_cols = padded_head_dim // 2 if layout.two_cta else padded_head_dim
             self.step_cols = math.gcd(self.row_cols, 32)
             live = self.step_cols
         else:
             live = self.regs if self.family == "mma" else 16
-        self.chunk = self.tile_m * tile_hdim // max(1, layout.num_threads // 128)  # arch 90: per warpgroup
-        self.store_threads = layout.store_tiling(tile_hdim)
-        self.smem_bytes = layout.smem_bytes(tile_hdim)
+        self.chunk = self.tile_m * padded_head_dim // max(1, layout.num_threads // 128)  # arch 90: per warpgroup
+        self.store_threads = layout.store_tiling(padded_head_dim)
+        self.smem_bytes = layout.smem_bytes(padded_head_dim)
         if min_ctas_per_sm is None:
             # Room for the whole fp32 fragment (all its loads in flight at once) plus ~24 registers of
             # addresses and converted values, and as many CTAs per SM as that allows.
@@ -116,13 +116,13 @@ class DqPostprocess:
         self.min_ctas_per_sm = max(0, min(min_ctas_per_sm, _THREADS_PER_SM // self.num_threads))
 
     @staticmethod
-    def can_implement(dtype, layout: AccumLayout, tile_hdim: int) -> bool:
+    def can_implement(dtype, layout: AccumLayout, padded_head_dim: int) -> bool:
         if dtype not in (cutlass.BFloat16, cutlass.Float16):
             return False
-        if tile_hdim % layout.hdim_multiple_of:
+        if padded_head_dim % layout.hdim_multiple_of:
             return False
         try:
-            layout.check_head_dim(tile_hdim)  # every rule the kernel relies on, as the API checks it
+            layout.check_head_dim(padded_head_dim)  # every rule the kernel relies on, as the API checks it
         except ValueError:
             return False
         return True
@@ -147,7 +147,7 @@ class DqPostprocess:
         )
 
     def _smem_layout(self):
-        """Row-major (tile_m, tile_hdim) dQ tile, swizzled; 16-byte row chunks stay contiguous.
+        """Row-major (tile_m, padded_head_dim) dQ tile, swizzled; 16-byte row chunks stay contiguous.
 
         The swizzle atom must not straddle two warpgroups' column slabs, so its width is chosen from
         one warpgroup's extent along the head dim (n_atom, or the 64-row atom when swapped).
@@ -156,14 +156,14 @@ class DqPostprocess:
             slab = 64
         else:
             slab = 64 if self.layout.swap_ab else self.n_atom
-        kind = sm90_helpers.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, math.gcd(slab, self.tile_hdim))
+        kind = sm90_helpers.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, math.gcd(slab, self.padded_head_dim))
         atom = warpgroup.make_smem_layout_atom(kind, self.dtype)
-        return cute.tile_to_shape(atom, (self.tile_m, self.tile_hdim), (0, 1))
+        return cute.tile_to_shape(atom, (self.tile_m, self.padded_head_dim), (0, 1))
 
     @cute.jit
     def __call__(
         self,
-        acc_ptr: cute.Pointer,  # fp32 accumulator: (B, H, Sr * tile_hdim), varlen (H, Tp * tile_hdim)
+        acc_ptr: cute.Pointer,  # fp32 accumulator: (B, H, Sr * padded_head_dim), varlen (H, Tp * padded_head_dim)
         dq_ptr: cute.Pointer,  # dQ: (B, S, H, head_dim), varlen (T, H, head_dim)
         scale_ptr: cute.Pointer,  # one fp32 value in device memory
         aux_ptr: cute.Pointer,  # int32: seqused_q (DENSE_SEQUSED) or the work list (VARLEN); else unused
@@ -204,7 +204,7 @@ class DqPostprocess:
         bx, head, bz = cute.arch.block_idx()
         if const_expr(self.heads_fastest):
             bx, head = bx // heads, bx % heads
-        tile_m, tile_hdim = self.tile_m, self.tile_hdim
+        tile_m, padded_head_dim = self.tile_m, self.padded_head_dim
 
         # ---- 0. this CTA's tile: accumulator tile, first dQ row, rows to write and to convert ------
         if const_expr(self.tiling == Tiling.VARLEN):
@@ -226,7 +226,7 @@ class DqPostprocess:
             if acc_row < 0 or acc_row + tile_m > padded_total:
                 rows_conv = 0
             rows_conv = cutlass.min(rows_conv, rows_total)
-            tile_elem = (Int64(head) * Int64(padded_total) + Int64(acc_row)) * Int64(tile_hdim)
+            tile_elem = (Int64(head) * Int64(padded_total) + Int64(acc_row)) * Int64(padded_head_dim)
             dq_row0 = Int64(row0)
         else:
             batch, m_block = bz, bx
@@ -237,7 +237,7 @@ class DqPostprocess:
                 used = cutlass.max(cutlass.min(seqused[batch], rows), 0)
                 rows_conv = cutlass.max(cutlass.min(used - m_block * tile_m, tile_m), 0)
             tile_index = (Int64(batch) * Int64(heads) + Int64(head)) * Int64(grid_x) + Int64(m_block)
-            tile_elem = tile_index * Int64(tile_m * tile_hdim)
+            tile_elem = tile_index * Int64(tile_m * padded_head_dim)
             dq_row0 = Int64(batch) * Int64(rows) + Int64(m_block * tile_m)
 
         smem = cutlass.memory.SmemAllocator()
@@ -274,7 +274,7 @@ class DqPostprocess:
 
     @cute.jit
     def _convert_mma(self, acc_ptr, tile_elem, scale, s_dq, s_layout, rows_conv, tidx):
-        tile_m, tile_hdim = self.tile_m, self.tile_hdim
+        tile_m, padded_head_dim = self.tile_m, self.padded_head_dim
         # ---- 1. the fp32 fragment, in the producer's thread order ------------------------------
         if const_expr(self.wgmma_atoms):
             tiled_mma = self._tiled_mma()
@@ -315,7 +315,7 @@ class DqPostprocess:
             # The MMA's (m, n) is dQ's (column, row): view the tile transposed.
             s_mma = cute.make_tensor(
                 s_dq.iterator,
-                cute.composition(s_layout, cute.make_layout((tile_hdim, tile_m), stride=(tile_m, 1))),
+                cute.composition(s_layout, cute.make_layout((padded_head_dim, tile_m), stride=(tile_m, 1))),
             )
         else:
             s_mma = s_dq
@@ -353,13 +353,13 @@ class DqPostprocess:
     def _convert_rows(self, acc_ptr, tile_elem, scale, s_dq, rows_conv, tidx):
         """tcgen05 order: thread t = TMEM lane t; columns 4c..4c+3 of its row at 512 c + 4 t (2-CTA: the
         pair's halves, see layout.py), converted ``step_cols`` columns at a time."""
-        tile_hdim, cols, step = self.tile_hdim, self.row_cols, self.step_cols
+        padded_head_dim, cols, step = self.padded_head_dim, self.row_cols, self.step_cols
         units = 2 if const_expr(self.layout.two_cta) else 1
         for unit in cutlass.range_constexpr(units):
             if const_expr(self.layout.two_cta):
                 row = 64 * unit + tidx % 64
                 col0 = (tidx // 64) * cols
-                base = Int64(unit * 64 * tile_hdim) + Int64(4 * tidx)
+                base = Int64(unit * 64 * padded_head_dim) + Int64(4 * tidx)
             else:
                 row, col0, base = tidx, 0, Int64(4 * tidx)
             for st in cutlass.range_constexpr(cols // step):
@@ -378,7 +378,7 @@ class DqPostprocess:
     @cute.jit
     def _convert_rowmajor(self, acc_ptr, tile_elem, scale, s_dq, rows_conv, tidx):
         """Row-major order: 16-byte loads of 4 consecutive floats, consecutive threads adjacent."""
-        quads_per_row = self.tile_hdim // 4
+        quads_per_row = self.padded_head_dim // 4
         for k in cutlass.range_constexpr(self.tile_m * quads_per_row // self.num_threads):
             v = tidx + k * self.num_threads
             row, q = v // quads_per_row, v % quads_per_row
@@ -396,12 +396,12 @@ class DqPostprocess:
     @cute.jit
     def _store_tile(self, dq_ptr, dq_offset, row_stride, head_dim, s_dq, rows_total, rows_conv, tidx):
         """Step 4: 16-byte row vectors to global memory; rows >= rows_conv are zeros."""
-        tile_m, tile_hdim = self.tile_m, self.tile_hdim
+        tile_m, padded_head_dim = self.tile_m, self.padded_head_dim
         dst_ptr = _aligned(dq_ptr + dq_offset, cute.AddressSpace.gmem)
         vec = _VEC_BYTES * 8 // self.dtype.width
         g_dq = cute.make_tensor(
             dst_ptr,
-            cute.make_layout((tile_m, tile_hdim), stride=(cute.assume(row_stride, divby=vec), 1)),
+            cute.make_layout((tile_m, padded_head_dim), stride=(cute.assume(row_stride, divby=vec), 1)),
         )
         rows, per_row = self.store_threads
         store_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
@@ -413,7 +413,7 @@ class DqPostprocess:
         thr_s2g = s2g.get_slice(tidx)
         t_src = thr_s2g.partition_S(s_dq)
         t_dst = thr_s2g.partition_D(g_dq)
-        t_crd = thr_s2g.partition_S(cute.make_identity_tensor((tile_m, tile_hdim)))
+        t_crd = thr_s2g.partition_S(cute.make_identity_tensor((tile_m, padded_head_dim)))
         t_reg = cute.make_rmem_tensor_like(t_src, self.dtype)
         cute.autovec_copy(t_src, t_reg)
         zeros = cute.make_rmem_tensor_like(t_reg[None, 0, 0], self.dtype)

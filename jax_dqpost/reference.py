@@ -43,7 +43,8 @@ def accum_from_dq_reference(dq, scale, aux, plan: Plan):
     if plan.work is not None:
         heads, w = dq.shape[1], plan.work
         s = w.decode(aux)
-        row_start, span_rows, conv_rows, acc_row = (f[1:-1] for f in s[1:5])  # the sequences' spans
+        row_start, span_rows, conv_rows, acc_row = (f[1:-1] for f in (s.row_start, s.span_rows, s.conv_rows,
+                                                                      s.acc_row))  # the sequences' spans
         # The sequence (if any) whose tiles hold each accumulator row, and the dq row it came from.
         a = jnp.arange(w.padded_total, dtype=jnp.int32)
         ends = acc_row + (span_rows + tile_m - 1) // tile_m * tile_m

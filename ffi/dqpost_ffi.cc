@@ -228,6 +228,72 @@ ffi::Error Execute(CudaStream stream,
   return ffi::Error::Success();
 }
 
+// ------------------------------------------------------------------------------------------------
+// Target v2: the fused kernel (jax_dqpost/kernel_fused.py), dQ and optionally dK, dV and the sink gradient.
+// Its entry point takes kFusedSlots pointers in a fixed order and kFusedExtents int32 extents. The custom call's
+// operands, then its results, are some of those pointers: attribute "slots" gives each one's position, "bytes" the
+// size it must have (so a buffer never disagrees with the extents the kernel indexes it by), "extents" the
+// kernel's extents (FusedPlan.launch_extents) and "ctas" the launch's CTAs (0: nothing to do).
+constexpr int64_t kFusedSlots = 13;
+constexpr int64_t kFusedExtents = 15;
+
+ffi::Error ExecuteFused(CudaStream stream, ffi::RemainingArgs args, ffi::RemainingRets rets,
+                        std::string_view module, std::string_view fingerprint, ffi::Span<const int64_t> slots,
+                        ffi::Span<const int64_t> bytes, ffi::Span<const int64_t> extents, int64_t ctas) {
+  const size_t n = args.size() + rets.size();
+  if (slots.size() != n || bytes.size() != n || static_cast<int64_t>(extents.size()) != kFusedExtents) {
+    return ffi::Error::InvalidArgument("jax_dqpost: slots, bytes and extents do not match the call");
+  }
+  void* ptrs[kFusedSlots] = {};
+  for (size_t i = 0; i < n; ++i) {
+    const int64_t slot = slots[i];
+    if (slot < 0 || slot >= kFusedSlots || ptrs[slot] != nullptr) {
+      return ffi::Error::InvalidArgument("jax_dqpost: bad or repeated slot " + std::to_string(slot));
+    }
+    void* data = nullptr;
+    size_t size = 0;
+    if (i < args.size()) {
+      auto buf = args.get<ffi::AnyBuffer>(i);
+      if (buf.has_error()) return buf.error();
+      data = buf->untyped_data(), size = buf->size_bytes();
+    } else {
+      auto buf = rets.get<ffi::AnyBuffer>(i - args.size());
+      if (buf.has_error()) return buf.error();
+      data = (*buf)->untyped_data(), size = (*buf)->size_bytes();
+    }
+    if (static_cast<int64_t>(size) != bytes[i]) {
+      return ffi::Error::InvalidArgument("jax_dqpost: buffer " + std::to_string(i) + " has " + std::to_string(size) +
+                                         " bytes, expected " + std::to_string(bytes[i]));
+    }
+    if (!Aligned16(data)) return ffi::Error::InvalidArgument("jax_dqpost: buffers must be 16-byte aligned");
+    ptrs[slot] = data;
+  }
+  int32_t ext[kFusedExtents];
+  for (int64_t i = 0; i < kFusedExtents; ++i) {
+    if (!FitsInt32(extents[i])) return ffi::Error::InvalidArgument("jax_dqpost: extent out of int32 range");
+    ext[i] = static_cast<int32_t>(extents[i]);
+  }
+  if (!FitsInt32(ctas)) return ffi::Error::InvalidArgument("jax_dqpost: too many CTAs for one launch");
+  if (ctas == 0) return ffi::Error::Success();  // no work
+
+  auto fn = GetFunction(module, fingerprint);
+  if (fn.has_error()) return fn.error();
+  // (13 pointers, 15 int32 extents, stream) -> ret, as kernel_fused.py's __call__ takes them.
+  CudaStream st = stream;
+  int32_t ret = 0;
+  void* call[kFusedSlots + kFusedExtents + 2];
+  for (int64_t i = 0; i < kFusedSlots; ++i) call[i] = &ptrs[i];
+  for (int64_t i = 0; i < kFusedExtents; ++i) call[kFusedSlots + i] = &ext[i];
+  call[kFusedSlots + kFusedExtents] = &st;
+  call[kFusedSlots + kFusedExtents + 1] = &ret;
+  const int err = g_runtime.run(*fn, call, sizeof(call) / sizeof(call[0]));
+  if (err != 0) return ffi::Error::Internal(RuntimeError("CuteDSLRT_Function_Run", err));
+  if (ret != 0) {
+    return ffi::Error::Internal("jax_dqpost: kernel launch failed with CUDA error " + std::to_string(ret));
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDqpostInitialize, Initialize,
@@ -247,6 +313,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDqpostExecute, Execute,
                                   .Attr<int64_t>("tile_m")
                                   .Attr<int64_t>("tile_hdim")
                                   .Attr<int64_t>("num_tiles"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDqpostExecuteFused, ExecuteFused,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<CudaStream>>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<std::string_view>("module")
+                                  .Attr<std::string_view>("fingerprint")
+                                  .Attr<ffi::Span<const int64_t>>("slots")
+                                  .Attr<ffi::Span<const int64_t>>("bytes")
+                                  .Attr<ffi::Span<const int64_t>>("extents")
+                                  .Attr<int64_t>("ctas"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 // The work list's size and the padded total as the handler computes them, for the test that pins them to

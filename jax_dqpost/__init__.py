@@ -1,14 +1,16 @@
-"""jax-dqpost: FlashAttention's backward dQ postprocess as a JAX primitive.
+"""jax-dqpost: FlashAttention's backward postprocess as JAX primitives.
 
 ``dq_postprocess`` turns the fp32 dQ accumulator written by FlashAttention's backward kernels (in their
 MMA accumulator order, described by ``AccumLayout``) into dQ in bf16/fp16: one fp32 multiply by the
-softmax scale and one round-to-nearest-even. On CUDA it runs a CuTe DSL kernel through our own XLA FFI
-target; on every other platform, a bit-identical jax.numpy reference.
+softmax scale and one round-to-nearest-even. ``flash_attention_postprocess`` does dQ, dK and dV (grouped-query
+attention) and the learnable sink's gradient in one launch. On CUDA they run CuTe DSL kernels through our own
+XLA FFI targets; on every other platform, a bit-identical jax.numpy reference.
 """
 
 from ._version import __version__
-from .api import dq_accum_from_dq, dq_postprocess
+from .api import dq_accum_from_dq, dq_postprocess, flash_attention_postprocess
 from .arch import cuda_arch
 from .layout import AccumLayout
 
-__all__ = ["AccumLayout", "__version__", "cuda_arch", "dq_accum_from_dq", "dq_postprocess"]
+__all__ = ["AccumLayout", "__version__", "cuda_arch", "dq_accum_from_dq", "dq_postprocess",
+           "flash_attention_postprocess"]

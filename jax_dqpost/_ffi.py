@@ -11,7 +11,10 @@ from pathlib import Path
 import jax
 
 TARGET_NAME = "jax_dqpost_postprocess_v1"
-"""The custom-call target name our CUDA lowering emits (versioned: a new ABI gets a new name)."""
+"""The custom-call target name of ``dq_postprocess``'s lowering (versioned: a new ABI gets a new name)."""
+FUSED_TARGET_NAME = "jax_dqpost_postprocess_v2"
+"""The target of the fused kernel (``flash_attention_postprocess``; ``dq_postprocess`` with a sink or a
+clustered layout)."""
 
 _LIBRARY_NAME = "libjax_dqpost_ffi.so"
 _lock = threading.Lock()
@@ -59,12 +62,10 @@ def register() -> None:
         lib.jax_dqpost_load_runtime.restype = ctypes.c_int
         if lib.jax_dqpost_load_runtime(str(cute_runtime_path()).encode(), err, len(err)) != 0:
             raise RuntimeError(f"jax_dqpost: cannot load the CuTe DSL runtime: {err.value.decode()}")
-        jax.ffi.register_ffi_target(
-            TARGET_NAME,
-            {
-                "initialize": jax.ffi.pycapsule(lib.JaxDqpostInitialize),
-                "execute": jax.ffi.pycapsule(lib.JaxDqpostExecute),
-            },
-            platform="CUDA",
-        )
+        for name, execute in ((TARGET_NAME, lib.JaxDqpostExecute), (FUSED_TARGET_NAME, lib.JaxDqpostExecuteFused)):
+            jax.ffi.register_ffi_target(
+                name,
+                {"initialize": jax.ffi.pycapsule(lib.JaxDqpostInitialize), "execute": jax.ffi.pycapsule(execute)},
+                platform="CUDA",
+            )
         _registered = True

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 
 import jax.numpy as jnp
@@ -11,30 +12,32 @@ import numpy as np
 from . import _validate
 from ._validate import describe
 from .layout import AccumLayout
-from .plan import OUT_DTYPES, Plan
+from .fused import postprocess_p
+from .plan import OUT_DTYPES, SINK_DTYPES, FusedPlan, Plan
 from .primitive import dq_postprocess_p
 from .reference import accum_from_dq_reference
 from .varlen import INT32_MAX, WorkList, check_static
 
 
 def dq_postprocess(dq_accum, scale, *, head_dim: int, seqlen_q: int | None = None, total_q: int | None = None,
-                   cu_seqlens_q=None, seqused_q=None, dtype=jnp.bfloat16, layout: AccumLayout = AccumLayout()):
+                   cu_seqlens_q=None, seqused_q=None, dtype=jnp.bfloat16, layout: AccumLayout = AccumLayout(),
+                   learnable_sink=None, lse=None, dpsum=None):
     """FlashAttention's backward dQ postprocess: ``dQ = round(scale * dq_accum)`` in natural layout.
 
     Dense batches (``seqlen_q`` given)::
 
         dq_accum: float32 (B, H, Sr * Dr)  ->  dq: (B, S, H, D)
 
-    with ``Sr = ceil(S / tile_m) * tile_m`` and ``Dr = ceil(D / hdim_multiple_of) * hdim_multiple_of``. Tile
+    with ``Sr = ceil(S / P) * P`` (``P = tile_m * cluster_size``, ``layout.pad_rows``) and ``Dr = ceil(D / hdim_multiple_of) * hdim_multiple_of``. Tile
     ``(b, h, m)`` is ``dq_accum[b, h, m*tile_m*Dr : (m+1)*tile_m*Dr]`` in the producer's register order.
     With ``seqused_q`` (B,), rows ``>= seqused_q[b]`` of batch ``b`` are zero.
 
     Variable-length batches (``cu_seqlens_q`` (B+1,) and ``total_q`` given)::
 
-        dq_accum: float32 (H, Tp * Dr)  ->  dq: (T, H, D),   Tp = ceil((T + B*tile_m) / tile_m) * tile_m
+        dq_accum: float32 (H, Tp * Dr)  ->  dq: (T, H, D),   Tp = ceil((T + B*P) / P) * P
 
     Sequence ``b`` is dq rows ``cu[b] .. cu[b] + len_b`` with ``len_b = seqused_q[b]`` if given, else
-    ``cu[b+1] - cu[b]``; its accumulator starts at padded row ``(cu[b] + b*tile_m) // tile_m * tile_m``
+    ``cu[b+1] - cu[b]``; its accumulator starts at padded row ``(cu[b] + b*P) // P * P``
     (FlashAttention's allocation). Rows no sequence covers are zero.
 
     Args:
@@ -50,19 +53,114 @@ def dq_postprocess(dq_accum, scale, *, head_dim: int, seqlen_q: int | None = Non
       seqused_q: lengths actually used, ``(B,)``: static ints or an int32 array, like ``cu_seqlens_q``.
       dtype: ``jnp.bfloat16`` or ``jnp.float16``, the type of dQ.
       layout: :class:`AccumLayout` of the producer.
+      learnable_sink, lse, dpsum: with a learnable sink, also return its gradient (see
+        :func:`flash_attention_postprocess`), computed in the same launch.
 
     Returns:
       dq of ``dtype``, every element defined: ``round_to_nearest_even(float32(scale) * acc[F(i, j)])`` for
-      covered rows, 0 elsewhere.
+      covered rows, 0 elsewhere; ``(dq, dsink)`` with a sink.
     """
-    _check_layout(layout)
+    _check_layout(layout, "layout")
     head_dim = _validate.head_dim(head_dim)
     layout.check_head_dim(head_dim)
     out_dtype = _out_dtype(dtype)
-    dq_accum = jnp.asarray(dq_accum)
+    dq_accum = _accumulator("dq_accum", dq_accum)
     scale = _scale_operand(scale)
     plan, aux = _plan(layout, head_dim, out_dtype, seqlen_q, total_q, cu_seqlens_q, seqused_q)
-    return dq_postprocess_p.bind(dq_accum, scale, aux, plan=plan)
+    sink = _sink_operands(learnable_sink, lse, dpsum)
+    if sink is None and layout.cluster_size == 1:
+        return dq_postprocess_p.bind(dq_accum, scale, aux, plan=plan)
+    # With a sink or a clustered layout: the fused kernel, with dQ alone.
+    fplan = FusedPlan(plan, sink_dtype=None if sink is None else sink[0].dtype,
+                      dsink_dtype=None if sink is None else sink[0].dtype)
+    scales = jnp.stack([scale, jnp.float32(1), jnp.float32(1)])
+    outs = postprocess_p.bind(*fplan.join((dq_accum,), (aux,), scales, *(sink or ())), fplan=fplan)
+    return outs[0] if sink is None else (outs[0], outs[1])
+
+
+def flash_attention_postprocess(dq_accum, dk_accum, dv_accum, softmax_scale, *, head_dim: int,
+                                head_dim_v: int | None = None, dtype=jnp.bfloat16, dq_layout: AccumLayout,
+                                dkv_layout: AccumLayout | None = None, dk_scale=None, seqlen_q: int | None = None,
+                                seqlen_k: int | None = None, total_q: int | None = None, total_k: int | None = None,
+                                cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None,
+                                learnable_sink=None, lse=None, dpsum=None):
+    """FlashAttention's whole backward postprocess in one kernel launch: dQ, dK and dV (grouped-query attention,
+    where the backward accumulates dK/dV in fp32 too) and the learnable sink's gradient.
+
+    Each tensor is converted as :func:`dq_postprocess` converts dQ (one fp32 multiply, one rounding), with its
+    own layout, head dim, sequence side and scale::
+
+        dQ: dq_accum (B, H, Sr*Dr) or (H, Tp*Dr)        -> dq (B, S, H, D) or (T, H, D)      scale softmax_scale
+        dK: dk_accum (B, Hkv, Skr*Dr) or (Hkv, Tkp*Dr)  -> dk (B, Sk, Hkv, D) or (Tk, Hkv, D)  scale dk_scale
+        dV: dv_accum (B, Hkv, Skr*Dvr) or (Hkv, Tkp*Dvr) -> dv (B, Sk, Hkv, Dv) or (Tk, Hkv, Dv)  scale 1
+
+    ``Sr``, ``Tp`` (q side, ``dq_layout``) and ``Skr``, ``Tkp`` (k side, ``dkv_layout``; its rows are key rows)
+    as :func:`dq_postprocess` defines them; ``Dr``, ``Dvr``: ``head_dim``, ``head_dim_v`` padded by the layout.
+    ``Hkv`` must divide ``H``. The q side is dense (``seqlen_q``) or packed (``cu_seqlens_q``, ``total_q``,
+    optional ``seqused_q``), the k side likewise with ``seqlen_k`` / ``cu_seqlens_k``, ``total_k``,
+    ``seqused_k``; offsets static or traced, independently. ``dk_accum`` and ``dv_accum`` may both be None (no
+    grouped-query attention: the backward wrote dK and dV itself); dk and dv are then None.
+
+    With a learnable sink (``learnable_sink`` (H,) of float32, bfloat16 or float16, and ``lse`` and ``dpsum``
+    float32, as FlashAttention's backward has them: dense ``lse`` (B, H, S), ``dpsum`` (B, H, Sr); packed ``lse``
+    (H, T), ``dpsum`` (H, Tp)), also ``dsink`` (H,) of the sink's dtype::
+
+        dsink[h] = sum over sequences b, rows r < len_b of  -exp(sink[h] - lse[b, h, r]) * dpsum[b, h, r]
+
+    (the exponential is 1 where ``lse = -inf``; packed rows at ``lse[h, cu_q[b] + r]`` and ``dpsum[h,
+    padded_offset_b + r]``; ``len_b`` honours ``seqused_q``). On the GPU it is reduced in FlashAttention-4's
+    order, deterministically (bit-identical to flash-attn 4.0.0b36); elsewhere by a float32 sum.
+
+    Args:
+      dq_accum, dk_accum, dv_accum: the float32 accumulators (shapes above).
+      softmax_scale: dQ's scale (a Python float or a floating-point scalar, traced or not).
+      head_dim, head_dim_v: ``D`` and ``Dv`` (default ``D``).
+      dtype: ``jnp.bfloat16`` or ``jnp.float16``, the type of dq, dk, dv.
+      dq_layout, dkv_layout: the producer's :class:`AccumLayout` of dQ and of dK/dV
+        (``AccumLayout.flash_attention(arch, head_dim, tensor="dq" | "dkv")``).
+      dk_scale: dK's scale; default ``softmax_scale`` (FlashAttention-4; FlashAttention-3 passes 1.0).
+
+    Returns:
+      ``(dq, dk, dv)``, or ``(dq, dk, dv, dsink)`` with a sink.
+    """
+    _check_layout(dq_layout, "dq_layout")
+    head_dim = _validate.head_dim(head_dim)
+    head_dim_v = head_dim if head_dim_v is None else _validate.head_dim(head_dim_v, name="head_dim_v")
+    dq_layout.check_head_dim(head_dim)
+    out_dtype = _out_dtype(dtype)
+    dq_accum = _accumulator("dq_accum", dq_accum)
+    scale = _scale_operand(softmax_scale, "softmax_scale")
+    k_scale = scale if dk_scale is None else _scale_operand(dk_scale, "dk_scale")
+    q_plan, q_aux = _plan(dq_layout, head_dim, out_dtype, seqlen_q, total_q, cu_seqlens_q, seqused_q)
+    if (dk_accum is None) != (dv_accum is None):
+        raise ValueError("dk_accum and dv_accum must be given together (grouped-query attention) or both be None, "
+                         f"got dk_accum={'None' if dk_accum is None else 'an array'}, "
+                         f"dv_accum={'None' if dv_accum is None else 'an array'}")
+    sink = _sink_operands(learnable_sink, lse, dpsum)
+    sink_dtype = None if sink is None else sink[0].dtype
+    if dk_accum is None:
+        unused = {name: v for name, v in (("dkv_layout", dkv_layout), ("seqlen_k", seqlen_k), ("total_k", total_k),
+                                          ("cu_seqlens_k", cu_seqlens_k), ("seqused_k", seqused_k)) if v is not None}
+        if unused:
+            raise ValueError(f"{', '.join(unused)} only apply with dk_accum and dv_accum")
+        fplan = FusedPlan(q_plan, sink_dtype=sink_dtype, dsink_dtype=sink_dtype)
+        args = fplan.join((dq_accum,), (q_aux,), jnp.stack([scale, k_scale, jnp.float32(1)]), *(sink or ()))
+        outs = postprocess_p.bind(*args, fplan=fplan)
+        return (outs[0], None, None) + ((outs[1],) if sink is not None else ())
+    if dkv_layout is None:
+        raise ValueError("dkv_layout is required with dk_accum and dv_accum (AccumLayout.flash_attention(arch, "
+                         "head_dim, tensor='dkv') gives FlashAttention-4's)")
+    _check_layout(dkv_layout, "dkv_layout")
+    dkv_layout.check_head_dim(head_dim)
+    dkv_layout.check_head_dim(head_dim_v)
+    dk_accum = _accumulator("dk_accum", dk_accum)
+    dv_accum = _accumulator("dv_accum", dv_accum)
+    k_plan, k_aux = _plan(dkv_layout, head_dim, out_dtype, seqlen_k, total_k, cu_seqlens_k, seqused_k, side="k")
+    v_plan = dataclasses.replace(k_plan, head_dim=head_dim_v)
+    fplan = FusedPlan(q_plan, k_plan, v_plan, sink_dtype=sink_dtype, dsink_dtype=sink_dtype)
+    args = fplan.join((dq_accum, dk_accum, dv_accum), (q_aux, k_aux), jnp.stack([scale, k_scale, jnp.float32(1)]),
+                      *(sink or ()))
+    return tuple(postprocess_p.bind(*args, fplan=fplan))
 
 
 def dq_accum_from_dq(dq, scale, *, layout: AccumLayout = AccumLayout(), cu_seqlens_q=None, seqused_q=None):
@@ -95,56 +193,83 @@ def dq_accum_from_dq(dq, scale, *, layout: AccumLayout = AccumLayout(), cu_seqle
     return accum_from_dq_reference(dq, scale, aux, plan)
 
 
-def _plan(layout, head_dim, dtype, seqlen_q, total_q, cu_seqlens_q, seqused_q) -> tuple[Plan, object]:
-    """The call's plan and its int32 aux operand (empty, seqused_q or the work list), with the checks of
-    dq_postprocess."""
+def _plan(layout, head_dim, dtype, seqlen_q, total_q, cu_seqlens_q, seqused_q, side="q") -> tuple[Plan, object]:
+    """The call's plan and its int32 aux operand (empty, seqused or the work list), with the checks of
+    dq_postprocess. ``side``: ``"q"`` or ``"k"``, the suffix of the argument names in messages."""
+    seqlen_n, total_n, cu_n, used_n = (f"{name}_{side}" for name in ("seqlen", "total", "cu_seqlens", "seqused"))
     if cu_seqlens_q is None:
         if total_q is not None:
-            raise ValueError(f"total_q={total_q!r} is only for variable-length batches (with cu_seqlens_q)")
+            raise ValueError(f"{total_n}={total_q!r} is only for variable-length batches (with {cu_n})")
         if seqlen_q is None:
-            raise ValueError("seqlen_q is required for dense batches (or pass cu_seqlens_q and total_q)")
-        plan = Plan(layout, head_dim, dtype, seqlen_q=_validate.static_int("seqlen_q", seqlen_q, minimum=0),
+            raise ValueError(f"{seqlen_n} is required for dense batches (or pass {cu_n} and {total_n})")
+        plan = Plan(layout, head_dim, dtype, seqlen_q=_validate.static_int(seqlen_n, seqlen_q, minimum=0),
                     seqused_q=seqused_q is not None)
         if seqused_q is None:
             return plan, jnp.zeros((0,), jnp.int32)
         if _is_static(seqused_q):
-            used = _static_ints("seqused_q", seqused_q)
+            used = _static_ints(used_n, seqused_q)
             bad = [(b, u) for b, u in enumerate(used) if not 0 <= u <= plan.seqlen_q]
             if bad:
-                raise ValueError(f"seqused_q[{bad[0][0]}]={bad[0][1]} must be in [0, seqlen_q={plan.seqlen_q}]")
+                raise ValueError(f"{used_n}[{bad[0][0]}]={bad[0][1]} must be in [0, {seqlen_n}={plan.seqlen_q}]")
             return plan, jnp.asarray(np.asarray(used, np.int32).reshape(-1))
-        return plan, _int_array("seqused_q", seqused_q)
+        return plan, _int_array(used_n, seqused_q)
 
     if seqlen_q is not None:
-        raise ValueError(f"seqlen_q={seqlen_q!r} is only for dense batches; variable-length batches take total_q")
+        raise ValueError(f"{seqlen_n}={seqlen_q!r} is only for dense batches; variable-length batches take {total_n}")
     if total_q is None:
-        raise ValueError("total_q (rows of the packed dq) is required with cu_seqlens_q")
-    total_q = _validate.static_int("total_q", total_q, minimum=0)
+        raise ValueError(f"{total_n} (rows of the packed output) is required with {cu_n}")
+    total_q = _validate.static_int(total_n, total_q, minimum=0)
     tile_m = layout.tile_m
     if _is_static(cu_seqlens_q) and (seqused_q is None or _is_static(seqused_q)):
-        cu = _static_ints("cu_seqlens_q", cu_seqlens_q)
-        used = None if seqused_q is None else _static_ints("seqused_q", seqused_q)
-        check_static(cu, used, total_q)
-        _check_int32_range(total_q, len(cu) - 1, tile_m)
+        cu = _static_ints(cu_n, cu_seqlens_q)
+        used = None if seqused_q is None else _static_ints(used_n, seqused_q)
+        check_static(cu, used, total_q, side=side)
+        _check_int32_range(total_q, len(cu) - 1, layout.pad_rows, total_n)
         work, meta = WorkList.build(np, np.asarray(cu), None if used is None else np.asarray(used),
-                                    total_q=total_q, tile_m=tile_m)
+                                    total_q=total_q, tile_m=tile_m, pad_rows=layout.pad_rows)
         return Plan(layout, head_dim, dtype, work=work), jnp.asarray(meta)
-    cu = _int_array("cu_seqlens_q", _static_as_array(cu_seqlens_q))
+    cu = _int_array(cu_n, _static_as_array(cu_seqlens_q))
     if cu.shape[0] < 2:
-        raise ValueError(f"cu_seqlens_q must have at least 2 entries (batch + 1), got shape {cu.shape}")
+        raise ValueError(f"{cu_n} must have at least 2 entries (batch + 1), got shape {cu.shape}")
     batch = cu.shape[0] - 1
-    used = None if seqused_q is None else _int_array("seqused_q", _static_as_array(seqused_q))
+    used = None if seqused_q is None else _int_array(used_n, _static_as_array(seqused_q))
     if used is not None and used.shape != (batch,):
-        raise ValueError(f"seqused_q must have shape ({batch},) to match cu_seqlens_q, got {used.shape}")
-    _check_int32_range(total_q, batch, tile_m)
-    work, meta = WorkList.build(jnp, cu, used, total_q=total_q, tile_m=tile_m,
+        raise ValueError(f"{used_n} must have shape ({batch},) to match {cu_n}, got {used.shape}")
+    _check_int32_range(total_q, batch, layout.pad_rows, total_n)
+    work, meta = WorkList.build(jnp, cu, used, total_q=total_q, tile_m=tile_m, pad_rows=layout.pad_rows,
                                 num_tiles=WorkList.max_tiles(total_q, batch, tile_m))
     return Plan(layout, head_dim, dtype, work=work), meta
 
 
-def _check_layout(layout) -> None:
+def _check_layout(layout, name: str = "layout") -> None:
     if not isinstance(layout, AccumLayout):
-        raise TypeError(f"layout must be an AccumLayout, got {describe(layout)}")
+        raise TypeError(f"{name} must be an AccumLayout, got {describe(layout)}")
+
+
+def _accumulator(name: str, x):
+    """A float32 accumulator operand (``TypeError`` naming the argument otherwise)."""
+    dtype = getattr(x, "dtype", None)
+    if dtype is None and isinstance(x, (list, tuple)):
+        x = np.asarray(x, np.float32)
+        dtype = x.dtype
+    if dtype is None or np.dtype(dtype) != np.float32:
+        raise TypeError(f"{name} must be float32, got {describe(x) if dtype is None else np.dtype(dtype).name}")
+    return jnp.asarray(x)
+
+
+def _sink_operands(learnable_sink, lse, dpsum):
+    """``(learnable_sink, lse, dpsum)`` as operands, or None without a sink; all three or none."""
+    given = {name: v is not None for name, v in (("learnable_sink", learnable_sink), ("lse", lse), ("dpsum", dpsum))}
+    if not any(given.values()):
+        return None
+    if not all(given.values()):
+        missing = [name for name, g in given.items() if not g]
+        raise ValueError(f"the sink gradient needs learnable_sink, lse and dpsum; missing {', '.join(missing)}")
+    sink_dtype = getattr(learnable_sink, "dtype", None)
+    if sink_dtype is None or np.dtype(sink_dtype) not in SINK_DTYPES:
+        raise TypeError("learnable_sink must be a float32, bfloat16 or float16 array, got "
+                        + (describe(learnable_sink) if sink_dtype is None else f"dtype {sink_dtype}"))
+    return (jnp.asarray(learnable_sink), _accumulator("lse", lse), _accumulator("dpsum", dpsum))
 
 
 def _out_dtype(dtype) -> np.dtype:
@@ -186,19 +311,19 @@ def _int_array(name: str, x):
     return jnp.asarray(x).astype(jnp.int32)
 
 
-def _check_int32_range(total_q: int, batch: int, tile_m: int) -> None:
-    if total_q + (batch + 2) * tile_m > INT32_MAX:
-        raise ValueError(f"total_q={total_q} with batch={batch} overflows the int32 row offsets")
+def _check_int32_range(total_q: int, batch: int, pad_rows: int, name: str = "total_q") -> None:
+    if total_q + (batch + 2) * pad_rows > INT32_MAX:
+        raise ValueError(f"{name}={total_q} with batch={batch} overflows the int32 row offsets")
 
 
-def _scale_operand(scale):
+def _scale_operand(scale, name: str = "scale"):
     """scale as a float32 scalar operand: a Python real or a floating-point scalar array (traced or not)."""
     if isinstance(scale, numbers.Real) and not isinstance(scale, (bool, np.bool_)):
         return jnp.float32(scale)
     dtype = getattr(scale, "dtype", None)
     if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
-        raise TypeError(f"scale must be a Python float or a floating-point scalar, got {describe(scale)}"
+        raise TypeError(f"{name} must be a Python float or a floating-point scalar, got {describe(scale)}"
                         + ("" if dtype is None else f" of dtype {dtype}"))
     if np.shape(scale) != ():
-        raise ValueError(f"scale must be a scalar, got shape {np.shape(scale)}")
+        raise ValueError(f"{name} must be a scalar, got shape {np.shape(scale)}")
     return jnp.asarray(scale).astype(jnp.float32)

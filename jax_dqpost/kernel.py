@@ -94,6 +94,7 @@ class DqPostprocess:
         self.tile_m = layout.tile_m
         self.padded_head_dim = padded_head_dim
         self.num_threads = layout.num_threads
+        self.cta_threads = layout.num_threads  # threads of the launch (more in a fused kernel, kernel_fused.py)
         geom = layout.mma_geometry(padded_head_dim)
         self.mma_mn = (geom["m"], geom["n"])
         self.atoms_mn = (geom["atoms_m"], geom["atoms_n"])
@@ -204,6 +205,15 @@ class DqPostprocess:
         bx, head, bz = cute.arch.block_idx()
         if const_expr(self.heads_fastest):
             bx, head = bx // heads, bx % heads
+        self.tile(acc_ptr, dq_ptr, scale_ptr, aux_ptr, dim0, heads, rows, head_dim, grid_x, bx, head, bz, tidx,
+                  cutlass.memory.SmemAllocator())
+
+    @cute.jit
+    def tile(self, acc_ptr, dq_ptr, scale_ptr, aux_ptr, dim0, heads, rows, head_dim, grid_x, bx, head, bz, tidx,
+             smem):
+        """One CTA's work: tile ``bx`` of head ``head`` (and batch ``bz``, dense tilings). ``smem`` allocates the
+        shared-memory dQ tile (``allocate_tensor``). Also the body of each part of the fused kernel
+        (``kernel_fused.py``), where only the part's first ``num_threads`` threads call it."""
         tile_m, padded_head_dim = self.tile_m, self.padded_head_dim
 
         # ---- 0. this CTA's tile: accumulator tile, first dQ row, rows to write and to convert ------
@@ -219,7 +229,7 @@ class DqPostprocess:
             rows_total = cutlass.min(meta[field + varlen.SPAN_ROWS] - tile_in_span * tile_m, tile_m)
             rows_conv = cutlass.max(cutlass.min(meta[field + varlen.CONV_ROWS] - tile_in_span * tile_m, tile_m), 0)
             acc_row = meta[field + varlen.ACC_ROW] + tile_in_span * tile_m
-            padded_total = varlen.padded_total(rows, num_spans - 2, tile_m)
+            padded_total = varlen.padded_total(rows, num_spans - 2, self.layout.pad_rows)
             # Defence in depth; the work list already guarantees all of these.
             if bx >= meta[num_spans] or row0 < 0 or rows_total > rows - row0:
                 rows_total = 0
@@ -236,18 +246,29 @@ class DqPostprocess:
                 seqused = cute.make_tensor(aux_ptr, cute.make_layout(dim0))
                 used = cutlass.max(cutlass.min(seqused[batch], rows), 0)
                 rows_conv = cutlass.max(cutlass.min(used - m_block * tile_m, tile_m), 0)
-            tile_index = (Int64(batch) * Int64(heads) + Int64(head)) * Int64(grid_x) + Int64(m_block)
+            tiles_per_head = grid_x  # the accumulator's tiles per (batch, head): Sr / tile_m
+            if const_expr(self.layout.cluster_size > 1):
+                pad = self.layout.pad_rows
+                tiles_per_head = (rows + pad - 1) // pad * self.layout.cluster_size
+            tile_index = (Int64(batch) * Int64(heads) + Int64(head)) * Int64(tiles_per_head) + Int64(m_block)
             tile_elem = tile_index * Int64(tile_m * padded_head_dim)
             dq_row0 = Int64(batch) * Int64(rows) + Int64(m_block * tile_m)
 
-        smem = cutlass.memory.SmemAllocator()
         s_layout = self._smem_layout()
         s_dq = smem.allocate_tensor(self.dtype, s_layout, byte_alignment=1024)
         if rows_conv > 0:
             self._convert_tile(acc_ptr, tile_elem, scale_ptr, s_dq, s_layout, rows_conv, tidx)
-        cute.arch.barrier()
+        self.sync()
         dq_offset = (dq_row0 * Int64(heads) + Int64(head)) * Int64(head_dim)
         self._store_tile(dq_ptr, dq_offset, heads * head_dim, head_dim, s_dq, rows_total, rows_conv, tidx)
+
+    def sync(self):
+        """The barrier between the shared-memory writes and reads: the whole CTA, or (a part of the fused
+        kernel with fewer threads than its CTA) a named barrier of this part's threads."""
+        if const_expr(self.cta_threads == self.num_threads):
+            cute.arch.barrier()
+        else:
+            cute.arch.barrier(barrier_id=1, number_of_threads=self.num_threads)
 
     @cute.jit
     def _convert_tile(self, acc_ptr, tile_elem, scale_ptr, s_dq, s_layout, rows_conv, tidx):

@@ -64,13 +64,26 @@ def get_kernel(dtype, layout: AccumLayout, padded_head_dim: int, tiling: Tiling 
     the default on-disk cache even without a local GPU (None: see the module docstring).
     """
     arch = arch_.check_arch(arch) if arch else arch_.target_arch()
-    key = (dtype_name(dtype), layout, int(padded_head_dim), Tiling(tiling), arch)
+    return _get((dtype_name(dtype), layout, int(padded_head_dim), Tiling(tiling), arch), persist)
+
+
+def get_fused_kernel(dtype, parts: tuple, sink: tuple | None = None, *, arch: str | None = None,
+                     persist: bool | None = None) -> CompiledKernel:
+    """The fused kernel (``kernel_fused.py``) for ``FusedPlan.kernel_key``: ``parts``, a ``(layout, padded head
+    dim, tiling)`` per tensor; ``sink``, the names of the sink's and dsink's dtypes (``'f32'``, ``'bf16'``,
+    ``'f16'``) or None."""
+    arch = arch_.check_arch(arch) if arch else arch_.target_arch()
+    parts = tuple((layout, int(dr), Tiling(tiling)) for layout, dr, tiling in parts)
+    return _get(("fused", dtype_name(dtype), parts, None if sink is None else tuple(sink), arch), persist)
+
+
+def _get(key: tuple, persist: bool | None) -> CompiledKernel:
     with _lock:
         hit = _cache.get(key)
         if hit is None:
             hit = _load(key)
         if hit is None:
-            hit = _compile(*key)
+            hit = _compile_fused(*key[1:]) if key[0] == "fused" else _compile(*key)
             _store(key, hit, persist)
         _cache[key] = hit
     return hit
@@ -99,9 +112,11 @@ def _disk_name(key: tuple) -> str:
     except metadata.PackageNotFoundError:  # a DSL on PYTHONPATH, not installed as a distribution
         dsl = "unknown"
     here = Path(__file__).parent
-    source = b"".join((here / name).read_bytes() for name in ("kernel.py", "layout.py", "varlen.py"))
+    names = ("kernel.py", "kernel_fused.py", "layout.py", "varlen.py")
+    source = b"".join((here / name).read_bytes() for name in names)
     digest = hashlib.sha256(repr((key, __version__, dsl, FUNCTION_PREFIX)).encode() + source).hexdigest()
-    return f"{key[0]}-{key[3].name.lower()}-{key[4]}-{digest[:40]}.cute"
+    label = "fused" if key[0] == "fused" else f"{key[0]}-{key[3].name.lower()}"
+    return f"{label}-{key[-1]}-{digest[:40]}.cute"
 
 
 def _load(key: tuple) -> CompiledKernel | None:
@@ -114,7 +129,7 @@ def _load(key: tuple) -> CompiledKernel | None:
         return None
     if module[:4] != b"\x7fELF":  # not ours or damaged: recompile and overwrite
         return None
-    return CompiledKernel(module=module, fingerprint=hashlib.sha256(module).hexdigest(), arch=key[4])
+    return CompiledKernel(module=module, fingerprint=hashlib.sha256(module).hexdigest(), arch=key[-1])
 
 
 def _store(key: tuple, kernel: CompiledKernel, persist: bool | None) -> None:
@@ -171,13 +186,6 @@ def compile_executor(dtype: str, layout: AccumLayout, padded_head_dim: int, tili
     the DSL's global arch is set here (and restored afterwards). ``tuning``: keyword arguments of
     :class:`~jax_dqpost.kernel.DqPostprocess` for experiments (tools/ncu_kernels.py); the package itself
     always compiles with the defaults, which is why they are not part of the cache key."""
-    import warnings
-
-    import cuda.bindings.driver as cuda
-    import cutlass.cute as cute
-    from cutlass.base_dsl.ast_helpers import DSLOptimizationWarning
-    from cutlass.cutlass_dsl.cutlass import CuTeDSL
-
     from .kernel import DqPostprocess
 
     cute_type = cute_dtype(dtype)
@@ -185,6 +193,67 @@ def compile_executor(dtype: str, layout: AccumLayout, padded_head_dim: int, tili
         raise ValueError(f"jax_dqpost: no kernel for dtype={dtype}, {layout}, padded head dim {padded_head_dim}")
     kernel = DqPostprocess(cute_type, layout, padded_head_dim, tiling=Tiling(tiling),
                            target_sm=arch_.sm_version(arch), **tuning)
+    # placeholder addresses and extents: the executor takes the real ones at every call
+    return _cute_compile(kernel, executor_args(dtype, 16, 16, 16, 16, (1, 1, 1, 8, 1)), arch)
+
+
+FUSED_SLOTS = ("acc_q", "out_q", "aux_q", "acc_k", "out_k", "acc_v", "out_v", "aux_k", "scales", "sink", "lse",
+               "dpsum", "dsink")
+"""The fused kernel's pointer arguments, in the order of its C ABI (``kernel_fused.py``, ``__call__``)."""
+
+
+def fused_executor_args(dtype: str, sink, addresses, extents) -> tuple:
+    """The fused kernel's C ABI but the stream, as CuTe values: one device address per :data:`FUSED_SLOTS`
+    entry (any address for an absent operand), then its 15 int32 extents (``FusedPlan.launch_extents``)."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_ptr
+
+    f32, i32, out = cutlass.Float32, cutlass.Int32, cute_dtype(dtype)
+    sink_type, dsink_type = (f32, f32) if sink is None else (_sink_type(sink[0]), _sink_type(sink[1]))
+    types = (f32, out, i32, f32, out, f32, out, i32, f32, sink_type, f32, f32, dsink_type)
+    vectors = {"acc_q", "out_q", "acc_k", "out_k", "acc_v", "out_v"}  # 16-byte aligned (checked by the handler)
+    ptrs = tuple(make_ptr(t, a, cute.AddressSpace.gmem, assumed_align=16 if name in vectors else t.width // 8)
+                 for name, t, a in zip(FUSED_SLOTS, types, addresses))
+    return ptrs + tuple(cutlass.Int32(e) for e in extents)
+
+
+def _sink_type(name: str):
+    import cutlass
+
+    return {"f32": cutlass.Float32, "bf16": cutlass.BFloat16, "f16": cutlass.Float16}[name]
+
+
+def compile_fused_executor(dtype: str, parts: tuple, sink, arch: str):
+    """``cute.compile`` the fused kernel (``get_fused_kernel``'s arguments); CuTe's executor."""
+    from .kernel_fused import FusedPostprocess, PartSpec
+
+    from .kernel import DqPostprocess
+
+    cute_type = cute_dtype(dtype)
+    for layout, dr, _ in parts:
+        if not DqPostprocess.can_implement(cute_type, layout, dr):
+            raise ValueError(f"jax_dqpost: no kernel for dtype={dtype}, {layout}, padded head dim {dr}")
+    kernel = FusedPostprocess(cute_type, tuple(PartSpec(*p) for p in parts),
+                              None if sink is None else (_sink_type(sink[0]), _sink_type(sink[1])),
+                              target_sm=arch_.sm_version(arch))
+    extents = [1, 1, 1, 8, 1] * len(parts) + [0] * 5 * (3 - len(parts))
+    return _cute_compile(kernel, fused_executor_args(dtype, sink, [16] * len(FUSED_SLOTS), extents), arch)
+
+
+def _compile_fused(dtype: str, parts: tuple, sink, arch: str) -> CompiledKernel:
+    module = bytes(compile_fused_executor(dtype, parts, sink, arch).dump_to_object(FUNCTION_PREFIX))
+    return CompiledKernel(module=module, fingerprint=hashlib.sha256(module).hexdigest(), arch=arch)
+
+
+def _cute_compile(kernel, args: tuple, arch: str):
+    import warnings
+
+    import cuda.bindings.driver as cuda
+    import cutlass.cute as cute
+    from cutlass.base_dsl.ast_helpers import DSLOptimizationWarning
+    from cutlass.cutlass_dsl.cutlass import CuTeDSL
+
     # Arch-dependent code paths inside the DSL read a process-wide setting: set it for this compile only,
     # so that other users of the DSL in this process (e.g. FlashAttention) keep theirs.
     # (Reading ``envar.arch`` when it is unset probes the GPU through the driver; the raw field is saved
@@ -193,14 +262,13 @@ def compile_executor(dtype: str, layout: AccumLayout, padded_head_dim: int, tili
     raw = hasattr(envar, "_arch")
     previous = envar._arch if raw else envar.arch
     envar.arch = arch
-    try:  # placeholder addresses and extents: the executor takes the real ones at every call
+    try:
         with warnings.catch_warnings():
             # The kernel unrolls its per-thread loops statically on purpose: register fragments must be indexed
             # with compile-time constants (a run-time index would move them to local memory). The DSL warns
             # about such loops from 64 iterations on; their compile time is measured in the tests.
             warnings.filterwarnings("ignore", category=DSLOptimizationWarning)
-            return cute.compile(kernel, *executor_args(dtype, 16, 16, 16, 16, (1, 1, 1, 8, 1)), cuda.CUstream(0),
-                                options=f"--gpu-arch {arch}")
+            return cute.compile(kernel, *args, cuda.CUstream(0), options=f"--gpu-arch {arch}")
     finally:
         if raw:
             envar._arch = previous

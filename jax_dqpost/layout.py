@@ -40,6 +40,7 @@ _WGMMA_M = 64
 _MMA_SYNC_TILE = 16  # m16n8k16 atoms, 16 x 16 permutation tile per warp
 _VEC_BYTES = 16  # the kernel's global loads and stores are 16-byte vectors
 _OUT_BYTES = 2  # bf16 and fp16
+_MAX_CLUSTER = 8
 _SMEM_ROWS = 16  # the kernel's swizzled dQ tile takes whole 16-row blocks (odd multiples of 8 do not compile)
 SMEM_LIMIT = 99 * 1024
 """Shared memory a CTA may use on every supported GPU (the opt-in maximum of sm_86, sm_89 and sm_120; sm_80
@@ -70,6 +71,9 @@ class AccumLayout:
       hdim_multiple_of: the head dimension is padded to a multiple of this in the accumulator
         (32 in FlashAttention's CuTe DSL, 64 for its Hopper configurations with head dim > 128).
       two_cta: ``arch=100`` only: the accumulator was written by the 2-CTA (``cta_group::2``) MMA.
+      cluster_size: CTAs of the producer's cluster along the rows (FlashAttention-4's ``cluster_size``: 2 for
+        Blackwell's 2-CTA dK/dV). Rows are padded in units of ``tile_m * cluster_size`` (:attr:`pad_rows`):
+        the dense ``Sr`` and the varlen padded offsets and ``Tp``; tiles stay ``tile_m`` rows.
 
     Instances are frozen and hashable; invalid fields raise ``TypeError``/``ValueError`` on
     construction. Whether a head dimension fits the layout is checked by :meth:`check_head_dim`.
@@ -83,6 +87,7 @@ class AccumLayout:
     swap_ab: bool = False
     hdim_multiple_of: int = 32
     two_cta: bool = False
+    cluster_size: int = 1
 
     def __post_init__(self):
         arch = None if self.arch is None else _check_int("arch", self.arch)
@@ -101,6 +106,10 @@ class AccumLayout:
         atom_layout = _check_int("atom_layout", self.atom_layout)
         swap_ab = _check_bool("swap_ab", self.swap_ab)
         two_cta = _check_bool("two_cta", self.two_cta)
+        cluster_size = _check_int("cluster_size", self.cluster_size)
+        if cluster_size > _MAX_CLUSTER:
+            raise ValueError(f"AccumLayout.cluster_size must be at most {_MAX_CLUSTER} (CUDA's portable cluster "
+                             f"size), got {cluster_size}")
         mult = _check_int("hdim_multiple_of", self.hdim_multiple_of)
         if mult % 8 or mult > MAX_HEAD_DIM:
             raise ValueError(f"AccumLayout.hdim_multiple_of must be a multiple of 8 and at most {MAX_HEAD_DIM}, "
@@ -108,7 +117,7 @@ class AccumLayout:
         # Normalise numpy scalars so equal layouts hash equal.
         for name, value in (("arch", arch), ("tile_m", tile_m), ("num_threads", num_threads),
                             ("atom_layout", atom_layout), ("hdim_multiple_of", mult), ("swap_ab", swap_ab),
-                            ("two_cta", two_cta)):
+                            ("two_cta", two_cta), ("cluster_size", cluster_size)):
             object.__setattr__(self, name, value)
         if two_cta and arch != 100:
             raise ValueError(f"AccumLayout.two_cta=True is a Blackwell (arch=100) order, got arch={arch}")
@@ -142,12 +151,17 @@ class AccumLayout:
 
     # ----------------------------------------------------------------------------------------------
     @classmethod
-    def flash_attention(cls, arch: int, head_dim: int, *, causal: bool = False) -> "AccumLayout":
-        """The layout FlashAttention-4's backward uses for dQ on GPU architecture ``arch`` (e.g. 90, 100,
-        120) and ``head_dim`` (``head_dim_v = head_dim``; ``causal`` also stands for local attention).
+    def flash_attention(cls, arch: int, head_dim: int, causal: bool = False, *, tensor: str = "dq",
+                        head_dim_v: int | None = None) -> "AccumLayout":
+        """The layout FlashAttention-4's backward uses on GPU architecture ``arch`` (e.g. 90, 100, 120) for the
+        accumulator of ``tensor``: ``"dq"``, or ``"dkv"`` (dK and dV, accumulated in fp32 for grouped-query
+        attention, where several query heads add into one key/value head). ``causal`` also stands for local
+        attention; ``head_dim_v`` (default ``head_dim``) only matters for the head dims with no postprocess.
+
+        dQ (tile_m, num_threads, atom_layout, swap_ab, hdim_multiple_of):
 
         ====================  ==========================  =========================================
-        arch                  head dim                    layout (tile_m, threads, atom, swap, mult)
+        arch                  head dim                    dQ layout
         ====================  ==========================  =========================================
         sm90 (9x)             <= 64                       (128, 256, 2, F, 32)
         sm90                  <= 96                       (64, 128, 1, F, 32)  one warpgroup for dQ
@@ -158,16 +172,41 @@ class AccumLayout:
         sm120 (12x)           any                         arch=80, (64, 128, 4, F, 32)
         ====================  ==========================  =========================================
 
-        From flash_attn/cute/interface.py (flash-attn 4.0.0b36): ``_tile_size_bwd_sm90`` and the dQ
-        postprocess call (``num_threads_post_dQ``, ``hdim_multiple_of = 64 if sm90 and dKV_swapAB``),
-        the sm100 branch (``use_2cta_instrs = head_dim >= 128``; head dim 256 uses a dedicated kernel with
-        no separate postprocess) and the sm120 branch (sm80 MMA, 4 warps). FlashAttention-4 has no sm80
-        backward, so ``arch=80`` (and anything else) raises ``ValueError``.
+        dK/dV (the rows are key/value rows, ``tile_m`` is FlashAttention's ``n_block_size``):
+
+        ====================  ==========================  =========================================
+        arch                  head dim                    dK/dV layout
+        ====================  ==========================  =========================================
+        sm90                  <= 128                      (128, 256, 2, F, 32)
+        sm90                  <= 192                      (96, 256, 2, T, 64)
+        sm90                  <= 256                      (48, 256, 1, T, 64)
+        sm100 / sm110         < 128                       arch=100, (128, 128, 1, F, 32), 1-CTA order
+        sm100 / sm110         128 .. 192                  the same order, ``cluster_size=2`` (2-CTA MMA)
+        sm120                 any                         arch=80, (64, 128, 4, F, 32)
+        ====================  ==========================  =========================================
+
+        From flash_attn/cute/interface.py (flash-attn 4.0.0b36): ``_tile_size_bwd_sm90`` and the postprocess
+        calls of ``_flash_attn_bwd`` (``num_threads_post_dQ``/``num_threads_post_dKV``, ``hdim_multiple_of = 64
+        if sm90 and dKV_swapAB``, dK/dV with ``n_block_size``, ``AtomLayoutNdKV``, ``dKV_swapAB`` and
+        ``cluster_size``), the sm100 branch (``use_2cta_instrs = head_dim >= 128``, ``cluster_size = 2`` with it;
+        ``FlashAttentionBackwardSm100.accum_tile_orders``: dQ in the 1- or 2-CTA fragment order, dK/dV in the
+        1-CTA one) and the sm120 branch (sm80 MMA, 4 warps). On sm100/sm110, head dim 256 uses a dedicated
+        kernel that finishes dQ, dK and dV itself; FlashAttention-4 has no sm80 backward: both raise
+        ``ValueError``.
         """
         arch = _validate.static_int("arch", arch, minimum=1)
         head_dim = _validate.head_dim(head_dim)
+        head_dim_v = head_dim if head_dim_v is None else _validate.head_dim(head_dim_v, name="head_dim_v")
+        causal = _validate.static_bool("causal", causal)
+        if tensor not in ("dq", "dkv"):
+            raise ValueError(f"tensor must be 'dq' or 'dkv', got {_validate.describe(tensor)}")
+        dkv = tensor == "dkv"
         family = arch // 10
         if family == 9:
+            if dkv:
+                if head_dim <= 128:
+                    return cls(90, 128, 256, 2, False, 32)
+                return cls(90, 96, 256, 2, True, 64) if head_dim <= 192 else cls(90, 48, 256, 1, True, 64)
             if head_dim <= 64:
                 return cls(90, 128, 256, 2, False, 32)
             if head_dim <= 96:
@@ -177,12 +216,16 @@ class AccumLayout:
             return cls(90, 64, 256, 1, False, 64)
         if family in (10, 11):
             if head_dim > 192:
-                raise ValueError(f"FlashAttention's sm{arch} backward for head_dim={head_dim} uses its dedicated "
-                                 "hd256 kernel, which has no separate dQ postprocess")
-            return cls(100, 128, 128, 1, False, 32, two_cta=head_dim >= 128)
+                raise ValueError(f"FlashAttention's sm{arch} backward for head_dim={head_dim}, head_dim_v={head_dim_v} "
+                                 "uses its dedicated hd256 kernel, which finishes dQ, dK and dV itself (no separate "
+                                 "postprocess)")
+            two_cta = head_dim >= 128
+            if dkv:
+                return cls(100, 128, 128, 1, False, 32, cluster_size=2 if two_cta else 1)
+            return cls(100, 128, 128, 1, False, 32, two_cta=two_cta)
         if family == 12:
             return cls(80, 64, 128, 4, False, 32)
-        raise ValueError(f"FlashAttention-4 has no dQ postprocess configuration for arch={arch} "
+        raise ValueError(f"FlashAttention-4 has no {tensor} postprocess configuration for arch={arch} "
                          "(its backward runs on sm90, sm100, sm110 and sm120); pass an AccumLayout explicitly")
 
     # ----------------------------------------------------------------------------------------------
@@ -195,9 +238,18 @@ class AccumLayout:
         """``Dr``: the head dimension as padded in the accumulator."""
         return -(-head_dim // self.hdim_multiple_of) * self.hdim_multiple_of
 
+    @property
+    def pad_rows(self) -> int:
+        """The unit of the producer's row padding: ``tile_m * cluster_size``."""
+        return self.tile_m * self.cluster_size
+
     def padded_seqlen(self, seqlen: int) -> int:
-        """``Sr``: the sequence length rounded up to whole tiles."""
-        return -(-seqlen // self.tile_m) * self.tile_m
+        """``Sr``: the sequence length rounded up to whole tiles (whole clusters of tiles: :attr:`pad_rows`)."""
+        return -(-seqlen // self.pad_rows) * self.pad_rows
+
+    def num_tiles(self, seqlen: int) -> int:
+        """Tiles of ``tile_m`` rows that hold a dense sequence's rows: ``ceil(seqlen / tile_m)``."""
+        return -(-seqlen // self.tile_m)
 
     def accum_shape(self, batch: int, heads: int, seqlen: int, head_dim: int) -> tuple[int, int, int]:
         """Shape of a dense accumulator: ``(batch, heads, Sr * Dr)``."""
@@ -205,8 +257,9 @@ class AccumLayout:
 
     def varlen_accum_shape(self, batch: int, heads: int, total_q: int, head_dim: int) -> tuple[int, int]:
         """Shape of a varlen accumulator for ``batch`` packed sequences of ``total_q`` rows:
-        ``(heads, Tp * Dr)`` with FlashAttention's ``Tp = round_up(total_q + batch * tile_m, tile_m)``."""
-        return (heads, padded_total(total_q, batch, self.tile_m) * self.padded_head_dim(head_dim))
+        ``(heads, Tp * Dr)`` with FlashAttention's ``Tp = round_up(total_q + batch * P, P)``, ``P`` =
+        :attr:`pad_rows`."""
+        return (heads, padded_total(total_q, batch, self.pad_rows) * self.padded_head_dim(head_dim))
 
     def mma_geometry(self, head_dim: int) -> dict:
         """The producer's dQ MMA (arch 80 and 90) as the kernel rebuilds it (all ints; None if it does not
@@ -386,4 +439,5 @@ class AccumLayout:
     def __repr__(self) -> str:
         return (f"AccumLayout(arch={self.arch}, tile_m={self.tile_m}, num_threads={self.num_threads}, "
                 f"atom_layout={self.atom_layout}, swap_ab={self.swap_ab}, "
-                f"hdim_multiple_of={self.hdim_multiple_of}{', two_cta=True' if self.two_cta else ''})")
+                f"hdim_multiple_of={self.hdim_multiple_of}{', two_cta=True' if self.two_cta else ''}"
+                f"{f', cluster_size={self.cluster_size}' if self.cluster_size != 1 else ''})")

@@ -14,8 +14,9 @@ Three tilings, one per way a CTA finds its tile (compiled into the kernel; their
     DENSE_SEQUSED   (B, H, Sr * Dr)    seqused_q (B,)         (B, S, H, D)
     VARLEN          (H, Tp * Dr)       the work list          (T, H, D)
 
-``Sr = ceil(S / tile_m) * tile_m``; ``Dr``, the padded head dim (``AccumLayout.padded_head_dim``);
-``Tp = round_up(T + B * tile_m, tile_m)`` (``varlen.padded_total``).
+``Sr = ceil(S / P) * P``; ``Dr``, the padded head dim (``AccumLayout.padded_head_dim``);
+``Tp = round_up(T + B * P, P)`` (``varlen.padded_total``), with ``P = tile_m * cluster_size``
+(``AccumLayout.pad_rows``; ``P = tile_m`` but for Blackwell's 2-CTA dK/dV).
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ class Plan:
                 raise ValueError(
                     f"dq_accum must have shape (heads, Tp*Dr) = (heads, {w.padded_total}*{dr}) for "
                     f"total_q={w.total_q}, batch={w.batch}, head_dim={self.head_dim} and {layout} "
-                    f"(Tp = ceil((total_q + batch*tile_m) / tile_m) * tile_m); got shape {tuple(acc_shape)}")
+                    f"(Tp = ceil((total_q + batch*P) / P) * P, P = tile_m*cluster_size = {layout.pad_rows}); got shape {tuple(acc_shape)}")
             return (w.total_q, acc_shape[0], self.head_dim)
         if len(acc_shape) != 3:
             raise ValueError(f"dq_accum must have shape (batch, heads, Sr*Dr), got shape {tuple(acc_shape)}")
@@ -120,7 +121,7 @@ class Plan:
             extents = (self.work.num_spans, heads, rows, self.head_dim, self.work.num_tiles)
         else:
             batch, heads, rows = acc_shape[0], acc_shape[1], self.seqlen_q
-            extents = (batch, heads, rows, self.head_dim, self.layout.padded_seqlen(rows) // self.layout.tile_m)
+            extents = (batch, heads, rows, self.head_dim, self.layout.num_tiles(rows))
         if batch > MAX_GRID_Z:
             raise ValueError(f"dq_postprocess on CUDA: batch (with any vmapped axes folded in) must be <= "
                              f"{MAX_GRID_Z}, got {batch}")
@@ -151,3 +152,151 @@ class Plan:
             return (heads, None), (None,), (None, heads, None)
         batch, heads = acc_spec[0], acc_spec[1]  # (B, H, Sr*Dr) -> (B, S, H, D)
         return (batch, heads, None), ((batch,) if self.seqused_q else (None,)), (batch, None, heads, None)
+
+
+# ---- the whole postprocess: dQ, dK and dV in one launch, and the learnable-sink gradient --------------
+SINK_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+"""Types of ``learnable_sink`` (and of ``dsink``)."""
+
+PARTS = ("dq", "dk", "dv")
+NUM_EXTENTS = 5 * len(PARTS)  # the fused kernel's int32 extents: Plan.launch_extents of each part
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedPlan:
+    """The static description of a whole postprocess call (``flash_attention_postprocess``; also
+    ``dq_postprocess`` with a sink or a clustered layout): a :class:`Plan` per tensor, and the sink gradient.
+
+    The operands of the fused primitive, in order (``[...]``: only when present)::
+
+        dq_accum, q_aux, [dk_accum, dv_accum, k_aux], scales (3,) f32, [learnable_sink, lse, dpsum]
+
+    ``q_aux``/``k_aux``: the int32 operand of the q-side / k-side plans (``Plan.aux_shape``); dK and dV share
+    the k side's. ``scales``: dQ's, dK's and dV's. The sink operands, for ``H`` query heads::
+
+        dense (dq):   learnable_sink (H,)   lse (B, H, S)   dpsum (B, H, Sr)
+        varlen (dq):  learnable_sink (H,)   lse (H, T)      dpsum (H, Tp)
+
+    The results: ``dq, [dk, dv], [dsink (H,)]``. ``dsink[h] = sum over sequences b and rows r < len_b of
+    -p * dpsum[b, h, r]``, ``p = exp(sink[h] - lse[b, h, r])`` (1 where ``lse = -inf``); varlen rows at ``lse[h,
+    cu[b] + r]`` and ``dpsum[h, acc_row[b] + r]`` (the padded offset), ``len_b`` honouring ``seqused_q``.
+
+    Attributes:
+      dq, dk, dv: the tensors' plans (``dk``/``dv``: both or neither; their dtype is dq's).
+      sink_dtype: ``learnable_sink``'s dtype, or None without a sink.
+      dsink_dtype: the type the kernel writes ``dsink`` in: ``sink_dtype``, or float32 for the partial sums
+        of a batch shard (reduced across shards, then rounded).
+    """
+
+    dq: Plan
+    dk: Plan | None = None
+    dv: Plan | None = None
+    sink_dtype: np.dtype | None = None
+    dsink_dtype: np.dtype | None = None
+
+    @property
+    def parts(self) -> tuple[Plan, ...]:
+        return (self.dq,) if self.dk is None else (self.dq, self.dk, self.dv)
+
+    @property
+    def has_kv(self) -> bool:
+        return self.dk is not None
+
+    @property
+    def has_sink(self) -> bool:
+        return self.sink_dtype is not None
+
+    @property
+    def num_operands(self) -> int:
+        return 3 + (3 if self.has_kv else 0) + (3 if self.has_sink else 0)
+
+    def without_sink(self) -> "FusedPlan":
+        return dataclasses.replace(self, sink_dtype=None, dsink_dtype=None)
+
+    # ---- operands and results ----------------------------------------------------------------------
+    def split(self, args) -> dict:
+        """The operands by name (see the class docstring): ``acc`` (a tuple per part), ``aux`` (a tuple per
+        part), ``scales``, and ``sink``/``lse``/``dpsum`` (None without a sink)."""
+        args = list(args)
+        if self.has_kv:
+            dq_acc, q_aux, dk_acc, dv_acc, k_aux, scales, *sink = args
+            acc, aux = (dq_acc, dk_acc, dv_acc), (q_aux, k_aux, k_aux)
+        else:
+            dq_acc, q_aux, scales, *sink = args
+            acc, aux = (dq_acc,), (q_aux,)
+        sink, lse, dpsum = sink if self.has_sink else (None, None, None)
+        return dict(acc=acc, aux=aux, scales=scales, sink=sink, lse=lse, dpsum=dpsum)
+
+    def join(self, acc, aux, scales, sink=None, lse=None, dpsum=None) -> list:
+        """The inverse of :meth:`split` (``aux``: the q-side operand, then the k-side one)."""
+        args = [acc[0], aux[0]] + ([acc[1], acc[2], aux[1]] if self.has_kv else []) + [scales]
+        return args + ([sink, lse, dpsum] if self.has_sink else [])
+
+    def sink_shapes(self, dq_acc_shape) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        """Shapes of ``(learnable_sink, lse, dpsum)`` for a dQ accumulator of this shape."""
+        q = self.dq
+        if q.work is not None:
+            heads = dq_acc_shape[0]
+            return (heads,), (heads, q.work.total_q), (heads, q.work.padded_total)
+        batch, heads = dq_acc_shape[0], dq_acc_shape[1]
+        return (heads,), (batch, heads, q.seqlen_q), (batch, heads, q.layout.padded_seqlen(q.seqlen_q))
+
+    def result_shapes(self, shapes) -> list[tuple[tuple[int, ...], np.dtype]]:
+        """``(shape, dtype)`` of each result for operands of these shapes; ``ValueError`` naming what does not
+        fit."""
+        ops = self.split(shapes)
+        out = [(p.result_shape(a, x), p.dtype) for p, a, x in zip(self.parts, ops["acc"], ops["aux"])]
+        if self.has_kv:
+            (q_batch, _, q_heads, _), (k_shape, _) = _batch_heads(self.dq, out[0][0]), out[1]
+            k_batch, _, kv_heads, _ = _batch_heads(self.dk, k_shape)
+            if out[2][0][:-1] != k_shape[:-1]:
+                raise ValueError(f"dk_accum and dv_accum disagree on batch, rows or heads: dk {k_shape}, dv "
+                                 f"{out[2][0]}")
+            if None not in (q_batch, k_batch) and q_batch != k_batch:
+                raise ValueError(f"dq_accum has batch {q_batch} but dk_accum has batch {k_batch}")
+            if kv_heads == 0 or q_heads % kv_heads:
+                raise ValueError(f"the key/value heads ({kv_heads}) must divide the query heads ({q_heads})")
+        if self.has_sink:
+            want = self.sink_shapes(ops["acc"][0])
+            for name, got, w in zip(("learnable_sink", "lse", "dpsum"), (ops["sink"], ops["lse"], ops["dpsum"]),
+                                    want):
+                if tuple(got) != w:
+                    raise ValueError(f"{name} must have shape {w} for dq_accum of shape {tuple(ops['acc'][0])}, "
+                                     f"got {tuple(got)}")
+            out.append(((want[0][0],), np.dtype(self.dsink_dtype)))
+        return out
+
+    # ---- the CUDA kernel -------------------------------------------------------------------------
+    @property
+    def kernel_key(self) -> tuple:
+        """What changes the compiled binary (with the target GPU)."""
+        parts = tuple((p.layout, p.padded_head_dim, p.tiling) for p in self.parts)
+        sink = None if not self.has_sink else (_SINK_NAMES[np.dtype(self.sink_dtype)],
+                                               _SINK_NAMES[np.dtype(self.dsink_dtype)])
+        return OUT_DTYPES[np.dtype(self.dq.dtype)], parts, sink
+
+    def launch(self, acc_shapes) -> tuple[tuple[int, ...], int]:
+        """``(extents, ctas)``: the fused kernel's :data:`NUM_EXTENTS` int32 extents (each part's
+        ``Plan.launch_extents``, zeros for absent parts) and its one-dimensional grid: ``H`` sink CTAs (with a
+        sink), then every part's tiles. ``ValueError`` if CUDA cannot launch that many (``2^31 - 1``)."""
+        extents, ctas = [], self.dq_heads(acc_shapes[0]) if self.has_sink else 0
+        for p, shape in zip(self.parts, acc_shapes):
+            e = p.launch_extents(shape)
+            extents += e
+            ctas += e[1] * e[4] * (1 if p.work is not None else e[0])
+        if ctas > INT32_MAX:
+            raise ValueError(f"flash_attention_postprocess on CUDA: {ctas} CTAs, more than CUDA launches (2^31 - 1)")
+        return tuple(extents) + (0,) * (NUM_EXTENTS - len(extents)), ctas
+
+    def dq_heads(self, dq_acc_shape) -> int:
+        return dq_acc_shape[0] if self.dq.work is not None else dq_acc_shape[1]
+
+
+_SINK_NAMES = {np.dtype(np.float32): "f32", np.dtype(jnp.bfloat16): "bf16", np.dtype(jnp.float16): "f16"}
+
+
+def _batch_heads(plan: Plan, out_shape):
+    """``(batch or None, rows, heads, head_dim)`` of a result shape."""
+    if plan.work is not None:
+        return (None,) + tuple(out_shape)
+    return tuple(out_shape)

@@ -11,11 +11,15 @@ the kernel for tiny values.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .plan import Plan
+from .plan import FusedPlan, Plan
+
+LOG2_E = math.log2(math.e)  # exp(x) = exp2(x * log2(e)), as FlashAttention computes it
 
 
 def dq_postprocess_reference(dq_accum, scale, aux, *, plan: Plan):
@@ -23,6 +27,47 @@ def dq_postprocess_reference(dq_accum, scale, aux, *, plan: Plan):
     x, keep = gather_accumulator(dq_accum, aux, plan)
     y = mul_f32_rn(x, jnp.asarray(scale, jnp.float32)).astype(plan.dtype)
     return jnp.where(keep, y, jnp.zeros((), plan.dtype))
+
+
+def fused_reference(*args, fplan: FusedPlan):
+    """The fused primitive's semantics: each tensor as :func:`dq_postprocess_reference` with its own scale, and
+    the sink gradient (:func:`dsink_reference`)."""
+    ops = fplan.split(args)
+    outs = [dq_postprocess_reference(acc, ops["scales"][i], aux, plan=p)
+            for i, (p, acc, aux) in enumerate(zip(fplan.parts, ops["acc"], ops["aux"]))]
+    if fplan.has_sink:
+        outs.append(dsink_reference(ops["sink"], ops["lse"], ops["dpsum"], ops["aux"][0], fplan.dq)
+                    .astype(fplan.dsink_dtype))
+    return outs
+
+
+def dsink_terms(sink, lse, dpsum, q_aux, plan: Plan):
+    """``(H, N)`` float32: every row's ``-p * dpsum`` (0 for rows outside the sequences), ``p = exp2((sink -
+    lse) * log2(e))`` (1 where ``lse = -inf``). Dense rows are the ``(b, r)`` pairs, varlen rows the packed rows."""
+    if plan.work is not None:
+        w, s = plan.work, plan.work.decode(q_aux)
+        r = jnp.arange(w.total_q, dtype=jnp.int32)
+        k = jnp.clip(jnp.searchsorted(s.row_start + s.span_rows, r, side="right"), 0, w.num_spans - 1)
+        i = r - s.row_start[k]
+        keep = ((k >= 1) & (k <= w.batch) & (i < s.conv_rows[k]))[None, :]  # sequences' rows, seqused honoured
+        at = jnp.clip(s.acc_row[k] + i, 0, w.padded_total - 1)  # the row's padded offset in dpsum
+        lse_rows, dpsum_rows = lse, jnp.take(dpsum, at, axis=1)  # (H, T)
+    else:
+        seqlen, batch, heads = plan.seqlen_q, lse.shape[0], lse.shape[1]
+        used = _rows_used(q_aux, seqlen) if plan.seqused_q else jnp.ones((batch, seqlen), bool)
+        keep = jnp.broadcast_to(used[None], (1, batch, seqlen)).reshape(1, batch * seqlen)
+        lse_rows = jnp.moveaxis(lse, 1, 0).reshape(heads, batch * seqlen)  # (H, B * S)
+        dpsum_rows = jnp.moveaxis(dpsum[:, :, :seqlen], 1, 0).reshape(heads, batch * seqlen)
+    sink = jnp.asarray(sink).astype(jnp.float32)[:, None]
+    lse_rows = lse_rows.astype(jnp.float32)
+    p = jnp.where(lse_rows == -jnp.inf, 1.0, jnp.exp2((sink - lse_rows) * jnp.float32(LOG2_E)))
+    return jnp.where(keep, -p * dpsum_rows.astype(jnp.float32), 0.0)
+
+
+def dsink_reference(sink, lse, dpsum, q_aux, plan: Plan):
+    """The learnable sink's gradient, float32 ``(H,)``: the sum of :func:`dsink_terms` over the rows
+    (deterministic; the GPU kernel sums in FlashAttention-4's order instead, see ``kernel_fused.py``)."""
+    return jnp.sum(dsink_terms(sink, lse, dpsum, q_aux, plan), axis=1)
 
 
 def gather_accumulator(dq_accum, aux, plan: Plan):

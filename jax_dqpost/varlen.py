@@ -8,7 +8,9 @@ accumulator (starting at accumulator row ``acc_row[k]``) and the rest are zero. 
     c          = clip(cummax(cu_seqlens_q), 0, T)          # offsets made monotone and in range
     row_start  = c[b],   span_rows = c[b+1] - c[b]
     conv_rows  = span_rows, or clip(seqused_q[b], 0, span_rows) when seqused_q is given
-    acc_row    = (c[b] + b * tile_m) // tile_m * tile_m   # FlashAttention's padded offset, rounded down
+    acc_row    = (c[b] + b * P) // P * P                  # FlashAttention's padded offset, rounded down
+
+with ``P = tile_m * cluster_size`` (``AccumLayout.pad_rows``): FlashAttention pads in whole clusters of tiles.
 
 For valid offsets (``0 <= cu[0] <= ... <= cu[B] <= T``) this is exactly FlashAttention's contract. For any
 other values it is still a partition of the rows, so every output row is written once, and every accumulator
@@ -40,10 +42,10 @@ ROW_START, SPAN_ROWS, CONV_ROWS, ACC_ROW = range(len(SPAN_FIELDS))
 INT32_MAX = 2**31 - 1  # row offsets, extents and the kernel's launch grid are int32
 
 
-def padded_total(total_q, batch, tile_m: int):
-    """``Tp``: accumulator rows FlashAttention allocates, ``round_up(T + B * tile_m, tile_m)``. Plain arithmetic:
-    also evaluated on the kernel's run-time integers."""
-    return (total_q + (batch + 1) * tile_m - 1) // tile_m * tile_m
+def padded_total(total_q, batch, pad_rows: int):
+    """``Tp``: accumulator rows FlashAttention allocates, ``round_up(T + B * P, P)``, ``P`` = ``pad_rows`` (a tile,
+    or a cluster of tiles). Plain arithmetic: also evaluated on the kernel's run-time integers."""
+    return (total_q + (batch + 1) * pad_rows - 1) // pad_rows * pad_rows
 
 
 def sections(num_spans):
@@ -66,12 +68,13 @@ class Spans(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class WorkList:
     """The static shape of a work list: ``batch`` sequences packed into ``total_q`` rows, ``tile_m``-row tiles,
-    ``num_tiles`` CTAs per head."""
+    ``num_tiles`` CTAs per head, accumulator rows padded in units of ``pad_rows`` (``tile_m * cluster_size``)."""
 
     total_q: int
     batch: int
     tile_m: int
     num_tiles: int
+    pad_rows: int
 
     @property
     def num_spans(self) -> int:
@@ -83,7 +86,7 @@ class WorkList:
 
     @property
     def padded_total(self) -> int:
-        return padded_total(self.total_q, self.batch, self.tile_m)
+        return padded_total(self.total_q, self.batch, self.pad_rows)
 
     @staticmethod
     def max_tiles(total_q: int, batch: int, tile_m: int) -> int:
@@ -91,11 +94,14 @@ class WorkList:
         return -(-total_q // tile_m) + batch + 2
 
     @classmethod
-    def build(cls, xp, cu_seqlens_q, seqused_q, *, total_q: int, tile_m: int, num_tiles: int | None = None):
+    def build(cls, xp, cu_seqlens_q, seqused_q, *, total_q: int, tile_m: int, num_tiles: int | None = None,
+              pad_rows: int | None = None):
         """``(WorkList, int32 array)``; ``xp`` is ``numpy`` (static values) or ``jax.numpy`` (traced values).
 
         ``num_tiles``: CTAs per head of the launch (None: exactly the tiles needed; needs static values).
+        ``pad_rows``: the unit of the accumulator's row padding (default ``tile_m``).
         """
+        pad_rows = tile_m if pad_rows is None else pad_rows
         cu = xp.asarray(cu_seqlens_q).astype(np.int32)
         batch = cu.shape[0] - 1
         if xp is np:
@@ -116,7 +122,7 @@ class WorkList:
         zero = xp.zeros(1, np.int32)
         conv_rows = xp.concatenate([zero, seq_conv, zero])
         b = xp.arange(batch, dtype=np.int32)
-        seq_acc = (c[:-1] + b * tile_m) // tile_m * tile_m
+        seq_acc = (c[:-1] + b * pad_rows) // pad_rows * pad_rows
         acc_row = xp.concatenate([zero, seq_acc, zero])
         tiles = (span_rows + tile_m - 1) // tile_m
         tile_start = xp.concatenate([zero, xp.cumsum(tiles).astype(np.int32)])
@@ -125,7 +131,7 @@ class WorkList:
             num_tiles = int(tile_start[-1])
         tile_span = xp.searchsorted(tile_start, xp.arange(num_tiles, dtype=np.int32), side="right") - 1
         tile_span = xp.clip(tile_span, 0, batch + 1).astype(np.int32)
-        work = cls(total_q=total_q, batch=batch, tile_m=tile_m, num_tiles=num_tiles)
+        work = cls(total_q=total_q, batch=batch, tile_m=tile_m, num_tiles=num_tiles, pad_rows=pad_rows)
         return work, xp.concatenate([tile_start, spans, tile_span]).astype(np.int32)
 
     def decode(self, meta) -> Spans:
@@ -135,24 +141,25 @@ class WorkList:
         return Spans(meta[:spans_at], *(spans[:, f] for f in range(len(SPAN_FIELDS))), meta[tile_span_at:])
 
 
-def check_static(cu_seqlens_q, seqused_q, total_q: int) -> None:
-    """Validate static offsets at trace time: ValueError naming the argument and the bad value."""
+def check_static(cu_seqlens_q, seqused_q, total_q: int, side: str = "q") -> None:
+    """Validate static offsets at trace time: ValueError naming the argument and the bad value (``side``: the
+    names' suffix, ``q`` or ``k``)."""
+    cu_n, used_n, total_n = f"cu_seqlens_{side}", f"seqused_{side}", f"total_{side}"
     cu = list(cu_seqlens_q)
     if len(cu) < 2:
-        raise ValueError(f"cu_seqlens_q must have at least 2 entries (batch + 1), got {cu}")
+        raise ValueError(f"{cu_n} must have at least 2 entries (batch + 1), got {cu}")
     if cu[0] < 0:
-        raise ValueError(f"cu_seqlens_q[0] must be >= 0, got {cu[0]}")
+        raise ValueError(f"{cu_n}[0] must be >= 0, got {cu[0]}")
     for b in range(len(cu) - 1):
         if cu[b + 1] < cu[b]:
-            raise ValueError(f"cu_seqlens_q must be non-decreasing, got cu_seqlens_q[{b}]={cu[b]} > "
-                             f"cu_seqlens_q[{b + 1}]={cu[b + 1]}")
+            raise ValueError(f"{cu_n} must be non-decreasing, got {cu_n}[{b}]={cu[b]} > {cu_n}[{b + 1}]={cu[b + 1]}")
     if cu[-1] > total_q:
-        raise ValueError(f"cu_seqlens_q[-1]={cu[-1]} exceeds total_q={total_q}")
+        raise ValueError(f"{cu_n}[-1]={cu[-1]} exceeds {total_n}={total_q}")
     if seqused_q is not None:
         used = list(seqused_q)
         if len(used) != len(cu) - 1:
-            raise ValueError(f"seqused_q must have batch={len(cu) - 1} entries, got {len(used)}")
+            raise ValueError(f"{used_n} must have batch={len(cu) - 1} entries, got {len(used)}")
         for b, u in enumerate(used):
             if not 0 <= u <= cu[b + 1] - cu[b]:
-                raise ValueError(f"seqused_q[{b}]={u} must be in [0, {cu[b + 1] - cu[b]}] "
-                                 f"(the length of sequence {b} in cu_seqlens_q)")
+                raise ValueError(f"{used_n}[{b}]={u} must be in [0, {cu[b + 1] - cu[b]}] (the length of sequence {b} in "
+                                 f"{cu_n})")

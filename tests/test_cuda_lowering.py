@@ -148,5 +148,5 @@ def test_ffi_handler_reads_the_work_list_as_python_writes_it(rng):
     for _ in range(200):
         batch, total, tile_m = int(rng.integers(1, 5000)), int(rng.integers(0, 10**6)), 8 * int(rng.integers(1, 33))
         num_tiles = WorkList.max_tiles(total, batch, tile_m)
-        assert size(batch, num_tiles) == WorkList(total, batch, tile_m, num_tiles).size
+        assert size(batch, num_tiles) == WorkList(total, batch, tile_m, num_tiles, tile_m).size
         assert padded(total, batch, tile_m) == padded_total(total, batch, tile_m)

@@ -135,8 +135,10 @@ def round_up(x, m):
     return -(-x // m) * m
 
 
-def build_accumulator(dq_logical, layout_args, *, hdim_multiple_of, rng, padding="random", arch=90, two_cta=False):
-    """Accumulator ``(B, H, Sr*Dr)`` holding ``dq_logical`` ``(B, S, H, D)`` float32 in producer order.
+def build_accumulator(dq_logical, layout_args, *, hdim_multiple_of, rng, padding="random", arch=90, two_cta=False,
+                      cluster=1):
+    """Accumulator ``(B, H, Sr*Dr)`` holding ``dq_logical`` ``(B, S, H, D)`` float32 in producer order
+    (``Sr``: S rounded up to ``cluster`` tiles).
 
     Padding entries (rows >= S, columns >= D) are filled with random values, NaNs and infinities: they
     must never reach the output.
@@ -144,7 +146,7 @@ def build_accumulator(dq_logical, layout_args, *, hdim_multiple_of, rng, padding
     B, S, H, D = dq_logical.shape
     tile_m = layout_args[0]
     Dr = round_up(D, hdim_multiple_of)
-    Sr = round_up(S, tile_m)
+    Sr = round_up(S, tile_m * cluster)
     pos = tile_positions(arch, tile_m, Dr, *layout_args[1:], two_cta=two_cta)
     padded = rng.standard_normal((B, H, Sr, Dr)).astype(np.float32) * 1e3
     if padding == "zeros":
@@ -215,17 +217,18 @@ def clamped_offsets(cu, total_q):
 
 
 def build_varlen(rng, cu, seqused, total_q, heads, head_dim, layout_args, *, hdim_multiple_of, scale, dtype,
-                 logical=None, arch=90, two_cta=False):
+                 logical=None, arch=90, two_cta=False, cluster=1):
     """Accumulator ``(H, Tp*Dr)`` in producer order for packed sequences, and the expected dq ``(T, H, D)``.
 
     Sequence b (offsets made valid as documented) covers dq rows c[b] .. c[b] + used_b; its accumulator
-    rows start at FlashAttention's padded offset (c[b] + b*tile_m) // tile_m * tile_m. Every other row of
+    rows start at FlashAttention's padded offset (c[b] + b*P) // P * P, P = tile_m * cluster. Every other row of
     dq is zero; every other accumulator entry is junk (random, NaN).
     """
     tile_m = layout_args[0]
     batch = len(cu) - 1
     Dr = round_up(head_dim, hdim_multiple_of)
-    Tp = round_up(total_q + batch * tile_m, tile_m)
+    pad = tile_m * cluster
+    Tp = round_up(total_q + batch * pad, pad)
     pos = tile_positions(arch, tile_m, Dr, *layout_args[1:], two_cta=two_cta)
     acc = (rng.standard_normal((heads, Tp * Dr)) * 1e3).astype(np.float32)
     acc[rng.random(acc.shape) < 0.05] = np.nan
@@ -236,7 +239,7 @@ def build_varlen(rng, cu, seqused, total_q, heads, head_dim, layout_args, *, hdi
     for b in range(batch):
         length = c[b + 1] - c[b]
         used = length if seqused is None else min(max(seqused[b], 0), length)
-        start = (c[b] + b * tile_m) // tile_m * tile_m
+        start = (c[b] + b * pad) // pad * pad
         for i in range(used):
             row = c[b] + i
             tile_base = (start + (i // tile_m) * tile_m) * Dr

@@ -1,0 +1,165 @@
+"""A real producer (GPU with flash-attn 4 only): FlashAttention-4's own backward on real attention inputs hands
+its fp32 accumulators (and, with a learnable sink, ``dpsum`` and ``lse``) to its postprocess; our fused op
+finishes the same accumulators in JAX, and dq, dk, dv and dsink must be bit-identical to FlashAttention-4's.
+
+Every postprocess call of the backward is captured by wrapping ``flash_attn.cute.interface.
+_bwd_postprocess_convert`` (inputs cloned before the call, outputs read after it). The configuration each call
+was made with must also be what our presets (``AccumLayout.flash_attention(..., tensor=...)``) give.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import warnings
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from conftest import HAS_GPU
+from jax_dqpost import AccumLayout, flash_attention_postprocess
+
+pytestmark = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
+
+B, H, H_KV = 2, 32, 8
+SEQLEN_Q, SEQLEN_K = 1000, 777  # not multiples of any tile
+
+
+def _fa4():
+    torch = pytest.importorskip("torch")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # FlashAttention-4's own imports
+        interface = pytest.importorskip("flash_attn.cute.interface")
+    return torch, interface
+
+
+@contextlib.contextmanager
+def _captured(torch, interface):
+    """Every postprocess call of FlashAttention-4's backward while inside: a dict per call."""
+    original = interface._bwd_postprocess_convert
+    signature = inspect.signature(original)
+    calls = []
+
+    def clone(t):
+        return None if t is None else t.detach().clone()
+
+    def wrapper(*args, **kwargs):
+        a = signature.bind(*args, **kwargs)
+        a.apply_defaults()
+        a = a.arguments
+        call = dict(accum=clone(a["accum"]), scale=float(a["scale"]), cu=clone(a["cu_seqlens"]),
+                    seqused=clone(a["seqused"]), hdim=a["hdim"],
+                    config=(a["block_size"], a["num_threads"], a["atom_layout"], a["swap_ab"], a["hdim_multiple_of"],
+                            a["cluster_size"]))
+        sink = a["sink_tensors"]
+        if sink is not None:
+            call.update(dpsum=clone(sink.dpsum), lse=clone(sink.lse), sink=clone(sink.sink))
+        original(*args, **kwargs)
+        torch.cuda.synchronize()
+        call["output"] = clone(a["output"])
+        if sink is not None:
+            call["dsink"] = clone(sink.dsink)
+        calls.append(call)
+
+    wrapper.compile_cache = original.compile_cache  # the original reads it through the global name
+    interface._bwd_postprocess_convert = wrapper
+    try:
+        yield calls
+    finally:
+        interface._bwd_postprocess_convert = original
+
+
+def _np(t):
+    """A torch tensor as numpy, bf16 as ml_dtypes.bfloat16."""
+    import torch
+
+    if t.dtype == torch.bfloat16:
+        return t.cpu().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.cpu().numpy()
+
+
+def _bits(x):
+    x = np.asarray(x)
+    return x.view(np.uint16) if x.dtype.itemsize == 2 else x.view(np.uint32)
+
+
+def _run_fa4_backward(torch, interface, rng, head_dim, causal, varlen, sink_dtype):
+    gen = torch.Generator(device="cuda").manual_seed(int(rng.integers(2**31)))
+    dt = torch.bfloat16
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device="cuda", dtype=dt).requires_grad_()
+
+    sink = None
+    if sink_dtype is not None:
+        sink = (torch.randn(H, generator=gen, device="cuda") * 2).to(sink_dtype).requires_grad_()
+    if varlen:
+        lens_q = rng.integers(1, 400, size=B)
+        lens_k = rng.integers(1, 400, size=B)
+        cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
+        cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+        used_q = np.array([rng.integers(0, n + 1) for n in lens_q], np.int32)
+        used_k = np.array([rng.integers(1, n + 1) for n in lens_k], np.int32)
+        q, k, v = randn(int(cu_q[-1]), H, head_dim), randn(int(cu_k[-1]), H_KV, head_dim), randn(int(cu_k[-1]), H_KV,
+                                                                                                   head_dim)
+        t = {name: torch.from_numpy(x).cuda() for name, x in
+             (("cu_q", cu_q), ("cu_k", cu_k), ("used_q", used_q), ("used_k", used_k))}
+        res = interface.flash_attn_varlen_func(q, k, v, cu_seqlens_q=t["cu_q"], cu_seqlens_k=t["cu_k"],
+                                               max_seqlen_q=int(lens_q.max()), max_seqlen_k=int(lens_k.max()),
+                                               seqused_q=t["used_q"], seqused_k=t["used_k"], causal=causal,
+                                               learnable_sink=sink)
+    else:
+        q, k, v = randn(B, SEQLEN_Q, H, head_dim), randn(B, SEQLEN_K, H_KV, head_dim), randn(B, SEQLEN_K, H_KV,
+                                                                                             head_dim)
+        res = interface.flash_attn_func(q, k, v, causal=causal, learnable_sink=sink)
+    out = res[0] if isinstance(res, tuple) else res
+    with _captured(torch, interface) as calls:
+        out.backward(torch.randn(out.shape, generator=gen, device="cuda", dtype=dt))
+    torch.cuda.synchronize()
+    return calls
+
+
+CASES = [(hd, causal, varlen, sink) for hd in (64, 96, 128, 192, 256)
+         for causal, varlen, sink in ((False, False, "float32"), (True, False, None), (False, True, "bfloat16"),
+                                      (True, True, None))]
+
+
+@pytest.mark.parametrize("head_dim,causal,varlen,sink", CASES,
+                         ids=[f"hd{c[0]}-{'causal' if c[1] else 'full'}-{'varlen' if c[2] else 'dense'}-"
+                              f"{c[3] or 'nosink'}" for c in CASES])
+def test_fused_postprocess_of_flash_attention_4_backward(rng, head_dim, causal, varlen, sink):
+    torch, interface = _fa4()
+    calls = _run_fa4_backward(torch, interface, rng, head_dim, causal, varlen,
+                              None if sink is None else getattr(torch, sink))
+    assert len(calls) == 3, f"FlashAttention-4 made {len(calls)} postprocess calls, expected dQ, dK, dV"
+    cq, ck, cv = calls
+    dq_layout = AccumLayout.flash_attention(90, head_dim, causal=causal)
+    dkv_layout = AccumLayout.flash_attention(90, head_dim, causal=causal, tensor="dkv")
+    for call, layout, what in ((cq, dq_layout, "dQ"), (ck, dkv_layout, "dK"), (cv, dkv_layout, "dV")):
+        want = (layout.tile_m, layout.num_threads, layout.atom_layout, layout.swap_ab, layout.hdim_multiple_of,
+                layout.cluster_size)
+        assert call["config"] == want, f"{what}: FlashAttention-4 used {call['config']}, our preset gives {want}"
+    kw = dict(head_dim=head_dim, dq_layout=dq_layout, dkv_layout=dkv_layout, dk_scale=ck["scale"])
+    if varlen:
+        kw.update(total_q=cq["output"].shape[0], total_k=ck["output"].shape[0],
+                  cu_seqlens_q=jnp.asarray(_np(cq["cu"])), cu_seqlens_k=jnp.asarray(_np(ck["cu"])),
+                  seqused_q=jnp.asarray(_np(cq["seqused"])), seqused_k=jnp.asarray(_np(ck["seqused"])))
+    else:
+        kw.update(seqlen_q=SEQLEN_Q, seqlen_k=SEQLEN_K)
+    if sink is not None:
+        kw.update(learnable_sink=jnp.asarray(_np(cq["sink"])), lse=jnp.asarray(_np(cq["lse"])),
+                  dpsum=jnp.asarray(_np(cq["dpsum"])))
+    assert cv["scale"] == 1.0
+    outs = flash_attention_postprocess(jnp.asarray(_np(cq["accum"])), jnp.asarray(_np(ck["accum"])),
+                                       jnp.asarray(_np(cv["accum"])), cq["scale"], **kw)
+    for got, call, what in zip(outs, (cq, ck, cv), ("dq", "dk", "dv")):
+        want = _np(call["output"])
+        assert got.shape == want.shape, what
+        diff = np.flatnonzero(_bits(got) != _bits(want))
+        assert diff.size == 0, f"{what}: {diff.size} of {want.size} elements differ from FlashAttention-4's"
+    if sink is not None:
+        got, want = np.asarray(outs[3]), _np(cq["dsink"])
+        assert got.dtype == want.dtype
+        assert (_bits(got) == _bits(want)).all(), f"dsink {got} differs from FlashAttention-4's {want}"

@@ -72,6 +72,8 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer sizes and samples")
     parser.add_argument("--samples", type=int, default=None, help="samples per measurement (median)")
     parser.add_argument("--plot", metavar="JSON", help="only redraw the plot of a saved bench.json into --out")
+    parser.add_argument("--fused-only", action="store_true",
+                        help="only the fused dQ/dK/dV(/dsink) cases at grouped-query attention shapes")
     args = parser.parse_args(argv)
     out = Path(args.out)
     if args.plot:
@@ -108,7 +110,7 @@ def main(argv=None) -> int:
                   file=sys.stderr)
     has_plot = _import_optional("matplotlib", "no bench.png") is not None
 
-    from . import cases, harness, probes, report as report_
+    from . import cases, fused, harness, probes, report as report_
 
     samples = args.samples or (9 if args.quick else 25)
     sizes = cases.SIZES[::2] if args.quick else cases.SIZES
@@ -122,6 +124,13 @@ def main(argv=None) -> int:
         (out / "bench.json").write_text(json.dumps({**report, "complete": done}, indent=1) + "\n")
 
     rng = np.random.default_rng(0)
+    report["fused_method"] = fused.METHOD
+    report["fused"] = fused.measure(samples, torch, fa4, rng)
+    save(done=args.fused_only)
+    if args.fused_only:
+        print(fused.table(report["fused"]))
+        print(f"\nwrote {out / 'bench.json'}")
+        return 0
     todo = [(c, p, s) for c in cases.CONFIGS for p in cases.PACKINGS for s in [None, *sizes]]
     for k, ((name, D, causal), packing, size) in enumerate(todo):
         harness.log(f"[{k + 1}/{len(todo)}] {name} {packing} "

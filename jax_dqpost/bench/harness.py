@@ -96,3 +96,22 @@ def device_per_kernel(f, args, name: str) -> dict:
     gaps = [b[0] - (a[0] + a[1]) for a, b in zip(evs, evs[1:])]
     return {"kernels": len(evs), "per_call": (evs[-1][0] + evs[-1][1] - evs[0][0]) / len(evs) * 1e-9,
             "median_duration": statistics.median(d for _, d in evs) * 1e-9, "median_gap": statistics.median(gaps) * 1e-9}
+
+
+def device_span(f, args, name: str = "") -> float | None:
+    """One execution of ``f(*args)`` under jax.profiler: seconds from the first GPU kernel's start to the last
+    one's end, over the kernels whose name contains ``name`` (all: ``""``); None if none was recorded."""
+    import jax
+
+    jax.block_until_ready(f(*args))
+    trace_dir = tempfile.mkdtemp(prefix="jax_dqpost_trace_")
+    try:
+        with jax.profiler.trace(trace_dir):
+            jax.block_until_ready(f(*args))
+        evs = [(start, dur) for _, ev, start, dur in gpu_activities(trace_dir)
+               if name in ev and not ev.lower().startswith("memcpy") and not ev.lower().startswith("memset")]
+    finally:
+        shutil.rmtree(trace_dir, ignore_errors=True)
+    if not evs:
+        return None
+    return (max(s + d for s, d in evs) - min(s for s, _ in evs)) * 1e-9

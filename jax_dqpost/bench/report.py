@@ -69,6 +69,11 @@ def summary(report: dict) -> str:
     out = [f"== {report['gpu']}, {report['date']}, commit {report['commit']}, jax {report['jax']}, "
            f"FlashAttention-4 {report['flash_attn']}; median of {report['samples']} samples",
            f"\n== B, H, S = {REFERENCE_SHAPE}, bf16 (varlen: 64 random lengths, same tokens)", table(report["reference"])]
+    if report.get("fused"):
+        from .fused import GQA_SHAPE, table as fused_table
+
+        out += [f"\n== fused dQ + dK + dV (+ dsink) in one launch, B, H, H_kv, S = {GQA_SHAPE}, bf16 (varlen: 64 random "
+                "lengths)", fused_table(report["fused"])]
     dense = {r["config"]: r for r in report["reference"] if r["packing"] == "dense"}
     key = "ours" if all("ours" in r for r in report["reference"]) else "ours_jax"
     for r in report["reference"]:

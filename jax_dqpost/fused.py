@@ -167,7 +167,8 @@ def _rule(fplan: FusedPlan) -> tuple[str, tuple[str, ...]]:
         sink = ("h", "h t", "h r") if q.work is not None else ("h", "b h t", "b h r")
         outs.append("h")
     operands = fplan.join(acc, aux, "c", *sink)
-    replicated = tuple(sorted(set("".join(operands + outs).replace(" ", "")) - set("bhg")))
+    factors = "".join(operands + outs).replace(" ", "")
+    replicated = tuple(dict.fromkeys(f for f in factors if f not in "bhg"))  # in order of appearance
     return ", ".join(operands) + " -> " + ", ".join(outs), replicated
 
 

@@ -2,8 +2,9 @@
 
     XLA_FLAGS=--xla_dump_to=DIR python3 tests/command_buffer_main.py SEED DIR
 
-Compiles two jitted programs that call dq_postprocess repeatedly, a straight chain and a `lax.fori_loop`,
-runs both and checks every result bit for bit against the oracle, and reports where XLA put our FFI call:
+Compiles three jitted programs: dq_postprocess called repeatedly in a straight chain and in a `lax.fori_loop`,
+and a chain of the fused op (dQ, dK, dV and dsink); runs them and checks every result bit for bit against the
+oracle (dsink: against the same call outside any graph), and reports where XLA put our FFI call:
 in command buffers (CUDA graphs) formed on the HLO (`command_buffer` computations) or, in current XLA, on
 the thunk sequence (`*thunk_sequence_after_thunk_passes*.txt` in the dump directory). Prints one JSON
 object (test_gpu.py reads it).
@@ -24,7 +25,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import oracle  # noqa: E402
 
-from jax_dqpost import AccumLayout, dq_postprocess  # noqa: E402
+from jax_dqpost import AccumLayout, dq_postprocess, flash_attention_postprocess  # noqa: E402
 from jax_dqpost import _ffi  # noqa: E402
 
 
@@ -46,8 +47,8 @@ def computations(hlo_text: str) -> dict[str, str]:
 def hlo_command_buffers(compiled) -> list[str]:
     """Names of command-buffer computations of a compiled program that contain our FFI call."""
     comps = computations(compiled.as_text())
-    target = f'custom_call_target="{_ffi.TARGET_NAME}"'
-    return sorted(n for n, b in comps.items() if "command_buffer" in n and target in b)
+    targets = [f'custom_call_target="{t}"' for t in (_ffi.TARGET_NAME, _ffi.FUSED_TARGET_NAME)]
+    return sorted(n for n, b in comps.items() if "command_buffer" in n and any(t in b for t in targets))
 
 
 def thunk_dumps(dump_dir: str, module: str) -> dict[str, str]:
@@ -66,7 +67,7 @@ def thunk_command_buffer_holds_call(text: str) -> bool:
             for inner in lines[i + 1:]:
                 if inner.strip() and indent(inner) <= indent(line):
                     break
-                if "kCustomCall" in inner or _ffi.TARGET_NAME in inner:
+                if "kCustomCall" in inner or _ffi.TARGET_NAME in inner or _ffi.FUSED_TARGET_NAME in inner:
                     return True
     return False
 
@@ -91,13 +92,44 @@ def main(seed: int, dump_dir: str) -> dict:
         out = jnp.zeros((steps, B, S, H, D), jnp.bfloat16)
         return jax.lax.fori_loop(0, steps, lambda i, o: o.at[i].set(op(scales[i])), out)
 
+    # The fused op (dQ, dK, dV and dsink in one launch), chained likewise.
+    kv_layout = AccumLayout.flash_attention(90, 128, tensor="dkv")
+    kv_logical = oracle.random_logical(rng, (B, S, 2, D), specials=False)
+    kv_acc = jnp.asarray(oracle.build_accumulator(
+        kv_logical, (kv_layout.tile_m, kv_layout.num_threads, kv_layout.atom_layout, kv_layout.swap_ab),
+        hdim_multiple_of=kv_layout.hdim_multiple_of, rng=rng))
+    sink = jnp.asarray(rng.standard_normal(H).astype(np.float32))
+    lse = sink[None, :, None] + jnp.asarray(np.abs(rng.standard_normal((B, H, S))).astype(np.float32))
+    dpsum = jnp.asarray(rng.standard_normal((B, H, layout.padded_seqlen(S))).astype(np.float32))
+
+    def fused(s):
+        return flash_attention_postprocess(acc, kv_acc, kv_acc, s, head_dim=D, dq_layout=layout, dkv_layout=kv_layout,
+                                           seqlen_q=S, seqlen_k=S, learnable_sink=sink, lse=lse, dpsum=dpsum)
+
+    def fused_chain(scales):
+        outs = [fused(scales[i]) for i in range(steps)]
+        return tuple(jnp.stack([o[j] for o in outs]) for j in range(4))
+
+    def fused_exact(got):
+        dsink_alone = np.asarray(jax.jit(fused)(scales[0])[3])  # one call outside any graph
+        return all(np.array_equal(got[0][i].view(np.uint16), oracle.expected_dq(logical, scales[i], jnp.bfloat16)
+                                  .view(np.uint16)) and
+                   np.array_equal(got[1][i].view(np.uint16), oracle.expected_dq(kv_logical, scales[i], jnp.bfloat16)
+                                  .view(np.uint16)) and
+                   np.array_equal(got[2][i].view(np.uint16), oracle.expected_dq(kv_logical, 1.0, jnp.bfloat16)
+                                  .view(np.uint16)) and
+                   np.array_equal(got[3][i].view(np.uint32), dsink_alone.view(np.uint32)) for i in range(steps))
+
     report = {"xla_flags": os.environ.get("XLA_FLAGS", ""), "device": str(jax.devices()[0])}
-    for name, fn in (("chain", chain), ("fori_loop", loop)):
+    for name, fn in (("chain", chain), ("fori_loop", loop), ("fused_chain", fused_chain)):
         fn.__name__ = f"dqpost_{name}"  # the module's name in the dump
         compiled = jax.jit(fn).lower(scales).compile()
-        got = np.asarray(compiled(scales))
-        exact = all(np.array_equal(got[i].view(np.uint16), oracle.expected_dq(logical, scales[i], jnp.bfloat16)
-                                   .view(np.uint16)) for i in range(steps))
+        if name == "fused_chain":
+            exact = fused_exact([np.asarray(x) for x in compiled(scales)])
+        else:
+            got = np.asarray(compiled(scales))
+            exact = all(np.array_equal(got[i].view(np.uint16), oracle.expected_dq(logical, scales[i], jnp.bfloat16)
+                                       .view(np.uint16)) for i in range(steps))
         thunks = thunk_dumps(dump_dir, fn.__name__) if dump_dir else {}
         report[name] = {"bit_exact": exact, "hlo_command_buffers": hlo_command_buffers(compiled),
                         "thunk_command_buffers": sorted(f for f, t in thunks.items()

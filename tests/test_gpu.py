@@ -307,7 +307,7 @@ def test_captured_in_a_cuda_graph(tmp_path):
                          env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])
-    for name in ("chain", "fori_loop"):
+    for name in ("chain", "fori_loop", "fused_chain"):
         for file, text in report[name]["thunk_sequences"].items():
             print(f"---- {name}: {file}\n{text[:4000]}")
         assert report[name]["bit_exact"], report

@@ -28,7 +28,8 @@ def dq_postprocess(dq_accum, scale, *, head_dim: int, seqlen_q: int | None = Non
 
         dq_accum: float32 (B, H, Sr * Dr)  ->  dq: (B, S, H, D)
 
-    with ``Sr = ceil(S / P) * P`` (``P = tile_m * cluster_size``, ``layout.pad_rows``) and ``Dr = ceil(D / hdim_multiple_of) * hdim_multiple_of``. Tile
+    with ``Sr = ceil(S / P) * P`` (``P = tile_m * cluster_size``, ``layout.pad_rows``) and
+    ``Dr = ceil(D / hdim_multiple_of) * hdim_multiple_of``. Tile
     ``(b, h, m)`` is ``dq_accum[b, h, m*tile_m*Dr : (m+1)*tile_m*Dr]`` in the producer's register order.
     With ``seqused_q`` (B,), rows ``>= seqused_q[b]`` of batch ``b`` are zero.
 

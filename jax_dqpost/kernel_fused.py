@@ -140,8 +140,8 @@ class FusedPostprocess:
         if local >= 0 and local < count and tidx < self.parts[i].num_threads:
             head, t = local % heads, local // heads
             if const_expr(self.parts[i].tiling == Tiling.VARLEN):
-                self.parts[i].tile(acc, out, scales + i, aux, dim0, heads, rows, head_dim, grid_x, t, head, Int32(0), tidx,
-                          _SharedTile(base))
+                self.parts[i].tile(acc, out, scales + i, aux, dim0, heads, rows, head_dim, grid_x, t, head, Int32(0),
+                                   tidx, _SharedTile(base))
             else:
                 self.parts[i].tile(acc, out, scales + i, aux, dim0, heads, rows, head_dim, grid_x, t % grid_x, head,
                           t // grid_x, tidx, _SharedTile(base))

@@ -225,7 +225,8 @@ class AccumLayout:
             return cls(100, 128, 128, 1, False, 32, two_cta=two_cta)
         if family == 12:
             return cls(80, 64, 128, 4, False, 32)
-        raise ValueError(f"FlashAttention-4 has no {tensor} postprocess configuration for arch={arch} "
+        what = "dQ" if tensor == "dq" else "dK/dV"
+        raise ValueError(f"FlashAttention-4 has no {what} postprocess configuration for arch={arch} "
                          "(its backward runs on sm90, sm100, sm110 and sm120); pass an AccumLayout explicitly")
 
     # ----------------------------------------------------------------------------------------------

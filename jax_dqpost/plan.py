@@ -96,7 +96,8 @@ class Plan:
                 raise ValueError(
                     f"dq_accum must have shape (heads, Tp*Dr) = (heads, {w.padded_total}*{dr}) for "
                     f"total_q={w.total_q}, batch={w.batch}, head_dim={self.head_dim} and {layout} "
-                    f"(Tp = ceil((total_q + batch*P) / P) * P, P = tile_m*cluster_size = {layout.pad_rows}); got shape {tuple(acc_shape)}")
+                    f"(Tp = ceil((total_q + batch*P) / P) * P, P = tile_m*cluster_size = {layout.pad_rows}); "
+                    f"got shape {tuple(acc_shape)}")
             return (w.total_q, acc_shape[0], self.head_dim)
         if len(acc_shape) != 3:
             raise ValueError(f"dq_accum must have shape (batch, heads, Sr*Dr), got shape {tuple(acc_shape)}")

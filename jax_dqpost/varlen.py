@@ -161,5 +161,5 @@ def check_static(cu_seqlens_q, seqused_q, total_q: int, side: str = "q") -> None
             raise ValueError(f"{used_n} must have batch={len(cu) - 1} entries, got {len(used)}")
         for b, u in enumerate(used):
             if not 0 <= u <= cu[b + 1] - cu[b]:
-                raise ValueError(f"{used_n}[{b}]={u} must be in [0, {cu[b + 1] - cu[b]}] (the length of sequence {b} in "
-                                 f"{cu_n})")
+                raise ValueError(f"{used_n}[{b}]={u} must be in [0, {cu[b + 1] - cu[b]}] (the length of sequence "
+                                 f"{b} in {cu_n})")

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from jax_dqpost.bench import __main__ as bench_main
-from jax_dqpost.bench import cases, harness, probes, report
+from jax_dqpost.bench import cases, fused, harness, probes, report
 from test_dq_postprocess import assert_same_bits
 
 
@@ -82,6 +82,18 @@ def test_main_reports_from_measurements(tmp_path, monkeypatch, capsys, with_torc
     monkeypatch.setitem(sys.modules, "flash_attn", None)
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(cases, "measure", fake_measure)
+
+    def fake_fused(case, samples):
+        t = case.bytes / 4.2e12
+        r = {"config": case.name, "sink": case.sink, "bytes": case.bytes, "xla_same_bytes": t * 1.01,
+             "fused_jax": t}
+        if case.torch is not None:
+            r.update(fused=t, ours_3=t * 1.03, FA4_3=t * 1.06, same_bits_as_FA4=True)
+            if case.sink:
+                r["fused_sink"] = t * 1.01
+        return r
+
+    monkeypatch.setattr(fused, "measure_case", fake_fused)
     monkeypatch.setattr(probes, "chain_cost", lambda samples: {
         "shape": [1, 80, 1, 128], "calls": 200, "our_calls_in_program": 200, "ours": 3e-6, "ours_program_1": 1e-4,
         "ours_program_n": 7e-4, "ours_outputs_returned": 8e-6, "xla_kernels_in_program": 199,
@@ -100,6 +112,7 @@ def test_main_reports_from_measurements(tmp_path, monkeypatch, capsys, with_torc
     captured = capsys.readouterr()
     out = captured.out
     assert "2000 random lengths" in out and "per-call cost in a jitted chain" in out
+    assert "fused dQ + dK + dV (+ dsink) in one launch" in out and "hd128-dense-sink" in out
     assert "GPU timeline (jax.profiler, one execution): ours 2.00 us per call" in out
     assert ("torch is not installed" in captured.err) == (not with_torch)
     result = json.loads((tmp_path / "bench.json").read_text())

@@ -227,7 +227,7 @@ def test_presets_match_flash_attention_4():
         fa(100, 256, tensor="dkv")
     with pytest.raises(ValueError, match="tensor must be 'dq' or 'dkv', got 'dk'"):
         fa(90, 128, tensor="dk")
-    with pytest.raises(ValueError, match="no dkv postprocess configuration for arch=80"):
+    with pytest.raises(ValueError, match="no dK/dV postprocess configuration for arch=80"):
         fa(80, 128, tensor="dkv")
 
 

@@ -17,7 +17,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import oracle  # noqa: E402
 
-from jax_dqpost import AccumLayout, dq_postprocess  # noqa: E402
+from jax_dqpost import AccumLayout, dq_postprocess, flash_attention_postprocess  # noqa: E402
 
 
 def main():
@@ -49,6 +49,25 @@ def main():
     g = jax.jit(lambda a, u: dq_postprocess(a, 1.0, seqlen_q=100, head_dim=64, seqused_q=u, layout=dense))
     g(jnp.zeros(dense.accum_shape(3, 2, 100, 64), jnp.float32), jnp.asarray([-7, 2**31 - 1, 50], jnp.int32))
     print("dense seqused_q [-7, 2**31-1, 50]: ran")
+    # The fused kernel (dQ, dK, dV, dsink) on the same corrupt offsets, q side and k side, and a 2-CTA cluster layout.
+    kv = AccumLayout(100, 128, 128, 1, False, 32, cluster_size=2)
+    sink = jnp.asarray(rng.standard_normal(heads).astype(np.float32))
+    h = jax.jit(lambda a, k, c, u, lse, dp: flash_attention_postprocess(
+        a, k, k, 0.5, head_dim=128, dq_layout=layout, dkv_layout=kv, total_q=total_q, total_k=total_q, cu_seqlens_q=c,
+        cu_seqlens_k=c, seqused_q=u, seqused_k=u, learnable_sink=sink, lse=lse, dpsum=dp))
+    for cu, used in cases:
+        acc, want = oracle.build_varlen(rng, cu, used, total_q, heads, 128, (80, 256, 1, True), hdim_multiple_of=32,
+                                        scale=0.5, dtype=jnp.bfloat16)
+        k_acc = jnp.zeros(kv.varlen_accum_shape(len(cu) - 1, 1, total_q, 128), jnp.float32)
+        tp = layout.varlen_accum_shape(len(cu) - 1, heads, total_q, 128)[1] // 128
+        dq, *_ = h(acc, k_acc, np.asarray(cu, np.int32), np.asarray(used, np.int32),
+                   jnp.zeros((heads, total_q), jnp.float32), jnp.ones((heads, tp), jnp.float32))
+        dq = np.asarray(dq)
+        nan = np.isnan(want.astype(np.float32))
+        if not np.array_equal(dq.view(np.uint16)[~nan], want.view(np.uint16)[~nan]):
+            print(f"fused cu={cu} seqused={used}: MISMATCH")
+            raise SystemExit(1)
+        print(f"fused cu={cu} seqused={used}: dq matches the oracle")
     print("sanitize_varlen: ok")
 
 

@@ -47,6 +47,9 @@ def _import_optional(name: str, what: str):
 
 
 def _commit() -> str:
+    """$JAX_DQPOST_COMMIT if set (a copy of the tree without its git history), else the checkout's HEAD."""
+    if os.environ.get("JAX_DQPOST_COMMIT"):
+        return os.environ["JAX_DQPOST_COMMIT"]
     try:
         here = Path(__file__).resolve().parents[2]
         c = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True)
@@ -54,7 +57,7 @@ def _commit() -> str:
             return c.stdout.strip()
     except OSError:
         pass
-    return os.environ.get("JAX_DQPOST_COMMIT", "unknown")
+    return "unknown"
 
 
 def _version(dist: str) -> str | None:

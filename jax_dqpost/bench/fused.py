@@ -73,7 +73,8 @@ class FusedCase:
     def buffers(self):
         t = self.torch
         self.t_acc = [[t.randn(s, device="cuda", dtype=t.float32) for s in self.acc_shapes] for _ in range(self.copies)]
-        self.t_out = [[t.empty(s, device="cuda", dtype=t.bfloat16) for s in self.out_shapes] for _ in range(self.copies)]
+        self.t_out = [[t.empty(s, device="cuda", dtype=t.bfloat16) for s in self.out_shapes]
+                      for _ in range(self.copies)]
         self.t_scales = t.tensor([self.scale, self.scale, 1.0], device="cuda", dtype=t.float32)
         self.t_meta = [t.from_numpy(m).cuda() if m is not None else self.t_scales for m in self.metas]
         self.t_cu = t.tensor(self.cu, dtype=t.int32, device="cuda") if self.cu is not None else None
@@ -194,33 +195,40 @@ class FusedCase:
 
 
 def measure(samples: int, torch, fa4, rng) -> list[dict]:
+    """Every case of :data:`CASES`."""
     rows = []
     for k, (head_dim, packing, sink) in enumerate(CASES):
         case = FusedCase(head_dim, packing, sink, rng, torch, fa4)
         harness.log(f"[fused {k + 1}/{len(CASES)}] {case.name} B,H,H_kv,S={GQA_SHAPE}")
-        ql, kl = case.ql, case.kl
-        r = {"config": case.name, "head_dim": head_dim, "packing": packing, "sink": sink, "shape": GQA_SHAPE,
-             "bytes": case.bytes, "buffers": case.copies,
-             "dq_layout": [ql.tile_m, ql.num_threads, ql.atom_layout, ql.swap_ab, ql.hdim_multiple_of],
-             "dkv_layout": [kl.tile_m, kl.num_threads, kl.atom_layout, kl.swap_ab, kl.hdim_multiple_of]}
-        if torch is not None:
-            case.buffers()
-            key = "fused_sink" if sink else "fused"
-            r[key], _ = harness.graph_per_call(torch, case.fused_run(sink), case.copies, samples)
-            if sink:
-                r["fused"], _ = harness.graph_per_call(torch, case.fused_run(False), case.copies, samples)
-            r["ours_3"], _ = harness.graph_per_call(torch, case.singles_run(), case.copies, samples)
-            if fa4 is not None:
-                try:
-                    r["FA4_3"], _ = harness.graph_per_call(torch, case.fa4_run(sink), case.copies, samples)
-                    r["same_bits_as_FA4"] = case.same_bits_as_fa4(sink)
-                except Exception as e:  # noqa: BLE001 - report what the peer cannot run
-                    r["FA4_error"] = f"{type(e).__name__}: {str(e)[:200]}"
-            case.t_acc = case.t_out = None
-            torch.cuda.empty_cache()
-        r.update(case.jax_device(samples))
-        rows.append(r)
+        rows.append(measure_case(case, samples))
     return rows
+
+
+def measure_case(case: FusedCase, samples: int) -> dict:
+    """Every implementation of ``case`` this machine can run."""
+    torch, fa4, sink = case.torch, case.fa4, case.sink
+    ql, kl = case.ql, case.kl
+    r = {"config": case.name, "head_dim": case.D, "packing": case.packing, "sink": sink, "shape": GQA_SHAPE,
+         "bytes": case.bytes, "buffers": case.copies,
+         "dq_layout": [ql.tile_m, ql.num_threads, ql.atom_layout, ql.swap_ab, ql.hdim_multiple_of],
+         "dkv_layout": [kl.tile_m, kl.num_threads, kl.atom_layout, kl.swap_ab, kl.hdim_multiple_of]}
+    if torch is not None:
+        case.buffers()
+        r["fused_sink" if sink else "fused"], _ = harness.graph_per_call(torch, case.fused_run(sink), case.copies,
+                                                                          samples)
+        if sink:
+            r["fused"], _ = harness.graph_per_call(torch, case.fused_run(False), case.copies, samples)
+        r["ours_3"], _ = harness.graph_per_call(torch, case.singles_run(), case.copies, samples)
+        if fa4 is not None:
+            try:
+                r["FA4_3"], _ = harness.graph_per_call(torch, case.fa4_run(sink), case.copies, samples)
+                r["same_bits_as_FA4"] = case.same_bits_as_fa4(sink)
+            except Exception as e:  # noqa: BLE001 - report what the peer cannot run
+                r["FA4_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        case.t_acc = case.t_out = None
+        torch.cuda.empty_cache()
+    r.update(case.jax_device(samples))
+    return r
 
 
 def table(rows) -> str:

@@ -134,7 +134,9 @@ def main(argv=None) -> int:
         print(fused.table(report["fused"]))
         print(f"\nwrote {out / 'bench.json'}")
         return 0
-    todo = [(c, p, s) for c in cases.CONFIGS for p in cases.PACKINGS for s in [None, *sizes]]
+    # the reference shape of every configuration first (the tables), then the size sweeps (the plot)
+    todo = [(c, p, s) for s in [None] for c in cases.CONFIGS for p in cases.PACKINGS]
+    todo += [(c, p, s) for c in cases.CONFIGS for p in cases.PACKINGS for s in sizes]
     for k, ((name, D, causal), packing, size) in enumerate(todo):
         harness.log(f"[{k + 1}/{len(todo)}] {name} {packing} "
                     f"{'B,H,S=' + str(cases.REFERENCE_SHAPE) if size is None else size}")

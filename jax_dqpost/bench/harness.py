@@ -49,7 +49,8 @@ def graph_per_call(torch, run, calls: int, samples: int) -> tuple[float, float]:
     eager = per_call(run, calls, samples, event_clock(torch))
     n = max(calls, min(4000, max(200, math.ceil(MIN_SAMPLE_S / eager))) // calls * calls)
     graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-    with torch.cuda.graph(graph, stream=stream):
+    # thread_local: only this thread's calls can invalidate the capture (JAX's runtime threads run alongside)
+    with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
         run(n)
     graph.replay()
     torch.cuda.synchronize()

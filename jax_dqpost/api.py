@@ -126,6 +126,7 @@ def flash_attention_postprocess(dq_accum, dk_accum, dv_accum, softmax_scale, *, 
     """
     _check_layout(dq_layout, "dq_layout")
     head_dim = _validate.head_dim(head_dim)
+    head_dim_v_arg = head_dim_v
     head_dim_v = head_dim if head_dim_v is None else _validate.head_dim(head_dim_v, name="head_dim_v")
     dq_layout.check_head_dim(head_dim)
     out_dtype = _out_dtype(dtype)
@@ -140,7 +141,8 @@ def flash_attention_postprocess(dq_accum, dk_accum, dv_accum, softmax_scale, *, 
     sink = _sink_operands(learnable_sink, lse, dpsum)
     sink_dtype = None if sink is None else sink[0].dtype
     if dk_accum is None:
-        unused = {name: v for name, v in (("dkv_layout", dkv_layout), ("seqlen_k", seqlen_k), ("total_k", total_k),
+        unused = {name: v for name, v in (("dkv_layout", dkv_layout), ("head_dim_v", head_dim_v_arg),
+                                          ("dk_scale", dk_scale), ("seqlen_k", seqlen_k), ("total_k", total_k),
                                           ("cu_seqlens_k", cu_seqlens_k), ("seqused_k", seqused_k)) if v is not None}
         if unused:
             raise ValueError(f"{', '.join(unused)} only apply with dk_accum and dv_accum")

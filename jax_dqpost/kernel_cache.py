@@ -226,9 +226,8 @@ def _sink_type(name: str):
 
 def compile_fused_executor(dtype: str, parts: tuple, sink, arch: str):
     """``cute.compile`` the fused kernel (``get_fused_kernel``'s arguments); CuTe's executor."""
-    from .kernel_fused import FusedPostprocess, PartSpec
-
     from .kernel import DqPostprocess
+    from .kernel_fused import FusedPostprocess, PartSpec
 
     cute_type = cute_dtype(dtype)
     for layout, dr, _ in parts:

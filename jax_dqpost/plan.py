@@ -1,4 +1,5 @@
-"""One value describing a postprocess call: :class:`Plan`.
+"""One value describing a postprocess call: :class:`Plan` (one tensor), :class:`FusedPlan` (dQ, dK, dV and the
+sink gradient in one launch, built of plans).
 
 The API builds a plan from the arguments (``api.py``); it is the primitive's only parameter, and every rule
 asks it: the operand and result shapes (abstract evaluation), the reference (``reference.py``), the kernel's

@@ -24,6 +24,13 @@ def test_train_step():
     assert "gradient vs plain autodiff" in out.stdout
 
 
+def test_gqa_postprocess():
+    out = subprocess.run([sys.executable, str(EXAMPLES / "gqa_postprocess.py")], capture_output=True, text=True,
+                         cwd="/", timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:] + out.stdout[-2000:]
+    assert "dq, dk, dv bit-exact: True" in out.stdout and "dsink vs float64: True" in out.stdout
+
+
 def test_flax_attention():
     pytest.importorskip("flax", reason="flax is in the package's test extras")
     out = subprocess.run([sys.executable, str(EXAMPLES / "flax_attention.py")], capture_output=True, text=True,

@@ -273,6 +273,9 @@ def test_errors_name_the_argument():
         flash_attention_postprocess(q, k3, k3, 0.1, **base)
     with pytest.raises(ValueError, match="dkv_layout, seqlen_k only apply with dk_accum"):
         flash_attention_postprocess(q, None, None, 0.1, **base)
+    with pytest.raises(ValueError, match="head_dim_v, dk_scale only apply with dk_accum"):
+        flash_attention_postprocess(q, None, None, 0.1, head_dim=d, dq_layout=dq_layout, seqlen_q=80, head_dim_v=64,
+                                    dk_scale=1.0)
 
 
 @pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")

@@ -72,8 +72,8 @@ def summary(report: dict) -> str:
     if report.get("fused"):
         from .fused import GQA_SHAPE, table as fused_table
 
-        out += [f"\n== fused dQ + dK + dV (+ dsink) in one launch, B, H, H_kv, S = {GQA_SHAPE}, bf16 (varlen: 64 random "
-                "lengths)", fused_table(report["fused"])]
+        out += [f"\n== fused dQ + dK + dV (+ dsink) in one launch, B, H, H_kv, S = {GQA_SHAPE}, bf16 "
+                "(varlen: 64 random lengths)", fused_table(report["fused"])]
     dense = {r["config"]: r for r in report["reference"] if r["packing"] == "dense"}
     key = "ours" if all("ours" in r for r in report["reference"]) else "ours_jax"
     for r in report["reference"]:

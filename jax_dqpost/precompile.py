@@ -2,6 +2,7 @@
 
     python -m jax_dqpost.precompile                       # the local GPU's presets, every head dim
     python -m jax_dqpost.precompile --arch sm_90a --presets 90 --dtypes bf16 --tilings dense,varlen
+    python -m jax_dqpost.precompile --fused none,f32      # also the fused dQ/dK/dV kernels, with and without sink
 
 Works without a GPU when ``--arch`` (or ``CUTE_DSL_ARCH``) names the target. Prints what it compiled. Bad
 arguments, and requests that select no kernel, exit with status 2 and a message naming the value.
@@ -19,6 +20,7 @@ from .plan import OUT_DTYPES, Tiling
 
 _DTYPE_NAMES = tuple(OUT_DTYPES.values())
 _TILING_NAMES = tuple(t.name.lower() for t in Tiling)
+_SINK_NAMES = ("none", "f32", "bf16", "f16")
 
 
 def configurations(presets, head_dims):
@@ -32,6 +34,22 @@ def configurations(presets, head_dims):
                 except ValueError:
                     continue  # no postprocess for this architecture and head dim
                 seen[(layout, layout.padded_head_dim(head_dim))] = None
+    return list(seen)
+
+
+def fused_configurations(presets, head_dims):
+    """Distinct fused kernels' parts ``((dQ layout, Dr), (dK/dV layout, Dr))`` of the presets (``head_dim_v =
+    head_dim``)."""
+    seen = {}
+    for arch in presets:
+        for head_dim in head_dims:
+            for causal in (False, True):
+                try:
+                    q = AccumLayout.flash_attention(arch, head_dim, causal)
+                    kv = AccumLayout.flash_attention(arch, head_dim, causal, tensor="dkv")
+                except ValueError:
+                    continue
+                seen[((q, q.padded_head_dim(head_dim)), (kv, kv.padded_head_dim(head_dim)))] = None
     return list(seen)
 
 
@@ -97,6 +115,10 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"comma-separated dQ types, from {', '.join(_DTYPE_NAMES)} (default: both)")
     p.add_argument("--tilings", type=_list_of(_choice(_TILING_NAMES)), default=list(_TILING_NAMES),
                    help=f"comma-separated kernel tilings, from {', '.join(_TILING_NAMES)} (default: all)")
+    p.add_argument("--fused", type=_list_of(_choice(_SINK_NAMES)), default=None,
+                   help="also compile flash_attention_postprocess's fused dQ + dK + dV kernels (the same tiling on "
+                        "the q and k sides), one per learnable-sink type listed, from "
+                        f"{', '.join(_SINK_NAMES)} (none: without a sink; default: no fused kernels)"),
     return p
 
 
@@ -125,6 +147,19 @@ def main(argv=None) -> int:
                 n += 1
     print(f"{n} kernels for {arch} ({len(configs)} layouts x {len(args.dtypes)} dtypes x {len(tilings)} tilings) in "
           f"{time.perf_counter() - start:.1f} s, cached in {kernel_cache.cache_dir()}")
+    if args.fused:
+        fused = fused_configurations(presets, args.head_dims)
+        start, n = time.perf_counter(), 0
+        for (q, q_dr), (kv, kv_dr) in fused:
+            for dtype in args.dtypes:
+                for tiling in tilings:
+                    for sink in args.fused:
+                        parts = ((q, q_dr, tiling), (kv, kv_dr, tiling), (kv, kv_dr, tiling))
+                        kernel_cache.get_fused_kernel(dtype, parts, None if sink == "none" else (sink, sink),
+                                                      arch=arch, persist=True)
+                        n += 1
+        print(f"{n} fused kernels for {arch} ({len(fused)} layout pairs x {len(args.dtypes)} dtypes x {len(tilings)} "
+              f"tilings x {len(args.fused)} sinks) in {time.perf_counter() - start:.1f} s")
     return 0
 
 

@@ -78,6 +78,13 @@ def test_cache_off_and_precompile_cli(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert "6 kernels for sm_90a (3 layouts x 1 dtypes x 2 tilings)" in out.stdout
     assert len(list(tmp_path.glob("*.cute"))) == 6
+    # The fused kernels too: hd64 has one (dQ, dK/dV) preset pair, hd128 two (causal or not).
+    fused = subprocess.run([sys.executable, "-m", "jax_dqpost.precompile", "--arch", "sm_90a", "--presets", "90",
+                            "--head-dims", "64,128", "--dtypes", "bf16", "--tilings", "dense", "--fused", "none,f32"],
+                           cwd="/", env=env, capture_output=True, text=True, timeout=600)
+    assert fused.returncode == 0, fused.stderr[-2000:]
+    assert "6 fused kernels for sm_90a (3 layout pairs x 1 dtypes x 1 tilings x 2 sinks)" in fused.stdout
+    assert len(list(tmp_path.glob("fused-sm_90a-*.cute"))) == 6
     off = subprocess.run([sys.executable, "-m", "jax_dqpost.precompile", "--arch", "sm_90a"], cwd="/",
                          env={**env, "JAX_DQPOST_CACHE_DIR": "none"}, capture_output=True, text=True, timeout=600)
     assert off.returncode == 1 and "cache is off" in off.stderr
@@ -89,6 +96,7 @@ def test_cache_off_and_precompile_cli(tmp_path):
     (["--presets", "75"], "--presets 75 .* selects no kernel"),
     (["--head-dims", "60"], "--head-dims: '60': head_dim must be a positive multiple of 8 and at most 256, got 60"),
     (["--tilings", "dense,sparse"], "--tilings: 'sparse': choose from dense, dense_seqused, varlen"),
+    (["--fused", "f64"], "--fused: 'f64': choose from none, f32, bf16, f16"),
     (["--arch", "hopper"], "--arch: GPU architecture must look like 'sm_90a'.* got 'hopper'"),
 ])
 def test_precompile_argument_errors_exit_2_naming_the_value(argv, message, capsys):
@@ -120,7 +128,7 @@ def test_precompile_help_describes_every_option(capsys):
     with pytest.raises(SystemExit):
         precompile.main(["--help"])
     text = capsys.readouterr().out
-    for option in ("--arch", "--presets", "--head-dims", "--dtypes", "--tilings"):
+    for option in ("--arch", "--presets", "--head-dims", "--dtypes", "--tilings", "--fused"):
         assert re.search(rf"{option} \S+\s+\S", text), option
 
 

@@ -8,7 +8,7 @@ FFI target v2 carrying the fused CuTe module (``kernel_fused.py``) and elsewhere
 
 Autodiff: linear in the accumulators (their transpose is ``dq_accum_from_dq`` for each tensor) and bilinear in
 the scales, as ``dq_postprocess``; ``dsink`` is differentiable in ``learnable_sink``, ``lse`` and ``dpsum``
-(its tangent is computed by the float32 reference formula, ``reference.dsink_terms``); the integer operands
+(its tangent is computed by the float32 reference formula, ``reference.dsink_reference``); the integer operands
 are not differentiable.
 """
 
@@ -29,7 +29,8 @@ from jax.sharding import PartitionSpec as P
 
 from . import _ffi, arch
 from .plan import FusedPlan
-from .reference import accum_from_dq_reference, dsink_terms, fused_reference, gather_accumulator, mul_f32_rn
+from .primitive import _moved
+from .reference import accum_from_dq_reference, dsink_reference, fused_reference, gather_accumulator, mul_f32_rn
 
 postprocess_p = Primitive("flash_attention_postprocess")
 postprocess_p.multiple_results = True
@@ -80,10 +81,6 @@ def _cuda_lowering(ctx, *args, fplan: FusedPlan):
         ctx, *args, module=kernel.module, fingerprint=kernel.fingerprint,
         slots=np.asarray(arg_slots + out_slots, np.int64), bytes=np.asarray(sizes, np.int64),
         extents=np.asarray(extents, np.int64), ctas=np.int64(ctas))
-
-
-def _reference_lowering(*args, fplan: FusedPlan):
-    return fused_reference(*args, fplan=fplan)
 
 
 # ---- sharding: batch and heads shard without any collective (a batch-sharded dsink: one psum) --------
@@ -213,7 +210,7 @@ def _aux(ops, fplan: FusedPlan):
 
 
 def _dsink_tangent(ops, dots, fplan: FusedPlan):
-    """The tangent of dsink, from the float32 formula (``reference.dsink_terms``), or None if it is zero."""
+    """The tangent of dsink, from the float32 formula (``reference.dsink_reference``), or None if it is zero."""
     names = ("sink", "lse", "dpsum")
     if all(type(dots[n]) is ad_util.Zero for n in names):
         return None
@@ -221,11 +218,7 @@ def _dsink_tangent(ops, dots, fplan: FusedPlan):
     tangents = tuple(jnp.zeros(ops[n].shape, ops[n].dtype) if type(dots[n]) is ad_util.Zero else dots[n]
                      for n in names)
     aux = ops["aux"][0]
-
-    def dsink(sink, lse, dpsum):
-        return jnp.sum(dsink_terms(sink, lse, dpsum, aux, fplan.dq), axis=1)
-
-    return jax.jvp(dsink, primals, tangents)[1]
+    return jax.jvp(lambda *xs: dsink_reference(*xs, aux, fplan.dq), primals, tangents)[1]
 
 
 def _transpose(cts, *args, fplan: FusedPlan):
@@ -328,12 +321,6 @@ def _batch(args, dims, *, fplan: FusedPlan):
     return result, out_dims
 
 
-def _moved(x, dim, size):
-    if dim is _NOT_MAPPED:
-        return jnp.broadcast_to(x, (size,) + x.shape)
-    return jnp.moveaxis(x, dim, 0)
-
-
 # ---- registrations: every rule of the primitives, in one place -----------------------------------
 postprocess_p.def_impl(functools.partial(dispatch.apply_primitive, postprocess_p))
 postprocess_p.def_abstract_eval(_abstract_eval)
@@ -343,5 +330,5 @@ ad.primitive_jvps[postprocess_p] = _jvp
 ad.primitive_transposes[postprocess_p] = _transpose
 batching.primitive_batchers[postprocess_p] = _batch
 _postprocess_shard_p.def_abstract_eval(_abstract_eval)
-mlir.register_lowering(_postprocess_shard_p, mlir.lower_fun(_reference_lowering, multiple_results=True))
+mlir.register_lowering(_postprocess_shard_p, mlir.lower_fun(fused_reference, multiple_results=True))
 mlir.register_lowering(_postprocess_shard_p, _cuda_lowering, platform="cuda")

@@ -46,9 +46,7 @@ def dsink_terms(sink, lse, dpsum, q_aux, plan: Plan):
     lse) * log2(e))`` (1 where ``lse = -inf``). Dense rows are the ``(b, r)`` pairs, varlen rows the packed rows."""
     if plan.work is not None:
         w, s = plan.work, plan.work.decode(q_aux)
-        r = jnp.arange(w.total_q, dtype=jnp.int32)
-        k = jnp.clip(jnp.searchsorted(s.row_start + s.span_rows, r, side="right"), 0, w.num_spans - 1)
-        i = r - s.row_start[k]
+        k, i = _row_spans(w, s)
         keep = ((k >= 1) & (k <= w.batch) & (i < s.conv_rows[k]))[None, :]  # sequences' rows, seqused honoured
         at = jnp.clip(s.acc_row[k] + i, 0, w.padded_total - 1)  # the row's padded offset in dpsum
         lse_rows, dpsum_rows = lse, jnp.take(dpsum, at, axis=1)  # (H, T)
@@ -133,14 +131,18 @@ def _dense_gather(dq_accum, seqused, plan: Plan):
     return x, _rows_used(seqused, seqlen)[:, :, None, None]
 
 
+def _row_spans(w, s):
+    """The span of every output row (spans partition [0, T) in order) and the row's index inside it."""
+    r = jnp.arange(w.total_q, dtype=jnp.int32)
+    k = jnp.clip(jnp.searchsorted(s.row_start + s.span_rows, r, side="right"), 0, w.num_spans - 1)
+    return k, r - s.row_start[k]
+
+
 def _varlen_gather(dq_accum, meta, plan: Plan):
     heads, w = dq_accum.shape[0], plan.work
     tile_m, dr, head_dim = plan.layout.tile_m, plan.padded_head_dim, plan.head_dim
     s = w.decode(meta)
-    # The span of every output row (spans partition [0, T) in order), and the row inside it.
-    r = jnp.arange(w.total_q, dtype=jnp.int32)
-    k = jnp.clip(jnp.searchsorted(s.row_start + s.span_rows, r, side="right"), 0, w.num_spans - 1)
-    i = r - s.row_start[k]
+    k, i = _row_spans(w, s)
     converted = i < s.conv_rows[k]
     # Accumulator tile of each row, and each element's position inside its tile.
     tile = jnp.where(converted, (s.acc_row[k] + i // tile_m * tile_m) // tile_m, 0)

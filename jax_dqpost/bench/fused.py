@@ -80,10 +80,12 @@ class FusedCase:
         self.t_cu = t.tensor(self.cu, dtype=t.int32, device="cuda") if self.cu is not None else None
         H = GQA_SHAPE[1]
         self.t_sink = t.randn(H, device="cuda", dtype=t.float32)
-        heads_axis = 1 if self.cu is None else 0  # lse: (B, H, S) or (H, T); lse >= sink, as in attention
-        sink = self.t_sink.reshape([H if d == heads_axis else 1 for d in range(len(self.rows[0]))])
-        self.t_lse = (sink + t.rand(self.rows[0], device="cuda") * 3).contiguous()
-        self.t_dpsum = t.randn(self.rows[1], device="cuda", dtype=t.float32)
+        if self.cu is None:
+            self.t_lse = (self.t_sink[None, :, None] + t.rand(self.rows[0], device="cuda") * 3).contiguous()
+            self.t_dpsum = t.randn(self.rows[1], device="cuda", dtype=t.float32)
+        else:
+            self.t_lse = (self.t_sink[:, None] + t.rand(self.rows[0], device="cuda") * 3).contiguous()
+            self.t_dpsum = t.randn(self.rows[1], device="cuda", dtype=t.float32)
         self.t_dsink = [t.empty(H, device="cuda", dtype=t.float32) for _ in range(self.copies)]
 
     def fused_run(self, sink: bool):

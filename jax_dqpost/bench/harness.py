@@ -76,9 +76,10 @@ def gpu_activities(trace_dir) -> list[tuple[str, str, int, int]]:
             for line in plane.lines for e in line.events]
 
 
-def kernel_events(f, args, name: str = "") -> list[tuple[int, int]]:
-    """One execution of ``f(*args)`` (after a warm-up) under jax.profiler: sorted ``(start ns, duration ns)`` of
-    the GPU kernels whose name contains ``name`` (memory copies and sets left out)."""
+def device_per_kernel(f, args, name: str) -> dict:
+    """One execution of ``f(*args)`` under jax.profiler: the GPU time per kernel whose name contains ``name``
+    (span from the first one's start to the last one's end, over their count), their median duration and the
+    median idle gap between consecutive ones. Empty if the profiler records no GPU activity."""
     import jax
 
     jax.block_until_ready(f(*args))
@@ -86,20 +87,11 @@ def kernel_events(f, args, name: str = "") -> list[tuple[int, int]]:
     try:
         with jax.profiler.trace(trace_dir):
             jax.block_until_ready(f(*args))
-        return sorted((start, dur) for _, ev, start, dur in gpu_activities(trace_dir)
-                      if name in ev and not ev.lower().startswith(("memcpy", "memset")))
-    finally:
-        shutil.rmtree(trace_dir, ignore_errors=True)
-
-
-def device_per_kernel(f, args, name: str) -> dict:
-    """One execution of ``f(*args)`` under jax.profiler: the GPU time per kernel whose name contains ``name``
-    (span from the first one's start to the last one's end, over their count), their median duration and the
-    median idle gap between consecutive ones. Empty if the profiler records no GPU activity."""
-    try:
-        evs = kernel_events(f, args, name)
+        evs = sorted((start, dur) for _, ev, start, dur in gpu_activities(trace_dir) if name in ev)
     except Exception as e:  # noqa: BLE001 - the profiler is optional evidence, not the measurement
         return {"error": f"{type(e).__name__}: {e}"[:300]}
+    finally:
+        shutil.rmtree(trace_dir, ignore_errors=True)
     if len(evs) < 2:
         return {}
     gaps = [b[0] - (a[0] + a[1]) for a, b in zip(evs, evs[1:])]
@@ -108,7 +100,19 @@ def device_per_kernel(f, args, name: str) -> dict:
 
 
 def device_span(f, args, name: str = "") -> float | None:
-    """Seconds from the first GPU kernel's start to the last one's end in one execution of ``f(*args)``, over the
-    kernels whose name contains ``name`` (:func:`kernel_events`); None if none was recorded."""
-    evs = kernel_events(f, args, name)
-    return (max(s + d for s, d in evs) - evs[0][0]) * 1e-9 if evs else None
+    """One execution of ``f(*args)`` under jax.profiler: seconds from the first GPU kernel's start to the last
+    one's end, over the kernels whose name contains ``name`` (all: ``""``); None if none was recorded."""
+    import jax
+
+    jax.block_until_ready(f(*args))
+    trace_dir = tempfile.mkdtemp(prefix="jax_dqpost_trace_")
+    try:
+        with jax.profiler.trace(trace_dir):
+            jax.block_until_ready(f(*args))
+        evs = [(start, dur) for _, ev, start, dur in gpu_activities(trace_dir)
+               if name in ev and not ev.lower().startswith("memcpy") and not ev.lower().startswith("memset")]
+    finally:
+        shutil.rmtree(trace_dir, ignore_errors=True)
+    if not evs:
+        return None
+    return (max(s + d for s, d in evs) - min(s for s, _ in evs)) * 1e-9

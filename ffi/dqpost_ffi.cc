@@ -4,8 +4,9 @@
 // `cute.compile(...).dump_to_object(kFunctionPrefix)` at lowering time, so compiled executables and
 // `jax.export` artifacts carry their own binary. Modules are loaded once per process through the CuTe
 // runtime C API (libcute_dsl_runtime.so, shipped by nvidia-cutlass-dsl and opened with dlopen at a path
-// given by Python), in the initialize stage, outside any CUDA graph capture; execute only looks the
-// loaded function up and enqueues one launch. Nothing here blocks on the stream.
+// given by Python). Each custom call instance resolves its function once, in the instantiate stage (outside
+// any CUDA graph capture), into its own FFI state; execute takes it from there (no lock, no lookup) and
+// enqueues one launch. Nothing here blocks on the stream.
 //
 // Needs only a C++17 compiler and the XLA FFI headers: no CUDA toolkit at build time.
 
@@ -98,14 +99,25 @@ int64_t PaddedTotal(int64_t total, int64_t batch, int64_t tile_m) {
 bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 // ------------------------------------------------------------------------------------------------
-// Initialize stage: load the module before the first execution (and before any graph capture).
-ffi::Error Initialize(ffi::Dictionary attrs) {
+// The per-instance state: the loaded function of the instance's module (owned by the process-wide cache).
+struct LoadedKernel {
+  static ffi::TypeId id;
+  CuteFunction* fn = nullptr;
+};
+ffi::TypeId LoadedKernel::id = {};
+const XLA_FFI_TypeInfo kLoadedKernelTypeInfo = ffi::MakeTypeInfo<LoadedKernel>();
+
+// Instantiate stage: load the module (once per process) and keep its function in this instance's state.
+ffi::ErrorOr<std::unique_ptr<LoadedKernel>> Instantiate(ffi::Dictionary attrs) {
   auto module = attrs.get<std::string_view>("module");
   auto fingerprint = attrs.get<std::string_view>("fingerprint");
-  if (module.has_error()) return module.error();
-  if (fingerprint.has_error()) return fingerprint.error();
+  if (module.has_error()) return ffi::Unexpected(module.error());
+  if (fingerprint.has_error()) return ffi::Unexpected(fingerprint.error());
   auto fn = GetFunction(*module, *fingerprint);
-  return fn.has_error() ? fn.error() : ffi::Error::Success();
+  if (fn.has_error()) return ffi::Unexpected(fn.error());
+  auto state = std::make_unique<LoadedKernel>();
+  state->fn = *fn;
+  return state;
 }
 
 // The launch, as the compiled module's entry point takes it (jax_dqpost/kernel.py, __call__).
@@ -178,13 +190,13 @@ ffi::Error CheckAndPlan(int64_t mode, const ffi::Buffer<ffi::F32>& acc, const ff
 }
 
 // Execute stage: validate the buffers against the kernel's contract, then enqueue one launch.
-ffi::Error Execute(CudaStream stream,
+ffi::Error Execute(CudaStream stream, LoadedKernel* kernel,
                    ffi::Buffer<ffi::F32> acc,        // fp32 accumulator, (B, H, Sr*Dr) or varlen (H, Tp*Dr)
                    ffi::Buffer<ffi::F32> scale,      // () softmax scale, in device memory
                    ffi::Buffer<ffi::S32> aux,        // seqused_q (B,), the varlen work list, or empty
                    ffi::Result<ffi::AnyBuffer> dq,   // (B, S, H, D) or varlen (T, H, D), bf16/fp16
-                   std::string_view module,          // CuTe object module (bytes)
-                   std::string_view fingerprint,     // sha256 of module, the load-cache key
+                   std::string_view /*module*/,      // CuTe object module (bytes): loaded by Instantiate
+                   std::string_view /*fingerprint*/, // sha256 of module, the load-cache key
                    std::string_view dtype,           // "bf16" or "f16": the type compiled into module
                    int64_t mode,                     // plan.Tiling: 0 dense, 1 dense with seqused_q, 2 varlen
                    int64_t tile_m,                   // rows per accumulator tile
@@ -207,9 +219,6 @@ ffi::Error Execute(CudaStream stream,
   }
   if (dq->element_count() == 0 || launch.grid_x == 0) return ffi::Error::Success();  // no work
 
-  auto fn = GetFunction(module, fingerprint);
-  if (fn.has_error()) return fn.error();
-
   // One pointer per argument of the @cute.jit entry point, in order, then the int32 return code:
   // (acc, dq, scale, aux, batch_or_spans, heads, rows, head_dim, grid_x, stream) -> ret.
   void* acc_ptr = acc.untyped_data();
@@ -220,7 +229,7 @@ ffi::Error Execute(CudaStream stream,
   int32_t ret = 0;
   void* args[] = {&acc_ptr, &dq_ptr, &scale_ptr, &aux_ptr, &launch.batch_or_spans, &launch.heads, &launch.rows,
                   &launch.head_dim, &launch.grid_x, &st, &ret};
-  const int err = g_runtime.run(*fn, args, sizeof(args) / sizeof(args[0]));
+  const int err = g_runtime.run(kernel->fn, args, sizeof(args) / sizeof(args[0]));
   if (err != 0) return ffi::Error::Internal(RuntimeError("CuteDSLRT_Function_Run", err));
   if (ret != 0) {
     return ffi::Error::Internal("jax_dqpost: kernel launch failed with CUDA error " + std::to_string(ret));
@@ -237,8 +246,9 @@ ffi::Error Execute(CudaStream stream,
 constexpr int64_t kFusedSlots = 13;
 constexpr int64_t kFusedExtents = 15;
 
-ffi::Error ExecuteFused(CudaStream stream, ffi::RemainingArgs args, ffi::RemainingRets rets,
-                        std::string_view module, std::string_view fingerprint, ffi::Span<const int64_t> slots,
+ffi::Error ExecuteFused(CudaStream stream, LoadedKernel* kernel, ffi::RemainingArgs args, ffi::RemainingRets rets,
+                        std::string_view /*module: the instantiate stage's*/, std::string_view /*fingerprint*/,
+                        ffi::Span<const int64_t> slots,
                         ffi::Span<const int64_t> bytes, ffi::Span<const int64_t> extents, int64_t ctas) {
   const size_t n = args.size() + rets.size();
   if (slots.size() != n || bytes.size() != n || static_cast<int64_t>(extents.size()) != kFusedExtents) {
@@ -275,9 +285,6 @@ ffi::Error ExecuteFused(CudaStream stream, ffi::RemainingArgs args, ffi::Remaini
   }
   if (!FitsInt32(ctas)) return ffi::Error::InvalidArgument("jax_dqpost: too many CTAs for one launch");
   if (ctas == 0) return ffi::Error::Success();  // no work
-
-  auto fn = GetFunction(module, fingerprint);
-  if (fn.has_error()) return fn.error();
   // (13 pointers, 15 int32 extents, stream) -> ret, as kernel_fused.py's __call__ takes them.
   CudaStream st = stream;
   int32_t ret = 0;
@@ -286,7 +293,7 @@ ffi::Error ExecuteFused(CudaStream stream, ffi::RemainingArgs args, ffi::Remaini
   for (int64_t i = 0; i < kFusedExtents; ++i) call[kFusedSlots + i] = &ext[i];
   call[kFusedSlots + kFusedExtents] = &st;
   call[kFusedSlots + kFusedExtents + 1] = &ret;
-  const int err = g_runtime.run(*fn, call, sizeof(call) / sizeof(call[0]));
+  const int err = g_runtime.run(kernel->fn, call, sizeof(call) / sizeof(call[0]));
   if (err != 0) return ffi::Error::Internal(RuntimeError("CuteDSLRT_Function_Run", err));
   if (ret != 0) {
     return ffi::Error::Internal("jax_dqpost: kernel launch failed with CUDA error " + std::to_string(ret));
@@ -296,12 +303,13 @@ ffi::Error ExecuteFused(CudaStream stream, ffi::RemainingArgs args, ffi::Remaini
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDqpostInitialize, Initialize,
-                              ffi::Ffi::BindInitialize().Attrs<ffi::Dictionary>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDqpostInstantiate, Instantiate,
+                              ffi::Ffi::BindInstantiate().Attrs<ffi::Dictionary>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDqpostExecute, Execute,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<CudaStream>>()
+                                  .Ctx<ffi::State<LoadedKernel>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // dq_accum
                                   .Arg<ffi::Buffer<ffi::F32>>()  // scale
                                   .Arg<ffi::Buffer<ffi::S32>>()  // seqused_q / work list / empty
@@ -318,15 +326,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDqpostExecute, Execute,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDqpostExecuteFused, ExecuteFused,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<CudaStream>>()
+                                  .Ctx<ffi::State<LoadedKernel>>()
                                   .RemainingArgs()
                                   .RemainingRets()
-                                  .Attr<std::string_view>("module")
+                                  .Attr<std::string_view>("module")  // every attribute is bound (XLA checks)
                                   .Attr<std::string_view>("fingerprint")
                                   .Attr<ffi::Span<const int64_t>>("slots")
                                   .Attr<ffi::Span<const int64_t>>("bytes")
                                   .Attr<ffi::Span<const int64_t>>("extents")
                                   .Attr<int64_t>("ctas"),
                               {ffi::Traits::kCmdBufferCompatible});
+
+// The state's type, registered with XLA by Python (jax.ffi.register_ffi_type) before the targets.
+extern "C" void* jax_dqpost_state_type_id() { return &LoadedKernel::id; }
+extern "C" const void* jax_dqpost_state_type_info() { return &kLoadedKernelTypeInfo; }
 
 // The work list's size and the padded total as the handler computes them, for the test that pins them to
 // the Python side (jax_dqpost/varlen.py).

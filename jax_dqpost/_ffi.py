@@ -16,6 +16,9 @@ FUSED_TARGET_NAME = "jax_dqpost_postprocess_v2"
 """The target of the fused kernel (``flash_attention_postprocess``; ``dq_postprocess`` with a sink or a
 clustered layout)."""
 
+STATE_TYPE_NAME = "jax_dqpost_loaded_kernel"
+"""The FFI type of the handlers' per-instance state (the kernel function an instance launches)."""
+
 _LIBRARY_NAME = "libjax_dqpost_ffi.so"
 _lock = threading.Lock()
 _registered = False
@@ -62,10 +65,19 @@ def register() -> None:
         lib.jax_dqpost_load_runtime.restype = ctypes.c_int
         if lib.jax_dqpost_load_runtime(str(cute_runtime_path()).encode(), err, len(err)) != 0:
             raise RuntimeError(f"jax_dqpost: cannot load the CuTe DSL runtime: {err.value.decode()}")
+        # The handlers' per-instance state (the loaded kernel function), then the targets using it.
+        for getter in (lib.jax_dqpost_state_type_id, lib.jax_dqpost_state_type_info):
+            getter.restype = ctypes.c_void_p
+        jax.ffi.register_ffi_type(
+            STATE_TYPE_NAME,
+            {"type_id": jax.ffi.pycapsule(lib.jax_dqpost_state_type_id()),
+             "type_info": jax.ffi.pycapsule(lib.jax_dqpost_state_type_info())},
+            platform="CUDA",
+        )
         for name, execute in ((TARGET_NAME, lib.JaxDqpostExecute), (FUSED_TARGET_NAME, lib.JaxDqpostExecuteFused)):
             jax.ffi.register_ffi_target(
                 name,
-                {"initialize": jax.ffi.pycapsule(lib.JaxDqpostInitialize), "execute": jax.ffi.pycapsule(execute)},
+                {"instantiate": jax.ffi.pycapsule(lib.JaxDqpostInstantiate), "execute": jax.ffi.pycapsule(execute)},
                 platform="CUDA",
             )
         _registered = True

@@ -73,18 +73,24 @@ class DqPostprocess:
 
     def __init__(self, dtype: type[cutlass.Numeric], layout: AccumLayout, padded_head_dim: int, *,
                  tiling: Tiling = Tiling.DENSE, target_sm: int = 90, min_ctas_per_sm: int | None = None,
-                 heads_fastest: bool = True):
+                 heads_fastest: bool = True, short_rows: int = 16, short_heads: int = 4):
         """``padded_head_dim``: ``Dr``, the head dim as padded in the accumulator. ``tiling``: how a CTA finds its tile (see the module
         docstring). ``target_sm``: the GPU generation
         compiled for (e.g. 80, 90, 100). Tuning (tools/ncu_kernels.py compares them): ``min_ctas_per_sm``,
         the launch-bounds hint given to ptxas (None: chosen here; 0: none); ``heads_fastest``, the launch
         order: True (default), consecutive CTAs take the same tile of consecutive heads, so the CTAs in flight
         write whole dQ rows (all heads) of a few tiles; False, consecutive tiles of one head (FlashAttention's
-        order), so they write narrow slices (one head) of many rows."""
+        order), so they write narrow slices (one head) of many rows. ``short_rows``: varlen tiles of a swapped Hopper-order
+        accumulator (``swap_ab``) with at most this many rows take the gather path (:meth:`_gather_tile`; 0: never), one CTA
+        for ``short_heads`` heads."""
         if not self.can_implement(dtype, layout, padded_head_dim):
             raise ValueError(f"cannot implement dtype={dtype}, {layout}, padded_head_dim={padded_head_dim}")
         self.tiling = Tiling(tiling)
         self.heads_fastest = heads_fastest
+        # Measured (H200): a win for swapped Hopper orders; for the others the shared-memory path is as fast or faster.
+        gather = self.tiling == Tiling.VARLEN and layout.arch == 90 and layout.swap_ab
+        self.short_rows = min(short_rows, layout.tile_m) if gather else 0
+        self.short_heads = short_heads
         self.family = {90: "mma", 80: "mma", 100: "rows", None: "rowmajor"}[layout.arch]
         self.use_stmatrix = target_sm >= 90
         # WGMMA atoms exist only on sm_90: elsewhere a Hopper-order fragment is placed by its coordinates.
@@ -256,11 +262,79 @@ class DqPostprocess:
 
         s_layout = self._smem_layout()
         s_dq = smem.allocate_tensor(self.dtype, s_layout, byte_alignment=1024)
+        if const_expr(self.short_rows > 0):
+            if rows_total <= self.short_rows:
+                # the first CTA of each group of short_heads heads takes the group's tile (the others: nothing)
+                if head % self.short_heads == 0:
+                    self._gather_tile(acc_ptr, tile_elem, Int64(padded_total) * Int64(padded_head_dim), scale_ptr,
+                                      dq_ptr, dq_row0, heads, head, head_dim, rows_total, rows_conv, tidx)
+            else:
+                self._tile_via_smem(acc_ptr, tile_elem, scale_ptr, dq_ptr, dq_row0, heads, head, head_dim, s_dq,
+                                    s_layout, rows_total, rows_conv, tidx)
+        else:
+            self._tile_via_smem(acc_ptr, tile_elem, scale_ptr, dq_ptr, dq_row0, heads, head, head_dim, s_dq, s_layout,
+                                rows_total, rows_conv, tidx)
+
+    @cute.jit
+    def _tile_via_smem(self, acc_ptr, tile_elem, scale_ptr, dq_ptr, dq_row0, heads, head, head_dim, s_dq, s_layout,
+                       rows_total, rows_conv, tidx):
+        """Steps 1-4 (module docstring): the fragment into the shared-memory tile, then its rows out."""
         if rows_conv > 0:
             self._convert_tile(acc_ptr, tile_elem, scale_ptr, s_dq, s_layout, rows_conv, tidx)
         self.sync()
         dq_offset = (dq_row0 * Int64(heads) + Int64(head)) * Int64(head_dim)
         self._store_tile(dq_ptr, dq_offset, heads * head_dim, head_dim, s_dq, rows_total, rows_conv, tidx)
+
+    @cute.jit
+    def _gather_tile(self, acc_ptr, tile_elem, head_elems, scale_ptr, dq_ptr, dq_row0, heads, head, head_dim,
+                     rows_total, rows_conv, tidx):
+        """A tile of at most ``short_rows`` rows (varlen, Hopper order; many short sequences), for heads ``head ..
+        head + short_heads - 1`` at once (``head_elems``: floats between two heads' accumulators). Each thread writes
+        16-byte vectors of dQ (8 columns of a row), gathering their 8 floats from the accumulator by the order's
+        index map (the inverse of :meth:`_place_wgmma_fragment`), every head's loads in flight before the first
+        store. No shared memory and no barrier: a mostly empty tile costs a few instructions per thread instead of
+        the whole fragment's conversion and placement."""
+        group = self.short_heads
+        dq_offset = (dq_row0 * Int64(heads) + Int64(head)) * Int64(head_dim)
+        row_stride = heads * head_dim
+        vec = _VEC_BYTES * 8 // self.dtype.width  # columns per 16-byte vector
+        vecs_per_row = self.padded_head_dim // vec
+        per_atom, atoms_m, n_atom = self.n_atom // 2, self.atoms_mn[0], self.n_atom
+        chunk = self.tile_m * self.padded_head_dim // self.layout.num_warpgroups
+        scale = cute.make_tensor(scale_ptr, cute.make_layout(1))[0]
+        store_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
+        for p in cutlass.range_constexpr(-(-self.short_rows * vecs_per_row // self.num_threads)):
+            u = tidx + p * self.num_threads
+            row, col0 = u // vecs_per_row, (u % vecs_per_row) * vec
+            if row < rows_total and col0 < head_dim:
+                vals = cute.make_rmem_tensor(cute.make_layout((vec, group)), Float32)
+                if row < rows_conv:
+                    for g in cutlass.range_constexpr(group):
+                        if head + g < heads:
+                            acc = cute.make_tensor(acc_ptr + tile_elem + Int64(g) * head_elems,
+                                                   cute.make_layout(self.tile_m * self.padded_head_dim))
+                            for c in cutlass.range_constexpr(vec):
+                                # dQ (row, col0 + c) -> the MMA's (m, n) -> (warpgroup, thread, register) -> float
+                                m, n = row, col0 + c
+                                if const_expr(self.layout.swap_ab):
+                                    m, n = col0 + c, row
+                                wm, mm, r64 = (m // 64) % atoms_m, m // (64 * atoms_m), m % 64
+                                wn, cn = n // n_atom, n % n_atom
+                                v = 4 * (cn // 8) + 2 * ((r64 % 16) // 8) + cn % 2
+                                reg = mm * per_atom + v
+                                t = 32 * (r64 // 16) + 4 * (r64 % 8) + (cn % 8) // 2
+                                w = wm + atoms_m * wn
+                                vals[c, g] = acc[w * chunk + 512 * (reg // 4) + 4 * t + reg % 4]
+                for g in cutlass.range_constexpr(group):
+                    if head + g < heads:
+                        out = cute.make_rmem_tensor(cute.make_layout(vec), self.dtype)
+                        out.fill(0.0)  # rows past rows_conv: zeros (not 0 * scale, -0 for a negative scale)
+                        if row < rows_conv:
+                            out.store((vals[None, g].load() * scale).to(self.dtype))
+                        dst = cute.make_tensor(
+                            _aligned(dq_ptr + dq_offset + Int64(row) * Int64(row_stride) + Int64(col0 + g * head_dim),
+                                     cute.AddressSpace.gmem), cute.make_layout(vec))
+                        cute.copy(store_atom, out, dst)
 
     def sync(self):
         """The barrier between the shared-memory writes and reads: the whole CTA, or (a part of the fused

@@ -47,14 +47,63 @@ def test_plot_draws_a_saved_report(tmp_path):
     assert (tmp_path / "b.png").stat().st_size > 10_000
 
 
-def test_many_short_sequences_launch_exactly_the_tiles_they_need(rng):
-    """With static offsets the varlen grid is exact: 2000 short sequences launch the tiles their rows need
-    (a partial tile per sequence end), no more."""
-    case = cases.Case("x", 128, False, "varlen", None, rng, None, None, sequences=cases.MANY_SEQUENCES)
-    lengths = np.diff(case.cu)
-    assert len(lengths) == cases.MANY_SEQUENCES and (lengths > 0).all()
+def test_short_sequences_launch_exactly_the_tiles_they_need(rng):
+    """The sweep's lengths fill the tokens exactly; with static offsets the varlen grid is exact (a partial tile per
+    sequence end, no more), with traced ones it is the work list's bound."""
+    for count in cases.SHORT_SEQUENCES:
+        cu = cases.short_lengths(rng, cases.SHORT_TOKENS, count)
+        lengths = np.diff(cu)
+        top = 2 * cases.SHORT_TOKENS // count - 1
+        assert cu[-1] == cases.SHORT_TOKENS and (lengths >= 1).all() and lengths.max() <= top
+        assert 0.8 * count < len(lengths) < 1.25 * count, (count, len(lengths))
+    case = cases.Case("x", 128, False, "varlen", None, rng, None, None, cu=cu)
     tm = case.layout.tile_m
     assert case.num_tiles == case.tiles_needed == sum(-(-int(n) // tm) for n in lengths)
+    traced = cases.Case("x", 128, False, "varlen", None, rng, None, None, cu=cu, traced=True)
+    assert traced.num_tiles == -(-cases.SHORT_TOKENS // tm) + len(lengths) + 2
+
+
+@pytest.mark.parametrize("tensor, head_dim, causal", [("dq", 128, False), ("dq", 128, True), ("dq", 64, False),
+                                                      ("dkv", 192, False)])
+def test_sector_bound_counts_the_sectors_of_the_rows(rng, tensor, head_dim, causal):
+    """The bound against a brute-force count over the index map: every 32-byte sector of a tile holding an element
+    of a converted row, plus the dQ rows; a full tile's sectors are all of its bytes."""
+    layout = cases.AccumLayout.flash_attention(90, head_dim, causal=causal, tensor=tensor)
+    tm, dr = layout.tile_m, layout.padded_head_dim(head_dim)
+    pos = layout.tile_index_map(head_dim)
+    lengths = [int(n) for n in rng.integers(0, 3 * tm, 40)] + [tm, 1]
+    cu = [0] + np.cumsum(lengths).tolist()
+    used = [int(rng.integers(0, n + 1)) for n in lengths]
+    want = 0
+    for n, u in zip(lengths, used):
+        for start in range(0, u, tm):
+            want += 32 * len({int(f) // 8 for f in pos[: min(tm, u - start)].ravel()})
+        want += n * head_dim * 2
+    assert cases.sector_bound_bytes(layout, head_dim, 3, cu, used) == 3 * want
+    assert cases.sector_bound_bytes(layout, head_dim, 1, [0, tm]) == tm * (dr * 4 + head_dim * 2)
+
+
+def test_devices_mode_programs_shard_without_collectives():
+    """--devices' sharded programs (batch, heads) compile with no collective (8 CPU devices stand in for GPUs; the
+    measurement itself needs GPUs), and the collective finder finds the ones a gathered axis needs."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from jax_dqpost.bench import devices
+
+    cpus = jax.devices("cpu")
+    if len(cpus) < 2:
+        pytest.skip("needs several CPU devices")
+    layout = cases.AccumLayout.flash_attention(90, 128)
+    B, H, S = 2, 4, 200
+    acc = jax.ShapeDtypeStruct(layout.accum_shape(B, H, S, 128), np.float32)
+    mesh = Mesh(np.array(cpus[:2]), ("d",))
+    for spec in (P("d", None, None), P(None, "d", None)):
+        sharding = NamedSharding(mesh, spec)
+        text = jax.jit(devices.program(layout, 128, S), in_shardings=([sharding] * 2,)).lower([acc] * 2).compile()
+        assert devices.collectives(text.as_text()) == [], spec
+    gathered = jax.jit(lambda x: x.sum(), in_shardings=NamedSharding(mesh, P("d"))).lower(
+        jax.ShapeDtypeStruct((8,), np.float32)).compile().as_text()
+    assert devices.collectives(gathered), gathered
 
 
 @pytest.mark.parametrize("with_torch", [True, False], ids=["torch", "no-torch"])
@@ -65,10 +114,11 @@ def test_main_reports_from_measurements(tmp_path, monkeypatch, capsys, with_torc
     import sys
     import types
 
-    def fake_measure(case, samples):
+    def fake_measure(case, samples, gather=True):
         t = case.bytes / 4e12
         r = {"config": case.name, "packing": case.packing, "bytes": case.bytes, "tokens": case.tokens,
-             "ours_jax": t * 1.1, "xla_same_bytes": t * 1.05, "jnp_gather": t * 4}
+             "ours_jax": t * 1.1, "xla_same_bytes": t * 1.05, "jnp_gather": t * 4, "xla_device": t * 0.99,
+             "ours_jax_device": t}
         if case.torch is not None:
             r.update(ours=t, FA4=t * 1.01, copy=t * 0.98)
         if case.cu is not None:
@@ -94,6 +144,18 @@ def test_main_reports_from_measurements(tmp_path, monkeypatch, capsys, with_torc
         return r
 
     monkeypatch.setattr(fused, "measure_case", fake_fused)
+
+    def fake_short(case, samples):
+        lengths = np.diff(case.cu)
+        t = case.bytes / 2e12
+        r = {"config": case.name, "packing": "varlen", "traced": case.traced, "sequences": len(lengths),
+             "max_length": int(lengths.max()), "tokens": case.tokens, "bytes": case.bytes,
+             "bound_bytes": int(case.bytes * 1.1), "tiles_launched": case.num_tiles, "ours_jax_device": t}
+        if case.torch is not None:
+            r["ours"] = t
+        return r
+
+    monkeypatch.setattr(cases, "measure_short", fake_short)
     monkeypatch.setattr(probes, "chain_cost", lambda samples: {
         "shape": [1, 80, 1, 128], "calls": 200, "our_calls_in_program": 200, "ours": 3e-6, "ours_program_1": 1e-4,
         "ours_program_n": 7e-4, "ours_outputs_returned": 8e-6, "xla_kernels_in_program": 199,
@@ -111,12 +173,14 @@ def test_main_reports_from_measurements(tmp_path, monkeypatch, capsys, with_torc
     assert bench_main.main(["--out", str(tmp_path), "--quick"]) == 0
     captured = capsys.readouterr()
     out = captured.out
-    assert "2000 random lengths" in out and "per-call cost in a jitted chain" in out
+    assert "short sequences, hd128" in out and "per-call cost in a jitted chain" in out
+    assert "goal short of dense >= 75%" in out and "goal short of bound >= 75%" in out
     assert "fused dQ + dK + dV (+ dsink) in one launch" in out and "hd128-dense-sink" in out
     assert "GPU timeline (jax.profiler, one execution): ours 2.00 us per call" in out
     assert ("torch is not installed" in captured.err) == (not with_torch)
     result = json.loads((tmp_path / "bench.json").read_text())
-    assert len(result["reference"]) == 2 * len(cases.CONFIGS) and result["many_sequences"]["sequences"] == 2000
+    assert len(result["reference"]) == 2 * len(cases.CONFIGS)
+    assert len(result["short"]) == 2 * len(cases.SHORT_SEQUENCES)
     assert all(("ours" in r) == with_torch and "xla_same_bytes" in r for r in result["reference"])
     assert (tmp_path / "bench.png").exists() == has_plot
 

@@ -93,7 +93,8 @@ def test_ffi_library_is_built_and_exports_its_handlers():
     path = _ffi.library_path()
     assert path.parent == Path(jax_dqpost.__file__).parent
     lib = ctypes.CDLL(str(path))
-    for symbol in ("JaxDqpostExecute", "JaxDqpostExecuteFused", "JaxDqpostInitialize", "jax_dqpost_load_runtime"):
+    for symbol in ("JaxDqpostExecute", "JaxDqpostExecuteFused", "JaxDqpostInstantiate", "jax_dqpost_load_runtime",
+                   "jax_dqpost_state_type_id", "jax_dqpost_state_type_info"):
         assert hasattr(lib, symbol), symbol
     # In a fresh process (loading is once per process): a bad runtime path is reported, not fatal.
     code = ("import ctypes, sys; lib = ctypes.CDLL(sys.argv[1]); err = ctypes.create_string_buffer(256); "

@@ -17,10 +17,13 @@ The first three are captured in a CUDA graph of back-to-back calls and timed wit
 (device time); they need torch, and the others run without it. Each sample cycles through enough distinct
 buffers (>= 256 MiB) that no call finds its data in L2; the median of the samples is reported. Bandwidth counts
 the useful bytes of a call: for every row of dQ, the accumulator's row (4 bytes per element, head dim padded as
-the producer stores it) and the row written (2 bytes per element). It also measures 2000 short sequences, the
-per-call cost in a jitted chain of 200 tiny calls, cold and warm start, and the jax.jit path with and without
+the producer stores it) and the row written (2 bytes per element). ``xla_device`` is XLA's fused op of exactly the
+useful bytes in device time from jax.profiler's timeline (the roofline the goals are set against), beside our op's
+(``ours_jax_device``). It also sweeps short sequences (64 to 8000 random lengths over 16384 tokens, hd128, static
+and traced offsets, against a sector bound), the per-call cost in a jitted chain of 200 tiny calls, cold and warm start, and the jax.jit path with and without
 XLA's command buffers. Prints tables, writes ``bench.json`` (and ``bench.png`` with matplotlib) into ``--out``;
-progress goes to stderr. ``--plot JSON`` only redraws the plot of a saved report.
+progress goes to stderr. ``--plot JSON`` only redraws the plot of a saved report; ``--devices N`` only compares one
+GPU with N (sharded over batch and over heads, device time).
 """
 
 from __future__ import annotations
@@ -77,6 +80,9 @@ def main(argv=None) -> int:
     parser.add_argument("--plot", metavar="JSON", help="only redraw the plot of a saved bench.json into --out")
     parser.add_argument("--fused-only", action="store_true",
                         help="only the fused dQ/dK/dV(/dsink) cases at grouped-query attention shapes")
+    parser.add_argument("--devices", type=int, metavar="N",
+                        help="only the reference shape on one GPU against N GPUs of this host, sharded over batch "
+                             "and over heads (device time)")
     args = parser.parse_args(argv)
     out = Path(args.out)
     if args.plot:
@@ -127,6 +133,16 @@ def main(argv=None) -> int:
         (out / "bench.json").write_text(json.dumps({**report, "complete": done}, indent=1) + "\n")
 
     rng = np.random.default_rng(0)
+    if args.devices is not None:
+        from . import devices
+
+        if args.devices < 2:
+            parser.error(f"--devices must be at least 2, got {args.devices}")
+        report["devices"] = devices.measure(args.devices, samples)
+        save(done=True)
+        print(devices.table(report["devices"]))
+        print(f"\nwrote {out / 'bench.json'}")
+        return 0 if "error" not in report["devices"] else 1
     report["fused_method"] = fused.METHOD
     report["fused"] = fused.measure(samples, torch, fa4, rng)
     save(done=args.fused_only)
@@ -143,9 +159,11 @@ def main(argv=None) -> int:
         r = cases.measure(cases.Case(name, D, causal, packing, size, rng, torch, fa4), samples)
         report["reference" if size is None else "sweep"].append(r)
         save()
-    harness.log(f"{cases.MANY_SEQUENCES} short sequences (hd128)")
-    report["many_sequences"] = cases.measure(cases.Case(f"hd128-{cases.MANY_SEQUENCES}seq", 128, False, "varlen", None,
-                                                        rng, torch, fa4, sequences=cases.MANY_SEQUENCES), samples)
+    report["short"] = []
+    for case in cases.short_cases(rng, torch, fa4):
+        harness.log(f"short sequences: {case.name} {'traced' if case.traced else 'static'}")
+        report["short"].append(cases.measure_short(case, samples))
+        save()
     harness.log("chain of 200 tiny calls")
     report["chain"] = probes.chain_cost(samples)
     save()

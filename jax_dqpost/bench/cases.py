@@ -20,7 +20,6 @@ PACKINGS = ("dense", "varlen")
 SIZES = [2**12, 2**16, 2**20, 2**24, 2**27, 2**30]  # bytes moved per call (approximately)
 REFERENCE_SHAPE = (2, 32, 8192)  # (B, H, S): the table of docs/performance.md
 ROTATE_BYTES = 256 << 20  # distinct buffers cycled per sample (H200 L2: 50 MiB)
-MANY_SEQUENCES = 2000  # "large batches of short sequences"
 IMPLS = ("ours", "FA4", "copy", "ours_jax", "xla_same_bytes", "jnp_gather")
 METHOD = ("ours/FA4/copy: CUDA events around the replay of a CUDA graph of back-to-back calls (*_eager: "
           "events around eager launches); ours_jax/xla_same_bytes/jnp_gather: wall clock of pipelined jitted calls; "
@@ -38,6 +37,36 @@ def problem(head_dim: int, target_bytes: int | None):
     return 1, heads, seqlen
 
 
+SHORT_SEQUENCES = (64, 164, 500, 2000, 4000, 8000)  # sequence counts of the short-sequence sweep (hd128)
+SHORT_TOKENS = 16384
+
+
+def short_lengths(rng, total: int, count: int) -> list[int]:
+    """``cu_seqlens`` of about ``count`` sequences with lengths uniform in ``1 .. 2 * total // count - 1`` (mean
+    ``total / count``), the last one cut so that they add up to ``total``."""
+    top = max(1, 2 * total // count - 1)
+    lengths = []
+    while sum(lengths) < total:
+        lengths.append(int(rng.integers(1, top + 1)))
+    lengths[-1] -= sum(lengths) - total
+    return [0] + np.cumsum(lengths).tolist()
+
+
+def sector_bound_bytes(layout: AccumLayout, head_dim: int, heads: int, cu, seqused=None) -> int:
+    """The bytes a postprocess of these sequences must move at the least in ``layout``'s order: per head, every
+    32-byte sector of the accumulator holding an element of a sequence's rows (an order interleaves rows inside a
+    tile, so a sequence shorter than a tile still needs the sectors of its rows' groups), plus the dQ rows
+    written. Sequence ``b``'s rows start a tile (FlashAttention's padded offsets)."""
+    tm, pos = layout.tile_m, layout.tile_index_map(head_dim)
+    # sectors[r]: the sectors a tile whose first r rows are converted reads (32 bytes: 8 floats)
+    sectors = np.array([0] + [len(np.unique(pos[:r].ravel() // 8)) for r in range(1, tm + 1)], np.int64)
+    lengths = np.diff(np.asarray(cu, np.int64))
+    conv = lengths if seqused is None else np.minimum(np.asarray(seqused, np.int64), lengths)
+    full, part = conv // tm, conv % tm
+    read = int((full * sectors[tm] + sectors[part]).sum()) * 32
+    return heads * (read + int(lengths.sum()) * head_dim * 2)
+
+
 def random_lengths(rng, total: int, count: int) -> list[int]:
     """``cu_seqlens``: ``count`` random positive lengths adding up to ``total``."""
     count = max(1, min(count, total))
@@ -49,12 +78,16 @@ class Case:
     """One (configuration, packing, size): the call's plan, buffers and launchers of every implementation.
     ``torch`` and ``fa4`` may be None (their columns are then not measured)."""
 
-    def __init__(self, name, head_dim, causal, packing, target_bytes, rng, torch, fa4, sequences=64):
+    def __init__(self, name, head_dim, causal, packing, target_bytes, rng, torch, fa4, sequences=64, cu=None,
+                 traced=False):
+        """``cu``: the varlen ``cu_seqlens_q`` (default: ``sequences`` random lengths over the problem's tokens);
+        ``traced``: launch the grid of traced offsets (``WorkList.max_tiles`` CTAs per head) instead of the
+        exact one of static offsets."""
         if packing not in PACKINGS:
             raise ValueError(f"packing must be one of {PACKINGS}, got {packing!r}")
         self.torch, self.fa4 = torch, fa4
         self.layout = AccumLayout.flash_attention(90, head_dim, causal=causal)
-        self.name, self.packing, self.D = name, packing, head_dim
+        self.name, self.packing, self.D, self.traced = name, packing, head_dim, traced
         B, H, S = problem(head_dim, target_bytes)
         self.B, self.H, self.S = B, H, S
         self.tokens = B * S
@@ -64,8 +97,11 @@ class Case:
             self.plan, self.cu, self.meta = Plan(self.layout, head_dim, bf16, seqlen_q=S), None, None
             self.acc_shape, self.out_shape = self.layout.accum_shape(B, H, S, head_dim), (B, S, H, head_dim)
         else:
-            self.cu = random_lengths(rng, self.tokens, sequences)
-            work, self.meta = WorkList.build(np, self.cu, None, total_q=self.tokens, tile_m=tm)
+            self.cu = random_lengths(rng, self.tokens, sequences) if cu is None else list(cu)
+            if self.cu[-1] != self.tokens:
+                raise ValueError(f"cu must end at the problem's {self.tokens} tokens, got {self.cu[-1]}")
+            grid = WorkList.max_tiles(self.tokens, len(self.cu) - 1, tm) if traced else None
+            work, self.meta = WorkList.build(np, self.cu, None, total_q=self.tokens, tile_m=tm, num_tiles=grid)
             self.plan = Plan(self.layout, head_dim, bf16, work=work)
             self.acc_shape = self.layout.varlen_accum_shape(work.batch, H, self.tokens, head_dim)
             self.out_shape = (self.tokens, H, head_dim)
@@ -164,7 +200,8 @@ class Case:
         if self.cu is None:
             return lambda a: dq_postprocess(a, self.scale, seqlen_q=self.S, head_dim=self.D, dtype=jnp.bfloat16,
                                             layout=self.layout)
-        return lambda a: dq_postprocess(a, self.scale, head_dim=self.D, total_q=self.tokens, cu_seqlens_q=self.cu,
+        cu = jnp.asarray(self.cu, jnp.int32) if self.traced else self.cu
+        return lambda a: dq_postprocess(a, self.scale, head_dim=self.D, total_q=self.tokens, cu_seqlens_q=cu,
                                         dtype=jnp.bfloat16, layout=self.layout)
 
     def same_bytes_fn(self):
@@ -173,6 +210,28 @@ class Case:
         import jax.numpy as jnp
 
         return lambda a: (a * np.float32(self.scale)).astype(jnp.bfloat16)
+
+    def device_times(self, samples: int) -> dict:
+        """Device time per call from the GPU timeline (jax.profiler) of one jitted program over the rotated
+        buffers: ``xla_device``, XLA's fused ``(x * scale).astype(bf16)`` of exactly the call's useful bytes
+        (``tokens * H * Dr`` floats in, as many bf16 out: the practical roofline); ``ours_jax_device``, our op."""
+        import statistics
+
+        import jax
+
+        elems = self.tokens * self.H * self.plan.padded_head_dim
+        keys = jax.random.split(jax.random.PRNGKey(2), self.copies)
+        flat = [jax.random.normal(k, (elems,), np.float32) for k in keys]
+        scale, ours = np.float32(self.scale), self.ours_jax_fn()
+        out = {}
+        for name, fn, args, kernel in (
+                ("xla_device", lambda xs: [(x * scale).astype(jnp.bfloat16) for x in xs], flat, ""),
+                ("ours_jax_device", lambda xs: [ours(x) for x in xs], self.j_acc, "DqPostprocess")):
+            f = jax.jit(fn)
+            spans = [s for s in (harness.device_span(f, (args,), kernel) for _ in range(max(3, samples // 5))) if s]
+            if spans:
+                out[name] = statistics.median(spans) / self.copies
+        return out
 
     def gather_fn(self):
         """A user's jax.numpy version: gather every element from its position in the tile order."""
@@ -209,7 +268,7 @@ class Case:
         return bool(t.equal(mine.view(t.int16), self.t_out[0].view(t.int16)))
 
 
-def measure(case: Case, samples: int) -> dict:
+def measure(case: Case, samples: int, gather: bool = True) -> dict:
     """Every implementation of ``case`` this machine can run (torch: ours, FA4 and copy by graph replay)."""
     res = {"config": case.name, "packing": case.packing, "head_dim": case.D, "B": case.B, "H": case.H, "S": case.S,
            "tokens": case.tokens, "bytes": case.bytes, "buffers": case.copies,
@@ -235,6 +294,48 @@ def measure(case: Case, samples: int) -> dict:
     res["ours_jax"] = wall(case.jax_run(case.ours_jax_fn()))
     res["ours_jax_same_input"] = wall(case.jax_run(case.ours_jax_fn(), rotate=False))
     res["xla_same_bytes"] = wall(case.jax_run(case.same_bytes_fn()))
-    res["jnp_gather"] = wall(case.jax_run(case.gather_fn()))
+    res.update(case.device_times(samples))
+    if gather:
+        res["jnp_gather"] = wall(case.jax_run(case.gather_fn()))
+    case.j_acc = None
+    return res
+
+
+def short_cases(rng, torch, fa4):
+    """The short-sequence sweep (hd128, FlashAttention-4's dQ preset, 32 heads, :data:`SHORT_TOKENS` tokens): for
+    each count in :data:`SHORT_SEQUENCES`, random lengths (:func:`short_lengths`), static and traced offsets."""
+    for count in SHORT_SEQUENCES:
+        cu = short_lengths(rng, SHORT_TOKENS, count)
+        for traced in (False, True):
+            yield Case(f"hd128-{count}seq", 128, False, "varlen", None, rng, torch, fa4, cu=cu, traced=traced)
+
+
+def measure_short(case: Case, samples: int) -> dict:
+    """A short-sequence case: ours and (static offsets) FlashAttention-4 by graph replay, ours through ``jax.jit``
+    from the GPU timeline, and the sector bound of the lengths in the layout's order (:func:`sector_bound_bytes`)."""
+    lengths = np.diff(case.cu)
+    res = {"config": case.name, "packing": "varlen", "traced": case.traced, "sequences": len(lengths),
+           "max_length": int(lengths.max()), "tokens": case.tokens, "bytes": case.bytes,
+           "bound_bytes": sector_bound_bytes(case.layout, case.D, case.H, case.cu),
+           "tiles_launched": case.num_tiles, "tiles_needed": case.tiles_needed}
+    if case.torch is not None:
+        case.torch_buffers()
+        res["ours"], _ = harness.graph_per_call(case.torch, case.ours(), case.copies, samples)
+        if case.fa4 is not None and not case.traced:
+            try:
+                res["FA4"], _ = harness.graph_per_call(case.torch, case.fa4_run(), case.copies, samples)
+                res["same_bits_as_FA4"] = case.same_bits_as_fa4()
+            except Exception as e:  # noqa: BLE001 - report what the peer cannot run
+                res["FA4_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        case.free_torch()
+    import statistics
+
+    import jax
+
+    case.jax_inputs()
+    f = jax.jit(lambda xs: [case.ours_jax_fn()(x) for x in xs])
+    spans = [t for t in (harness.device_span(f, (case.j_acc,), "DqPostprocess") for _ in range(3)) if t]
+    if spans:
+        res["ours_jax_device"] = statistics.median(spans) / case.copies
     case.j_acc = None
     return res

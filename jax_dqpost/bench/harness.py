@@ -65,13 +65,13 @@ def wall_clock(run, n) -> float:
     return time.perf_counter() - t0
 
 
-def gpu_activities(trace_dir) -> list[tuple[str, str, int, int]]:
+def gpu_activities(trace_dir, with_plane: bool = False) -> list[tuple]:
     """(GPU timeline line, activity name, start ns, duration ns) of every GPU activity in the newest
-    jax.profiler trace under ``trace_dir`` (CUPTI's own timestamps)."""
+    jax.profiler trace under ``trace_dir`` (CUPTI's own timestamps); ``with_plane``: the GPU's plane name first."""
     from jax.profiler import ProfileData
 
     path = max(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True), key=os.path.getmtime)
-    return [(line.name, e.name, e.start_ns, e.duration_ns)
+    return [(plane.name,) * with_plane + (line.name, e.name, e.start_ns, e.duration_ns)
             for plane in ProfileData.from_file(path).planes if plane.name.startswith("/device:GPU")
             for line in plane.lines for e in line.events]
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 from .cases import CONFIGS, IMPLS, PACKINGS, REFERENCE_SHAPE
@@ -19,8 +18,8 @@ def _ratio(res, num, den, fmt):
 def table(rows) -> str:
     """One line per measured case; columns an implementation was not measured for show '-'."""
     head = (f"{'config':>13} {'packing':>7} | {'MB':>6} | {'ours us (TB/s)':>15} | {'FA4 us (TB/s)':>15} | "
-            f"{'copy us (TB/s)':>15} | {'ours/FA4':>8} | {'of copy':>7} | {'jax us':>8} | {'XLA op us':>9} | "
-            f"{'gather us':>9} | {'x gather':>8}")
+            f"{'copy us (TB/s)':>15} | {'ours/FA4':>8} | {'of copy':>7} | {'XLA dev us':>10} | {'of XLA':>6} | "
+            f"{'jax us':>8} | {'XLA op us':>9} | {'gather us':>9} | {'x gather':>8}")
     lines = [head, "-" * len(head)]
     for r in rows:
         us = lambda k: f"{r[k] * 1e6:7.1f} ({_tbps(r, k):4.2f})" if k in r else "-"  # noqa: E731
@@ -28,8 +27,60 @@ def table(rows) -> str:
         lines.append(
             f"{r['config']:>13} {r['packing']:>7} | {r['bytes'] / 1e6:6.1f} | {us('ours'):>15} | {us('FA4'):>15} | "
             f"{us('copy'):>15} | {_ratio(r, 'FA4', 'ours', '8.3f'):>8} | {_ratio(r, 'copy', 'ours', '7.1%'):>7} | "
-            f"{plain('ours_jax'):>8} | {plain('xla_same_bytes'):>9} | {plain('jnp_gather'):>9} | "
+            f"{plain('xla_device'):>10} | {_ratio(r, 'xla_device', 'ours', '6.1%'):>6} | {plain('ours_jax'):>8} | {plain('xla_same_bytes'):>9} | {plain('jnp_gather'):>9} | "
             f"{_ratio(r, 'jnp_gather', 'ours_jax', '8.1f'):>8}")
+    return "\n".join(lines)
+
+
+GOALS = {"dense of XLA op": 1.00, "varlen of XLA op": 0.98, "fused of XLA op": 0.98, "short of dense": 0.75,
+         "short of bound": 0.75}
+"""The speed goals (issue 13): our device time against XLA's fused op of the same bytes, and the short-sequence
+sweep's throughput against dense (lengths up to 200) and against the sector bound (lengths up to 16)."""
+
+
+def _device(r: dict):
+    """Our device time of a row: graph replay (``ours``), else the jitted op's GPU timeline."""
+    return r.get("ours") or r.get("ours_jax_device")
+
+
+def _goals(report: dict) -> list[str]:
+    """One line per goal: the worst measured value and whether it is met."""
+    lines = []
+
+    def line(name, values):
+        if values:
+            worst = min(values, key=lambda v: v[1])
+            lines.append(f"goal {name} >= {GOALS[name]:.0%}: worst {worst[1]:.1%} ({worst[0]}), "
+                         f"{'met' if worst[1] >= GOALS[name] else 'MISSED'}")
+    for packing in ("dense", "varlen"):
+        line(f"{packing} of XLA op", [(r["config"], r["xla_device"] / _device(r)) for r in report["reference"]
+                                      if r["packing"] == packing and "xla_device" in r and _device(r)])
+    line("fused of XLA op", [(r["config"], r["xla_same_bytes"] / r["fused"]) for r in report.get("fused", [])
+                             if "fused" in r and "xla_same_bytes" in r])
+    dense = {r["config"]: r for r in report["reference"] if r["packing"] == "dense"}
+    if "hd128" in dense and _device(dense["hd128"]):
+        d = _device(dense["hd128"])
+        rows = [r for r in report.get("short", []) if _device(r)]
+        tag = lambda r: f"{r['sequences']} seqs, {'traced' if r['traced'] else 'static'}"  # noqa: E731
+        line("short of dense", [(tag(r), d / _device(r)) for r in rows if r["max_length"] <= 200])
+        line("short of bound", [(tag(r), d * r["bound_bytes"] / r["bytes"] / _device(r)) for r in rows
+                                if r["max_length"] <= 16])
+    return lines
+
+
+def short_table(rows, dense: dict) -> str:
+    """The short-sequence sweep; throughputs are device times against our dense hd128's."""
+    head = (f"{'sequences':>9} {'max len':>7} {'offsets':>7} | {'ours us':>8} | {'FA4 us':>8} | {'jit us':>8} | "
+            f"{'of dense':>8} | {'bound MB':>8} | {'of bound':>8} | {'CTAs/head':>9}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        t, d = _device(r), _device(dense)
+        plain = lambda k: f"{r[k] * 1e6:.1f}" if k in r else "-"  # noqa: E731
+        of_dense = f"{d / t:.1%}" if t and d else "-"
+        of_bound = f"{d * r['bound_bytes'] / r['bytes'] / t:.1%}" if t and d else "-"
+        lines.append(f"{r['sequences']:>9} {r['max_length']:>7} {'traced' if r['traced'] else 'static':>7} | "
+                     f"{plain('ours'):>8} | {plain('FA4'):>8} | {plain('ours_jax_device'):>8} | {of_dense:>8} | "
+                     f"{r['bound_bytes'] / 1e6:8.1f} | {of_bound:>8} | {r['tiles_launched']:>9}")
     return "\n".join(lines)
 
 
@@ -81,12 +132,11 @@ def summary(report: dict) -> str:
             d = dense[r["config"]]
             out.append(f"varlen {r['config']}: {d[key] / r[key]:.1%} of our dense throughput ({key}: "
                        f"{d[key] * 1e6:.1f} -> {r[key] * 1e6:.1f} us for {r['tokens']} tokens)")
-    m = report.get("many_sequences")
-    if m and "hd128" in dense:
-        d = dense["hd128"]
-        out.append(f"{m['sequences']} random lengths, hd128, {m['tokens']} tokens: ours {m[key] * 1e6:.1f} us "
-                   f"({d[key] / m[key]:.1%} of dense), FlashAttention-4 {m.get('FA4', math.nan) * 1e6:.1f} us; CTAs "
-                   f"per head launched {m['tiles_launched']}, needed by the sequences {m['tiles_needed']}")
+    out += _goals(report)
+    if report.get("short") and "hd128" in dense:
+        out += ["\n== short sequences, hd128, random lengths over the same tokens (of dense: throughput against our "
+                "dense hd128; of bound: the sector bound's bytes at our dense throughput)", short_table(
+                    report["short"], dense["hd128"])]
     if report["sweep"]:
         out += ["\n== size sweep (bytes moved per call)",
                 table(sorted(report["sweep"], key=lambda r: (r["config"], r["packing"], r["bytes"])))]

@@ -80,9 +80,9 @@ class DqPostprocess:
         the launch-bounds hint given to ptxas (None: chosen here; 0: none); ``heads_fastest``, the launch
         order: True (default), consecutive CTAs take the same tile of consecutive heads, so the CTAs in flight
         write whole dQ rows (all heads) of a few tiles; False, consecutive tiles of one head (FlashAttention's
-        order), so they write narrow slices (one head) of many rows. ``short_rows``: varlen tiles of a swapped Hopper-order
-        accumulator (``swap_ab``) with at most this many rows take the gather path (:meth:`_gather_tile`; 0: never), one CTA
-        for ``short_heads`` heads."""
+        order), so they write narrow slices (one head) of many rows. ``short_rows``: varlen tiles of a swapped
+        Hopper-order accumulator (``swap_ab``) with at most this many rows take the gather path
+        (:meth:`_gather_tile`; 0: never), one CTA for ``short_heads`` heads."""
         if not self.can_implement(dtype, layout, padded_head_dim):
             raise ValueError(f"cannot implement dtype={dtype}, {layout}, padded_head_dim={padded_head_dim}")
         self.tiling = Tiling(tiling)

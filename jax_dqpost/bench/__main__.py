@@ -156,7 +156,7 @@ def main(argv=None) -> int:
     for k, ((name, D, causal), packing, size) in enumerate(todo):
         harness.log(f"[{k + 1}/{len(todo)}] {name} {packing} "
                     f"{'B,H,S=' + str(cases.REFERENCE_SHAPE) if size is None else size}")
-        r = cases.measure(cases.Case(name, D, causal, packing, size, rng, torch, fa4), samples)
+        r = cases.measure(cases.Case(name, D, causal, packing, size, rng, torch, fa4), samples, device=size is None)
         report["reference" if size is None else "sweep"].append(r)
         save()
     report["short"] = []

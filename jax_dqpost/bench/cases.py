@@ -268,8 +268,9 @@ class Case:
         return bool(t.equal(mine.view(t.int16), self.t_out[0].view(t.int16)))
 
 
-def measure(case: Case, samples: int, gather: bool = True) -> dict:
-    """Every implementation of ``case`` this machine can run (torch: ours, FA4 and copy by graph replay)."""
+def measure(case: Case, samples: int, gather: bool = True, device: bool = True) -> dict:
+    """Every implementation of ``case`` this machine can run (torch: ours, FA4 and copy by graph replay);
+    ``device``: also the GPU-timeline columns (:meth:`Case.device_times`)."""
     res = {"config": case.name, "packing": case.packing, "head_dim": case.D, "B": case.B, "H": case.H, "S": case.S,
            "tokens": case.tokens, "bytes": case.bytes, "buffers": case.copies,
            "layout": [case.layout.tile_m, case.layout.num_threads, case.layout.atom_layout, case.layout.swap_ab,
@@ -294,7 +295,8 @@ def measure(case: Case, samples: int, gather: bool = True) -> dict:
     res["ours_jax"] = wall(case.jax_run(case.ours_jax_fn()))
     res["ours_jax_same_input"] = wall(case.jax_run(case.ours_jax_fn(), rotate=False))
     res["xla_same_bytes"] = wall(case.jax_run(case.same_bytes_fn()))
-    res.update(case.device_times(samples))
+    if device:
+        res.update(case.device_times(samples))
     if gather:
         res["jnp_gather"] = wall(case.jax_run(case.gather_fn()))
     case.j_acc = None

@@ -20,6 +20,10 @@ Per tile with rows to convert, every thread
   4. after one barrier, copies rows of the dQ tile to global memory as 16-byte vectors, predicated on
      the tile's rows and ``column < head_dim``, zeros for rows past the converted ones.
 
+Varlen tiles of at most ``short_rows`` rows of a swapped Hopper order (many short sequences) skip steps 3-4: each
+thread gathers the 8 floats of a 16-byte dQ vector straight from the accumulator and writes it, and the CTA of every
+``short_heads``-th head does so for that many heads at once (the other CTAs of the group return).
+
 Every address is derived from the launch grid and the extents passed in; nothing read from device
 memory other than the accumulator values and ``scale`` influences where the kernel reads or writes.
 """

@@ -329,7 +329,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDqpostExecuteFused, ExecuteFused,
                                   .Ctx<ffi::State<LoadedKernel>>()
                                   .RemainingArgs()
                                   .RemainingRets()
-                                  .Attr<std::string_view>("module")  // every attribute is bound (XLA checks)
+                                  .Attr<std::string_view>("module")  // unused here (Instantiate loads it)
                                   .Attr<std::string_view>("fingerprint")
                                   .Attr<ffi::Span<const int64_t>>("slots")
                                   .Attr<ffi::Span<const int64_t>>("bytes")

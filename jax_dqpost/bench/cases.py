@@ -215,8 +215,6 @@ class Case:
         """Device time per call from the GPU timeline (jax.profiler) of one jitted program over the rotated
         buffers: ``xla_device``, XLA's fused ``(x * scale).astype(bf16)`` of exactly the call's useful bytes
         (``tokens * H * Dr`` floats in, as many bf16 out: the practical roofline); ``ours_jax_device``, our op."""
-        import statistics
-
         import jax
 
         elems = self.tokens * self.H * self.plan.padded_head_dim
@@ -227,10 +225,9 @@ class Case:
         for name, fn, args, kernel in (
                 ("xla_device", lambda xs: [(x * scale).astype(jnp.bfloat16) for x in xs], flat, ""),
                 ("ours_jax_device", lambda xs: [ours(x) for x in xs], self.j_acc, "DqPostprocess")):
-            f = jax.jit(fn)
-            spans = [s for s in (harness.device_span(f, (args,), kernel) for _ in range(max(3, samples // 5))) if s]
-            if spans:
-                out[name] = statistics.median(spans) / self.copies
+            t = harness.device_time_per_call(jax.jit(fn), (args,), kernel, self.copies, max(3, samples // 5))
+            if t:
+                out[name] = t
         return out
 
     def gather_fn(self):
@@ -330,14 +327,13 @@ def measure_short(case: Case, samples: int) -> dict:
             except Exception as e:  # noqa: BLE001 - report what the peer cannot run
                 res["FA4_error"] = f"{type(e).__name__}: {str(e)[:200]}"
         case.free_torch()
-    import statistics
-
     import jax
 
     case.jax_inputs()
-    f = jax.jit(lambda xs: [case.ours_jax_fn()(x) for x in xs])
-    spans = [t for t in (harness.device_span(f, (case.j_acc,), "DqPostprocess") for _ in range(3)) if t]
-    if spans:
-        res["ours_jax_device"] = statistics.median(spans) / case.copies
+    ours = case.ours_jax_fn()
+    t = harness.device_time_per_call(jax.jit(lambda xs: [ours(x) for x in xs]), (case.j_acc,), "DqPostprocess",
+                                     case.copies, 3)
+    if t:
+        res["ours_jax_device"] = t
     case.j_acc = None
     return res

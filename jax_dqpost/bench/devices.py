@@ -11,9 +11,6 @@ none. Every sharded result is compared bit for bit with the one-GPU result of th
 from __future__ import annotations
 
 import re
-import shutil
-import statistics
-import tempfile
 
 import numpy as np
 
@@ -27,24 +24,6 @@ METHOD = ("device time per call: span of our kernels on each GPU's jax.profiler 
 def collectives(hlo_text: str) -> list[str]:
     """The collective ops in a compiled program's text (none expected when batch or heads are sharded)."""
     return sorted({m.group(1) for m in COLLECTIVES.finditer(hlo_text)})
-
-
-def _spans_per_gpu(f, args, name: str) -> dict[str, float]:
-    """One execution of ``f(*args)`` under jax.profiler: per GPU plane, the span of the kernels named ``name``."""
-    import jax
-
-    jax.block_until_ready(f(*args))
-    trace_dir = tempfile.mkdtemp(prefix="jax_dqpost_trace_")
-    try:
-        with jax.profiler.trace(trace_dir):
-            jax.block_until_ready(f(*args))
-        spans: dict[str, list] = {}
-        for plane, _, ev, start, dur in harness.gpu_activities(trace_dir, with_plane=True):
-            if name in ev:
-                spans.setdefault(plane, []).append((start, start + dur))
-    finally:
-        shutil.rmtree(trace_dir, ignore_errors=True)
-    return {p: (max(e for _, e in v) - min(s for s, _ in v)) * 1e-9 for p, v in spans.items()}
 
 
 def program(layout, head_dim: int, seqlen: int):
@@ -80,12 +59,7 @@ def measure(n: int, samples: int) -> dict:
            "bytes": B * S * H * (layout.padded_head_dim(D) * 4 + D * 2), "method": METHOD}
 
     def timed(f, args):
-        vals = []
-        for _ in range(max(3, samples // 5)):
-            spans = _spans_per_gpu(f, (args,), "DqPostprocess")
-            if spans:
-                vals.append(max(spans.values()) / copies)
-        return statistics.median(vals) if vals else None
+        return harness.device_time_per_call(f, (args,), "DqPostprocess", copies, max(3, samples // 5))
 
     one = [jax.device_put(a, gpus[0]) for a in host]
     f1 = jax.jit(body)
@@ -110,6 +84,8 @@ def measure(n: int, samples: int) -> dict:
 def table(r: dict) -> str:
     if "error" in r:
         return r["error"]
+    if not r.get("one_gpu"):
+        return f"--devices {r['devices']}: the profiler recorded no kernel of ours on the GPU timeline"
     lines = [f"hd128 {tuple(r['shape'])} bf16 on {r['devices']} x {r['gpu']}: one GPU "
              f"{r['one_gpu'] * 1e6:.1f} us per call (device time)"]
     for axis in ("batch", "heads"):

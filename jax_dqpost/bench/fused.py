@@ -162,8 +162,6 @@ class FusedCase:
 
     # ---- JAX side: XLA's op of the same bytes and ours through jax.jit, from the GPU timeline --------------
     def jax_device(self, samples: int) -> dict:
-        import statistics
-
         import jax
         import jax.numpy as jnp
 
@@ -186,11 +184,9 @@ class FusedCase:
 
         out = {}
         for name, fn, kernel in (("xla_same_bytes", xla, ""), ("fused_jax", ours, "FusedPostprocess")):
-            f = jax.jit(fn)
-            spans = [harness.device_span(f, (sets,), kernel) for _ in range(max(3, samples // 5))]
-            spans = [s for s in spans if s]
-            if spans:
-                out[name] = statistics.median(spans) / self.copies
+            t = harness.device_time_per_call(jax.jit(fn), (sets,), kernel, self.copies, max(3, samples // 5))
+            if t:
+                out[name] = t
         return out
 
 

@@ -76,10 +76,9 @@ def gpu_activities(trace_dir, with_plane: bool = False) -> list[tuple]:
             for line in plane.lines for e in line.events]
 
 
-def device_per_kernel(f, args, name: str) -> dict:
-    """One execution of ``f(*args)`` under jax.profiler: the GPU time per kernel whose name contains ``name``
-    (span from the first one's start to the last one's end, over their count), their median duration and the
-    median idle gap between consecutive ones. Empty if the profiler records no GPU activity."""
+def traced_activities(f, args) -> list[tuple]:
+    """Run ``f(*args)`` once (compile, warm up), then once more under jax.profiler: every GPU activity of the
+    traced run, as :func:`gpu_activities` with planes."""
     import jax
 
     jax.block_until_ready(f(*args))
@@ -87,11 +86,19 @@ def device_per_kernel(f, args, name: str) -> dict:
     try:
         with jax.profiler.trace(trace_dir):
             jax.block_until_ready(f(*args))
-        evs = sorted((start, dur) for _, ev, start, dur in gpu_activities(trace_dir) if name in ev)
-    except Exception as e:  # noqa: BLE001 - the profiler is optional evidence, not the measurement
-        return {"error": f"{type(e).__name__}: {e}"[:300]}
+        return gpu_activities(trace_dir, with_plane=True)
     finally:
         shutil.rmtree(trace_dir, ignore_errors=True)
+
+
+def device_per_kernel(f, args, name: str) -> dict:
+    """One execution of ``f(*args)`` under jax.profiler: the GPU time per kernel whose name contains ``name``
+    (span from the first one's start to the last one's end, over their count), their median duration and the
+    median idle gap between consecutive ones. Empty if the profiler records no GPU activity."""
+    try:
+        evs = sorted((start, dur) for _, _, ev, start, dur in traced_activities(f, args) if name in ev)
+    except Exception as e:  # noqa: BLE001 - the profiler is optional evidence, not the measurement
+        return {"error": f"{type(e).__name__}: {e}"[:300]}
     if len(evs) < 2:
         return {}
     gaps = [b[0] - (a[0] + a[1]) for a, b in zip(evs, evs[1:])]
@@ -99,20 +106,18 @@ def device_per_kernel(f, args, name: str) -> dict:
             "median_duration": statistics.median(d for _, d in evs) * 1e-9, "median_gap": statistics.median(gaps) * 1e-9}
 
 
-def device_span(f, args, name: str = "") -> float | None:
-    """One execution of ``f(*args)`` under jax.profiler: seconds from the first GPU kernel's start to the last
-    one's end, over the kernels whose name contains ``name`` (all: ``""``); None if none was recorded."""
-    import jax
+def device_spans(f, args, name: str = "") -> dict[str, float]:
+    """One execution of ``f(*args)`` under jax.profiler: per GPU, seconds from the first kernel's start to the last
+    one's end, over the kernels whose name contains ``name`` (all: ``""``; copies and memsets never count)."""
+    spans: dict[str, list] = {}
+    for plane, _, ev, start, dur in traced_activities(f, args):
+        if name in ev and not ev.lower().startswith(("memcpy", "memset")):
+            spans.setdefault(plane, []).append((start, start + dur))
+    return {p: (max(e for _, e in v) - min(s for s, _ in v)) * 1e-9 for p, v in spans.items()}
 
-    jax.block_until_ready(f(*args))
-    trace_dir = tempfile.mkdtemp(prefix="jax_dqpost_trace_")
-    try:
-        with jax.profiler.trace(trace_dir):
-            jax.block_until_ready(f(*args))
-        evs = [(start, dur) for _, ev, start, dur in gpu_activities(trace_dir)
-               if name in ev and not ev.lower().startswith("memcpy") and not ev.lower().startswith("memset")]
-    finally:
-        shutil.rmtree(trace_dir, ignore_errors=True)
-    if not evs:
-        return None
-    return (max(s + d for s, d in evs) - min(s for s, _ in evs)) * 1e-9
+
+def device_time_per_call(f, args, name: str, calls: int, repeats: int) -> float | None:
+    """Device seconds per call of a program ``f(*args)`` making ``calls`` calls: the median over ``repeats``
+    traced executions of the slowest GPU's :func:`device_spans`, over ``calls``; None if nothing was recorded."""
+    spans = [max(s.values()) for s in (device_spans(f, args, name) for _ in range(repeats)) if s]
+    return statistics.median(spans) / calls if spans else None

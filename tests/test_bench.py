@@ -114,7 +114,7 @@ def test_main_reports_from_measurements(tmp_path, monkeypatch, capsys, with_torc
     import sys
     import types
 
-    def fake_measure(case, samples, gather=True, device=True):
+    def fake_measure(case, samples, device=True):
         t = case.bytes / 4e12
         r = {"config": case.name, "packing": case.packing, "bytes": case.bytes, "tokens": case.tokens,
              "ours_jax": t * 1.1, "xla_same_bytes": t * 1.05, "jnp_gather": t * 4, "xla_device": t * 0.99,

@@ -265,7 +265,7 @@ class Case:
         return bool(t.equal(mine.view(t.int16), self.t_out[0].view(t.int16)))
 
 
-def measure(case: Case, samples: int, gather: bool = True, device: bool = True) -> dict:
+def measure(case: Case, samples: int, device: bool = True) -> dict:
     """Every implementation of ``case`` this machine can run (torch: ours, FA4 and copy by graph replay);
     ``device``: also the GPU-timeline columns (:meth:`Case.device_times`)."""
     res = {"config": case.name, "packing": case.packing, "head_dim": case.D, "B": case.B, "H": case.H, "S": case.S,
@@ -294,8 +294,7 @@ def measure(case: Case, samples: int, gather: bool = True, device: bool = True) 
     res["xla_same_bytes"] = wall(case.jax_run(case.same_bytes_fn()))
     if device:
         res.update(case.device_times(samples))
-    if gather:
-        res["jnp_gather"] = wall(case.jax_run(case.gather_fn()))
+    res["jnp_gather"] = wall(case.jax_run(case.gather_fn()))
     case.j_acc = None
     return res
 

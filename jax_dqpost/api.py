@@ -222,14 +222,13 @@ def _plan(layout, head_dim, dtype, seqlen_q, total_q, cu_seqlens_q, seqused_q, s
     if total_q is None:
         raise ValueError(f"{total_n} (rows of the packed output) is required with {cu_n}")
     total_q = _validate.static_int(total_n, total_q, minimum=0)
-    tile_m = layout.tile_m
     if _is_static(cu_seqlens_q) and (seqused_q is None or _is_static(seqused_q)):
         cu = _static_ints(cu_n, cu_seqlens_q)
         used = None if seqused_q is None else _static_ints(used_n, seqused_q)
         check_static(cu, used, total_q, side=side)
         _check_int32_range(total_q, len(cu) - 1, layout.pad_rows, total_n)
         work, meta = WorkList.build(np, np.asarray(cu), None if used is None else np.asarray(used),
-                                    total_q=total_q, tile_m=tile_m, pad_rows=layout.pad_rows)
+                                    total_q=total_q, layout=layout)
         return Plan(layout, head_dim, dtype, work=work), jnp.asarray(meta)
     cu = _int_array(cu_n, _static_as_array(cu_seqlens_q))
     if cu.shape[0] < 2:
@@ -239,8 +238,8 @@ def _plan(layout, head_dim, dtype, seqlen_q, total_q, cu_seqlens_q, seqused_q, s
     if used is not None and used.shape != (batch,):
         raise ValueError(f"{used_n} must have shape ({batch},) to match {cu_n}, got {used.shape}")
     _check_int32_range(total_q, batch, layout.pad_rows, total_n)
-    work, meta = WorkList.build(jnp, cu, used, total_q=total_q, tile_m=tile_m, pad_rows=layout.pad_rows,
-                                num_tiles=WorkList.max_tiles(total_q, batch, tile_m))
+    work, meta = WorkList.build(jnp, cu, used, total_q=total_q, layout=layout,
+                                num_tiles=WorkList.max_tiles(total_q, batch, layout))
     return Plan(layout, head_dim, dtype, work=work), meta
 
 

@@ -2,13 +2,14 @@
 
 Imports cutlass at module import: load this module lazily (``kernel_cache.py`` does).
 
-Which tile a CTA takes depends on the tiling (``plan.Tiling``, compiled in). The grid is ``(H * grid_x, 1,
-B)`` (varlen: ``B`` = 1), heads fastest: CTA ``x`` takes head ``x % H`` and tile ``m = x // H`` of that head (so
-the CTAs in flight write whole rows of dQ, every head of them, as a copy would). Dense tilings:
-``grid_x = ceil(S / tile_m)``, tile ``(b, h, m)``; varlen: ``grid_x = num_tiles``, tile ``m`` looks its span up
-in the work list (varlen.py) and converts tile ``m - tile_start[span]`` of it. A tile has
-``rows_total`` rows to write, of which the first ``rows_conv`` come from the accumulator and the rest are
-zeros (seqused_q shorter than the sequence, rows no sequence covers).
+Which tile a CTA takes depends on the tiling (``plan.Tiling``, compiled in). Dense tilings: the grid is ``(H *
+grid_x, 1, B)``, ``grid_x = ceil(S / tile_m)``, heads fastest: CTA ``x`` takes tile ``(b, h, m) = (z, x % H, x //
+H)`` (so the CTAs in flight write whole rows of dQ, every head of them, as a copy would). Varlen: the grid is
+``(varlen.grid_ctas(...), 1, 1)`` over the work list's slots (varlen.py): for orders with short tiles, first one
+CTA per span and group of ``short_heads`` heads (the span's short tile, if it has one), then, heads fastest, one
+CTA per long-tile slot and head: slot ``m`` looks its span up and converts tile ``m - tile_start[span]`` of it. A
+tile has ``rows_total`` rows to write, of which the first ``rows_conv`` come from the accumulator and the rest
+are zeros (seqused_q shorter than the sequence, rows no sequence covers).
 
 Per tile with rows to convert, every thread
   1. loads its fp32 accumulator fragment straight from global memory, coalesced, in the order the
@@ -20,9 +21,10 @@ Per tile with rows to convert, every thread
   4. after one barrier, copies rows of the dQ tile to global memory as 16-byte vectors, predicated on
      the tile's rows and ``column < head_dim``, zeros for rows past the converted ones.
 
-Varlen tiles of at most ``short_rows`` rows of a swapped Hopper order (many short sequences) skip steps 3-4: each
-thread gathers the 8 floats of a 16-byte dQ vector straight from the accumulator and writes it, and the CTA of every
-``short_heads``-th head does so for that many heads at once (the other CTAs of the group return).
+A short tile (1 .. ``short_rows`` rows: many short sequences; swapped Hopper orders) takes no shared memory and no
+barrier: its CTA converts it for a group of heads, each thread a row pair and 16 columns of one head at a time,
+with eight 16-byte loads (each vector of the wgmma fragment holds two adjacent rows at two columns 8 apart) and
+four 16-byte stores (:meth:`DqPostprocess._short_tile`).
 
 Every address is derived from the launch grid and the extents passed in; nothing read from device
 memory other than the accumulator values and ``scale`` influences where the kernel reads or writes.
@@ -77,24 +79,24 @@ class DqPostprocess:
 
     def __init__(self, dtype: type[cutlass.Numeric], layout: AccumLayout, padded_head_dim: int, *,
                  tiling: Tiling = Tiling.DENSE, target_sm: int = 90, min_ctas_per_sm: int | None = None,
-                 heads_fastest: bool = True, short_rows: int = 16, short_heads: int = 4):
+                 heads_fastest: bool = True, short_heads: int = varlen.SHORT_HEADS):
         """``padded_head_dim``: ``Dr``, the head dim as padded in the accumulator. ``tiling``: how a CTA finds its tile (see the module
         docstring). ``target_sm``: the GPU generation
         compiled for (e.g. 80, 90, 100). Tuning (tools/ncu_kernels.py compares them): ``min_ctas_per_sm``,
         the launch-bounds hint given to ptxas (None: chosen here; 0: none); ``heads_fastest``, the launch
         order: True (default), consecutive CTAs take the same tile of consecutive heads, so the CTAs in flight
         write whole dQ rows (all heads) of a few tiles; False, consecutive tiles of one head (FlashAttention's
-        order), so they write narrow slices (one head) of many rows. ``short_rows``: varlen tiles of a swapped
-        Hopper-order accumulator (``swap_ab``) with at most this many rows take the gather path
-        (:meth:`_gather_tile`; 0: never), one CTA for ``short_heads`` heads."""
+        order), so they write narrow slices (one head) of many rows (dense tilings only); ``short_heads``, the
+        heads per CTA of a short varlen tile."""
         if not self.can_implement(dtype, layout, padded_head_dim):
             raise ValueError(f"cannot implement dtype={dtype}, {layout}, padded_head_dim={padded_head_dim}")
         self.tiling = Tiling(tiling)
         self.heads_fastest = heads_fastest
-        # Measured (H200): a win for swapped Hopper orders; for the others the shared-memory path is as fast or faster.
-        gather = self.tiling == Tiling.VARLEN and layout.arch == 90 and layout.swap_ab
-        self.short_rows = min(short_rows, layout.tile_m) if gather else 0
+        # Short varlen tiles (varlen.short_rows: the swapped Hopper orders); the work list is built for the same rule.
+        self.short_rows = varlen.short_rows(layout) if self.tiling == Tiling.VARLEN else 0
         self.short_heads = short_heads
+        if self.tiling == Tiling.VARLEN and not heads_fastest:
+            raise ValueError("heads_fastest=False is a dense-tiling launch order")
         self.family = {90: "mma", 80: "mma", 100: "rows", None: "rowmajor"}[layout.arch]
         self.use_stmatrix = target_sm >= 90
         # WGMMA atoms exist only on sm_90: elsewhere a Hopper-order fragment is placed by its coordinates.
@@ -185,8 +187,10 @@ class DqPostprocess:
         grid_x: Int32,  # CTAs per head along x: ceil(S / tile_m), varlen: the work list's num_tiles
         stream: cuda.CUstream,
     ):
-        z = 1 if const_expr(self.tiling == Tiling.VARLEN) else dim0
-        grid = [heads * grid_x, 1, z] if const_expr(self.heads_fastest) else [grid_x, heads, z]
+        if const_expr(self.tiling == Tiling.VARLEN):
+            grid = [self.num_ctas(dim0, heads, grid_x), 1, 1]
+        else:
+            grid = [heads * grid_x, 1, dim0] if const_expr(self.heads_fastest) else [grid_x, heads, dim0]
         self.kernel(acc_ptr, dq_ptr, scale_ptr, aux_ptr, dim0, heads, rows, head_dim, grid_x).launch(
             grid=grid,
             block=[self.num_threads, 1, 1],
@@ -214,16 +218,40 @@ class DqPostprocess:
         tidx, _, _ = cute.arch.thread_idx()
         bx, head, bz = cute.arch.block_idx()
         if const_expr(self.heads_fastest):
-            bx, head = bx // heads, bx % heads
-        self.tile(acc_ptr, dq_ptr, scale_ptr, aux_ptr, dim0, heads, rows, head_dim, grid_x, bx, head, bz, tidx,
-                  cutlass.memory.SmemAllocator())
+            self.cta(acc_ptr, dq_ptr, scale_ptr, aux_ptr, dim0, heads, rows, head_dim, grid_x, bx, bz, tidx,
+                     cutlass.memory.SmemAllocator())
+        else:
+            self.tile(acc_ptr, dq_ptr, scale_ptr, aux_ptr, dim0, heads, rows, head_dim, grid_x, bx, head, bz, tidx,
+                      cutlass.memory.SmemAllocator())
+
+    def num_ctas(self, dim0, heads, grid_x):
+        """CTAs of a launch with these extents (per batch for the dense tilings: the grid's x)."""
+        if const_expr(self.tiling == Tiling.VARLEN):
+            return varlen.grid_ctas(heads, grid_x, dim0, self.short_rows, self.short_heads)
+        return heads * grid_x
+
+    @cute.jit
+    def cta(self, acc_ptr, dq_ptr, scale_ptr, aux_ptr, dim0, heads, rows, head_dim, grid_x, x, bz, tidx, smem):
+        """CTA ``x`` of :meth:`num_ctas` (and batch ``bz``, dense tilings): the module docstring's numbering. Also the
+        body of each part of the fused kernel (``kernel_fused.py``), where only the part's first ``num_threads``
+        threads call it. ``smem`` allocates the shared-memory dQ tile (``allocate_tensor``)."""
+        if const_expr(self.short_rows > 0):
+            short_ctas = dim0 * ((heads + self.short_heads - 1) // self.short_heads)
+            if x < short_ctas:
+                self._short_tile(acc_ptr, dq_ptr, scale_ptr, aux_ptr, dim0, heads, rows, head_dim, grid_x, x % dim0,
+                                 x // dim0, tidx)
+            else:
+                self.tile(acc_ptr, dq_ptr, scale_ptr, aux_ptr, dim0, heads, rows, head_dim, grid_x,
+                          (x - short_ctas) // heads, (x - short_ctas) % heads, bz, tidx, smem)
+        else:
+            self.tile(acc_ptr, dq_ptr, scale_ptr, aux_ptr, dim0, heads, rows, head_dim, grid_x, x // heads,
+                      x % heads, bz, tidx, smem)
 
     @cute.jit
     def tile(self, acc_ptr, dq_ptr, scale_ptr, aux_ptr, dim0, heads, rows, head_dim, grid_x, bx, head, bz, tidx,
              smem):
-        """One CTA's work: tile ``bx`` of head ``head`` (and batch ``bz``, dense tilings). ``smem`` allocates the
-        shared-memory dQ tile (``allocate_tensor``). Also the body of each part of the fused kernel
-        (``kernel_fused.py``), where only the part's first ``num_threads`` threads call it."""
+        """Tile ``bx`` of head ``head`` (and batch ``bz``, dense tilings; varlen: long-tile slot ``bx``) through the
+        shared-memory tile."""
         tile_m, padded_head_dim = self.tile_m, self.padded_head_dim
 
         # ---- 0. this CTA's tile: accumulator tile, first dQ row, rows to write and to convert ------
@@ -267,12 +295,7 @@ class DqPostprocess:
         s_layout = self._smem_layout()
         s_dq = smem.allocate_tensor(self.dtype, s_layout, byte_alignment=1024)
         if const_expr(self.short_rows > 0):
-            if rows_total <= self.short_rows:
-                # the first CTA of each group of short_heads heads takes the group's tile (the others: nothing)
-                if head % self.short_heads == 0:
-                    self._gather_tile(acc_ptr, tile_elem, Int64(padded_total) * Int64(padded_head_dim), scale_ptr,
-                                      dq_ptr, dq_row0, heads, head, head_dim, rows_total, rows_conv, tidx)
-            else:
+            if rows_total > 0:  # (slots past the long tiles of traced offsets: nothing to do)
                 self._tile_via_smem(acc_ptr, tile_elem, scale_ptr, dq_ptr, dq_row0, heads, head, head_dim, s_dq,
                                     s_layout, rows_total, rows_conv, tidx)
         else:
@@ -290,55 +313,86 @@ class DqPostprocess:
         self._store_tile(dq_ptr, dq_offset, heads * head_dim, head_dim, s_dq, rows_total, rows_conv, tidx)
 
     @cute.jit
-    def _gather_tile(self, acc_ptr, tile_elem, head_elems, scale_ptr, dq_ptr, dq_row0, heads, head, head_dim,
-                     rows_total, rows_conv, tidx):
-        """A tile of at most ``short_rows`` rows (varlen, Hopper order; many short sequences), for heads ``head ..
-        head + short_heads - 1`` at once (``head_elems``: floats between two heads' accumulators). Each thread writes
-        16-byte vectors of dQ (8 columns of a row), gathering their 8 floats from the accumulator by the order's
-        index map (the inverse of :meth:`_place_wgmma_fragment`), every head's loads in flight before the first
-        store. No shared memory and no barrier: a mostly empty tile costs a few instructions per thread instead of
-        the whole fragment's conversion and placement."""
-        group = self.short_heads
-        dq_offset = (dq_row0 * Int64(heads) + Int64(head)) * Int64(head_dim)
-        row_stride = heads * head_dim
-        vec = _VEC_BYTES * 8 // self.dtype.width  # columns per 16-byte vector
-        vecs_per_row = self.padded_head_dim // vec
+    def _short_tile(self, acc_ptr, dq_ptr, scale_ptr, aux_ptr, num_spans, heads, rows, head_dim, grid_x, span, group,
+                    tidx):
+        """Span ``span``'s short tile (its last tile, if it has ``1 .. short_rows`` rows), for heads ``group *
+        short_heads ..`` (at most ``short_heads`` of them). No shared memory, no barrier.
+
+        In a swapped wgmma fragment dQ's rows are the MMA's N and its columns the M; the 16-byte vector of
+        registers ``4k .. 4k+3`` holds rows ``(2p, 2p + 1)`` at columns ``(c, c + 8)`` (``v % 2`` and ``(v / 2) % 2``
+        of :meth:`_place_wgmma_fragment`), and the threads ``t = 32 (j % 4) + 4 c + q`` (``c = 0..7``) hold columns
+        ``16 j .. 16 j + 15`` of the same row pair. So one work item, a row pair ``p``, 16 columns ``16 j ..`` and a
+        head, is eight 16-byte loads and four 16-byte stores (rows ``2p, 2p + 1``, columns ``16 j, 16 j + 8``),
+        every float loaded used (``tests/test_layout.py`` checks this map against ``tile_index_map``)."""
+        tile_m, dr = self.tile_m, self.padded_head_dim
+        spans_at, tile_span_at = varlen.sections(num_spans)
+        meta = cute.make_tensor(aux_ptr, cute.make_layout(tile_span_at + grid_x))
+        field = spans_at + len(varlen.SPAN_FIELDS) * span
+        span_rows = meta[field + varlen.SPAN_ROWS]
+        tile_in_span = span_rows // tile_m
+        rows_total = span_rows - tile_in_span * tile_m
+        row0 = meta[field + varlen.ROW_START] + tile_in_span * tile_m
+        rows_conv = cutlass.max(cutlass.min(meta[field + varlen.CONV_ROWS] - tile_in_span * tile_m, rows_total), 0)
+        acc_row = meta[field + varlen.ACC_ROW] + tile_in_span * tile_m
+        padded_total = varlen.padded_total(rows, num_spans - 2, self.layout.pad_rows)
+        # Defence in depth; the work list already guarantees all of these.
+        if rows_total > self.short_rows or span_rows < 0 or row0 < 0 or rows_total > rows - row0:
+            rows_total = 0  # no short tile (a long one, or none)
+        if acc_row < 0 or acc_row + tile_m > padded_total:
+            rows_conv = 0
+        rows_conv = cutlass.min(rows_conv, rows_total)
+
+        # Thread (slot, g0): row pair p and columns 16 j .. of heads head0 + g0, g0 + step, ... (slot = p + pairs * j)
+        pairs, blocks = (rows_total + 1) // 2, dr // 16
+        if rows_total > 0:
+            slots = pairs * blocks
+            step = self.num_threads // slots  # heads per round (slots <= 8 * 16 < num_threads)
+            slot, g0 = tidx % slots, tidx // slots
+            p, j = slot % pairs, slot // pairs  # row pair fastest: 4 lanes read 64 contiguous bytes
+            src_at = Int64(acc_row) * Int64(dr) + Int64(self.short_vector(p, j))
+            head_elems = Int64(padded_total) * Int64(dr)
+            row_stride = Int64(heads) * Int64(head_dim)
+            dst_at = (Int64(row0) + Int64(2 * p)) * row_stride + Int64(16 * j)
+            scale = cute.make_tensor(scale_ptr, cute.make_layout(1))[0]
+            vec_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128)
+            store_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
+            head0 = group * self.short_heads
+            group_heads = cutlass.min(heads - head0, self.short_heads)
+            if g0 < step:
+                for g in cutlass.range(g0, group_heads, step):
+                    head = head0 + g
+                    vals = cute.make_rmem_tensor(cute.make_layout((4, 8)), Float32)  # (element, c): the 8 vectors
+                    if 2 * p < rows_conv:
+                        src = cute.make_tensor(_aligned(acc_ptr + src_at + Int64(head) * head_elems,
+                                                        cute.AddressSpace.gmem),
+                                               cute.make_layout((4, 8), stride=(1, 16)))
+                        for c in cutlass.range_constexpr(8):
+                            cute.copy(vec_atom, src[None, c], vals[None, c])
+                    for o in cutlass.range_constexpr(2):
+                        if 2 * p + o < rows_total:
+                            for e in cutlass.range_constexpr(2):
+                                if 16 * j + 8 * e < head_dim:
+                                    out = cute.make_rmem_tensor(cute.make_layout(8), self.dtype)
+                                    out.fill(0.0)  # rows past rows_conv: zeros (not 0 * scale, -0 if scale < 0)
+                                    if 2 * p + o < rows_conv:
+                                        out.store((vals[2 * e + o, None].load() * scale).to(self.dtype))
+                                    dst = cute.make_tensor(
+                                        _aligned(dq_ptr + dst_at + Int64(o) * row_stride + Int64(head * head_dim + 8 * e),
+                                                 cute.AddressSpace.gmem), cute.make_layout(8))
+                                    cute.copy(store_atom, out, dst)
+
+    def short_vector(self, p, j):
+        """Float offset, in a tile of a swapped Hopper order, of the first of the eight 16-byte vectors holding rows
+        ``2p, 2p + 1`` and columns ``16 j .. 16 j + 15``; vector ``c`` is ``16 c`` floats further, its element
+        ``2 e + o`` is ``(2p + o, 16 j + 8 e + c)`` (:meth:`_short_tile`). The wgmma fragment coordinates of
+        :meth:`_place_wgmma_fragment` with dQ's row as N and its column as M. Plain arithmetic: also evaluated on
+        the kernel's run-time integers."""
         per_atom, atoms_m, n_atom = self.n_atom // 2, self.atoms_mn[0], self.n_atom
-        chunk = self.tile_m * self.padded_head_dim // self.layout.num_warpgroups
-        scale = cute.make_tensor(scale_ptr, cute.make_layout(1))[0]
-        store_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
-        for p in cutlass.range_constexpr(-(-self.short_rows * vecs_per_row // self.num_threads)):
-            u = tidx + p * self.num_threads
-            row, col0 = u // vecs_per_row, (u % vecs_per_row) * vec
-            if row < rows_total and col0 < head_dim:
-                vals = cute.make_rmem_tensor(cute.make_layout((vec, group)), Float32)
-                if row < rows_conv:
-                    for g in cutlass.range_constexpr(group):
-                        if head + g < heads:
-                            acc = cute.make_tensor(acc_ptr + tile_elem + Int64(g) * head_elems,
-                                                   cute.make_layout(self.tile_m * self.padded_head_dim))
-                            for c in cutlass.range_constexpr(vec):
-                                # dQ (row, col0 + c) -> the MMA's (m, n) -> (warpgroup, thread, register) -> float
-                                m, n = row, col0 + c
-                                if const_expr(self.layout.swap_ab):
-                                    m, n = col0 + c, row
-                                wm, mm, r64 = (m // 64) % atoms_m, m // (64 * atoms_m), m % 64
-                                wn, cn = n // n_atom, n % n_atom
-                                v = 4 * (cn // 8) + 2 * ((r64 % 16) // 8) + cn % 2
-                                reg = mm * per_atom + v
-                                t = 32 * (r64 // 16) + 4 * (r64 % 8) + (cn % 8) // 2
-                                w = wm + atoms_m * wn
-                                vals[c, g] = acc[w * chunk + 512 * (reg // 4) + 4 * t + reg % 4]
-                for g in cutlass.range_constexpr(group):
-                    if head + g < heads:
-                        out = cute.make_rmem_tensor(cute.make_layout(vec), self.dtype)
-                        out.fill(0.0)  # rows past rows_conv: zeros (not 0 * scale, -0 for a negative scale)
-                        if row < rows_conv:
-                            out.store((vals[None, g].load() * scale).to(self.dtype))
-                        dst = cute.make_tensor(
-                            _aligned(dq_ptr + dq_offset + Int64(row) * Int64(row_stride) + Int64(col0 + g * head_dim),
-                                     cute.AddressSpace.gmem), cute.make_layout(vec))
-                        cute.copy(store_atom, out, dst)
+        cn, wn = (2 * p) % n_atom, (2 * p) // n_atom  # N: rows 2p, 2p + 1 are registers v, v + 1 of one thread
+        w = (j // 4) % atoms_m + atoms_m * wn  # M: the 64-column atom of columns 16 j .., and its warpgroup
+        k = (j // (4 * atoms_m)) * (per_atom // 4) + cn // 8  # the thread's vector: registers 4k .. 4k + 3
+        t = 32 * (j % 4) + (cn % 8) // 2  # the thread holding column 16 j (c = 0); column 16 j + c: t + 4c
+        return w * (self.tile_m * self.padded_head_dim // self.layout.num_warpgroups) + 512 * k + 4 * t
 
     def sync(self):
         """The barrier between the shared-memory writes and reads: the whole CTA, or (a part of the fused

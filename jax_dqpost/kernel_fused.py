@@ -3,10 +3,10 @@
 Imports cutlass at module import: load this module lazily (``kernel_cache.py`` does).
 
 One-dimensional grid, in this order: with a sink, ``H`` CTAs (one per query head) reducing ``dsink``; then
-the tiles of dQ, of dK and of dV, each part numbered as the single-tensor kernel numbers its grid (heads
-fastest, then tiles, then batch: ``x = (b * grid_x + m) * heads + h``). A CTA of a part runs that part's
-:meth:`DqPostprocess.tile <jax_dqpost.kernel.DqPostprocess.tile>` unchanged, so each tensor's bits are those
-of the single-tensor kernel. The CTA has as many threads as the widest part; a narrower part runs on its first
+the CTAs of dQ, of dK and of dV, each part numbered as the single-tensor kernel numbers its grid (dense: heads
+fastest, then tiles, then batch, ``x = (b * grid_x + m) * heads + h``; varlen: its grid's numbering). A CTA of a
+part runs that part's :meth:`DqPostprocess.cta <jax_dqpost.kernel.DqPostprocess.cta>` unchanged, so each tensor's
+bits are those of the single-tensor kernel. The CTA has as many threads as the widest part; a narrower part runs on its first
 ``num_threads`` threads and synchronises them with a named barrier. The parts share one shared-memory buffer
 (the largest part's tile).
 
@@ -94,8 +94,7 @@ class FusedPostprocess:
         extents = ((q0, q1, q2, q3, q4), (k0, k1, k2, k3, k4), (v0, v1, v2, v3, v4))
         ctas = q1 if const_expr(self.sink is not None) else 0
         for i in cutlass.range_constexpr(len(self.parts)):
-            dim0, heads, _, _, grid_x = extents[i]
-            ctas = ctas + heads * grid_x * (1 if const_expr(self.parts[i].tiling == Tiling.VARLEN) else dim0)
+            ctas = ctas + self._part_ctas(i, extents[i])
         self.kernel(acc_q, out_q, aux_q, acc_k, out_k, acc_v, out_v, aux_k, scales, sink, lse, dpsum, dsink,
                     q0, q1, q2, q3, q4, k0, k1, k2, k3, k4, v0, v1, v2, v3, v4).launch(
             grid=[ctas, 1, 1],
@@ -126,25 +125,29 @@ class FusedPostprocess:
         for i in cutlass.range_constexpr(len(self.parts)):
             acc, out, aux = tensors[i]
             dim0, heads, rows, head_dim, grid_x = extents[i]
-            count = heads * grid_x
-            if const_expr(self.parts[i].tiling != Tiling.VARLEN):
-                count = count * dim0
+            count = self._part_ctas(i, extents[i])
             self._part_tile(i, bid - start, count, tidx, acc, out, scales, aux, dim0, heads, rows, head_dim, grid_x,
                             base)
             start = start + count
 
+    def _part_ctas(self, i: int, extents):
+        """CTAs of part ``i`` with these extents (the dense tilings: every batch)."""
+        dim0, heads, _, _, grid_x = extents
+        count = self.parts[i].num_ctas(dim0, heads, grid_x)
+        return count if const_expr(self.parts[i].tiling == Tiling.VARLEN) else count * dim0
+
     @cute.jit
     def _part_tile(self, i: cutlass.Constexpr, local, count, tidx, acc, out, scales, aux, dim0, heads, rows,
                    head_dim, grid_x, base):
-        """CTA ``local`` of part ``i``'s ``count`` CTAs, if it is one (heads fastest, as the single kernel)."""
+        """CTA ``local`` of part ``i``'s ``count`` CTAs, if it is one (numbered as the single kernel's grid)."""
         if local >= 0 and local < count and tidx < self.parts[i].num_threads:
-            head, t = local % heads, local // heads
             if const_expr(self.parts[i].tiling == Tiling.VARLEN):
-                self.parts[i].tile(acc, out, scales + i, aux, dim0, heads, rows, head_dim, grid_x, t, head, Int32(0),
-                                   tidx, _SharedTile(base))
+                self.parts[i].cta(acc, out, scales + i, aux, dim0, heads, rows, head_dim, grid_x, local, Int32(0),
+                                  tidx, _SharedTile(base))
             else:
-                self.parts[i].tile(acc, out, scales + i, aux, dim0, heads, rows, head_dim, grid_x, t % grid_x, head,
-                          t // grid_x, tidx, _SharedTile(base))
+                per_batch = heads * grid_x
+                self.parts[i].cta(acc, out, scales + i, aux, dim0, heads, rows, head_dim, grid_x, local % per_batch,
+                                  local // per_batch, tidx, _SharedTile(base))
 
     # ---- the sink gradient ------------------------------------------------------------------------
     def _sink_sync(self):

@@ -116,8 +116,8 @@ class Plan:
     def launch_extents(self, acc_shape) -> tuple[int, int, int, int, int]:
         """The kernel's int32 extents, in the order of its C ABI (``kernel.py``, ``DqPostprocess.__call__``):
         ``(batch, heads, S, D, ceil(S / tile_m))`` for dense tilings, ``(K, heads, T, D, num_tiles)`` for varlen
-        (``K = batch + 2`` spans). The launch grid is ``(heads * extents[4], 1, batch)`` (varlen: batch 1).
-        ``ValueError`` if CUDA cannot launch it (``gridDim.x < 2^31``, ``gridDim.z <= 65535``)."""
+        (``K = batch + 2`` spans). The launch grid is ``(heads * extents[4], 1, batch)`` (varlen: ``(ctas, 1, 1)``,
+        :meth:`ctas`). ``ValueError`` if CUDA cannot launch it (``gridDim.x < 2^31``, ``gridDim.z <= 65535``)."""
         if self.work is not None:
             heads, batch, rows = acc_shape[0], 1, self.work.total_q
             extents = (self.work.num_spans, heads, rows, self.head_dim, self.work.num_tiles)
@@ -131,6 +131,11 @@ class Plan:
             raise ValueError(f"dq_postprocess on CUDA: heads * ceil(rows / tile_m) must be < 2^31, got heads={heads}, "
                              f"{extents[4]} tiles per head ({rows} rows)")
         return extents
+
+    def ctas(self, acc_shape) -> int:
+        """CTAs of the kernel's launch for an accumulator of this shape (varlen: ``WorkList.ctas``)."""
+        dim0, heads, _, _, grid_x = self.launch_extents(acc_shape)
+        return self.work.ctas(heads) if self.work is not None else dim0 * heads * grid_x
 
     def ffi_attributes(self) -> dict:
         """The custom call's attributes besides the module (``ffi/dqpost_ffi.cc``, ``Execute``)."""
@@ -283,9 +288,8 @@ class FusedPlan:
         sink), then every part's tiles. ``ValueError`` if CUDA cannot launch that many (``2^31 - 1``)."""
         extents, ctas = [], self.dq_heads(acc_shapes[0]) if self.has_sink else 0
         for p, shape in zip(self.parts, acc_shapes):
-            e = p.launch_extents(shape)
-            extents += e
-            ctas += e[1] * e[4] * (1 if p.work is not None else e[0])
+            extents += p.launch_extents(shape)
+            ctas += p.ctas(shape)
         if ctas > INT32_MAX:
             raise ValueError(f"flash_attention_postprocess on CUDA: {ctas} CTAs, more than CUDA launches (2^31 - 1)")
         return tuple(extents) + (0,) * (NUM_EXTENTS - len(extents)), ctas

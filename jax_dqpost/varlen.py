@@ -19,15 +19,22 @@ bounds, and the result is still a deterministic function of the inputs.
 
 The work list is one flat int32 array, in three sections (:func:`sections` gives their offsets):
 
-    tile_start[0..K]            exclusive prefix sum of ceil(span_rows / tile_m); tile_start[K] tiles in all
+    tile_start[0..K]            exclusive prefix sum of the spans' long tiles; tile_start[K] long tiles in all
     spans[K][SPAN_FIELDS]       (row_start, span_rows, conv_rows, acc_row) of each span
-    tile_span[0..num_tiles)     the span of each tile of the launch grid (tiles >= tile_start[K] do nothing)
+    tile_span[0..num_tiles)     the span of each long-tile slot of the launch grid (slots >= tile_start[K] do
+                                nothing), then, for orders with short tiles, one short-tile slot per span (k)
 
-The grid has ``num_tiles`` CTAs per head: exactly the tiles needed for static offsets, the bound
-``ceil(T / tile_m) + K`` for traced ones. :meth:`WorkList.build` makes the list from static Python ints (numpy,
-at trace time) or from traced int32 arrays (jax.numpy, inside the computation); :meth:`WorkList.decode` is the
-one reader on the JAX side, and the kernel reads the same offsets through :func:`sections`. The C++ handler
-checks the size at its boundary with its own copy of :meth:`WorkList.size`, pinned to this one by a test.
+A span of ``r`` rows has ``ceil(r / tile_m)`` tiles. For most orders every tile is a *long* tile: one CTA per tile
+and head (the shared-memory path). For the orders with short tiles (:func:`short_rows`: the swapped Hopper orders)
+a span's last tile is *short* when it has ``1 .. short_rows`` rows; it is not among the long tiles, and the span's
+short-tile slot converts it, for up to :data:`SHORT_HEADS` heads per CTA (:func:`grid_ctas`).
+
+``num_tiles`` is the number of slots: the long tiles (exactly, for static offsets; the bound :meth:`WorkList.max_tiles`
+for traced ones), plus ``K`` short-tile slots for orders with short tiles. :meth:`WorkList.build` makes the list from
+static Python ints (numpy, at trace time) or from traced int32 arrays (jax.numpy, inside the computation);
+:meth:`WorkList.decode` is the one reader on the JAX side, and the kernel reads the same offsets through
+:func:`sections`. The C++ handler checks the size at its boundary with its own copy of :meth:`WorkList.size`, pinned
+to this one by a test.
 """
 
 from __future__ import annotations
@@ -40,6 +47,30 @@ import numpy as np
 SPAN_FIELDS = ("row_start", "span_rows", "conv_rows", "acc_row")
 ROW_START, SPAN_ROWS, CONV_ROWS, ACC_ROW = range(len(SPAN_FIELDS))
 INT32_MAX = 2**31 - 1  # row offsets, extents and the kernel's launch grid are int32
+SHORT_ROWS = 16
+"""A varlen tile of at most this many rows is a short tile, for the orders that have them (:func:`short_rows`)."""
+SHORT_HEADS = 32
+"""Heads per CTA of a short tile."""
+
+
+def short_rows(layout) -> int:
+    """Rows up to which a varlen tile of ``layout``'s order is a short tile (0: the order has none).
+
+    The swapped Hopper orders (``arch=90, swap_ab``: FlashAttention-4's hd128 dQ, its hd192 and hd256 dK/dV) have
+    them: their fragments hold whole row pairs in each 16-byte vector, so the kernel gathers a short tile's rows
+    with vector loads, without the shared-memory tile (``kernel.py``). Less than ``tile_m``: full tiles are long."""
+    if layout.arch == 90 and layout.swap_ab:
+        return min(SHORT_ROWS, layout.tile_m - 1)
+    return 0
+
+
+def grid_ctas(heads, num_tiles, num_spans, short_rows: int, short_heads: int = SHORT_HEADS):
+    """CTAs of a varlen launch: one per long-tile slot and head, and (orders with short tiles) one per span and
+    group of ``short_heads`` heads. ``short_rows``, ``short_heads``: Python ints; the rest plain arithmetic, also
+    evaluated on the kernel's run-time integers."""
+    if short_rows:
+        return num_spans * ((heads + short_heads - 1) // short_heads) + heads * (num_tiles - num_spans)
+    return heads * num_tiles
 
 
 def padded_total(total_q, batch, pad_rows: int):
@@ -68,13 +99,15 @@ class Spans(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class WorkList:
     """The static shape of a work list: ``batch`` sequences packed into ``total_q`` rows, ``tile_m``-row tiles,
-    ``num_tiles`` CTAs per head, accumulator rows padded in units of ``pad_rows`` (``tile_m * cluster_size``)."""
+    ``num_tiles`` slots (module docstring), accumulator rows padded in units of ``pad_rows`` (``tile_m *
+    cluster_size``), tiles of at most ``short_rows`` rows short (0: none)."""
 
     total_q: int
     batch: int
     tile_m: int
     num_tiles: int
     pad_rows: int
+    short_rows: int = 0
 
     @property
     def num_spans(self) -> int:
@@ -88,20 +121,37 @@ class WorkList:
     def padded_total(self) -> int:
         return padded_total(self.total_q, self.batch, self.pad_rows)
 
+    @property
+    def short_slots(self) -> int:
+        """The slots of short tiles: one per span, or none."""
+        return self.num_spans if self.short_rows else 0
+
+    def ctas(self, heads: int) -> int:
+        """CTAs of the launch for ``heads`` heads (:func:`grid_ctas`)."""
+        return grid_ctas(heads, self.num_tiles, self.num_spans, self.short_rows)
+
     @staticmethod
-    def max_tiles(total_q: int, batch: int, tile_m: int) -> int:
-        """An upper bound on the tiles of any work list: ``sum(ceil(rows_k / tile_m)) <= ceil(T / tile_m) + K``."""
-        return -(-total_q // tile_m) + batch + 2
+    def max_tiles(total_q: int, batch: int, layout) -> int:
+        """The slots of a work list for any offsets of ``batch`` sequences in ``total_q`` rows (traced offsets).
+
+        Long tiles: a span of ``r`` rows has ``ceil(r / tile_m)`` tiles, so all spans have at most ``ceil(T / tile_m)
+        + K``. With short tiles (``s = short_rows``) a span's long tiles number at most ``(r + tile_m - s - 1) //
+        tile_m`` and each has more than ``s`` rows, so at most ``min((T + (tile_m - s - 1) K) // tile_m, T // (s +
+        1))`` in all; plus the ``K`` short-tile slots."""
+        tile_m, s, spans = layout.tile_m, short_rows(layout), batch + 2
+        if not s:
+            return -(-total_q // tile_m) + spans
+        return min((total_q + (tile_m - s - 1) * spans) // tile_m, total_q // (s + 1)) + spans
 
     @classmethod
-    def build(cls, xp, cu_seqlens_q, seqused_q, *, total_q: int, tile_m: int, num_tiles: int | None = None,
-              pad_rows: int | None = None):
+    def build(cls, xp, cu_seqlens_q, seqused_q, *, total_q: int, layout, num_tiles: int | None = None):
         """``(WorkList, int32 array)``; ``xp`` is ``numpy`` (static values) or ``jax.numpy`` (traced values).
 
-        ``num_tiles``: CTAs per head of the launch (None: exactly the tiles needed; needs static values).
-        ``pad_rows``: the unit of the accumulator's row padding (default ``tile_m``).
+        ``layout``: the accumulator's ``AccumLayout`` (its tile, row padding and short tiles). ``num_tiles``: the
+        slots of the launch (None: exactly the tiles needed, which needs static values; traced values take
+        :meth:`max_tiles`).
         """
-        pad_rows = tile_m if pad_rows is None else pad_rows
+        tile_m, pad_rows, short = layout.tile_m, layout.pad_rows, short_rows(layout)
         cu = xp.asarray(cu_seqlens_q).astype(np.int32)
         batch = cu.shape[0] - 1
         if xp is np:
@@ -124,15 +174,21 @@ class WorkList:
         b = xp.arange(batch, dtype=np.int32)
         seq_acc = (c[:-1] + b * pad_rows) // pad_rows * pad_rows
         acc_row = xp.concatenate([zero, seq_acc, zero])
-        tiles = (span_rows + tile_m - 1) // tile_m
+        if short:  # full tiles, and a last partial tile of more than `short` rows
+            tiles = span_rows // tile_m + (span_rows % tile_m > short).astype(np.int32)
+        else:
+            tiles = (span_rows + tile_m - 1) // tile_m
         tile_start = xp.concatenate([zero, xp.cumsum(tiles).astype(np.int32)])
         spans = xp.stack([starts, span_rows, conv_rows, acc_row], axis=1).reshape(-1)
+        short_slots = batch + 2 if short else 0
         if num_tiles is None:
-            num_tiles = int(tile_start[-1])
-        tile_span = xp.searchsorted(tile_start, xp.arange(num_tiles, dtype=np.int32), side="right") - 1
+            num_tiles = int(tile_start[-1]) + short_slots
+        tile_span = xp.searchsorted(tile_start, xp.arange(num_tiles - short_slots, dtype=np.int32), side="right") - 1
         tile_span = xp.clip(tile_span, 0, batch + 1).astype(np.int32)
-        work = cls(total_q=total_q, batch=batch, tile_m=tile_m, num_tiles=num_tiles, pad_rows=pad_rows)
-        return work, xp.concatenate([tile_start, spans, tile_span]).astype(np.int32)
+        work = cls(total_q=total_q, batch=batch, tile_m=tile_m, num_tiles=num_tiles, pad_rows=pad_rows,
+                   short_rows=short)
+        return work, xp.concatenate([tile_start, spans, tile_span,
+                                     xp.arange(short_slots, dtype=np.int32)]).astype(np.int32)
 
     def decode(self, meta) -> Spans:
         """The sections of the work list ``meta`` (numpy or jax array of :attr:`size` entries)."""

@@ -4,6 +4,7 @@ what the kernel cannot run is refused at trace time with the reason. Compiles wi
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_dqpost import AccumLayout, dq_postprocess, kernel_cache
+from jax_dqpost import AccumLayout, dq_postprocess, kernel_cache, varlen
 from jax_dqpost.layout import SMEM_LIMIT
 from jax_dqpost.plan import Tiling
 
@@ -65,8 +66,10 @@ def compile_all(seed: int, count: int) -> None:
     cases = EDGES + _random_accepted(np.random.default_rng(seed), count)
     for k, (layout, head_dim) in enumerate(cases):
         layout.check_head_dim(head_dim)
-        tiling = list(Tiling)[k % len(Tiling)]
-        for arch in ARCHS:
+        tilings = {list(Tiling)[k % len(Tiling)]}
+        if varlen.short_rows(layout):
+            tilings.add(Tiling.VARLEN)  # the short-tile path
+        for tiling, arch in itertools.product(sorted(tilings), ARCHS):
             print(f"compiling {layout} head_dim={head_dim} {tiling.name} {arch}", flush=True)
             with warnings.catch_warnings():
                 warnings.simplefilter("error")  # a user sees no warning from compiling
@@ -84,6 +87,26 @@ def test_every_accepted_layout_compiles_for_every_target(rng):
     lines = out.stdout.strip().splitlines()
     assert out.returncode == 0, f"seed {seed}: failed at {lines[-1:]}\n{out.stderr[-3000:]}"
     assert lines[-1] == f"compiled {len(EDGES) + 10} cases"
+
+
+def test_short_tile_vectors_follow_the_index_map(rng):
+    """The kernel's short-tile path reads rows (2p, 2p + 1), columns 16 j .. 16 j + 15 of a swapped Hopper tile as
+    eight 16-byte vectors (``DqPostprocess.short_vector``): checked against ``tile_index_map`` for every row pair
+    and column block of FlashAttention-4's swapped presets and of random accepted swapped layouts."""
+    import cutlass
+
+    from jax_dqpost.kernel import DqPostprocess
+
+    presets = [(AccumLayout.flash_attention(90, 128), 128), (AccumLayout.flash_attention(90, 192, tensor="dkv"), 192),
+               (AccumLayout.flash_attention(90, 256, tensor="dkv"), 256), (AccumLayout(90, 192, 128, 1, True, 64), 128)]
+    swapped = [c for c in _random_accepted(rng, 400) if varlen.short_rows(c[0])][:12]
+    assert len(swapped) >= 4, "too few random swapped layouts"
+    for layout, head_dim in presets + swapped:
+        dr, f = layout.padded_head_dim(head_dim), layout.tile_index_map(head_dim)
+        kernel = DqPostprocess(cutlass.BFloat16, layout, dr, tiling=Tiling.VARLEN)
+        p, j, c, e, o = np.ix_(*map(np.arange, (layout.tile_m // 2, dr // 16, 8, 2, 2)))
+        at = np.vectorize(kernel.short_vector)(p, j) + 16 * c + 2 * e + o
+        assert np.array_equal(at, f[2 * p + o, 16 * j + 8 * e + c]), layout
 
 
 @pytest.mark.parametrize("layout, head_dim, reason", [

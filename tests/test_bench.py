@@ -48,8 +48,8 @@ def test_plot_draws_a_saved_report(tmp_path):
 
 
 def test_short_sequences_launch_exactly_the_tiles_they_need(rng):
-    """The sweep's lengths fill the tokens exactly; with static offsets the varlen grid is exact (a partial tile per
-    sequence end, no more), with traced ones it is the work list's bound."""
+    """The sweep's lengths fill the tokens exactly; with static offsets the varlen grid is exact (the long tiles, and
+    one CTA per span and group of 32 heads for the short ones), with traced ones it is the work list's bound."""
     for count in cases.SHORT_SEQUENCES:
         cu = cases.short_lengths(rng, cases.SHORT_TOKENS, count)
         lengths = np.diff(cu)
@@ -57,10 +57,13 @@ def test_short_sequences_launch_exactly_the_tiles_they_need(rng):
         assert cu[-1] == cases.SHORT_TOKENS and (lengths >= 1).all() and lengths.max() <= top
         assert 0.8 * count < len(lengths) < 1.25 * count, (count, len(lengths))
     case = cases.Case("x", 128, False, "varlen", None, rng, None, None, cu=cu)
-    tm = case.layout.tile_m
-    assert case.num_tiles == case.tiles_needed == sum(-(-int(n) // tm) for n in lengths)
+    tm, H, spans = case.layout.tile_m, case.H, len(lengths) + 2
+    long_tiles = sum(int(n) // tm + (int(n) % tm > 16) for n in lengths)
+    assert case.tile_ctas == H * sum(-(-int(n) // tm) for n in lengths)
+    assert case.ctas == H * long_tiles + spans * -(-H // 32)
     traced = cases.Case("x", 128, False, "varlen", None, rng, None, None, cu=cu, traced=True)
-    assert traced.num_tiles == -(-cases.SHORT_TOKENS // tm) + len(lengths) + 2
+    T = cases.SHORT_TOKENS
+    assert traced.ctas == H * min((T + (tm - 17) * spans) // tm, T // 17) + spans * -(-H // 32)
 
 
 @pytest.mark.parametrize("tensor, head_dim, causal", [("dq", 128, False), ("dq", 128, True), ("dq", 64, False),
@@ -122,7 +125,7 @@ def test_main_reports_from_measurements(tmp_path, monkeypatch, capsys, with_torc
         if case.torch is not None:
             r.update(ours=t, FA4=t * 1.01, copy=t * 0.98)
         if case.cu is not None:
-            r.update(sequences=len(case.cu) - 1, tiles_launched=case.num_tiles, tiles_needed=case.tiles_needed)
+            r.update(sequences=len(case.cu) - 1, ctas=case.ctas, tile_ctas=case.tile_ctas)
         return r
 
     fake_torch = types.SimpleNamespace(cuda=types.SimpleNamespace(is_available=lambda: True))
@@ -150,7 +153,7 @@ def test_main_reports_from_measurements(tmp_path, monkeypatch, capsys, with_torc
         t = case.bytes / 2e12
         r = {"config": case.name, "packing": "varlen", "traced": case.traced, "sequences": len(lengths),
              "max_length": int(lengths.max()), "tokens": case.tokens, "bytes": case.bytes,
-             "bound_bytes": int(case.bytes * 1.1), "tiles_launched": case.num_tiles, "ours_jax_device": t}
+             "bound_bytes": int(case.bytes * 1.1), "ctas": case.ctas, "ours_jax_device": t}
         if case.torch is not None:
             r["ours"] = t
         return r

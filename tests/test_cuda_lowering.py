@@ -140,14 +140,17 @@ def test_cute_runtime_is_found_without_importing_cutlass():
 def test_ffi_handler_reads_the_work_list_as_python_writes_it(rng):
     """The C++ handler checks the work list at its boundary with its own copy of the layout's arithmetic:
     pinned here to varlen.py (size of a work list, FlashAttention's padded total)."""
-    from jax_dqpost.varlen import WorkList, padded_total
+    from jax_dqpost.varlen import WorkList, padded_total, short_rows
 
     lib = ctypes.CDLL(str(_ffi.library_path()))
     size, padded = lib.jax_dqpost_work_list_size, lib.jax_dqpost_padded_total
     size.argtypes, size.restype = [ctypes.c_int64] * 2, ctypes.c_int64
     padded.argtypes, padded.restype = [ctypes.c_int64] * 3, ctypes.c_int64
     for _ in range(200):
-        batch, total, tile_m = int(rng.integers(1, 5000)), int(rng.integers(0, 10**6)), 8 * int(rng.integers(1, 33))
-        num_tiles = WorkList.max_tiles(total, batch, tile_m)
-        assert size(batch, num_tiles) == WorkList(total, batch, tile_m, num_tiles, tile_m).size
+        batch, total, tile_m = int(rng.integers(1, 5000)), int(rng.integers(0, 10**6)), 16 * int(rng.integers(1, 17))
+        # with short tiles (a swapped Hopper order) and without (row-major)
+        layout = AccumLayout(90, tile_m, 256, 1, True, 64) if rng.integers(2) else AccumLayout(None, tile_m, 128)
+        num_tiles = WorkList.max_tiles(total, batch, layout)
+        work = WorkList(total, batch, tile_m, num_tiles, tile_m, short_rows(layout))
+        assert size(batch, num_tiles) == work.size
         assert padded(total, batch, tile_m) == padded_total(total, batch, tile_m)

@@ -85,19 +85,21 @@ def test_other_orders_on_poisoned_output(rng, name, dtype):
         _kernel_on_poisoned_output(rng, layout, head_dim, 2 * layout.tile_m + 5, dtype, f"kernel {name} D={head_dim}")
 
 
-SHORT_TILE_LAYOUTS = {  # the swapped Hopper orders, whose short varlen tiles take the kernel's gather path
+SHORT_TILE_LAYOUTS = {  # the swapped Hopper orders, whose short varlen tiles take the kernel's short-tile path
     "dq-hd128": (AccumLayout.flash_attention(90, 128), 128),
     "dkv-hd192": (AccumLayout.flash_attention(90, 192, tensor="dkv"), 192),
     "dkv-hd256": (AccumLayout.flash_attention(90, 256, tensor="dkv"), 256),
 }
 
 
+@pytest.mark.parametrize("heads", [6, 40])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "f16"])
 @pytest.mark.parametrize("name", SHORT_TILE_LAYOUTS)
-def test_short_varlen_tiles_on_poisoned_output(rng, name, dtype):
-    """Many sequences shorter than a tile (0..20 rows, seqused shorter still, rows no sequence covers), 6 heads
-    (groups of 4 heads per CTA on the gather path, the last group partial) and a negative scale (zeros stay +0):
-    the module run directly on a poisoned buffer with a poisoned guard zone after it."""
+def test_short_varlen_tiles_on_poisoned_output(rng, name, dtype, heads):
+    """Many sequences shorter than a tile (0..20 rows, seqused shorter still, rows no sequence covers), long ones
+    with short last tiles, 6 or 40 heads (one group of heads per short-tile CTA, or two with the last partial) and a
+    negative scale (zeros stay +0): the module run directly on a poisoned buffer with a poisoned guard zone after
+    it."""
     torch = _torch()
     import cuda.bindings.driver as cuda
 
@@ -105,30 +107,34 @@ def test_short_varlen_tiles_on_poisoned_output(rng, name, dtype):
     from jax_dqpost.plan import Plan
 
     layout, D = SHORT_TILE_LAYOUTS[name]
-    H, batch = 6, 300
+    H, batch = heads, 300
     lengths = [int(n) for n in rng.integers(0, 21, batch)]
-    lengths[:3] = [0, layout.tile_m + 5, 1]  # an empty sequence, a long one (both paths in one launch), one row
+    # an empty sequence, long ones (both paths in one launch: short last tiles of 5 and 16 rows, a long last tile of
+    # 17, whole tiles), one row
+    lengths[:6] = [0, layout.tile_m + 5, 2 * layout.tile_m + 16, layout.tile_m + 17, 2 * layout.tile_m, 1]
     cu = [0] + [int(v) for v in np.cumsum(lengths)]
     used = [int(rng.integers(0, n + 1)) if i % 3 == 0 else n for i, n in enumerate(lengths)]
     T, scale = cu[-1] + 7, -float(rng.uniform(0.05, 2.0))
     acc, want = oracle.build_varlen(rng, cu, used, T, H, D,
                                     (layout.tile_m, layout.num_threads, layout.atom_layout, layout.swap_ab),
                                     hdim_multiple_of=layout.hdim_multiple_of, scale=scale, dtype=dtype)
-    work, meta = varlen.WorkList.build(np, cu, used, total_q=T, tile_m=layout.tile_m)
-    plan = Plan(layout, D, np.dtype(dtype), work=work)
-    kind, _, padded, tiling = plan.kernel_key
-    executor = kernel_cache.compile_executor(kind, layout, padded, tiling, arch.target_arch())
-    t_acc, t_meta = torch.from_numpy(acc).cuda(), torch.from_numpy(meta).cuda()
-    n = T * H * D
-    t_out = torch.full((n + GUARD,), np.uint16(POISON).view(np.int16).item(), dtype=torch.int16, device="cuda")
-    t_scale = torch.tensor([scale], dtype=torch.float32).cuda()
-    executor(*kernel_cache.executor_args(kind, t_acc.data_ptr(), t_out.data_ptr(), t_scale.data_ptr(),
-                                         t_meta.data_ptr(), plan.launch_extents(acc.shape)),
-             cuda.CUstream(torch.cuda.current_stream().cuda_stream))
-    torch.cuda.synchronize()
-    out = t_out.cpu().numpy().view(np.uint16)
-    assert (out[n:] == POISON).all(), f"{name}: kernel wrote past the end of dQ"
-    assert_same_bits(out[:n].view(np.dtype(dtype)).reshape(T, H, D), want, f"{name} short tiles")
+    t_acc, t_scale = torch.from_numpy(acc).cuda(), torch.tensor([scale], dtype=torch.float32).cuda()
+    executor = None
+    for num_tiles in (None, varlen.WorkList.max_tiles(T, batch, layout)):  # static offsets' slots, traced ones'
+        work, meta = varlen.WorkList.build(np, cu, used, total_q=T, layout=layout, num_tiles=num_tiles)
+        plan = Plan(layout, D, np.dtype(dtype), work=work)
+        kind, _, padded, tiling = plan.kernel_key
+        executor = executor or kernel_cache.compile_executor(kind, layout, padded, tiling, arch.target_arch())
+        t_meta = torch.from_numpy(meta).cuda()
+        n = T * H * D
+        t_out = torch.full((n + GUARD,), np.uint16(POISON).view(np.int16).item(), dtype=torch.int16, device="cuda")
+        executor(*kernel_cache.executor_args(kind, t_acc.data_ptr(), t_out.data_ptr(), t_scale.data_ptr(),
+                                             t_meta.data_ptr(), plan.launch_extents(acc.shape)),
+                 cuda.CUstream(torch.cuda.current_stream().cuda_stream))
+        torch.cuda.synchronize()
+        out = t_out.cpu().numpy().view(np.uint16)
+        assert (out[n:] == POISON).all(), f"{name}: kernel wrote past the end of dQ"
+        assert_same_bits(out[:n].view(np.dtype(dtype)).reshape(T, H, D), want, f"{name} short tiles {work}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "f16"])

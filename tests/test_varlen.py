@@ -206,3 +206,50 @@ def test_static_validation_names_argument_and_value():
     with pytest.raises(ValueError, match=r"total_q=5 is only for variable-length batches"):
         dq_postprocess(jnp.zeros(layout.accum_shape(2, 1, 200, 128), jnp.float32), 1.0, seqlen_q=200, head_dim=128,
                        total_q=5, layout=layout)
+
+
+@pytest.mark.parametrize("layout", [AccumLayout.flash_attention(90, 128), AccumLayout.flash_attention(90, 256, tensor="dkv"),
+                                    AccumLayout.flash_attention(90, 128, causal=True), AccumLayout(90, 16, 128, 1, True, 64)],
+                         ids=["hd128-short", "dkv-hd256-short", "hd128-causal", "tile16-short"])
+def test_work_list_slots_take_every_tile_once(rng, layout):
+    """The kernel's reading of the work list (kernel.py): long-tile slot i < tile_start[K] converts tile i -
+    tile_start[s] of span s = tile_span[i]; with short tiles, span k's short-tile slot converts its last tile when it
+    has 1 .. short_rows rows. Together they take every tile of every span exactly once, for static offsets (the exact
+    slots) and traced ones (the bound), also where the offsets break the contract (clamped)."""
+    from jax_dqpost.varlen import WorkList, short_rows
+
+    tm, short = layout.tile_m, short_rows(layout)
+    assert short == (min(16, tm - 1) if layout.swap_ab else 0)
+    for case in range(20):
+        batch = int(rng.integers(1, 60))
+        top = [3, 20, tm + 20, 4 * tm][case % 4]  # many tiny, short-ish, about a tile, long
+        lengths = rng.integers(0, top + 1, batch)
+        lengths[rng.random(batch) < 0.2] = tm * rng.integers(1, 3)  # whole tiles: no short tile
+        T = int(lengths.sum()) + int(rng.integers(0, 2 * tm))
+        cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+        used = np.minimum(lengths, rng.integers(0, top + 1, batch)).astype(np.int32) if case % 3 == 0 else None
+        if case % 5 == 4:  # corrupt traced values: clamped to a partition of the rows
+            cu = rng.integers(-50, T + 50, batch + 1).astype(np.int32)
+        for traced in (False, True) if case % 5 != 4 else (True,):
+            xp = jnp if traced else np
+            num_tiles = WorkList.max_tiles(T, batch, layout) if traced else None
+            work, meta = WorkList.build(xp, cu, used, total_q=T, layout=layout, num_tiles=num_tiles)
+            s = work.decode(np.asarray(meta))
+            K = work.num_spans
+            expect = {(k, m) for k in range(K) for m in range(-(-int(s.span_rows[k]) // tm))}
+            taken = []
+            for i in range(work.num_tiles - work.short_slots):  # long-tile slots
+                if i < s.tile_start[K]:
+                    k = int(s.tile_span[i])
+                    m = i - int(s.tile_start[k])
+                    taken.append((k, m))
+                    rows = min(int(s.span_rows[k]) - m * tm, tm)
+                    assert rows > short or rows == tm, (k, m, rows)
+            for k in range(work.short_slots):  # short-tile slots: span k
+                assert s.tile_span[work.num_tiles - K + k] == k
+                rem = int(s.span_rows[k]) % tm
+                if 0 < rem <= short:
+                    taken.append((k, int(s.span_rows[k]) // tm))
+            assert len(taken) == len(set(taken)) and set(taken) == expect, (case, traced)
+            if not traced:
+                assert work.num_tiles == s.tile_start[K] + work.short_slots  # exact

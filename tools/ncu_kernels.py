@@ -4,6 +4,11 @@
         graph-replay time of our kernel with tuning variants (DqPostprocess keyword arguments; each checked
         bit-equal to the default's output), FlashAttention-4 and the same-bytes copy, side by side, median of 15
         (as the benchmark measures them), dense and varlen (64 random lengths)
+    python tools/ncu_kernels.py short
+        the benchmark's short-sequence cases (hd128, 64 to 8000 sequences in 16384 tokens, static and traced offsets)
+        and its varlen reference case (64 random lengths), ours with the tuning variants of SHORT_VARIANTS (each
+        checked bit-equal to the default's output, the default to FlashAttention-4's), FlashAttention-4 (static
+        offsets), against our dense hd128 call of the same tokens and the sector bound of the lengths
     ncu --clock-control none --profile-from-start off --set full python tools/ncu_kernels.py profile hd96 hd128
         one launch of ours (the first two variants) and one of FlashAttention-4 per dense configuration,
         between cudaProfilerStart/Stop (after warm-up), for Nsight Compute's counters
@@ -24,6 +29,8 @@ from jax_dqpost.bench import cases as bench_cases, harness  # noqa: E402
 
 # Variants tried per configuration by `sweep` (the first, {}, is the package's default).
 VARIANTS = [{}, {"heads_fastest": False}, {"min_ctas_per_sm": 0}]
+# ... and by `short` (varlen only).
+SHORT_VARIANTS = [{}, {"min_ctas_per_sm": 3}, {"short_heads": 16}, {"short_heads": 8}]
 
 
 def cases(names, torch, fa4, packings=("dense",)):
@@ -62,6 +69,52 @@ def sweep(names, torch, fa4, samples=15):
                   f"{copy / t:7.1%} of copy", flush=True)
 
 
+def _bits(case, run):
+    """Our output of ``run`` on the first buffer, poisoned before (int16 view)."""
+    case.t_out[0].fill_(float("nan"))
+    run(1)
+    return case.t_out[0].view(case.torch.int16).clone()
+
+
+def short(names, torch, fa4, samples=15):
+    rng = np.random.default_rng(0)
+    dense = bench_cases.Case("hd128", 128, False, "dense", None, rng, torch, fa4)
+    dense.torch_buffers()
+    d, _ = harness.graph_per_call(torch, dense.ours(), dense.copies, samples)
+    dense.free_torch()
+    print(f"dense hd128 {d * 1e6:.1f} us", flush=True)
+    todo = [bench_cases.Case("hd128", 128, False, "varlen", None, rng, torch, fa4, traced=t) for t in (False, True)]
+    for case in todo + list(bench_cases.short_cases(rng, torch, fa4)):
+        case.torch_buffers()
+        lengths = np.diff(case.cu)
+        bound = bench_cases.sector_bound_bytes(case.layout, case.D, case.H, case.cu)
+        tag = (f"{case.name:14s} {'traced' if case.traced else 'static'} {len(lengths):5d} seqs 1..{lengths.max():<4d} "
+               f"{case.ctas:6d} CTAs")
+        rows = []
+        if fa4 is not None and not case.traced:
+            rows.append(("FA4", harness.graph_per_call(torch, case.fa4_run(), case.copies, samples)[0]))
+        expected = None
+        for tuning in SHORT_VARIANTS:
+            try:
+                run = case.ours(**tuning)
+                out = _bits(case, run)
+                if expected is None:
+                    expected = out
+                    same = "same bits as FA4" if not case.traced and fa4 is not None and case.same_bits_as_fa4() \
+                        else ("-" if case.traced or fa4 is None else "DIFFERENT BITS from FA4")
+                else:
+                    same = "same bits" if torch.equal(out, expected) else "DIFFERENT BITS"
+                t, _ = harness.graph_per_call(torch, run, case.copies, samples)
+            except Exception as e:  # noqa: BLE001 - a variant that cannot compile for this tile
+                print(f"{tag} ours {tuning}: {type(e).__name__}: {str(e)[:160]}", flush=True)
+                continue
+            rows.append((f"ours {tuning or 'default'} ({same})", t))
+        for label, t in rows:
+            print(f"{tag} {label:48s} {t * 1e6:8.1f} us  of dense {d / t:6.1%}  of bound {d * bound / case.bytes / t:6.1%}",
+                  flush=True)
+        case.free_torch()
+
+
 def profile(names, torch, fa4):
     for case in cases(names, torch, fa4):
         runs = [case.ours(**t) for t in VARIANTS[:2]] + ([case.fa4_run()] if fa4 is not None else [])
@@ -84,7 +137,7 @@ def main(argv):
     except Exception:  # noqa: BLE001
         fa4 = None
     what, names = argv[0], argv[1:] or ["hd96", "hd128", "hd192"]
-    {"sweep": sweep, "profile": profile}[what](names, torch, fa4)
+    {"sweep": sweep, "short": short, "profile": profile}[what](names, torch, fa4)
 
 
 if __name__ == "__main__":

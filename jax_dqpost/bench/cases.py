@@ -81,8 +81,8 @@ class Case:
     def __init__(self, name, head_dim, causal, packing, target_bytes, rng, torch, fa4, sequences=64, cu=None,
                  traced=False):
         """``cu``: the varlen ``cu_seqlens_q`` (default: ``sequences`` random lengths over the problem's tokens);
-        ``traced``: launch the grid of traced offsets (``WorkList.max_tiles`` CTAs per head) instead of the
-        exact one of static offsets."""
+        ``traced``: launch the grid of traced offsets (``WorkList.max_tiles`` slots) instead of the exact one of
+        static offsets."""
         if packing not in PACKINGS:
             raise ValueError(f"packing must be one of {PACKINGS}, got {packing!r}")
         self.torch, self.fa4 = torch, fa4
@@ -100,14 +100,14 @@ class Case:
             self.cu = random_lengths(rng, self.tokens, sequences) if cu is None else list(cu)
             if self.cu[-1] != self.tokens:
                 raise ValueError(f"cu must end at the problem's {self.tokens} tokens, got {self.cu[-1]}")
-            grid = WorkList.max_tiles(self.tokens, len(self.cu) - 1, tm) if traced else None
-            work, self.meta = WorkList.build(np, self.cu, None, total_q=self.tokens, tile_m=tm, num_tiles=grid)
+            grid = WorkList.max_tiles(self.tokens, len(self.cu) - 1, self.layout) if traced else None
+            work, self.meta = WorkList.build(np, self.cu, None, total_q=self.tokens, layout=self.layout, num_tiles=grid)
             self.plan = Plan(self.layout, head_dim, bf16, work=work)
             self.acc_shape = self.layout.varlen_accum_shape(work.batch, H, self.tokens, head_dim)
             self.out_shape = (self.tokens, H, head_dim)
-            # CTAs per head: launched (the work list's grid) and what the sequences' rows need at the least
-            self.num_tiles = work.num_tiles
-            self.tiles_needed = int(sum(-(-n // tm) for n in np.diff(self.cu)))
+            # CTAs: launched (the work list's grid), and one per tile and head, what the previous kernel launched
+            self.ctas = work.ctas(H)
+            self.tile_ctas = H * int(sum(-(-n // tm) for n in np.diff(self.cu)))
         dr = self.plan.padded_head_dim
         self.bytes = self.tokens * H * (dr * 4 + head_dim * 2)  # useful bytes: rows of the sequences only
         per_call = int(np.prod(self.acc_shape)) * 4 + int(np.prod(self.out_shape)) * 2
@@ -273,7 +273,7 @@ def measure(case: Case, samples: int, device: bool = True) -> dict:
            "layout": [case.layout.tile_m, case.layout.num_threads, case.layout.atom_layout, case.layout.swap_ab,
                       case.layout.hdim_multiple_of]}
     if case.cu is not None:
-        res.update(sequences=len(case.cu) - 1, tiles_launched=case.num_tiles, tiles_needed=case.tiles_needed)
+        res.update(sequences=len(case.cu) - 1, ctas=case.ctas, tile_ctas=case.tile_ctas)
     torch = case.torch
     if torch is not None:
         case.torch_buffers()
@@ -315,7 +315,7 @@ def measure_short(case: Case, samples: int) -> dict:
     res = {"config": case.name, "packing": "varlen", "traced": case.traced, "sequences": len(lengths),
            "max_length": int(lengths.max()), "tokens": case.tokens, "bytes": case.bytes,
            "bound_bytes": sector_bound_bytes(case.layout, case.D, case.H, case.cu),
-           "tiles_launched": case.num_tiles, "tiles_needed": case.tiles_needed}
+           "ctas": case.ctas, "tile_ctas": case.tile_ctas}
     if case.torch is not None:
         case.torch_buffers()
         res["ours"], _ = harness.graph_per_call(case.torch, case.ours(), case.copies, samples)

@@ -50,8 +50,8 @@ class FusedCase:
             self.rows = ((B, H, S), (B, H, self.ql.padded_seqlen(S)))
         else:
             self.cu = random_lengths(rng, self.T, 64)
-            wq, mq = WorkList.build(np, self.cu, None, total_q=self.T, tile_m=self.ql.tile_m, pad_rows=self.ql.pad_rows)
-            wk, mk = WorkList.build(np, self.cu, None, total_q=self.T, tile_m=self.kl.tile_m, pad_rows=self.kl.pad_rows)
+            wq, mq = WorkList.build(np, self.cu, None, total_q=self.T, layout=self.ql)
+            wk, mk = WorkList.build(np, self.cu, None, total_q=self.T, layout=self.kl)
             q, k = Plan(self.ql, head_dim, bf16, work=wq), Plan(self.kl, head_dim, bf16, work=wk)
             self.metas = (mq, mk)
             batch = len(self.cu) - 1

@@ -71,7 +71,7 @@ def _goals(report: dict) -> list[str]:
 def short_table(rows, dense: dict) -> str:
     """The short-sequence sweep; throughputs are device times against our dense hd128's."""
     head = (f"{'sequences':>9} {'max len':>7} {'offsets':>7} | {'ours us':>8} | {'FA4 us':>8} | {'jit us':>8} | "
-            f"{'of dense':>8} | {'bound MB':>8} | {'of bound':>8} | {'CTAs/head':>9}")
+            f"{'of dense':>8} | {'bound MB':>8} | {'of bound':>8} | {'CTAs':>7}")
     lines = [head, "-" * len(head)]
     for r in rows:
         t, d = _device(r), _device(dense)
@@ -80,7 +80,7 @@ def short_table(rows, dense: dict) -> str:
         of_bound = f"{d * r['bound_bytes'] / r['bytes'] / t:.1%}" if t and d else "-"
         lines.append(f"{r['sequences']:>9} {r['max_length']:>7} {'traced' if r['traced'] else 'static':>7} | "
                      f"{plain('ours'):>8} | {plain('FA4'):>8} | {plain('ours_jax_device'):>8} | {of_dense:>8} | "
-                     f"{r['bound_bytes'] / 1e6:8.1f} | {of_bound:>8} | {r['tiles_launched']:>9}")
+                     f"{r['bound_bytes'] / 1e6:8.1f} | {of_bound:>8} | {r['ctas']:>7}")
     return "\n".join(lines)
 
 

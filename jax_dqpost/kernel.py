@@ -241,8 +241,11 @@ class DqPostprocess:
                 self._short_tile(acc_ptr, dq_ptr, scale_ptr, aux_ptr, dim0, heads, rows, head_dim, grid_x, x % dim0,
                                  x // dim0, tidx)
             else:
-                self.tile(acc_ptr, dq_ptr, scale_ptr, aux_ptr, dim0, heads, rows, head_dim, grid_x,
-                          (x - short_ctas) // heads, (x - short_ctas) % heads, bz, tidx, smem)
+                slot = (x - short_ctas) // heads
+                # tile_start[K], the long tiles: the slots past them (traced offsets' bound) stop after one load
+                if slot < cute.make_tensor(aux_ptr, cute.make_layout(dim0 + 1))[dim0]:
+                    self.tile(acc_ptr, dq_ptr, scale_ptr, aux_ptr, dim0, heads, rows, head_dim, grid_x, slot,
+                              (x - short_ctas) % heads, bz, tidx, smem)
         else:
             self.tile(acc_ptr, dq_ptr, scale_ptr, aux_ptr, dim0, heads, rows, head_dim, grid_x, x // heads,
                       x % heads, bz, tidx, smem)

@@ -4,11 +4,13 @@
         graph-replay time of our kernel with tuning variants (DqPostprocess keyword arguments; each checked
         bit-equal to the default's output), FlashAttention-4 and the same-bytes copy, side by side, median of 15
         (as the benchmark measures them), dense and varlen (64 random lengths)
-    python tools/ncu_kernels.py short
-        the benchmark's short-sequence cases (hd128, 64 to 8000 sequences in 16384 tokens, static and traced offsets)
-        and its varlen reference case (64 random lengths), ours with the tuning variants of SHORT_VARIANTS (each
-        checked bit-equal to the default's output, the default to FlashAttention-4's), FlashAttention-4 (static
-        offsets), against our dense hd128 call of the same tokens and the sector bound of the lengths
+    python tools/ncu_kernels.py short [COUNT ...] [--l2-fetch BYTES]
+        the benchmark's short-sequence cases (hd128, 64 to 8000 sequences in 16384 tokens, static and traced offsets;
+        COUNT: only those sequence counts, "ref": the varlen reference case, 64 random lengths), ours with the tuning
+        variants of SHORT_VARIANTS (each checked bit-equal to the default's output, the default to FlashAttention-4's),
+        FlashAttention-4 (static offsets), against our dense hd128 call of the same tokens and the sector bound of the
+        lengths. --l2-fetch sets this process's cudaLimitMaxL2FetchGranularity first (an experiment: does the L2
+        fetch DRAM in 64-byte granules?)
     ncu --clock-control none --profile-from-start off --set full python tools/ncu_kernels.py profile hd96 hd128
         one launch of ours (the first two variants) and one of FlashAttention-4 per dense configuration,
         between cudaProfilerStart/Stop (after warm-up), for Nsight Compute's counters
@@ -30,7 +32,7 @@ from jax_dqpost.bench import cases as bench_cases, harness  # noqa: E402
 # Variants tried per configuration by `sweep` (the first, {}, is the package's default).
 VARIANTS = [{}, {"heads_fastest": False}, {"min_ctas_per_sm": 0}]
 # ... and by `short` (varlen only).
-SHORT_VARIANTS = [{}, {"min_ctas_per_sm": 3}, {"short_heads": 16}, {"short_heads": 8}]
+SHORT_VARIANTS = [{}, {"short_heads": 4}, {"short_heads": 8}, {"short_heads": 16}, {"short_heads": 32}]
 
 
 def cases(names, torch, fa4, packings=("dense",)):
@@ -76,7 +78,28 @@ def _bits(case, run):
     return case.t_out[0].view(case.torch.int16).clone()
 
 
+def _l2_fetch_granularity(set_bytes=None) -> int:
+    from cuda.bindings import runtime as cudart
+
+    limit = cudart.cudaLimit.cudaLimitMaxL2FetchGranularity
+    if set_bytes is not None:
+        (err,) = cudart.cudaDeviceSetLimit(limit, set_bytes)
+        assert err == cudart.cudaError_t.cudaSuccess, err
+    err, value = cudart.cudaDeviceGetLimit(limit)
+    assert err == cudart.cudaError_t.cudaSuccess, err
+    return value
+
+
 def short(names, torch, fa4, samples=15):
+    if "--l2-fetch" in names:
+        k = names.index("--l2-fetch")
+        torch.cuda.init()
+        before = _l2_fetch_granularity()
+        print(f"cudaLimitMaxL2FetchGranularity: {before} -> {_l2_fetch_granularity(int(names[k + 1]))}", flush=True)
+        names = names[:k] + names[k + 2:]
+    else:
+        torch.cuda.init()
+        print(f"cudaLimitMaxL2FetchGranularity: {_l2_fetch_granularity()}", flush=True)
     rng = np.random.default_rng(0)
     dense = bench_cases.Case("hd128", 128, False, "dense", None, rng, torch, fa4)
     dense.torch_buffers()
@@ -84,7 +107,11 @@ def short(names, torch, fa4, samples=15):
     dense.free_torch()
     print(f"dense hd128 {d * 1e6:.1f} us", flush=True)
     todo = [bench_cases.Case("hd128", 128, False, "varlen", None, rng, torch, fa4, traced=t) for t in (False, True)]
-    for case in todo + list(bench_cases.short_cases(rng, torch, fa4)):
+    todo = (todo if not names or "ref" in names else []) + list(bench_cases.short_cases(rng, torch, fa4))
+    for case in todo:
+        if names and case.cu is not None and case.name.startswith("hd128-") and \
+                case.name[len("hd128-"):-len("seq")] not in names:
+            continue
         case.torch_buffers()
         lengths = np.diff(case.cu)
         bound = bench_cases.sector_bound_bytes(case.layout, case.D, case.H, case.cu)
@@ -136,7 +163,7 @@ def main(argv):
         from flash_attn.cute.interface import _bwd_postprocess_convert as fa4
     except Exception:  # noqa: BLE001
         fa4 = None
-    what, names = argv[0], argv[1:] or ["hd96", "hd128", "hd192"]
+    what, names = argv[0], argv[1:] or ([] if argv[0] == "short" else ["hd96", "hd128", "hd192"])
     {"sweep": sweep, "short": short, "profile": profile}[what](names, torch, fa4)
 
 

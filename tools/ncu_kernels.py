@@ -32,7 +32,7 @@ from jax_dqpost.bench import cases as bench_cases, harness  # noqa: E402
 # Variants tried per configuration by `sweep` (the first, {}, is the package's default).
 VARIANTS = [{}, {"heads_fastest": False}, {"min_ctas_per_sm": 0}]
 # ... and by `short` (varlen only).
-SHORT_VARIANTS = [{}, {"short_heads": 4}, {"short_heads": 8}, {"short_heads": 16}, {"short_heads": 32}]
+SHORT_VARIANTS = [{}, {"short_heads": 4}, {"short_heads": 16}, {"short_heads": 32}, {"min_ctas_per_sm": 3}]
 
 
 def cases(names, torch, fa4, packings=("dense",)):
@@ -78,28 +78,25 @@ def _bits(case, run):
     return case.t_out[0].view(case.torch.int16).clone()
 
 
-def _l2_fetch_granularity(set_bytes=None) -> int:
+def _set_l2_fetch_granularity(nbytes: int) -> int:
     from cuda.bindings import runtime as cudart
 
-    limit = cudart.cudaLimit.cudaLimitMaxL2FetchGranularity
-    if set_bytes is not None:
-        (err,) = cudart.cudaDeviceSetLimit(limit, set_bytes)
-        assert err == cudart.cudaError_t.cudaSuccess, err
-    err, value = cudart.cudaDeviceGetLimit(limit)
+    (err,) = cudart.cudaDeviceSetLimit(cudart.cudaLimit.cudaLimitMaxL2FetchGranularity, nbytes)
     assert err == cudart.cudaError_t.cudaSuccess, err
-    return value
+    return harness.l2_fetch_granularity()
 
 
 def short(names, torch, fa4, samples=15):
     if "--l2-fetch" in names:
         k = names.index("--l2-fetch")
         torch.cuda.init()
-        before = _l2_fetch_granularity()
-        print(f"cudaLimitMaxL2FetchGranularity: {before} -> {_l2_fetch_granularity(int(names[k + 1]))}", flush=True)
+        before = harness.l2_fetch_granularity()
+        print(f"cudaLimitMaxL2FetchGranularity: {before} -> {_set_l2_fetch_granularity(int(names[k + 1]))}",
+              flush=True)
         names = names[:k] + names[k + 2:]
     else:
         torch.cuda.init()
-        print(f"cudaLimitMaxL2FetchGranularity: {_l2_fetch_granularity()}", flush=True)
+        print(f"cudaLimitMaxL2FetchGranularity: {harness.l2_fetch_granularity()}", flush=True)
     rng = np.random.default_rng(0)
     dense = bench_cases.Case("hd128", 128, False, "dense", None, rng, torch, fa4)
     dense.torch_buffers()

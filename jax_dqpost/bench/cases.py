@@ -52,18 +52,20 @@ def short_lengths(rng, total: int, count: int) -> list[int]:
     return [0] + np.cumsum(lengths).tolist()
 
 
-def sector_bound_bytes(layout: AccumLayout, head_dim: int, heads: int, cu, seqused=None) -> int:
+def sector_bound_bytes(layout: AccumLayout, head_dim: int, heads: int, cu, seqused=None, granule: int = 32) -> int:
     """The bytes a postprocess of these sequences must move at the least in ``layout``'s order: per head, every
-    32-byte sector of the accumulator holding an element of a sequence's rows (an order interleaves rows inside a
-    tile, so a sequence shorter than a tile still needs the sectors of its rows' groups), plus the dQ rows
-    written. Sequence ``b``'s rows start a tile (FlashAttention's padded offsets)."""
-    tm, pos = layout.tile_m, layout.tile_index_map(head_dim)
-    # sectors[r]: the sectors a tile whose first r rows are converted reads (32 bytes: 8 floats)
-    sectors = np.array([0] + [len(np.unique(pos[:r].ravel() // 8)) for r in range(1, tm + 1)], np.int64)
+    ``granule``-byte block of the accumulator holding an element of a sequence's rows (an order interleaves rows
+    inside a tile, so a sequence shorter than a tile still needs the blocks of its rows' groups), plus the dQ rows
+    written. Sequence ``b``'s rows start a tile (FlashAttention's padded offsets). ``granule``: 32, the L2's sector
+    (the sector bound), or the L2's fetch granularity from DRAM (:func:`harness.l2_fetch_granularity`; 64 bytes by
+    default on the H200: the granule bound)."""
+    tm, pos, floats = layout.tile_m, layout.tile_index_map(head_dim), granule // 4
+    # blocks[r]: the blocks a tile whose first r rows are converted reads
+    blocks = np.array([0] + [len(np.unique(pos[:r].ravel() // floats)) for r in range(1, tm + 1)], np.int64)
     lengths = np.diff(np.asarray(cu, np.int64))
     conv = lengths if seqused is None else np.minimum(np.asarray(seqused, np.int64), lengths)
     full, part = conv // tm, conv % tm
-    read = int((full * sectors[tm] + sectors[part]).sum()) * 32
+    read = int((full * blocks[tm] + blocks[part]).sum()) * granule
     return heads * (read + int(lengths.sum()) * head_dim * 2)
 
 
@@ -310,11 +312,14 @@ def short_cases(rng, torch, fa4):
 
 def measure_short(case: Case, samples: int) -> dict:
     """A short-sequence case: ours and (static offsets) FlashAttention-4 by graph replay, ours through ``jax.jit``
-    from the GPU timeline, and the sector bound of the lengths in the layout's order (:func:`sector_bound_bytes`)."""
+    from the GPU timeline, and the bounds of the lengths in the layout's order (:func:`sector_bound_bytes`): the sector
+    bound and the granule bound at the device's L2 fetch granularity."""
     lengths = np.diff(case.cu)
+    granule = harness.l2_fetch_granularity()
     res = {"config": case.name, "packing": "varlen", "traced": case.traced, "sequences": len(lengths),
            "max_length": int(lengths.max()), "tokens": case.tokens, "bytes": case.bytes,
-           "bound_bytes": sector_bound_bytes(case.layout, case.D, case.H, case.cu),
+           "bound_bytes": sector_bound_bytes(case.layout, case.D, case.H, case.cu), "l2_fetch_granularity": granule,
+           "granule_bound_bytes": sector_bound_bytes(case.layout, case.D, case.H, case.cu, granule=max(32, granule)),
            "ctas": case.ctas, "tile_ctas": case.tile_ctas}
     if case.torch is not None:
         case.torch_buffers()

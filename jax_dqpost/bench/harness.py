@@ -65,6 +65,18 @@ def wall_clock(run, n) -> float:
     return time.perf_counter() - t0
 
 
+def l2_fetch_granularity() -> int:
+    """The current device's ``cudaLimitMaxL2FetchGranularity`` (bytes the L2 fetches from DRAM per miss at most; 64
+    by default on the H200: a 32-byte sector read brings its 64-byte granule); 32 if it cannot be read."""
+    try:
+        from cuda.bindings import runtime as cudart
+
+        err, value = cudart.cudaDeviceGetLimit(cudart.cudaLimit.cudaLimitMaxL2FetchGranularity)
+        return int(value) if err == cudart.cudaError_t.cudaSuccess else 32
+    except Exception:  # noqa: BLE001 - a bound for the report, not the measurement
+        return 32
+
+
 def gpu_activities(trace_dir, with_plane: bool = False) -> list[tuple]:
     """(GPU timeline line, activity name, start ns, duration ns) of every GPU activity in the newest
     jax.profiler trace under ``trace_dir`` (CUPTI's own timestamps); ``with_plane``: the GPU's plane name first."""

@@ -51,10 +51,10 @@ _REGS_PER_SM = 65536
 _THREADS_PER_SM = 2048
 
 
-def _aligned(ptr: cute.Pointer, space, align: int = _VEC_BYTES) -> cute.Pointer:
-    """``ptr`` re-declared ``align``-byte aligned (default 16): offsets here are whole 16-byte vectors (head dims and
+def _aligned(ptr: cute.Pointer, space) -> cute.Pointer:
+    """``ptr`` re-declared 16-byte aligned: offsets here are whole 16-byte vectors (head dims and
     tile sizes are multiples of 8 elements), which the DSL cannot infer through runtime offsets."""
-    return cute.make_ptr(ptr.dtype, ptr.toint(), space, assumed_align=align)
+    return cute.make_ptr(ptr.dtype, ptr.toint(), space, assumed_align=_VEC_BYTES)
 
 
 class DqPostprocess:
@@ -242,23 +242,19 @@ class DqPostprocess:
                                  x // dim0, tidx)
             else:
                 slot = (x - short_ctas) // heads
-                # the slot's span and tile_start[K] (the long tiles) in one round trip: the slots past the long tiles
-                # (traced offsets' bound) stop there; and a span index, which the work list guarantees
-                _, tile_span_at = varlen.sections(dim0)
-                meta = cute.make_tensor(aux_ptr, cute.make_layout(tile_span_at + grid_x))
-                span, long_tiles = meta[tile_span_at + slot], meta[dim0]
-                if slot < long_tiles and span >= 0 and span < dim0:
+                # tile_start[K], the long tiles: the slots past them (traced offsets' bound) stop after one load
+                if slot < cute.make_tensor(aux_ptr, cute.make_layout(dim0 + 1))[dim0]:
                     self.tile(acc_ptr, dq_ptr, scale_ptr, aux_ptr, dim0, heads, rows, head_dim, grid_x, slot,
-                              (x - short_ctas) % heads, bz, tidx, smem, span=span)
+                              (x - short_ctas) % heads, bz, tidx, smem)
         else:
             self.tile(acc_ptr, dq_ptr, scale_ptr, aux_ptr, dim0, heads, rows, head_dim, grid_x, x // heads,
                       x % heads, bz, tidx, smem)
 
     @cute.jit
     def tile(self, acc_ptr, dq_ptr, scale_ptr, aux_ptr, dim0, heads, rows, head_dim, grid_x, bx, head, bz, tidx,
-             smem, span=None):
-        """Tile ``bx`` of head ``head`` (and batch ``bz``, dense tilings; varlen: long-tile slot ``bx``, of span
-        ``span`` if the caller read it) through the shared-memory tile."""
+             smem):
+        """Tile ``bx`` of head ``head`` (and batch ``bz``, dense tilings; varlen: long-tile slot ``bx``) through the
+        shared-memory tile."""
         tile_m, padded_head_dim = self.tile_m, self.padded_head_dim
 
         # ---- 0. this CTA's tile: accumulator tile, first dQ row, rows to write and to convert ------
@@ -267,8 +263,7 @@ class DqPostprocess:
             # the work list (varlen.py): tile_start[K + 1] | spans[K][SPAN_FIELDS] | tile_span[grid_x]
             spans_at, tile_span_at = varlen.sections(num_spans)
             meta = cute.make_tensor(aux_ptr, cute.make_layout(tile_span_at + grid_x))
-            if const_expr(span is None):
-                span = meta[tile_span_at + bx]
+            span = meta[tile_span_at + bx]
             tile_in_span = bx - meta[span]
             field = spans_at + len(varlen.SPAN_FIELDS) * span
             row0 = meta[field + varlen.ROW_START] + tile_in_span * tile_m
@@ -362,33 +357,32 @@ class DqPostprocess:
             row_stride = Int64(heads) * Int64(head_dim)
             dst_at = (Int64(row0) + Int64(2 * p)) * row_stride + Int64(16 * j)
             scale = cute.make_tensor(scale_ptr, cute.make_layout(1))[0]
-            pair_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64)
+            vec_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128)
             store_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
             head0 = group * self.short_heads
             group_heads = cutlass.min(heads - head0, self.short_heads)
             if g0 < step:
                 for g in cutlass.range(g0, group_heads, step):
                     head = head0 + g
-                    # columns 16 j + 8 e ..: elements (2 e, 2 e + 1) of the eight vectors, rows 2p and 2p + 1 (two
-                    # 8-byte halves at a time: 16 floats in flight, what the long tiles' register cap leaves room for)
-                    for e in cutlass.range_constexpr(2):
-                        vals = cute.make_rmem_tensor(cute.make_layout((2, 8)), Float32)  # (o, c)
-                        if 2 * p < rows_conv:
-                            src = cute.make_tensor(_aligned(acc_ptr + src_at + Int64(head) * head_elems + Int64(2 * e),
-                                                            cute.AddressSpace.gmem, 8),
-                                                   cute.make_layout((2, 8), stride=(1, 16)))
-                            for c in cutlass.range_constexpr(8):
-                                cute.copy(pair_atom, src[None, c], vals[None, c])
-                        for o in cutlass.range_constexpr(2):
-                            if 2 * p + o < rows_total and 16 * j + 8 * e < head_dim:
-                                out = cute.make_rmem_tensor(cute.make_layout(8), self.dtype)
-                                out.fill(0.0)  # rows past rows_conv: zeros (not 0 * scale, -0 for a negative scale)
-                                if 2 * p + o < rows_conv:
-                                    out.store((vals[o, None].load() * scale).to(self.dtype))
-                                dst = cute.make_tensor(
-                                    _aligned(dq_ptr + dst_at + Int64(o) * row_stride + Int64(head * head_dim + 8 * e),
-                                             cute.AddressSpace.gmem), cute.make_layout(8))
-                                cute.copy(store_atom, out, dst)
+                    vals = cute.make_rmem_tensor(cute.make_layout((4, 8)), Float32)  # (element, c): the 8 vectors
+                    if 2 * p < rows_conv:
+                        src = cute.make_tensor(_aligned(acc_ptr + src_at + Int64(head) * head_elems,
+                                                        cute.AddressSpace.gmem),
+                                               cute.make_layout((4, 8), stride=(1, 16)))
+                        for c in cutlass.range_constexpr(8):
+                            cute.copy(vec_atom, src[None, c], vals[None, c])
+                    for o in cutlass.range_constexpr(2):
+                        if 2 * p + o < rows_total:
+                            for e in cutlass.range_constexpr(2):
+                                if 16 * j + 8 * e < head_dim:
+                                    out = cute.make_rmem_tensor(cute.make_layout(8), self.dtype)
+                                    out.fill(0.0)  # rows past rows_conv: zeros (not 0 * scale, -0 if scale < 0)
+                                    if 2 * p + o < rows_conv:
+                                        out.store((vals[2 * e + o, None].load() * scale).to(self.dtype))
+                                    dst = cute.make_tensor(
+                                        _aligned(dq_ptr + dst_at + Int64(o) * row_stride + Int64(head * head_dim + 8 * e),
+                                                 cute.AddressSpace.gmem), cute.make_layout(8))
+                                    cute.copy(store_atom, out, dst)
 
     def short_vector(self, p, j):
         """Float offset, in a tile of a swapped Hopper order, of the first of the eight 16-byte vectors holding rows

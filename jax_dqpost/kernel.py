@@ -326,7 +326,7 @@ class DqPostprocess:
         of :meth:`_place_wgmma_fragment`), and the threads ``t = 32 (j % 4) + 4 c + q`` (``c = 0..7``) hold columns
         ``16 j .. 16 j + 15`` of the same row pair. So one work item, a row pair ``p``, 16 columns ``16 j ..`` and a
         head, is eight 16-byte loads and four 16-byte stores (rows ``2p, 2p + 1``, columns ``16 j, 16 j + 8``),
-        every float loaded used (``tests/test_layout.py`` checks this map against ``tile_index_map``)."""
+        every float loaded used (``tests/test_accepted_layouts.py`` checks this map against ``tile_index_map``)."""
         tile_m, dr = self.tile_m, self.padded_head_dim
         spans_at, tile_span_at = varlen.sections(num_spans)
         meta = cute.make_tensor(aux_ptr, cute.make_layout(tile_span_at + grid_x))

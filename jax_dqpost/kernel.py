@@ -86,8 +86,8 @@ class DqPostprocess:
         the launch-bounds hint given to ptxas (None: chosen here; 0: none); ``heads_fastest``, the launch
         order: True (default), consecutive CTAs take the same tile of consecutive heads, so the CTAs in flight
         write whole dQ rows (all heads) of a few tiles; False, consecutive tiles of one head (FlashAttention's
-        order), so they write narrow slices (one head) of many rows (dense tilings only); ``short_heads``, the
-        heads per CTA of a short varlen tile."""
+        order), so they write narrow slices (one head) of many rows (not for orders with short varlen tiles);
+        ``short_heads``, the heads per CTA of a short varlen tile."""
         if not self.can_implement(dtype, layout, padded_head_dim):
             raise ValueError(f"cannot implement dtype={dtype}, {layout}, padded_head_dim={padded_head_dim}")
         self.tiling = Tiling(tiling)
@@ -95,8 +95,9 @@ class DqPostprocess:
         # Short varlen tiles (varlen.short_rows: the swapped Hopper orders); the work list is built for the same rule.
         self.short_rows = varlen.short_rows(layout) if self.tiling == Tiling.VARLEN else 0
         self.short_heads = short_heads
-        if self.tiling == Tiling.VARLEN and not heads_fastest:
-            raise ValueError("heads_fastest=False is a dense-tiling launch order")
+        if self.short_rows and not heads_fastest:
+            raise ValueError("heads_fastest=False: the grid of an order with short varlen tiles is numbered heads "
+                             "fastest")
         self.family = {90: "mma", 80: "mma", 100: "rows", None: "rowmajor"}[layout.arch]
         self.use_stmatrix = target_sm >= 90
         # WGMMA atoms exist only on sm_90: elsewhere a Hopper-order fragment is placed by its coordinates.
@@ -187,10 +188,11 @@ class DqPostprocess:
         grid_x: Int32,  # CTAs per head along x: ceil(S / tile_m), varlen: the work list's num_tiles
         stream: cuda.CUstream,
     ):
-        if const_expr(self.tiling == Tiling.VARLEN):
-            grid = [self.num_ctas(dim0, heads, grid_x), 1, 1]
+        z = 1 if const_expr(self.tiling == Tiling.VARLEN) else dim0
+        if const_expr(not self.heads_fastest):
+            grid = [grid_x, heads, z]
         else:
-            grid = [heads * grid_x, 1, dim0] if const_expr(self.heads_fastest) else [grid_x, heads, dim0]
+            grid = [self.num_ctas(dim0, heads, grid_x), 1, z]
         self.kernel(acc_ptr, dq_ptr, scale_ptr, aux_ptr, dim0, heads, rows, head_dim, grid_x).launch(
             grid=grid,
             block=[self.num_threads, 1, 1],
@@ -349,7 +351,7 @@ class DqPostprocess:
         pairs, blocks = (rows_total + 1) // 2, dr // 16
         if rows_total > 0:
             slots = pairs * blocks
-            step = self.num_threads // slots  # heads per round (slots <= 8 * 16 < num_threads)
+            step = self.num_threads // slots  # heads per round (slots <= 8 pairs * 16 blocks <= num_threads)
             slot, g0 = tidx % slots, tidx // slots
             p, j = slot % pairs, slot // pairs  # row pair fastest: 4 lanes read 64 contiguous bytes
             src_at = Int64(acc_row) * Int64(dr) + Int64(self.short_vector(p, j))
@@ -379,9 +381,9 @@ class DqPostprocess:
                                     out.fill(0.0)  # rows past rows_conv: zeros (not 0 * scale, -0 if scale < 0)
                                     if 2 * p + o < rows_conv:
                                         out.store((vals[2 * e + o, None].load() * scale).to(self.dtype))
-                                    dst = cute.make_tensor(
-                                        _aligned(dq_ptr + dst_at + Int64(o) * row_stride + Int64(head * head_dim + 8 * e),
-                                                 cute.AddressSpace.gmem), cute.make_layout(8))
+                                    dst_elem = dst_at + Int64(o) * row_stride + Int64(head * head_dim + 8 * e)
+                                    dst = cute.make_tensor(_aligned(dq_ptr + dst_elem, cute.AddressSpace.gmem),
+                                                           cute.make_layout(8))
                                     cute.copy(store_atom, out, dst)
 
     def short_vector(self, p, j):

@@ -6,8 +6,8 @@ One-dimensional grid, in this order: with a sink, ``H`` CTAs (one per query head
 the CTAs of dQ, of dK and of dV, each part numbered as the single-tensor kernel numbers its grid (dense: heads
 fastest, then tiles, then batch, ``x = (b * grid_x + m) * heads + h``; varlen: its grid's numbering). A CTA of a
 part runs that part's :meth:`DqPostprocess.cta <jax_dqpost.kernel.DqPostprocess.cta>` unchanged, so each tensor's
-bits are those of the single-tensor kernel. The CTA has as many threads as the widest part; a narrower part runs on its first
-``num_threads`` threads and synchronises them with a named barrier. The parts share one shared-memory buffer
+bits are those of the single-tensor kernel. The CTA has as many threads as the widest part; a narrower part runs on
+its first ``num_threads`` threads and synchronises them with a named barrier. The parts share one shared-memory buffer
 (the largest part's tile).
 
 The sink reduction follows flash-attn 4.0.0b36's (``flash_attn/cute/flash_bwd_postprocess.py``,

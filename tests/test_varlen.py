@@ -208,9 +208,10 @@ def test_static_validation_names_argument_and_value():
                        total_q=5, layout=layout)
 
 
-@pytest.mark.parametrize("layout", [AccumLayout.flash_attention(90, 128), AccumLayout.flash_attention(90, 256, tensor="dkv"),
-                                    AccumLayout.flash_attention(90, 128, causal=True), AccumLayout(90, 16, 128, 1, True, 64)],
-                         ids=["hd128-short", "dkv-hd256-short", "hd128-causal", "tile16-short"])
+@pytest.mark.parametrize("layout", [
+    AccumLayout.flash_attention(90, 128), AccumLayout.flash_attention(90, 256, tensor="dkv"),
+    AccumLayout.flash_attention(90, 128, causal=True), AccumLayout(90, 16, 128, 1, True, 64)],
+    ids=["hd128-short", "dkv-hd256-short", "hd128-causal", "tile16-short"])
 def test_work_list_slots_take_every_tile_once(rng, layout):
     """The kernel's reading of the work list (kernel.py): long-tile slot i < tile_start[K] converts tile i -
     tile_start[s] of span s = tile_span[i]; with short tiles, span k's short-tile slot converts its last tile when it

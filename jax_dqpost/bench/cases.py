@@ -103,7 +103,8 @@ class Case:
             if self.cu[-1] != self.tokens:
                 raise ValueError(f"cu must end at the problem's {self.tokens} tokens, got {self.cu[-1]}")
             grid = WorkList.max_tiles(self.tokens, len(self.cu) - 1, self.layout) if traced else None
-            work, self.meta = WorkList.build(np, self.cu, None, total_q=self.tokens, layout=self.layout, num_tiles=grid)
+            work, self.meta = WorkList.build(np, self.cu, None, total_q=self.tokens, layout=self.layout,
+                                             num_tiles=grid)
             self.plan = Plan(self.layout, head_dim, bf16, work=work)
             self.acc_shape = self.layout.varlen_accum_shape(work.batch, H, self.tokens, head_dim)
             self.out_shape = (self.tokens, H, head_dim)

@@ -140,8 +140,8 @@ def summary(report: dict) -> str:
     out += _goals(report)
     if report.get("short") and "hd128" in dense:
         out += ["\n== short sequences, hd128, random lengths over the same tokens (of dense: throughput against our "
-                "dense hd128; of it: the bound's bytes at our dense throughput, in 32-byte sectors and in the L2's fetch "
-                "granules)", short_table(
+                "dense hd128; of it: the bound's bytes at our dense throughput, in 32-byte sectors and in the L2's "
+                "fetch granules)", short_table(
                     report["short"], dense["hd128"])]
     if report["sweep"]:
         out += ["\n== size sweep (bytes moved per call)",

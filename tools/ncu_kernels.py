@@ -52,30 +52,30 @@ def sweep(names, torch, fa4, samples=15):
         rows = [("copy", copy)]
         if fa4 is not None:
             rows.append(("FA4", harness.graph_per_call(torch, case.fa4_run(), case.copies, samples)[0]))
-        expected = None
-        for tuning in VARIANTS:
-            try:
-                run = case.ours(**tuning)
-                case.t_out[0].fill_(float("nan"))
-                run(1)
-                out = case.t_out[0].view(torch.int16).clone()
-                expected = out if expected is None else expected
-                same = "same bits" if torch.equal(out, expected) else "DIFFERENT BITS"
-                t, _ = harness.graph_per_call(torch, run, case.copies, samples)
-            except Exception as e:  # noqa: BLE001 - a variant that cannot compile for this tile
-                print(f"{case.name} ours {tuning}: {type(e).__name__}: {str(e)[:160]}", flush=True)
-                continue
-            rows.append((f"ours {tuning or 'default'} ({same})", t))
+        rows += _time_variants(case, VARIANTS, samples, case.name)
         for label, t in rows:
             print(f"{case.name:13s} {case.packing:7s} {label:45s} {t * 1e6:8.1f} us {case.bytes / t / 1e12:5.2f} TB/s "
                   f"{copy / t:7.1%} of copy", flush=True)
 
 
-def _bits(case, run):
-    """Our output of ``run`` on the first buffer, poisoned before (int16 view)."""
-    case.t_out[0].fill_(float("nan"))
-    run(1)
-    return case.t_out[0].view(case.torch.int16).clone()
+def _time_variants(case, variants, samples, tag):
+    """``(label, seconds per call)`` of ours with each tuning in ``variants`` (graph replay), each one's output
+    (poisoned first) checked bit-equal to the first variant's; a variant that cannot compile is reported and skipped."""
+    torch, rows, expected = case.torch, [], None
+    for tuning in variants:
+        try:
+            run = case.ours(**tuning)
+            case.t_out[0].fill_(float("nan"))
+            run(1)
+            out = case.t_out[0].view(torch.int16).clone()
+            expected = out if expected is None else expected
+            same = "same bits" if torch.equal(out, expected) else "DIFFERENT BITS"
+            t, _ = harness.graph_per_call(torch, run, case.copies, samples)
+        except Exception as e:  # noqa: BLE001 - a variant that cannot compile for this tile
+            print(f"{tag} ours {tuning}: {type(e).__name__}: {str(e)[:160]}", flush=True)
+            continue
+        rows.append((f"ours {tuning or 'default'} ({same})", t))
+    return rows
 
 
 def _set_l2_fetch_granularity(nbytes: int) -> int:
@@ -117,22 +117,8 @@ def short(names, torch, fa4, samples=15):
         rows = []
         if fa4 is not None and not case.traced:
             rows.append(("FA4", harness.graph_per_call(torch, case.fa4_run(), case.copies, samples)[0]))
-        expected = None
-        for tuning in SHORT_VARIANTS:
-            try:
-                run = case.ours(**tuning)
-                out = _bits(case, run)
-                if expected is None:
-                    expected = out
-                    same = "same bits as FA4" if not case.traced and fa4 is not None and case.same_bits_as_fa4() \
-                        else ("-" if case.traced or fa4 is None else "DIFFERENT BITS from FA4")
-                else:
-                    same = "same bits" if torch.equal(out, expected) else "DIFFERENT BITS"
-                t, _ = harness.graph_per_call(torch, run, case.copies, samples)
-            except Exception as e:  # noqa: BLE001 - a variant that cannot compile for this tile
-                print(f"{tag} ours {tuning}: {type(e).__name__}: {str(e)[:160]}", flush=True)
-                continue
-            rows.append((f"ours {tuning or 'default'} ({same})", t))
+            print(f"{tag} ours default: {'same' if case.same_bits_as_fa4() else 'DIFFERENT'} bits as FA4", flush=True)
+        rows += _time_variants(case, SHORT_VARIANTS, samples, tag)
         for label, t in rows:
             of_bound = d * bound / case.bytes / t
             print(f"{tag} {label:48s} {t * 1e6:8.1f} us  of dense {d / t:6.1%}  of bound {of_bound:6.1%}", flush=True)

@@ -8,7 +8,9 @@ Two caches: in memory (per process), and on disk (``$JAX_DQPOST_CACHE_DIR``, def
 ``$XDG_CACHE_HOME/jax_dqpost`` or ``~/.cache/jax_dqpost``; ``JAX_DQPOST_CACHE_DIR=none`` turns it off). A disk
 entry's name hashes the key with the package version, the kernel source and the CuTe DSL version, so a change
 to any of them misses; entries are written to a temporary file and renamed into place, so processes sharing the
-directory never see a partial file. A disk hit does not import cutlass. Kernels are written to the default
+directory never see a partial file. An entry holds a header and the sha256 of the module before the module
+itself, and is verified on every read: a damaged one (truncated, overwritten) is discarded with one warning,
+then compiled again and rewritten. A disk hit does not import cutlass. Kernels are written to the default
 directory only on a machine with a CUDA GPU (a CPU-only machine that exports for CUDA leaves the user's cache
 alone) or when asked to (``python -m jax_dqpost.precompile``); a configured ``JAX_DQPOST_CACHE_DIR`` is always
 written.
@@ -22,6 +24,7 @@ import hashlib
 import os
 import tempfile
 import threading
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -104,6 +107,10 @@ def cache_size() -> int:
         return len(_cache)
 
 
+_ENTRY_MAGIC = b"jax_dqpost module v2\n"
+"""An on-disk entry: this header, the module's sha256 (32 bytes), the module."""
+
+
 def _disk_name(key: tuple) -> str:
     from importlib import metadata
 
@@ -114,22 +121,30 @@ def _disk_name(key: tuple) -> str:
     here = Path(__file__).parent
     names = ("kernel.py", "kernel_fused.py", "layout.py", "varlen.py")
     source = b"".join((here / name).read_bytes() for name in names)
-    digest = hashlib.sha256(repr((key, __version__, dsl, FUNCTION_PREFIX)).encode() + source).hexdigest()
+    digest = hashlib.sha256(repr((key, __version__, dsl, FUNCTION_PREFIX, _ENTRY_MAGIC)).encode() + source).hexdigest()
     label = "fused" if key[0] == "fused" else f"{key[0]}-{key[3].name.lower()}"
     return f"{label}-{key[-1]}-{digest[:40]}.cute"
 
 
 def _load(key: tuple) -> CompiledKernel | None:
+    """The module of a verified disk entry, or None (no entry, no cache, or a damaged entry, which is removed)."""
     directory = cache_dir()
     if directory is None:
         return None
+    path = directory / _disk_name(key)
     try:
-        module = (directory / _disk_name(key)).read_bytes()
+        entry = path.read_bytes()
     except OSError:
         return None
-    if module[:4] != b"\x7fELF":  # not ours or damaged: recompile and overwrite
-        return None
-    return CompiledKernel(module=module, fingerprint=hashlib.sha256(module).hexdigest(), arch=key[-1])
+    head = len(_ENTRY_MAGIC)
+    module, digest = entry[head + 32:], entry[head:head + 32]
+    if entry[:head] == _ENTRY_MAGIC and module and hashlib.sha256(module).digest() == digest:
+        return CompiledKernel(module=module, fingerprint=digest.hex(), arch=key[-1])
+    warnings.warn(f"jax_dqpost: the kernel cache entry {path} is damaged ({len(entry)} bytes that fail their sha256 "
+                  "check); compiling the kernel again and rewriting the entry", RuntimeWarning, stacklevel=4)
+    with contextlib.suppress(OSError):
+        path.unlink()
+    return None
 
 
 def _store(key: tuple, kernel: CompiledKernel, persist: bool | None) -> None:
@@ -144,7 +159,7 @@ def _store(key: tuple, kernel: CompiledKernel, persist: bool | None) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
         with os.fdopen(fd, "wb") as f:
-            f.write(kernel.module)
+            f.write(_ENTRY_MAGIC + bytes.fromhex(kernel.fingerprint) + kernel.module)
         os.replace(tmp, directory / _disk_name(key))  # atomic: readers see the old file or the whole new one
     except OSError:  # a read-only or full cache is not an error: the kernel is compiled, just not kept
         with contextlib.suppress(OSError, UnboundLocalError):

@@ -61,13 +61,37 @@ def test_disk_cache_hit_skips_cutlass_and_gives_the_same_module(tmp_path):
     assert len(list(tmp_path.glob("*.cute"))) == 1 and not list(tmp_path.glob(".tmp-*"))
 
 
-def test_concurrent_writers_and_damaged_entries(tmp_path):
+def test_concurrent_writers(tmp_path):
     results = _run(tmp_path, n=3)  # three processes compile and write the same entry at once
     assert len({fp for fp, _ in results}) == 1
+    assert len(list(tmp_path.glob("*.cute"))) == 1 and not list(tmp_path.glob(".tmp-*"))
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "one_byte", "empty", "old_format"])
+def test_a_damaged_entry_is_recompiled_and_rewritten_with_one_warning(tmp_path, monkeypatch, damage):
+    """Every read verifies the entry against its sha256: a damaged entry never reaches a module (or an exported
+    artifact); it is discarded with one warning, compiled again and rewritten."""
+    from jax_dqpost.plan import Tiling
+
+    monkeypatch.setenv("JAX_DQPOST_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(kernel_cache, "_cache", {})
+    key = (jnp.bfloat16, LAYOUT, 128, Tiling.VARLEN)
+    good = kernel_cache.get_kernel(*key, arch="sm_90a")
     (entry,) = tmp_path.glob("*.cute")
-    entry.write_bytes(b"garbage")  # a damaged entry is recompiled and replaced
-    (fp, imported), = _run(tmp_path)
-    assert fp == results[0][0] and imported == "True" and entry.read_bytes()[:4] == b"\x7fELF"
+    intact = entry.read_bytes()
+    module_at = len(intact) - len(good.module)
+    broken = {"truncated": intact[:len(intact) // 2], "garbage": os.urandom(len(intact)), "empty": b"",
+              "one_byte": intact[:module_at + 100] + bytes([intact[module_at + 100] ^ 1]) + intact[module_at + 101:],
+              "old_format": good.module}[damage]
+    entry.write_bytes(broken)
+    monkeypatch.setattr(kernel_cache, "_cache", {})  # a new process: only the disk cache
+    with pytest.warns(RuntimeWarning, match=r"kernel cache entry .* is damaged") as caught:
+        again = kernel_cache.get_kernel(*key, arch="sm_90a")
+    assert len([w for w in caught if "damaged" in str(w.message)]) == 1
+    assert again.module == good.module and again.fingerprint == good.fingerprint
+    assert entry.read_bytes() == intact  # rewritten whole
+    monkeypatch.setattr(kernel_cache, "_cache", {})
+    assert kernel_cache.get_kernel(*key, arch="sm_90a").module == good.module  # a clean hit now, no warning
 
 
 def test_cache_off_and_precompile_cli(tmp_path):

@@ -8,6 +8,11 @@
 // any CUDA graph capture), into its own FFI state; execute takes it from there (no lock, no lookup) and
 // enqueues one launch. Nothing here blocks on the stream.
 //
+// Each execute handler is exported twice: plain, and marked command-buffer compatible (suffix `Capturable`),
+// which lets XLA record the launch into its command buffers by stream capture. jax_dqpost/_ffi.py registers the
+// plain one unless asked (JAX_DQPOST_COMMAND_BUFFERS=1): a launch captured while a jax.profiler session is active
+// fails when the graph is replayed after the session (docs/design.md, "CUDA graphs and the profiler").
+//
 // Needs only a C++17 compiler and the XLA FFI headers: no CUDA toolkit at build time.
 
 #include <dlfcn.h>
@@ -306,35 +311,41 @@ ffi::Error ExecuteFused(CudaStream stream, LoadedKernel* kernel, ffi::RemainingA
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDqpostInstantiate, Instantiate,
                               ffi::Ffi::BindInstantiate().Attrs<ffi::Dictionary>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDqpostExecute, Execute,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<CudaStream>>()
-                                  .Ctx<ffi::State<LoadedKernel>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // dq_accum
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // scale
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // seqused_q / work list / empty
-                                  .Ret<ffi::AnyBuffer>()         // dq
-                                  .Attr<std::string_view>("module")
-                                  .Attr<std::string_view>("fingerprint")
-                                  .Attr<std::string_view>("dtype")
-                                  .Attr<int64_t>("mode")
-                                  .Attr<int64_t>("tile_m")
-                                  .Attr<int64_t>("tile_hdim")
-                                  .Attr<int64_t>("num_tiles"),
-                              {ffi::Traits::kCmdBufferCompatible});
+// The bindings, declared once each; every handler is exported plain and command-buffer compatible.
+#define JAX_DQPOST_EXECUTE_BINDING                                                   \
+  ffi::Ffi::Bind()                                                                   \
+      .Ctx<ffi::PlatformStream<CudaStream>>()                                       \
+      .Ctx<ffi::State<LoadedKernel>>()                                              \
+      .Arg<ffi::Buffer<ffi::F32>>()  /* dq_accum */                                 \
+      .Arg<ffi::Buffer<ffi::F32>>()  /* scale */                                    \
+      .Arg<ffi::Buffer<ffi::S32>>()  /* seqused_q / work list / empty */            \
+      .Ret<ffi::AnyBuffer>()         /* dq */                                       \
+      .Attr<std::string_view>("module")                                             \
+      .Attr<std::string_view>("fingerprint")                                        \
+      .Attr<std::string_view>("dtype")                                              \
+      .Attr<int64_t>("mode")                                                        \
+      .Attr<int64_t>("tile_m")                                                      \
+      .Attr<int64_t>("tile_hdim")                                                   \
+      .Attr<int64_t>("num_tiles")
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDqpostExecuteFused, ExecuteFused,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<CudaStream>>()
-                                  .Ctx<ffi::State<LoadedKernel>>()
-                                  .RemainingArgs()
-                                  .RemainingRets()
-                                  .Attr<std::string_view>("module")  // unused here (Instantiate loads it)
-                                  .Attr<std::string_view>("fingerprint")
-                                  .Attr<ffi::Span<const int64_t>>("slots")
-                                  .Attr<ffi::Span<const int64_t>>("bytes")
-                                  .Attr<ffi::Span<const int64_t>>("extents")
-                                  .Attr<int64_t>("ctas"),
+#define JAX_DQPOST_EXECUTE_FUSED_BINDING                                             \
+  ffi::Ffi::Bind()                                                                   \
+      .Ctx<ffi::PlatformStream<CudaStream>>()                                       \
+      .Ctx<ffi::State<LoadedKernel>>()                                              \
+      .RemainingArgs()                                                              \
+      .RemainingRets()                                                              \
+      .Attr<std::string_view>("module") /* unused here (Instantiate loads it) */    \
+      .Attr<std::string_view>("fingerprint")                                        \
+      .Attr<ffi::Span<const int64_t>>("slots")                                      \
+      .Attr<ffi::Span<const int64_t>>("bytes")                                      \
+      .Attr<ffi::Span<const int64_t>>("extents")                                    \
+      .Attr<int64_t>("ctas")
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDqpostExecute, Execute, JAX_DQPOST_EXECUTE_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDqpostExecuteCapturable, Execute, JAX_DQPOST_EXECUTE_BINDING,
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDqpostExecuteFused, ExecuteFused, JAX_DQPOST_EXECUTE_FUSED_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDqpostExecuteFusedCapturable, ExecuteFused, JAX_DQPOST_EXECUTE_FUSED_BINDING,
                               {ffi::Traits::kCmdBufferCompatible});
 
 // The state's type, registered with XLA by Python (jax.ffi.register_ffi_type) before the targets.

@@ -1,4 +1,11 @@
-"""Find the built FFI library and register its CUDA target with XLA, once (locked, idempotent)."""
+"""Find the built FFI library and register its CUDA targets with XLA, once (locked, idempotent).
+
+By default the targets' handlers are not command-buffer compatible: XLA launches our kernel itself, between its
+command buffers (CUDA graphs), never by stream capture. ``JAX_DQPOST_COMMAND_BUFFERS=1`` (read at registration,
+once per process) registers the command-buffer compatible handlers instead, which XLA records into its graphs;
+a graph first recorded while a ``jax.profiler`` session is active then fails with ``CUDA_ERROR_LAUNCH_FAILED``
+when it is replayed after the session (docs/design.md, "CUDA graphs and the profiler").
+"""
 
 from __future__ import annotations
 
@@ -16,12 +23,26 @@ FUSED_TARGET_NAME = "jax_dqpost_postprocess_v2"
 """The target of the fused kernel (``flash_attention_postprocess``; ``dq_postprocess`` with a sink or a
 clustered layout)."""
 
+COMMAND_BUFFERS_ENV = "JAX_DQPOST_COMMAND_BUFFERS"
+"""Set to 1 to let XLA capture our launches into its command buffers (see the module docstring)."""
+
 STATE_TYPE_NAME = "jax_dqpost_loaded_kernel"
 """The FFI type of the handlers' per-instance state (the kernel function an instance launches)."""
 
 _LIBRARY_NAME = "libjax_dqpost_ffi.so"
 _lock = threading.Lock()
 _registered = False
+
+
+def command_buffers() -> bool:
+    """Whether ``JAX_DQPOST_COMMAND_BUFFERS`` asks for the command-buffer compatible handlers (``ValueError`` for
+    a value other than 0/1, true/false, yes/no, on/off, or empty)."""
+    value = os.environ.get(COMMAND_BUFFERS_ENV, "").strip().lower()
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    if value in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"{COMMAND_BUFFERS_ENV} must be 0 or 1, got {os.environ[COMMAND_BUFFERS_ENV]!r}")
 
 
 def library_path() -> Path:
@@ -74,7 +95,9 @@ def register() -> None:
              "type_info": jax.ffi.pycapsule(lib.jax_dqpost_state_type_info())},
             platform="CUDA",
         )
-        for name, execute in ((TARGET_NAME, lib.JaxDqpostExecute), (FUSED_TARGET_NAME, lib.JaxDqpostExecuteFused)):
+        suffix = "Capturable" if command_buffers() else ""
+        for name, execute in ((TARGET_NAME, getattr(lib, "JaxDqpostExecute" + suffix)),
+                              (FUSED_TARGET_NAME, getattr(lib, "JaxDqpostExecuteFused" + suffix))):
             jax.ffi.register_ffi_target(
                 name,
                 {"instantiate": jax.ffi.pycapsule(lib.JaxDqpostInstantiate), "execute": jax.ffi.pycapsule(execute)},

@@ -344,9 +344,11 @@ def test_artifact_exported_on_a_cpu_machine_runs_here(rng, name):
     assert_same_bits(got, want, f"artifact {name} exported on {manifest['exported_on']}")
 
 
-def test_captured_in_a_cuda_graph(tmp_path):
-    """XLA puts the FFI call into a command buffer (a CUDA graph) in a straight chain and in a
-    lax.fori_loop, and the graph's results are bit-exact (tests/command_buffer_main.py, own process)."""
+@pytest.mark.parametrize("capturable", [False, True], ids=["default", "JAX_DQPOST_COMMAND_BUFFERS=1"])
+def test_cuda_graphs(tmp_path, capturable):
+    """Programs that XLA runs with command buffers (CUDA graphs) give bit-exact results, in a straight chain of
+    calls and in a lax.fori_loop (tests/command_buffer_main.py, own process). By default XLA launches our call
+    between its command buffers; with JAX_DQPOST_COMMAND_BUFFERS=1 it records the call into them."""
     import json
     import os
     import subprocess
@@ -354,7 +356,8 @@ def test_captured_in_a_cuda_graph(tmp_path):
     from pathlib import Path
 
     script = Path(__file__).parent / "command_buffer_main.py"
-    env = {**os.environ, "XLA_FLAGS": f"--xla_dump_to={tmp_path}", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    env = {**os.environ, "XLA_FLAGS": f"--xla_dump_to={tmp_path}", "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+           "JAX_DQPOST_COMMAND_BUFFERS": "1" if capturable else "0"}
     out = subprocess.run([sys.executable, str(script), str(int.from_bytes(os.urandom(4), "little")), str(tmp_path)],
                          env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -363,5 +366,28 @@ def test_captured_in_a_cuda_graph(tmp_path):
         for file, text in report[name]["thunk_sequences"].items():
             print(f"---- {name}: {file}\n{text[:4000]}")
         assert report[name]["bit_exact"], report
+        assert report[name]["thunk_sequences"] or report[name]["hlo_command_buffers"], "XLA dumped no thunk sequence"
         where = report[name]["hlo_command_buffers"] + report[name]["thunk_command_buffers"]
-        assert where, f"{name}: no command buffer holds our call ({report['xla_flags']})"
+        if capturable:
+            assert where, f"{name}: no command buffer holds our call ({report['xla_flags']})"
+        else:
+            assert not where, f"{name}: our call was captured into a command buffer by default: {where}"
+
+
+def test_profiler_around_calls():
+    """Both ops, static and traced varlen offsets, at a size that used to crash: each program runs before, inside
+    and after a jax.profiler trace with bit-exact results (tests/profiler_main.py, own process)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent / "profiler_main.py"
+    seed = int.from_bytes(os.urandom(4), "little")
+    out = subprocess.run([sys.executable, str(script), str(seed)], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
+    assert out.returncode == 0, f"seed {seed}: " + out.stderr[-3000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    for name in ("dq_static", "dq_traced", "fused_static", "fused_traced"):
+        assert report[name] == [True] * 4, (name, seed, report)

@@ -391,3 +391,46 @@ def test_profiler_around_calls():
     report = json.loads(out.stdout.strip().splitlines()[-1])
     for name in ("dq_static", "dq_traced", "fused_static", "fused_traced"):
         assert report[name] == [True] * 4, (name, seed, report)
+
+
+_CACHE_SCRIPT = """
+import sys, numpy as np, jax, jax.numpy as jnp
+sys.path.insert(0, sys.argv[2])
+import oracle
+from jax_dqpost import AccumLayout, dq_postprocess
+rng = np.random.default_rng(int(sys.argv[1]))
+layout = AccumLayout.flash_attention(90, 128)
+logical = oracle.random_logical(rng, (2, 200, 3, 128))
+acc = oracle.build_accumulator(logical, (layout.tile_m, layout.num_threads, layout.atom_layout, layout.swap_ab),
+                               hdim_multiple_of=layout.hdim_multiple_of, rng=rng)
+got = jax.jit(lambda a: dq_postprocess(a, 0.5, seqlen_q=200, head_dim=128, layout=layout))(acc)
+print(np.array_equal(np.asarray(got).view(np.uint16), oracle.expected_dq(logical, 0.5, jnp.bfloat16).view(np.uint16)))
+"""
+
+
+def test_a_damaged_cache_entry_heals_on_the_gpu(tmp_path):
+    """A process that finds its kernel's disk entry truncated or overwritten warns once, compiles the kernel again,
+    rewrites the entry and launches the right module (bit-exact); the next process loads the healed entry."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "JAX_DQPOST_CACHE_DIR": str(tmp_path / "cache"), "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    tests = str(Path(__file__).parent)
+
+    def run():
+        out = subprocess.run([sys.executable, "-c", _CACHE_SCRIPT, str(int.from_bytes(os.urandom(4), "little")), tests],
+                             env=env, capture_output=True, text=True, timeout=600, cwd="/")
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert out.stdout.split()[-1] == "True", out.stdout
+        return out.stderr
+
+    assert "damaged" not in run()
+    (entry,) = (tmp_path / "cache").glob("*.cute")
+    intact = entry.read_bytes()
+    for broken in (intact[: len(intact) // 3], os.urandom(len(intact))):
+        entry.write_bytes(broken)
+        assert run().count("is damaged") == 1
+        assert entry.read_bytes() == intact
+    assert "damaged" not in run()

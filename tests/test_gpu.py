@@ -366,7 +366,6 @@ def test_cuda_graphs(tmp_path, capturable):
         for file, text in report[name]["thunk_sequences"].items():
             print(f"---- {name}: {file}\n{text[:4000]}")
         assert report[name]["bit_exact"], report
-        assert report[name]["thunk_sequences"] or report[name]["hlo_command_buffers"], "XLA dumped no thunk sequence"
         where = report[name]["hlo_command_buffers"] + report[name]["thunk_command_buffers"]
         if capturable:
             assert where, f"{name}: no command buffer holds our call ({report['xla_flags']})"

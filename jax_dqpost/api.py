@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import numbers
 
 import jax.numpy as jnp
@@ -18,9 +19,28 @@ from .primitive import dq_postprocess_p
 from .reference import accum_from_dq_reference
 from .varlen import INT32_MAX, WorkList, check_static
 
+_LAYOUT_HINT = ("AccumLayout.flash_attention(arch, head_dim) gives FlashAttention-4's dQ order, "
+                "AccumLayout.flash_attention(arch, head_dim, tensor='dkv') its dK/dV order, AccumLayout(arch=None) a "
+                "row-major one")
 
+
+def _layout_required(name: str):
+    """The decorated function's keyword-only ``name`` (no default: an accumulator read in another order gives wrong
+    values, not an error) raises, when missing, a ``TypeError`` that says how to get a layout."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def checked(*args, **kwargs):
+            if name not in kwargs:
+                raise TypeError(f"{fn.__name__}() needs {name}=, the AccumLayout of the producer's accumulator: "
+                                f"{_LAYOUT_HINT}")
+            return fn(*args, **kwargs)
+        return checked
+    return wrap
+
+
+@_layout_required("layout")
 def dq_postprocess(dq_accum, scale, *, head_dim: int, seqlen_q: int | None = None, total_q: int | None = None,
-                   cu_seqlens_q=None, seqused_q=None, dtype=jnp.bfloat16, layout: AccumLayout = AccumLayout(),
+                   cu_seqlens_q=None, seqused_q=None, dtype=jnp.bfloat16, layout: AccumLayout,
                    learnable_sink=None, lse=None, dpsum=None):
     """FlashAttention's backward dQ postprocess: ``dQ = round(scale * dq_accum)`` in natural layout.
 
@@ -53,7 +73,9 @@ def dq_postprocess(dq_accum, scale, *, head_dim: int, seqlen_q: int | None = Non
         partition of the rows, never read or written out of bounds).
       seqused_q: lengths actually used, ``(B,)``: static ints or an int32 array, like ``cu_seqlens_q``.
       dtype: ``jnp.bfloat16`` or ``jnp.float16``, the type of dQ.
-      layout: :class:`AccumLayout` of the producer.
+      layout: :class:`AccumLayout` of the producer (required: an accumulator read in another order gives wrong
+        values, not an error). ``AccumLayout.flash_attention(arch, head_dim)`` gives FlashAttention-4's dQ order,
+        ``AccumLayout(arch=None)`` a row-major one.
       learnable_sink, lse, dpsum: with a learnable sink, also return its gradient (see
         :func:`flash_attention_postprocess`), computed in the same launch.
 
@@ -79,6 +101,7 @@ def dq_postprocess(dq_accum, scale, *, head_dim: int, seqlen_q: int | None = Non
     return outs[0] if sink is None else (outs[0], outs[1])
 
 
+@_layout_required("dq_layout")
 def flash_attention_postprocess(dq_accum, dk_accum, dv_accum, softmax_scale, *, head_dim: int,
                                 head_dim_v: int | None = None, dtype=jnp.bfloat16, dq_layout: AccumLayout,
                                 dkv_layout: AccumLayout | None = None, dk_scale=None, seqlen_q: int | None = None,
@@ -166,7 +189,8 @@ def flash_attention_postprocess(dq_accum, dk_accum, dv_accum, softmax_scale, *, 
     return tuple(postprocess_p.bind(*args, fplan=fplan))
 
 
-def dq_accum_from_dq(dq, scale, *, layout: AccumLayout = AccumLayout(), cu_seqlens_q=None, seqused_q=None):
+@_layout_required("layout")
+def dq_accum_from_dq(dq, scale, *, layout: AccumLayout, cu_seqlens_q=None, seqused_q=None):
     """The transpose of :func:`dq_postprocess`: build the float32 accumulator a producer would have written.
 
     Dense: ``dq`` ``(B, S, H, D)`` -> ``(B, H, Sr * Dr)``. Varlen (``cu_seqlens_q`` given): ``dq`` ``(T, H, D)``
@@ -174,7 +198,7 @@ def dq_accum_from_dq(dq, scale, *, layout: AccumLayout = AccumLayout(), cu_seqle
     ``float32(scale) * float32(dq[i, j])`` (one fp32 multiply); every other entry (padding rows and columns,
     rows past ``seqused_q``, rows no sequence covers) is 0. With ``scale = 1`` it inverts
     ``dq_postprocess`` on bf16/fp16 values; it is also how to build an accumulator in a given order.
-    ``cu_seqlens_q`` / ``seqused_q``: as in :func:`dq_postprocess` (static ints or traced int32 arrays).
+    ``layout`` (required), ``cu_seqlens_q`` / ``seqused_q``: as in :func:`dq_postprocess`.
     """
     _check_layout(layout)
     dq = jnp.asarray(dq)
@@ -245,7 +269,7 @@ def _plan(layout, head_dim, dtype, seqlen_q, total_q, cu_seqlens_q, seqused_q, s
 
 def _check_layout(layout, name: str = "layout") -> None:
     if not isinstance(layout, AccumLayout):
-        raise TypeError(f"{name} must be an AccumLayout, got {describe(layout)}")
+        raise TypeError(f"{name} must be an AccumLayout, got {describe(layout)} ({_LAYOUT_HINT})")
 
 
 def _accumulator(name: str, x):

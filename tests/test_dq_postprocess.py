@@ -167,6 +167,26 @@ def test_errors_name_argument_and_value():
             jax.jit(lambda a: call(**{**kwargs, "dq_accum": kwargs.get("dq_accum", a)}))(acc)
 
 
+def test_layout_is_required_and_the_error_says_how_to_get_one():
+    """No default order: an accumulator read in another order gives wrong values, not an error."""
+    import inspect
+
+    from jax_dqpost import dq_accum_from_dq, flash_attention_postprocess
+
+    hint = r"AccumLayout.flash_attention\(arch, head_dim\) .*tensor='dkv'.*AccumLayout\(arch=None\) a row-major"
+    acc = jnp.zeros(AccumLayout.flash_attention(90, 128).accum_shape(1, 1, 64, 128), jnp.float32)
+    dense = dict(seqlen_q=64, head_dim=128)
+    calls = [(dq_postprocess, "layout", (acc, 1.0), dense),
+             (dq_accum_from_dq, "layout", (jnp.zeros((1, 64, 1, 128), jnp.bfloat16), 1.0), {}),
+             (flash_attention_postprocess, "dq_layout", (acc, None, None, 1.0), dense)]
+    for fn, name, args, kwargs in calls:
+        assert inspect.signature(fn).parameters[name].default is inspect.Parameter.empty, fn.__name__
+        with pytest.raises(TypeError, match=rf"{fn.__name__}\(\) needs {name}=, .*{hint}"):
+            fn(*args, **kwargs)
+        with pytest.raises(TypeError, match=rf"{name} must be an AccumLayout, got None \(NoneType\) \({hint}"):
+            fn(*args, **kwargs, **{name: None})
+
+
 def test_scale_and_values_do_not_recompile(rng):
     from jax_dqpost import kernel_cache
 

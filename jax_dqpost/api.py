@@ -14,7 +14,7 @@ from . import _validate
 from ._validate import describe
 from .layout import AccumLayout
 from .fused import postprocess_p
-from .plan import OUT_DTYPES, SINK_DTYPES, FusedPlan, Plan
+from .plan import ARG_NAMES, OUT_DTYPES, SINK_DTYPES, ArgNames, FusedPlan, Plan
 from .primitive import dq_postprocess_p
 from .reference import accum_from_dq_reference
 from .varlen import INT32_MAX, WorkList, check_static
@@ -178,10 +178,11 @@ def flash_attention_postprocess(dq_accum, dk_accum, dv_accum, softmax_scale, *, 
                          "head_dim, tensor='dkv') gives FlashAttention-4's)")
     _check_layout(dkv_layout, "dkv_layout")
     dkv_layout.check_head_dim(head_dim)
-    dkv_layout.check_head_dim(head_dim_v)
+    dkv_layout.check_head_dim(head_dim_v, "head_dim_v")
     dk_accum = _accumulator("dk_accum", dk_accum)
     dv_accum = _accumulator("dv_accum", dv_accum)
-    k_plan, k_aux = _plan(dkv_layout, head_dim, out_dtype, seqlen_k, total_k, cu_seqlens_k, seqused_k, side="k")
+    k_plan, k_aux = _plan(dkv_layout, head_dim, out_dtype, seqlen_k, total_k, cu_seqlens_k, seqused_k,
+                           ARG_NAMES["dk"])
     v_plan = dataclasses.replace(k_plan, head_dim=head_dim_v)
     fplan = FusedPlan(q_plan, k_plan, v_plan, sink_dtype=sink_dtype, dsink_dtype=sink_dtype)
     args = fplan.join((dq_accum, dk_accum, dv_accum), (q_aux, k_aux), jnp.stack([scale, k_scale, jnp.float32(1)]),
@@ -220,10 +221,11 @@ def dq_accum_from_dq(dq, scale, *, layout: AccumLayout, cu_seqlens_q=None, sequs
     return accum_from_dq_reference(dq, scale, aux, plan)
 
 
-def _plan(layout, head_dim, dtype, seqlen_q, total_q, cu_seqlens_q, seqused_q, side="q") -> tuple[Plan, object]:
+def _plan(layout, head_dim, dtype, seqlen_q, total_q, cu_seqlens_q, seqused_q,
+          names: ArgNames = ARG_NAMES["dq"]) -> tuple[Plan, object]:
     """The call's plan and its int32 aux operand (empty, seqused or the work list), with the checks of
-    dq_postprocess. ``side``: ``"q"`` or ``"k"``, the suffix of the argument names in messages."""
-    seqlen_n, total_n, cu_n, used_n = (f"{name}_{side}" for name in ("seqlen", "total", "cu_seqlens", "seqused"))
+    dq_postprocess; messages name the arguments as ``names`` does."""
+    seqlen_n, total_n, cu_n, used_n = names.seqlen, names.total, names.cu_seqlens, names.seqused
     if cu_seqlens_q is None:
         if total_q is not None:
             raise ValueError(f"{total_n}={total_q!r} is only for variable-length batches (with {cu_n})")
@@ -249,7 +251,7 @@ def _plan(layout, head_dim, dtype, seqlen_q, total_q, cu_seqlens_q, seqused_q, s
     if _is_static(cu_seqlens_q) and (seqused_q is None or _is_static(seqused_q)):
         cu = _static_ints(cu_n, cu_seqlens_q)
         used = None if seqused_q is None else _static_ints(used_n, seqused_q)
-        check_static(cu, used, total_q, side=side)
+        check_static(cu, used, total_q, names)
         _check_int32_range(total_q, len(cu) - 1, layout.pad_rows, total_n)
         work, meta = WorkList.build(np, np.asarray(cu), None if used is None else np.asarray(used),
                                     total_q=total_q, layout=layout)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
@@ -35,6 +36,25 @@ OUT_DTYPES = {np.dtype(jnp.bfloat16): "bf16", np.dtype(jnp.float16): "f16"}
 """The output types, with the names the FFI attribute and the kernel cache use for them."""
 
 MAX_GRID_Z = 65535  # CUDA's limit on gridDim.z: the batch of the dense tilings
+
+
+class ArgNames(NamedTuple):
+    """What the API calls one tensor's arguments: errors name the argument the caller passed."""
+
+    accum: str
+    seqlen: str
+    total: str
+    cu_seqlens: str
+    seqused: str
+    head_dim: str
+
+
+ARG_NAMES = {
+    "dq": ArgNames("dq_accum", "seqlen_q", "total_q", "cu_seqlens_q", "seqused_q", "head_dim"),
+    "dk": ArgNames("dk_accum", "seqlen_k", "total_k", "cu_seqlens_k", "seqused_k", "head_dim"),
+    "dv": ArgNames("dv_accum", "seqlen_k", "total_k", "cu_seqlens_k", "seqused_k", "head_dim_v"),
+}
+"""The names of each tensor's arguments (``dq_postprocess`` and ``dq_accum_from_dq`` use dQ's)."""
 
 
 class Tiling(enum.IntEnum):
@@ -86,30 +106,32 @@ class Plan:
             return (self.work.size,)
         return (batch,) if self.seqused_q else (0,)
 
-    def result_shape(self, acc_shape, aux_shape) -> tuple[int, ...]:
-        """The shape of dQ for operands of these shapes; ``ValueError`` naming what does not fit."""
-        dr, layout = self.padded_head_dim, self.layout
+    def result_shape(self, acc_shape, aux_shape, names: ArgNames = ARG_NAMES["dq"]) -> tuple[int, ...]:
+        """The shape of the result for operands of these shapes; ``ValueError`` naming what does not fit, in the
+        words of ``names`` (the tensor's arguments)."""
+        dr, layout, n = self.padded_head_dim, self.layout, names
         if self.work is not None:
             w = self.work
             if tuple(aux_shape) != self.aux_shape(1):
                 raise ValueError(f"the work list has {aux_shape} entries, expected ({w.size},) for {w}")
             if len(acc_shape) != 2 or acc_shape[1] != w.padded_total * dr:
                 raise ValueError(
-                    f"dq_accum must have shape (heads, Tp*Dr) = (heads, {w.padded_total}*{dr}) for "
-                    f"total_q={w.total_q}, batch={w.batch}, head_dim={self.head_dim} and {layout} "
-                    f"(Tp = ceil((total_q + batch*P) / P) * P, P = tile_m*cluster_size = {layout.pad_rows}); "
+                    f"{n.accum} must have shape (heads, Tp*Dr) = (heads, {w.padded_total}*{dr}) for "
+                    f"{n.total}={w.total_q}, batch={w.batch}, {n.head_dim}={self.head_dim} and {layout} "
+                    f"(Tp = ceil(({n.total} + batch*P) / P) * P, P = tile_m*cluster_size = {layout.pad_rows}); "
                     f"got shape {tuple(acc_shape)}")
             return (w.total_q, acc_shape[0], self.head_dim)
         if len(acc_shape) != 3:
-            raise ValueError(f"dq_accum must have shape (batch, heads, Sr*Dr), got shape {tuple(acc_shape)}")
+            raise ValueError(f"{n.accum} must have shape (batch, heads, Sr*Dr), got shape {tuple(acc_shape)}")
         batch, heads, flat = acc_shape
         sr = layout.padded_seqlen(self.seqlen_q)
         if flat != sr * dr:
             raise ValueError(
-                f"dq_accum.shape[2] must be Sr*Dr = {sr}*{dr} = {sr * dr} for seqlen_q={self.seqlen_q}, "
-                f"head_dim={self.head_dim} and {layout}; got shape {tuple(acc_shape)}")
+                f"{n.accum}.shape[2] must be Sr*Dr = {sr}*{dr} = {sr * dr} for {n.seqlen}={self.seqlen_q}, "
+                f"{n.head_dim}={self.head_dim} and {layout}; got shape {tuple(acc_shape)}")
         if tuple(aux_shape) != self.aux_shape(batch):
-            raise ValueError(f"seqused_q must have shape {self.aux_shape(batch)}, got {tuple(aux_shape)}")
+            raise ValueError(f"{n.seqused} must have shape {self.aux_shape(batch)} ({n.accum} has batch {batch}), "
+                             f"got {tuple(aux_shape)}")
         return (batch, self.seqlen_q, heads, self.head_dim)
 
     # ---- the CUDA kernel -------------------------------------------------------------------------
@@ -252,7 +274,8 @@ class FusedPlan:
         """``(shape, dtype)`` of each result for operands of these shapes; ``ValueError`` naming what does not
         fit."""
         ops = self.split(shapes)
-        out = [(p.result_shape(a, x), p.dtype) for p, a, x in zip(self.parts, ops["acc"], ops["aux"])]
+        out = [(p.result_shape(a, x, ARG_NAMES[name]), p.dtype)
+               for name, p, a, x in zip(PARTS, self.parts, ops["acc"], ops["aux"])]
         if self.has_kv:
             (q_batch, _, q_heads, _), (k_shape, _) = _batch_heads(self.dq, out[0][0]), out[1]
             k_batch, _, kv_heads, _ = _batch_heads(self.dk, k_shape)

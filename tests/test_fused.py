@@ -278,6 +278,51 @@ def test_errors_name_the_argument():
                                     dk_scale=1.0)
 
 
+def test_kv_errors_name_the_arguments_passed():
+    """dK/dV shape and offset errors name dk_accum/dv_accum, the k side's arguments and head_dim_v, never dQ's."""
+    dq_layout, dkv_layout, d, _ = _layouts("sm90-hd128")
+    q = jnp.zeros(dq_layout.accum_shape(1, 4, 80, d), jnp.float32)
+    k = jnp.zeros(dkv_layout.accum_shape(1, 2, 60, d), jnp.float32)
+    v64 = jnp.zeros(dkv_layout.accum_shape(1, 2, 60, 64), jnp.float32)
+    k_packed = jnp.zeros(dkv_layout.varlen_accum_shape(2, 2, 100, d), jnp.float32)
+    v_packed = jnp.zeros(dkv_layout.varlen_accum_shape(2, 2, 100, 64), jnp.float32)
+    dense = dict(seqlen_k=60)
+    packed = dict(total_k=100, cu_seqlens_k=[0, 40, 100])
+    cases = [
+        ((k, k), dict(dense, seqlen_k=200), r"dk_accum.shape\[2\] must be Sr\*Dr = 256\*128 = 32768 for seqlen_k=200, "
+         r"head_dim=128"),
+        ((k, k), dict(dense, head_dim_v=64), r"dv_accum.shape\[2\] must be Sr\*Dr = 128\*64 = 8192 for seqlen_k=60, "
+         r"head_dim_v=64"),
+        ((k, v64), dict(dense, head_dim_v=96), r"dv_accum.shape\[2\] .* head_dim_v=96 and"),
+        ((k[0], k), dense, r"dk_accum must have shape \(batch, heads, Sr\*Dr\), got shape \(2, 16384\)"),
+        ((k, k), dict(dense, seqused_k=jnp.zeros(3, jnp.int32)),
+         r"seqused_k must have shape \(1,\) \(dk_accum has batch 1\), got \(3,\)"),
+        ((k, k), dict(dense, seqused_k=[61]), r"seqused_k\[0\]=61 must be in \[0, seqlen_k=60\]"),
+        ((k_packed, k_packed), dict(packed, total_k=300),
+         r"dk_accum must have shape \(heads, Tp\*Dr\) = \(heads, 640\*128\) for total_k=300, batch=2, head_dim=128"),
+        ((k_packed, v_packed), dict(packed, head_dim_v=96),
+         r"dv_accum must have shape \(heads, Tp\*Dr\) = \(heads, 384\*96\) for total_k=100, batch=2, head_dim_v=96"),
+        ((k_packed, k_packed), dict(packed, cu_seqlens_k=jnp.asarray([0, 40, 100, 100])),
+         r"dk_accum must have shape \(heads, Tp\*Dr\) = \(heads, 512\*128\) for total_k=100, batch=3"),
+        ((k_packed, k_packed), dict(packed, seqused_k=[41, 0]), r"seqused_k\[0\]=41 must be in \[0, 40\] .* in cu_seqlens_k"),
+    ]
+    for (dk_acc, dv_acc), kw, match in cases:
+        with pytest.raises(ValueError, match=match) as err:
+            flash_attention_postprocess(q, dk_acc, dv_acc, 0.1, head_dim=d, dq_layout=dq_layout, dkv_layout=dkv_layout,
+                                        seqlen_q=80, **kw)
+        message = str(err.value)
+        assert not re.search(r"dq_accum|seqlen_q|total_q|cu_seqlens_q|seqused_q", message), message
+        if "dv_accum" in message:
+            assert "head_dim=" not in message, message
+    # The head dim dV's layout cannot hold is head_dim_v.
+    dq_layout, dkv_layout = AccumLayout.flash_attention(90, 256), AccumLayout.flash_attention(90, 256, tensor="dkv")
+    q = jnp.zeros(dq_layout.accum_shape(1, 4, 80, 256), jnp.float32)
+    k = jnp.zeros(dkv_layout.accum_shape(1, 2, 60, 256), jnp.float32)
+    with pytest.raises(ValueError, match=r"^head_dim_v=64 \(padded to 64\) with AccumLayout\(arch=90, tile_m=48"):
+        flash_attention_postprocess(q, k, k, 0.1, head_dim=256, head_dim_v=64, dq_layout=dq_layout,
+                                    dkv_layout=dkv_layout, seqlen_q=80, seqlen_k=60)
+
+
 @pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
 def test_dsink_deterministic_on_gpu_across_compiles(rng):
     """The GPU's reduction order does not depend on the launch: the same bits with dQ alone and with dK/dV."""

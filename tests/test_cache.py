@@ -12,16 +12,15 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jax_dqpost import AccumLayout, cuda_arch, dq_postprocess
+from jax_dqpost import DISABLED_CHECKS, AccumLayout, cuda_arch, dq_postprocess
 from jax_dqpost import kernel_cache
 
 LAYOUT = AccumLayout.flash_attention(90, 128)
-DISABLED = [jax.export.DisabledSafetyCheck.custom_call("jax_dqpost_postprocess_v1")]
 
 
 def _export(seqlen=100):
     f = jax.jit(lambda a: dq_postprocess(a, 1.0, seqlen_q=seqlen, head_dim=128, layout=LAYOUT))
-    return jax.export.export(f, platforms=["cuda"], disabled_checks=DISABLED)(
+    return jax.export.export(f, platforms=["cuda"], disabled_checks=DISABLED_CHECKS)(
         jax.ShapeDtypeStruct(LAYOUT.accum_shape(1, 2, seqlen, 128), jnp.float32))
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import FA_HOPPER_CONFIGS, FA_HOPPER_HEAD_DIM, PLATFORMS, fa_cute_hopper_config
-from jax_dqpost import AccumLayout, dq_postprocess
+from jax_dqpost import DISABLED_CHECKS, AccumLayout, dq_postprocess
 import oracle
 
 DTYPES = [jnp.bfloat16, jnp.float16]
@@ -192,8 +192,7 @@ def test_scale_and_values_do_not_recompile(rng):
 
     layout = AccumLayout(90, 64, 256, 1, False, 32)
     f = jax.jit(lambda a, s: dq_postprocess(a, s, seqlen_q=100, head_dim=128, layout=layout))
-    exported = lambda: jax.export.export(f, platforms=["cuda"], disabled_checks=[
-        jax.export.DisabledSafetyCheck.custom_call("jax_dqpost_postprocess_v1")])(
+    exported = lambda: jax.export.export(f, platforms=["cuda"], disabled_checks=DISABLED_CHECKS)(
         jax.ShapeDtypeStruct(layout.accum_shape(2, 2, 100, 128), jnp.float32), jax.ShapeDtypeStruct((), jnp.float32))
     exported()
     n = kernel_cache.cache_size()
@@ -201,7 +200,6 @@ def test_scale_and_values_do_not_recompile(rng):
         f(jnp.asarray(rng.standard_normal(layout.accum_shape(2, 2, 100, 128)), jnp.float32), jnp.float32(scale))
     # Other shapes of the same binary configuration reuse the compiled kernel.
     jax.export.export(jax.jit(lambda a, s: dq_postprocess(a, s, seqlen_q=7, head_dim=120, layout=layout)),
-                      platforms=["cuda"], disabled_checks=[
-                          jax.export.DisabledSafetyCheck.custom_call("jax_dqpost_postprocess_v1")])(
+                      platforms=["cuda"], disabled_checks=DISABLED_CHECKS)(
         jax.ShapeDtypeStruct(layout.accum_shape(5, 1, 7, 120), jnp.float32), jax.ShapeDtypeStruct((), jnp.float32))
     assert kernel_cache.cache_size() == n

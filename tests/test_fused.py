@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import HAS_GPU, PLATFORMS
-from jax_dqpost import AccumLayout, dq_postprocess, flash_attention_postprocess
+from jax_dqpost import DISABLED_CHECKS, AccumLayout, dq_postprocess, flash_attention_postprocess
 from test_dq_postprocess import DTYPES, assert_same_bits
 import oracle
 
@@ -365,8 +365,7 @@ def test_export_for_cuda_emits_one_fused_custom_call(packing):
 
     args = [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes] + [sk["learnable_sink"]] + [
         jax.ShapeDtypeStruct(r, jnp.float32) for r in rows]
-    disabled = [jax.export.DisabledSafetyCheck.custom_call(_ffi.FUSED_TARGET_NAME)]
-    exp = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=disabled)(*args)
+    exp = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=DISABLED_CHECKS)(*args)
     text = exp.mlir_module()
     assert text.count(f'@{_ffi.FUSED_TARGET_NAME}') == 1, "expected one fused launch"
     assert "jax_dqpost_postprocess_v1" not in text

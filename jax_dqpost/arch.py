@@ -34,8 +34,9 @@ def check_arch(arch, what: str | None = None) -> str:
         raise TypeError(f"{what}: a GPU architecture is a string such as 'sm_90a', got {describe(arch)}")
     arch = _ALIASES.get(arch, arch)
     if arch not in SUPPORTED_ARCHS:
+        aliases = ", ".join(f"{k!r} means {v!r}" for k, v in _ALIASES.items())
         raise ValueError(f"{what} is not a GPU architecture the kernel compiles for; the accepted names are "
-                         f"{', '.join(SUPPORTED_ARCHS)} ({', '.join(f'{k!r} means {v!r}' for k, v in _ALIASES.items())})")
+                         f"{', '.join(SUPPORTED_ARCHS)} ({aliases})")
     return arch
 
 

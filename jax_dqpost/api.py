@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import numbers
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -68,9 +69,10 @@ def dq_postprocess(dq_accum, scale, *, head_dim: int, seqlen_q: int | None = Non
       head_dim: ``D``, a multiple of 8, at most 256.
       seqlen_q: ``S`` (dense).
       total_q: ``T``, rows of the packed output (varlen).
-      cu_seqlens_q: varlen offsets: a sequence of Python ints (static: validated now, exact launch grid) or
-        an int32 array (traced: new values never retrace or recompile; corrupt values are clamped into a
-        partition of the rows, never read or written out of bounds).
+      cu_seqlens_q: varlen offsets: Python ints or a numpy array (static: validated now, exact launch grid) or a
+        jax int32 array (an operand: new values never retrace or recompile). Values this host can read now (a jax
+        array passed outside ``jit``) are validated like static ones; traced values are not: corrupt ones are
+        clamped into a partition of the rows, never read or written out of bounds.
       seqused_q: lengths actually used, ``(B,)``: static ints or an int32 array, like ``cu_seqlens_q``.
       dtype: ``jnp.bfloat16`` or ``jnp.float16``, the type of dQ.
       layout: :class:`AccumLayout` of the producer (required: an accumulator read in another order gives wrong
@@ -237,11 +239,12 @@ def _plan(layout, head_dim, dtype, seqlen_q, total_q, cu_seqlens_q, seqused_q,
             return plan, jnp.zeros((0,), jnp.int32)
         if _is_static(seqused_q):
             used = _static_ints(used_n, seqused_q)
-            bad = [(b, u) for b, u in enumerate(used) if not 0 <= u <= plan.seqlen_q]
-            if bad:
-                raise ValueError(f"{used_n}[{bad[0][0]}]={bad[0][1]} must be in [0, {seqlen_n}={plan.seqlen_q}]")
+            _check_dense_seqused(used, plan.seqlen_q, names)
             return plan, jnp.asarray(np.asarray(used, np.int32).reshape(-1))
-        return plan, _int_array(used_n, seqused_q)
+        used, values = _int_array(used_n, seqused_q), _visible_ints(used_n, seqused_q)
+        if values is not None:  # still an operand the kernel reads at run time; the values seen now are checked
+            _check_dense_seqused(values, plan.seqlen_q, names)
+        return plan, used
 
     if seqlen_q is not None:
         raise ValueError(f"{seqlen_n}={seqlen_q!r} is only for dense batches; variable-length batches take {total_n}")
@@ -257,10 +260,13 @@ def _plan(layout, head_dim, dtype, seqlen_q, total_q, cu_seqlens_q, seqused_q,
                                     total_q=total_q, layout=layout)
         return Plan(layout, head_dim, dtype, work=work), jnp.asarray(meta)
     cu = _int_array(cu_n, _static_as_array(cu_seqlens_q))
+    used = None if seqused_q is None else _int_array(used_n, _static_as_array(seqused_q))
+    cu_values = _visible_ints(cu_n, cu_seqlens_q)
+    if cu_values is not None:  # still operands the kernel reads at run time; the values seen now are checked
+        check_static(cu_values, None if used is None else _visible_ints(used_n, seqused_q), total_q, names)
     if cu.shape[0] < 2:
         raise ValueError(f"{cu_n} must have at least 2 entries (batch + 1), got shape {cu.shape}")
     batch = cu.shape[0] - 1
-    used = None if seqused_q is None else _int_array(used_n, _static_as_array(seqused_q))
     if used is not None and used.shape != (batch,):
         raise ValueError(f"{used_n} must have shape ({batch},) to match {cu_n}, got {used.shape}")
     _check_int32_range(total_q, batch, layout.pad_rows, total_n)
@@ -316,6 +322,19 @@ def _out_dtype(dtype) -> np.dtype:
 def _is_static(x) -> bool:
     """Python sequences of ints and numpy arrays are static; jax arrays (and tracers) are device data."""
     return isinstance(x, (list, tuple, range, np.ndarray))
+
+
+def _visible_ints(name: str, x) -> list[int] | None:
+    """The values of offsets or lengths if this host can read them now: static ones, or a jax array that is not a
+    tracer (outside jit, or a constant inside it); None for traced values."""
+    concrete = isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.is_fully_addressable
+    return _static_ints(name, x) if concrete or _is_static(x) else None
+
+
+def _check_dense_seqused(used: list[int], seqlen: int, names: ArgNames) -> None:
+    bad = [(b, u) for b, u in enumerate(used) if not 0 <= u <= seqlen]
+    if bad:
+        raise ValueError(f"{names.seqused}[{bad[0][0]}]={bad[0][1]} must be in [0, {names.seqlen}={seqlen}]")
 
 
 def _static_ints(name: str, x) -> list[int]:

@@ -304,7 +304,8 @@ def test_kv_errors_name_the_arguments_passed():
          r"dv_accum must have shape \(heads, Tp\*Dr\) = \(heads, 384\*96\) for total_k=100, batch=2, head_dim_v=96"),
         ((k_packed, k_packed), dict(packed, cu_seqlens_k=jnp.asarray([0, 40, 100, 100])),
          r"dk_accum must have shape \(heads, Tp\*Dr\) = \(heads, 512\*128\) for total_k=100, batch=3"),
-        ((k_packed, k_packed), dict(packed, seqused_k=[41, 0]), r"seqused_k\[0\]=41 must be in \[0, 40\] .* in cu_seqlens_k"),
+        ((k_packed, k_packed), dict(packed, seqused_k=[41, 0]),
+         r"seqused_k\[0\]=41 must be in \[0, 40\] .* in cu_seqlens_k"),
     ]
     for (dk_acc, dv_acc), kw, match in cases:
         with pytest.raises(ValueError, match=match) as err:
@@ -321,6 +322,33 @@ def test_kv_errors_name_the_arguments_passed():
     with pytest.raises(ValueError, match=r"^head_dim_v=64 \(padded to 64\) with AccumLayout\(arch=90, tile_m=48"):
         flash_attention_postprocess(q, k, k, 0.1, head_dim=256, head_dim_v=64, dq_layout=dq_layout,
                                     dkv_layout=dkv_layout, seqlen_q=80, seqlen_k=60)
+
+
+def test_concrete_k_offsets_outside_jit_are_validated_like_static_values(rng):
+    """The k side's offsets and lengths as jax arrays outside jit: checked as static ones, naming the k side's
+    arguments; traced, the same values are clamped (no error)."""
+    dq_layout, dkv_layout, d, _ = _layouts("sm90-hd128")
+    s_q, s_k = 80, 100
+    q = jnp.asarray(rng.standard_normal(dq_layout.accum_shape(2, 4, s_q, d)), jnp.float32)
+    k_dense = jnp.asarray(rng.standard_normal(dkv_layout.accum_shape(2, 2, s_k, d)), jnp.float32)
+    k_packed = jnp.asarray(rng.standard_normal(dkv_layout.varlen_accum_shape(2, 2, s_k, d)), jnp.float32)
+    kw = dict(head_dim=d, dq_layout=dq_layout, dkv_layout=dkv_layout, seqlen_q=s_q)
+    packed = lambda cu, used=None: flash_attention_postprocess(q, k_packed, k_packed, 0.5, total_k=s_k, cu_seqlens_k=cu,
+                                                               seqused_k=used, **kw)
+    dense = lambda used: flash_attention_postprocess(q, k_dense, k_dense, 0.5, seqlen_k=s_k, seqused_k=used, **kw)
+    cases = [
+        (packed, [0, 100, 50], r"cu_seqlens_k must be non-decreasing, got cu_seqlens_k\[1\]=100 > "
+                               r"cu_seqlens_k\[2\]=50"),
+        (packed, [0, 50, 101], r"cu_seqlens_k\[-1\]=101 exceeds total_k=100"),
+        (lambda u: packed([0, 50, 100], u), [51, 3], r"seqused_k\[0\]=51 must be in \[0, 50\] .* in cu_seqlens_k"),
+        (dense, [200, 50], r"seqused_k\[0\]=200 must be in \[0, seqlen_k=100\]"),
+    ]
+    for call, values, match in cases:
+        with pytest.raises(ValueError, match=match):
+            call(values)
+        with pytest.raises(ValueError, match=match):
+            call(jnp.asarray(values, jnp.int32))
+        jax.jit(call)(jnp.asarray(values, jnp.int32))
 
 
 @pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")

@@ -124,7 +124,8 @@ def flash_attention_postprocess(dq_accum, dk_accum, dv_accum, softmax_scale, *, 
     as :func:`dq_postprocess` defines them; ``Dr``, ``Dvr``: ``head_dim``, ``head_dim_v`` padded by the layout.
     ``Hkv`` must divide ``H``. The q side is dense (``seqlen_q``) or packed (``cu_seqlens_q``, ``total_q``,
     optional ``seqused_q``), the k side likewise with ``seqlen_k`` / ``cu_seqlens_k``, ``total_k``,
-    ``seqused_k``; offsets static or traced, independently. ``dk_accum`` and ``dv_accum`` may both be None (no
+    ``seqused_k``; offsets static or traced, independently; both sides hold the same ``B`` sequences (a packed
+    side's ``B`` is ``len(cu_seqlens) - 1``). ``dk_accum`` and ``dv_accum`` may both be None (no
     grouped-query attention: the backward wrote dK and dV itself); dk and dv are then None.
 
     With a learnable sink (``learnable_sink`` (H,) of float32, bfloat16 or float16, and ``lse`` and ``dpsum``
@@ -187,6 +188,7 @@ def flash_attention_postprocess(dq_accum, dk_accum, dv_accum, softmax_scale, *, 
                            ARG_NAMES["dk"])
     v_plan = dataclasses.replace(k_plan, head_dim=head_dim_v)
     fplan = FusedPlan(q_plan, k_plan, v_plan, sink_dtype=sink_dtype, dsink_dtype=sink_dtype)
+    fplan.check_batch((dq_accum.shape, dk_accum.shape))
     args = fplan.join((dq_accum, dk_accum, dv_accum), (q_aux, k_aux), jnp.stack([scale, k_scale, jnp.float32(1)]),
                       *(sink or ()))
     return tuple(postprocess_p.bind(*args, fplan=fplan))

@@ -277,13 +277,11 @@ class FusedPlan:
         out = [(p.result_shape(a, x, ARG_NAMES[name]), p.dtype)
                for name, p, a, x in zip(PARTS, self.parts, ops["acc"], ops["aux"])]
         if self.has_kv:
-            (q_batch, _, q_heads, _), (k_shape, _) = _batch_heads(self.dq, out[0][0]), out[1]
-            k_batch, _, kv_heads, _ = _batch_heads(self.dk, k_shape)
+            (_, _, q_heads, _), (k_shape, _) = _batch_heads(self.dq, out[0][0]), out[1]
+            _, _, kv_heads, _ = _batch_heads(self.dk, k_shape)
             if out[2][0][:-1] != k_shape[:-1]:
                 raise ValueError(f"dk_accum and dv_accum disagree on batch, rows or heads: dk {k_shape}, dv "
                                  f"{out[2][0]}")
-            if None not in (q_batch, k_batch) and q_batch != k_batch:
-                raise ValueError(f"dq_accum has batch {q_batch} but dk_accum has batch {k_batch}")
             if kv_heads == 0 or q_heads % kv_heads:
                 raise ValueError(f"the key/value heads ({kv_heads}) must divide the query heads ({q_heads})")
         if self.has_sink:
@@ -295,6 +293,25 @@ class FusedPlan:
                                      f"got {tuple(got)}")
             out.append(((want[0][0],), np.dtype(self.dsink_dtype)))
         return out
+
+    def check_batch(self, acc_shapes) -> None:
+        """``ValueError`` naming both sides unless the q and k sides hold the same number of sequences: a dense
+        side's accumulator batch, a varlen side's ``len(cu_seqlens) - 1``. For the API's operands only, not in
+        :meth:`result_shapes`: vmap and sharding fold and split a dense batch, never a varlen side's sequences."""
+        if not self.has_kv:
+            return
+        sides = []
+        for part, plan, shape in zip(PARTS, self.parts, acc_shapes):
+            names = ARG_NAMES[part]
+            if plan.work is not None:
+                sides.append((plan.work.batch, f"{names.cu_seqlens} has {plan.work.batch} sequences"))
+            elif len(shape) == 3:
+                sides.append((shape[0], f"{names.accum} has batch {shape[0]}"))
+            else:
+                return  # not an accumulator: result_shapes says so
+        (q_batch, q_what), (k_batch, k_what) = sides
+        if q_batch != k_batch:
+            raise ValueError(f"the q and k sides must have the same batch: {q_what} but {k_what}")
 
     # ---- the CUDA kernel -------------------------------------------------------------------------
     @property

@@ -281,7 +281,6 @@ def test_errors_name_the_argument():
 def test_kv_errors_name_the_arguments_passed():
     """dK/dV shape and offset errors name dk_accum/dv_accum, the k side's arguments and head_dim_v, never dQ's."""
     dq_layout, dkv_layout, d, _ = _layouts("sm90-hd128")
-    q = jnp.zeros(dq_layout.accum_shape(1, 4, 80, d), jnp.float32)
     k = jnp.zeros(dkv_layout.accum_shape(1, 2, 60, d), jnp.float32)
     v64 = jnp.zeros(dkv_layout.accum_shape(1, 2, 60, 64), jnp.float32)
     k_packed = jnp.zeros(dkv_layout.varlen_accum_shape(2, 2, 100, d), jnp.float32)
@@ -308,6 +307,8 @@ def test_kv_errors_name_the_arguments_passed():
          r"seqused_k\[0\]=41 must be in \[0, 40\] .* in cu_seqlens_k"),
     ]
     for (dk_acc, dv_acc), kw, match in cases:
+        batch = len(kw["cu_seqlens_k"]) - 1 if "cu_seqlens_k" in kw else 1  # dQ's, matching the k side's
+        q = jnp.zeros(dq_layout.accum_shape(batch, 4, 80, d), jnp.float32)
         with pytest.raises(ValueError, match=match) as err:
             flash_attention_postprocess(q, dk_acc, dv_acc, 0.1, head_dim=d, dq_layout=dq_layout, dkv_layout=dkv_layout,
                                         seqlen_q=80, **kw)
@@ -349,6 +350,48 @@ def test_concrete_k_offsets_outside_jit_are_validated_like_static_values(rng):
         with pytest.raises(ValueError, match=match):
             call(jnp.asarray(values, jnp.int32))
         jax.jit(call)(jnp.asarray(values, jnp.int32))
+
+
+def test_q_and_k_sides_must_have_the_same_batch(rng):
+    """Every pairing of dense and packed sides: the batch of a dense accumulator, the sequences of a packed side
+    (static or traced offsets); a mismatch names both. Matching batches pass, also under vmap (which folds a dense
+    batch but not a packed side's sequences)."""
+    dq_layout, dkv_layout, d, _ = _layouts("sm90-hd128")
+    kw = dict(head_dim=d, dq_layout=dq_layout, dkv_layout=dkv_layout)
+
+    def side(layout, heads, batch, packed, k):
+        """(accumulator, keyword arguments) of a side with ``batch`` sequences of random lengths."""
+        if not packed:
+            acc = rng.standard_normal(layout.accum_shape(batch, heads, 50, d)).astype(np.float32)
+            return acc, {f"seqlen_{k}": 50}
+        cu = _lengths(rng, batch, 60)
+        acc = rng.standard_normal(layout.varlen_accum_shape(batch, heads, cu[-1], d)).astype(np.float32)
+        return acc, {f"total_{k}": cu[-1], f"cu_seqlens_{k}": cu}
+
+    what = {(False, "q"): "dq_accum has batch {}", (True, "q"): "cu_seqlens_q has {} sequences",
+            (False, "k"): "dk_accum has batch {}", (True, "k"): "cu_seqlens_k has {} sequences"}
+    for q_packed in (False, True):
+        for k_packed in (False, True):
+            q_batch, k_batch = (int(b) for b in rng.choice(np.arange(1, 5), 2, replace=False))
+            q, q_kw = side(dq_layout, H, q_batch, q_packed, "q")
+            k, k_kw = side(dkv_layout, H_KV, k_batch, k_packed, "k")
+            match = re.escape("the q and k sides must have the same batch: " + what[q_packed, "q"].format(q_batch)
+                              + " but " + what[k_packed, "k"].format(k_batch))
+            with pytest.raises(ValueError, match=match):
+                flash_attention_postprocess(q, k, k, 0.5, **kw, **q_kw, **k_kw)
+            traced = {n: v for n, v in {**q_kw, **k_kw}.items() if n.startswith("cu_")}
+            if traced:  # the same error for traced offsets (their shape gives the number of sequences)
+                static = {n: v for n, v in {**q_kw, **k_kw}.items() if n not in traced}
+                f = jax.jit(lambda q, k, offsets: flash_attention_postprocess(q, k, k, 0.5, **kw, **static, **offsets))
+                with pytest.raises(ValueError, match=match):
+                    f(q, k, {n: jnp.asarray(v, jnp.int32) for n, v in traced.items()})
+            # The same batch on both sides: accepted, and under vmap over the accumulators too.
+            k, k_kw = side(dkv_layout, H_KV, q_batch, k_packed, "k")
+            g = lambda q, k: flash_attention_postprocess(q, k, k, 0.5, **kw, **q_kw, **k_kw)
+            one = g(q, k)
+            mapped = jax.vmap(g)(np.stack([q, q]), np.stack([k, k]))
+            for a, b in zip(one, mapped, strict=True):
+                assert_same_bits(b[0], a, f"vmap q_packed={q_packed} k_packed={k_packed}")
 
 
 @pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")

@@ -51,11 +51,12 @@ g = jax.jit(jax.grad(loss))(acc)
 print("grad: equals dq_accum_from_dq of the cotangent:",
       same(g, dq_accum_from_dq(dq_true.astype(jnp.float32), 0.125, layout=layout)))
 
-# jax.export: our custom call is not on JAX's list of stable targets, so the check is disabled by name
-disabled = [jax.export.DisabledSafetyCheck.custom_call("jax_dqpost_postprocess_v1")]
+# jax.export: our custom calls are not on JAX's list of stable targets; jax_dqpost.DISABLED_CHECKS disables
+# that check for them
 specs = (jax.ShapeDtypeStruct(acc.shape, jnp.float32), jax.ShapeDtypeStruct((), jnp.float32))
 with jax_dqpost.cuda_arch("sm_90a"):  # the GPU the CUDA lowering compiles for (no GPU needed here)
-    exported = jax.export.export(jax.jit(f), platforms=["cpu", "cuda"], disabled_checks=disabled)(*specs)
+    exported = jax.export.export(jax.jit(f), platforms=["cpu", "cuda"],
+                                 disabled_checks=jax_dqpost.DISABLED_CHECKS)(*specs)
 restored = jax.export.deserialize(exported.serialize())
 print("export:", restored.platforms, "round trip equal:", same(restored.call(acc, np.float32(1.0)), dq_true))
 

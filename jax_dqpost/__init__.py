@@ -7,10 +7,11 @@ attention) and the learnable sink's gradient in one launch. On CUDA they run CuT
 XLA FFI targets; on every other platform, a bit-identical jax.numpy reference.
 """
 
+from ._ffi import DISABLED_CHECKS
 from ._version import __version__
 from .api import dq_accum_from_dq, dq_postprocess, flash_attention_postprocess
 from .arch import cuda_arch
 from .layout import AccumLayout
 
-__all__ = ["AccumLayout", "__version__", "cuda_arch", "dq_accum_from_dq", "dq_postprocess",
+__all__ = ["AccumLayout", "DISABLED_CHECKS", "__version__", "cuda_arch", "dq_accum_from_dq", "dq_postprocess",
            "flash_attention_postprocess"]

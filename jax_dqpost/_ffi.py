@@ -22,6 +22,10 @@ TARGET_NAME = "jax_dqpost_postprocess_v1"
 FUSED_TARGET_NAME = "jax_dqpost_postprocess_v2"
 """The target of the fused kernel (``flash_attention_postprocess``; ``dq_postprocess`` with a sink or a
 clustered layout)."""
+DISABLED_CHECKS = tuple(jax.export.DisabledSafetyCheck.custom_call(name) for name in (TARGET_NAME, FUSED_TARGET_NAME))
+"""``jax.export.export(..., disabled_checks=jax_dqpost.DISABLED_CHECKS)``: our targets are not on JAX's list of
+custom calls with stable ABIs, so exporting a function that lowers to them for CUDA needs these checks disabled;
+one for every target the package emits."""
 
 COMMAND_BUFFERS_ENV = "JAX_DQPOST_COMMAND_BUFFERS"
 """Set to 1 to let XLA capture our launches into its command buffers (see the module docstring)."""

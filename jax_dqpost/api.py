@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import numbers
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -13,14 +15,33 @@ from . import _validate
 from ._validate import describe
 from .layout import AccumLayout
 from .fused import postprocess_p
-from .plan import OUT_DTYPES, SINK_DTYPES, FusedPlan, Plan
+from .plan import ARG_NAMES, OUT_DTYPES, SINK_DTYPES, ArgNames, FusedPlan, Plan
 from .primitive import dq_postprocess_p
 from .reference import accum_from_dq_reference
 from .varlen import INT32_MAX, WorkList, check_static
 
+_LAYOUT_HINT = ("AccumLayout.flash_attention(arch, head_dim) gives FlashAttention-4's dQ order, "
+                "AccumLayout.flash_attention(arch, head_dim, tensor='dkv') its dK/dV order, AccumLayout(arch=None) a "
+                "row-major one")
 
+
+def _layout_required(name: str):
+    """The decorated function's keyword-only ``name`` (no default: an accumulator read in another order gives wrong
+    values, not an error) raises, when missing, a ``TypeError`` that says how to get a layout."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def checked(*args, **kwargs):
+            if name not in kwargs:
+                raise TypeError(f"{fn.__name__}() needs {name}=, the AccumLayout of the producer's accumulator: "
+                                f"{_LAYOUT_HINT}")
+            return fn(*args, **kwargs)
+        return checked
+    return wrap
+
+
+@_layout_required("layout")
 def dq_postprocess(dq_accum, scale, *, head_dim: int, seqlen_q: int | None = None, total_q: int | None = None,
-                   cu_seqlens_q=None, seqused_q=None, dtype=jnp.bfloat16, layout: AccumLayout = AccumLayout(),
+                   cu_seqlens_q=None, seqused_q=None, dtype=jnp.bfloat16, layout: AccumLayout,
                    learnable_sink=None, lse=None, dpsum=None):
     """FlashAttention's backward dQ postprocess: ``dQ = round(scale * dq_accum)`` in natural layout.
 
@@ -48,12 +69,15 @@ def dq_postprocess(dq_accum, scale, *, head_dim: int, seqlen_q: int | None = Non
       head_dim: ``D``, a multiple of 8, at most 256.
       seqlen_q: ``S`` (dense).
       total_q: ``T``, rows of the packed output (varlen).
-      cu_seqlens_q: varlen offsets: a sequence of Python ints (static: validated now, exact launch grid) or
-        an int32 array (traced: new values never retrace or recompile; corrupt values are clamped into a
-        partition of the rows, never read or written out of bounds).
+      cu_seqlens_q: varlen offsets: Python ints or a numpy array (static: validated now, exact launch grid) or a
+        jax int32 array (an operand: new values never retrace or recompile). Values this host can read now (a jax
+        array passed outside ``jit``) are validated like static ones; traced values are not: corrupt ones are
+        clamped into a partition of the rows, never read or written out of bounds.
       seqused_q: lengths actually used, ``(B,)``: static ints or an int32 array, like ``cu_seqlens_q``.
       dtype: ``jnp.bfloat16`` or ``jnp.float16``, the type of dQ.
-      layout: :class:`AccumLayout` of the producer.
+      layout: :class:`AccumLayout` of the producer (required: an accumulator read in another order gives wrong
+        values, not an error). ``AccumLayout.flash_attention(arch, head_dim)`` gives FlashAttention-4's dQ order,
+        ``AccumLayout(arch=None)`` a row-major one.
       learnable_sink, lse, dpsum: with a learnable sink, also return its gradient (see
         :func:`flash_attention_postprocess`), computed in the same launch.
 
@@ -79,6 +103,7 @@ def dq_postprocess(dq_accum, scale, *, head_dim: int, seqlen_q: int | None = Non
     return outs[0] if sink is None else (outs[0], outs[1])
 
 
+@_layout_required("dq_layout")
 def flash_attention_postprocess(dq_accum, dk_accum, dv_accum, softmax_scale, *, head_dim: int,
                                 head_dim_v: int | None = None, dtype=jnp.bfloat16, dq_layout: AccumLayout,
                                 dkv_layout: AccumLayout | None = None, dk_scale=None, seqlen_q: int | None = None,
@@ -99,7 +124,8 @@ def flash_attention_postprocess(dq_accum, dk_accum, dv_accum, softmax_scale, *, 
     as :func:`dq_postprocess` defines them; ``Dr``, ``Dvr``: ``head_dim``, ``head_dim_v`` padded by the layout.
     ``Hkv`` must divide ``H``. The q side is dense (``seqlen_q``) or packed (``cu_seqlens_q``, ``total_q``,
     optional ``seqused_q``), the k side likewise with ``seqlen_k`` / ``cu_seqlens_k``, ``total_k``,
-    ``seqused_k``; offsets static or traced, independently. ``dk_accum`` and ``dv_accum`` may both be None (no
+    ``seqused_k``; offsets static or traced, independently; both sides hold the same ``B`` sequences (a packed
+    side's ``B`` is ``len(cu_seqlens) - 1``). ``dk_accum`` and ``dv_accum`` may both be None (no
     grouped-query attention: the backward wrote dK and dV itself); dk and dv are then None.
 
     With a learnable sink (``learnable_sink`` (H,) of float32, bfloat16 or float16, and ``lse`` and ``dpsum``
@@ -155,18 +181,21 @@ def flash_attention_postprocess(dq_accum, dk_accum, dv_accum, softmax_scale, *, 
                          "head_dim, tensor='dkv') gives FlashAttention-4's)")
     _check_layout(dkv_layout, "dkv_layout")
     dkv_layout.check_head_dim(head_dim)
-    dkv_layout.check_head_dim(head_dim_v)
+    dkv_layout.check_head_dim(head_dim_v, "head_dim_v")
     dk_accum = _accumulator("dk_accum", dk_accum)
     dv_accum = _accumulator("dv_accum", dv_accum)
-    k_plan, k_aux = _plan(dkv_layout, head_dim, out_dtype, seqlen_k, total_k, cu_seqlens_k, seqused_k, side="k")
+    k_plan, k_aux = _plan(dkv_layout, head_dim, out_dtype, seqlen_k, total_k, cu_seqlens_k, seqused_k,
+                           ARG_NAMES["dk"])
     v_plan = dataclasses.replace(k_plan, head_dim=head_dim_v)
     fplan = FusedPlan(q_plan, k_plan, v_plan, sink_dtype=sink_dtype, dsink_dtype=sink_dtype)
+    fplan.check_batch((dq_accum.shape, dk_accum.shape))
     args = fplan.join((dq_accum, dk_accum, dv_accum), (q_aux, k_aux), jnp.stack([scale, k_scale, jnp.float32(1)]),
                       *(sink or ()))
     return tuple(postprocess_p.bind(*args, fplan=fplan))
 
 
-def dq_accum_from_dq(dq, scale, *, layout: AccumLayout = AccumLayout(), cu_seqlens_q=None, seqused_q=None):
+@_layout_required("layout")
+def dq_accum_from_dq(dq, scale, *, layout: AccumLayout, cu_seqlens_q=None, seqused_q=None):
     """The transpose of :func:`dq_postprocess`: build the float32 accumulator a producer would have written.
 
     Dense: ``dq`` ``(B, S, H, D)`` -> ``(B, H, Sr * Dr)``. Varlen (``cu_seqlens_q`` given): ``dq`` ``(T, H, D)``
@@ -174,7 +203,7 @@ def dq_accum_from_dq(dq, scale, *, layout: AccumLayout = AccumLayout(), cu_seqle
     ``float32(scale) * float32(dq[i, j])`` (one fp32 multiply); every other entry (padding rows and columns,
     rows past ``seqused_q``, rows no sequence covers) is 0. With ``scale = 1`` it inverts
     ``dq_postprocess`` on bf16/fp16 values; it is also how to build an accumulator in a given order.
-    ``cu_seqlens_q`` / ``seqused_q``: as in :func:`dq_postprocess` (static ints or traced int32 arrays).
+    ``layout`` (required), ``cu_seqlens_q`` / ``seqused_q``: as in :func:`dq_postprocess`.
     """
     _check_layout(layout)
     dq = jnp.asarray(dq)
@@ -196,10 +225,11 @@ def dq_accum_from_dq(dq, scale, *, layout: AccumLayout = AccumLayout(), cu_seqle
     return accum_from_dq_reference(dq, scale, aux, plan)
 
 
-def _plan(layout, head_dim, dtype, seqlen_q, total_q, cu_seqlens_q, seqused_q, side="q") -> tuple[Plan, object]:
+def _plan(layout, head_dim, dtype, seqlen_q, total_q, cu_seqlens_q, seqused_q,
+          names: ArgNames = ARG_NAMES["dq"]) -> tuple[Plan, object]:
     """The call's plan and its int32 aux operand (empty, seqused or the work list), with the checks of
-    dq_postprocess. ``side``: ``"q"`` or ``"k"``, the suffix of the argument names in messages."""
-    seqlen_n, total_n, cu_n, used_n = (f"{name}_{side}" for name in ("seqlen", "total", "cu_seqlens", "seqused"))
+    dq_postprocess; messages name the arguments as ``names`` does."""
+    seqlen_n, total_n, cu_n, used_n = names.seqlen, names.total, names.cu_seqlens, names.seqused
     if cu_seqlens_q is None:
         if total_q is not None:
             raise ValueError(f"{total_n}={total_q!r} is only for variable-length batches (with {cu_n})")
@@ -211,11 +241,12 @@ def _plan(layout, head_dim, dtype, seqlen_q, total_q, cu_seqlens_q, seqused_q, s
             return plan, jnp.zeros((0,), jnp.int32)
         if _is_static(seqused_q):
             used = _static_ints(used_n, seqused_q)
-            bad = [(b, u) for b, u in enumerate(used) if not 0 <= u <= plan.seqlen_q]
-            if bad:
-                raise ValueError(f"{used_n}[{bad[0][0]}]={bad[0][1]} must be in [0, {seqlen_n}={plan.seqlen_q}]")
+            _check_dense_seqused(used, plan.seqlen_q, names)
             return plan, jnp.asarray(np.asarray(used, np.int32).reshape(-1))
-        return plan, _int_array(used_n, seqused_q)
+        used, values = _int_array(used_n, seqused_q), _visible_ints(used_n, seqused_q)
+        if values is not None:  # still an operand the kernel reads at run time; the values seen now are checked
+            _check_dense_seqused(values, plan.seqlen_q, names)
+        return plan, used
 
     if seqlen_q is not None:
         raise ValueError(f"{seqlen_n}={seqlen_q!r} is only for dense batches; variable-length batches take {total_n}")
@@ -225,16 +256,19 @@ def _plan(layout, head_dim, dtype, seqlen_q, total_q, cu_seqlens_q, seqused_q, s
     if _is_static(cu_seqlens_q) and (seqused_q is None or _is_static(seqused_q)):
         cu = _static_ints(cu_n, cu_seqlens_q)
         used = None if seqused_q is None else _static_ints(used_n, seqused_q)
-        check_static(cu, used, total_q, side=side)
+        check_static(cu, used, total_q, names)
         _check_int32_range(total_q, len(cu) - 1, layout.pad_rows, total_n)
         work, meta = WorkList.build(np, np.asarray(cu), None if used is None else np.asarray(used),
                                     total_q=total_q, layout=layout)
         return Plan(layout, head_dim, dtype, work=work), jnp.asarray(meta)
     cu = _int_array(cu_n, _static_as_array(cu_seqlens_q))
+    used = None if seqused_q is None else _int_array(used_n, _static_as_array(seqused_q))
+    cu_values = _visible_ints(cu_n, cu_seqlens_q)
+    if cu_values is not None:  # still operands the kernel reads at run time; the values seen now are checked
+        check_static(cu_values, None if used is None else _visible_ints(used_n, seqused_q), total_q, names)
     if cu.shape[0] < 2:
         raise ValueError(f"{cu_n} must have at least 2 entries (batch + 1), got shape {cu.shape}")
     batch = cu.shape[0] - 1
-    used = None if seqused_q is None else _int_array(used_n, _static_as_array(seqused_q))
     if used is not None and used.shape != (batch,):
         raise ValueError(f"{used_n} must have shape ({batch},) to match {cu_n}, got {used.shape}")
     _check_int32_range(total_q, batch, layout.pad_rows, total_n)
@@ -245,7 +279,7 @@ def _plan(layout, head_dim, dtype, seqlen_q, total_q, cu_seqlens_q, seqused_q, s
 
 def _check_layout(layout, name: str = "layout") -> None:
     if not isinstance(layout, AccumLayout):
-        raise TypeError(f"{name} must be an AccumLayout, got {describe(layout)}")
+        raise TypeError(f"{name} must be an AccumLayout, got {describe(layout)} ({_LAYOUT_HINT})")
 
 
 def _accumulator(name: str, x):
@@ -290,6 +324,19 @@ def _out_dtype(dtype) -> np.dtype:
 def _is_static(x) -> bool:
     """Python sequences of ints and numpy arrays are static; jax arrays (and tracers) are device data."""
     return isinstance(x, (list, tuple, range, np.ndarray))
+
+
+def _visible_ints(name: str, x) -> list[int] | None:
+    """The values of offsets or lengths if this host can read them now: static ones, or a jax array that is not a
+    tracer (outside jit, or a constant inside it); None for traced values."""
+    concrete = isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.is_fully_addressable
+    return _static_ints(name, x) if concrete or _is_static(x) else None
+
+
+def _check_dense_seqused(used: list[int], seqlen: int, names: ArgNames) -> None:
+    bad = [(b, u) for b, u in enumerate(used) if not 0 <= u <= seqlen]
+    if bad:
+        raise ValueError(f"{names.seqused}[{bad[0][0]}]={bad[0][1]} must be in [0, {names.seqlen}={seqlen}]")
 
 
 def _static_ints(name: str, x) -> list[int]:

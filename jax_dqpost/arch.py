@@ -2,6 +2,8 @@
 
 Precedence: the innermost :func:`cuda_arch` context (a ``contextvars.ContextVar``: per thread and per asyncio
 task), then the ``CUTE_DSL_ARCH`` environment variable, then the first CUDA device JAX sees. Never guesses.
+Every name is checked against :data:`SUPPORTED_ARCHS` up front (a ``ValueError`` naming it and listing them), not
+deep inside the CuTe DSL's compile.
 """
 
 from __future__ import annotations
@@ -10,16 +12,31 @@ import contextlib
 import contextvars
 import functools
 import os
-import re
 
-_ARCH_PATTERN = re.compile(r"^sm_\d{2,3}[af]?$")
+from ._validate import describe
+
+SUPPORTED_ARCHS = ("sm_80", "sm_86", "sm_87", "sm_89", "sm_90a") + tuple(
+    f"sm_{sm}{suffix}" for sm in (100, 101, 103, 110, 120, 121) for suffix in ("", "a", "f"))
+"""The GPU architectures the kernel compiles for: the CuTe DSL's (``cutlass.base_dsl.Arch``) from sm_80 on, but
+``sm_90`` (the kernel places Hopper fragments with WGMMA atoms, which only ``sm_90a`` code has: ``sm_90`` is taken
+to mean ``sm_90a``, which every Hopper GPU runs) and ``sm_107*`` (the DSL's CUDA 12.9 toolkit refuses them). What
+a device gives (:func:`target_arch`: ``sm_80``..``sm_89``, then ``sm_90a``, ``sm_100a``...) is among them for every
+GPU the kernel supports. ``tests/test_cache.py`` compiles for each one."""
+_ALIASES = {"sm_90": "sm_90a"}
 _override: contextvars.ContextVar[str | None] = contextvars.ContextVar("jax_dqpost_cuda_arch", default=None)
 
 
-def check_arch(arch) -> str:
-    """``arch`` if it names a GPU architecture (``sm_80``, ``sm_90a``, ``sm_100a``...), else ``ValueError``."""
-    if not isinstance(arch, str) or not _ARCH_PATTERN.match(arch):
-        raise ValueError(f"GPU architecture must look like 'sm_90a', 'sm_80' or 'sm_100a', got {arch!r}")
+def check_arch(arch, what: str | None = None) -> str:
+    """``arch`` if the kernel compiles for it (:data:`SUPPORTED_ARCHS`; ``"sm_90"`` gives ``"sm_90a"``), else
+    ``ValueError`` (``TypeError`` for a non-string) naming it as ``what`` says (default: its repr)."""
+    what = repr(arch) if what is None else what
+    if not isinstance(arch, str):
+        raise TypeError(f"{what}: a GPU architecture is a string such as 'sm_90a', got {describe(arch)}")
+    arch = _ALIASES.get(arch, arch)
+    if arch not in SUPPORTED_ARCHS:
+        aliases = ", ".join(f"{k!r} means {v!r}" for k, v in _ALIASES.items())
+        raise ValueError(f"{what} is not a GPU architecture the kernel compiles for; the accepted names are "
+                         f"{', '.join(SUPPORTED_ARCHS)} ({aliases})")
     return arch
 
 
@@ -29,8 +46,9 @@ def cuda_arch(arch: str):
     GPU (if any) this machine has: for ``jax.export`` on a machine without a GPU, or for another GPU.
 
     Precedence: this context, then the ``CUTE_DSL_ARCH`` environment variable, then the first CUDA device.
+    ``arch`` must be one of :data:`SUPPORTED_ARCHS` (``"sm_90"`` means ``"sm_90a"``); ``ValueError`` otherwise.
     """
-    token = _override.set(check_arch(arch))
+    token = _override.set(check_arch(arch, f"arch={arch!r}"))
     try:
         yield
     finally:
@@ -49,13 +67,14 @@ def cuda_devices() -> tuple:
 
 
 def target_arch() -> str:
-    """The GPU architecture to compile for (see the module docstring); ``RuntimeError`` if nothing names one."""
+    """The GPU architecture to compile for (see the module docstring); ``RuntimeError`` if nothing names one,
+    ``ValueError`` if what names it is not in :data:`SUPPORTED_ARCHS`."""
     chosen = _override.get()
     if chosen is not None:
         return chosen
     env = os.environ.get("CUTE_DSL_ARCH")
     if env:
-        return check_arch(env)
+        return check_arch(env, f"CUTE_DSL_ARCH={env!r}")
     devices = cuda_devices()
     if not devices:
         raise RuntimeError(
@@ -63,7 +82,8 @@ def target_arch() -> str:
             "or use `with jax_dqpost.cuda_arch('sm_90a'):` to choose the GPU architecture to compile the kernel for"
         )
     major, minor = str(devices[0].compute_capability).split(".")
-    return f"sm_{major}{minor}{'a' if int(major) >= 9 else ''}"
+    derived = f"sm_{major}{minor}{'a' if int(major) >= 9 else ''}"
+    return check_arch(derived, f"{derived!r}, the architecture of the first CUDA device ({devices[0].device_kind}),")
 
 
 def sm_version(arch: str) -> int:

@@ -304,14 +304,15 @@ class AccumLayout:
         """Shared memory of the kernel's dQ tile: ``tile_m * Dr`` bf16/fp16 values."""
         return self.tile_m * self.padded_head_dim(head_dim) * _OUT_BYTES
 
-    def check_head_dim(self, head_dim: int) -> None:
+    def check_head_dim(self, head_dim: int, name: str = "head_dim") -> None:
         """Raise ``ValueError`` unless ``head_dim`` can be stored in this accumulator order and postprocessed on
         every supported GPU: the MMA tiling divides, the padded head dim is at most 256, the kernel can place the
         fragment (wgmma: 16-column multiples per warpgroup; mma.sync: a power-of-two number of warps, and at least
         two along dQ's rows with ``swap_ab``), ``tile_m`` is a multiple of 16, the kernel's threads tile the dQ
         tile's 16-byte stores exactly, and the tile fits in shared memory (:data:`SMEM_LIMIT`). What passes
-        compiles for sm_80, sm_90a and sm_100a alike (``tests/test_accepted_layouts.py``)."""
-        head_dim, dr, what = self._check_order(head_dim)
+        compiles for sm_80, sm_90a and sm_100a alike (``tests/test_accepted_layouts.py``). ``name``: the argument
+        the messages name."""
+        head_dim, dr, what = self._check_order(head_dim, name)
         self._check_fragment_stores(head_dim, what)
         if self.tile_m % _SMEM_ROWS:
             raise ValueError(f"{what}: the kernel's swizzled shared-memory dQ tile needs tile_m to be a multiple of "
@@ -324,12 +325,12 @@ class AccumLayout:
                              f"as 16-byte vectors exactly (threads per row must divide the {dr // 8} vectors of a "
                              f"row and the rows per pass must divide tile_m)")
 
-    def _check_order(self, head_dim: int):
+    def _check_order(self, head_dim: int, name: str = "head_dim"):
         """The order itself is defined for ``head_dim`` (the producer's MMA tiling divides, Dr <= 256):
         ``(head_dim, Dr, description)``, else ``ValueError``. What the index map needs; the kernel needs more."""
-        head_dim = _validate.head_dim(head_dim)
+        head_dim = _validate.head_dim(head_dim, name)
         dr = self.padded_head_dim(head_dim)
-        what = f"head_dim={head_dim} (padded to {dr}) with {self}"
+        what = f"{name}={head_dim} (padded to {dr}) with {self}"
         if dr > MAX_HEAD_DIM:
             raise ValueError(f"{what}: the padded head dim must be at most {MAX_HEAD_DIM}")
         self._check_mma_tiling(head_dim, what)

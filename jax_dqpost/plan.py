@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
@@ -35,6 +36,25 @@ OUT_DTYPES = {np.dtype(jnp.bfloat16): "bf16", np.dtype(jnp.float16): "f16"}
 """The output types, with the names the FFI attribute and the kernel cache use for them."""
 
 MAX_GRID_Z = 65535  # CUDA's limit on gridDim.z: the batch of the dense tilings
+
+
+class ArgNames(NamedTuple):
+    """What the API calls one tensor's arguments: errors name the argument the caller passed."""
+
+    accum: str
+    seqlen: str
+    total: str
+    cu_seqlens: str
+    seqused: str
+    head_dim: str
+
+
+ARG_NAMES = {
+    "dq": ArgNames("dq_accum", "seqlen_q", "total_q", "cu_seqlens_q", "seqused_q", "head_dim"),
+    "dk": ArgNames("dk_accum", "seqlen_k", "total_k", "cu_seqlens_k", "seqused_k", "head_dim"),
+    "dv": ArgNames("dv_accum", "seqlen_k", "total_k", "cu_seqlens_k", "seqused_k", "head_dim_v"),
+}
+"""The names of each tensor's arguments (``dq_postprocess`` and ``dq_accum_from_dq`` use dQ's)."""
 
 
 class Tiling(enum.IntEnum):
@@ -86,30 +106,32 @@ class Plan:
             return (self.work.size,)
         return (batch,) if self.seqused_q else (0,)
 
-    def result_shape(self, acc_shape, aux_shape) -> tuple[int, ...]:
-        """The shape of dQ for operands of these shapes; ``ValueError`` naming what does not fit."""
-        dr, layout = self.padded_head_dim, self.layout
+    def result_shape(self, acc_shape, aux_shape, names: ArgNames = ARG_NAMES["dq"]) -> tuple[int, ...]:
+        """The shape of the result for operands of these shapes; ``ValueError`` naming what does not fit, in the
+        words of ``names`` (the tensor's arguments)."""
+        dr, layout, n = self.padded_head_dim, self.layout, names
         if self.work is not None:
             w = self.work
             if tuple(aux_shape) != self.aux_shape(1):
                 raise ValueError(f"the work list has {aux_shape} entries, expected ({w.size},) for {w}")
             if len(acc_shape) != 2 or acc_shape[1] != w.padded_total * dr:
                 raise ValueError(
-                    f"dq_accum must have shape (heads, Tp*Dr) = (heads, {w.padded_total}*{dr}) for "
-                    f"total_q={w.total_q}, batch={w.batch}, head_dim={self.head_dim} and {layout} "
-                    f"(Tp = ceil((total_q + batch*P) / P) * P, P = tile_m*cluster_size = {layout.pad_rows}); "
+                    f"{n.accum} must have shape (heads, Tp*Dr) = (heads, {w.padded_total}*{dr}) for "
+                    f"{n.total}={w.total_q}, batch={w.batch}, {n.head_dim}={self.head_dim} and {layout} "
+                    f"(Tp = ceil(({n.total} + batch*P) / P) * P, P = tile_m*cluster_size = {layout.pad_rows}); "
                     f"got shape {tuple(acc_shape)}")
             return (w.total_q, acc_shape[0], self.head_dim)
         if len(acc_shape) != 3:
-            raise ValueError(f"dq_accum must have shape (batch, heads, Sr*Dr), got shape {tuple(acc_shape)}")
+            raise ValueError(f"{n.accum} must have shape (batch, heads, Sr*Dr), got shape {tuple(acc_shape)}")
         batch, heads, flat = acc_shape
         sr = layout.padded_seqlen(self.seqlen_q)
         if flat != sr * dr:
             raise ValueError(
-                f"dq_accum.shape[2] must be Sr*Dr = {sr}*{dr} = {sr * dr} for seqlen_q={self.seqlen_q}, "
-                f"head_dim={self.head_dim} and {layout}; got shape {tuple(acc_shape)}")
+                f"{n.accum}.shape[2] must be Sr*Dr = {sr}*{dr} = {sr * dr} for {n.seqlen}={self.seqlen_q}, "
+                f"{n.head_dim}={self.head_dim} and {layout}; got shape {tuple(acc_shape)}")
         if tuple(aux_shape) != self.aux_shape(batch):
-            raise ValueError(f"seqused_q must have shape {self.aux_shape(batch)}, got {tuple(aux_shape)}")
+            raise ValueError(f"{n.seqused} must have shape {self.aux_shape(batch)} ({n.accum} has batch {batch}), "
+                             f"got {tuple(aux_shape)}")
         return (batch, self.seqlen_q, heads, self.head_dim)
 
     # ---- the CUDA kernel -------------------------------------------------------------------------
@@ -252,15 +274,14 @@ class FusedPlan:
         """``(shape, dtype)`` of each result for operands of these shapes; ``ValueError`` naming what does not
         fit."""
         ops = self.split(shapes)
-        out = [(p.result_shape(a, x), p.dtype) for p, a, x in zip(self.parts, ops["acc"], ops["aux"])]
+        out = [(p.result_shape(a, x, ARG_NAMES[name]), p.dtype)
+               for name, p, a, x in zip(PARTS, self.parts, ops["acc"], ops["aux"])]
         if self.has_kv:
-            (q_batch, _, q_heads, _), (k_shape, _) = _batch_heads(self.dq, out[0][0]), out[1]
-            k_batch, _, kv_heads, _ = _batch_heads(self.dk, k_shape)
+            (_, _, q_heads, _), (k_shape, _) = _batch_heads(self.dq, out[0][0]), out[1]
+            _, _, kv_heads, _ = _batch_heads(self.dk, k_shape)
             if out[2][0][:-1] != k_shape[:-1]:
                 raise ValueError(f"dk_accum and dv_accum disagree on batch, rows or heads: dk {k_shape}, dv "
                                  f"{out[2][0]}")
-            if None not in (q_batch, k_batch) and q_batch != k_batch:
-                raise ValueError(f"dq_accum has batch {q_batch} but dk_accum has batch {k_batch}")
             if kv_heads == 0 or q_heads % kv_heads:
                 raise ValueError(f"the key/value heads ({kv_heads}) must divide the query heads ({q_heads})")
         if self.has_sink:
@@ -272,6 +293,25 @@ class FusedPlan:
                                      f"got {tuple(got)}")
             out.append(((want[0][0],), np.dtype(self.dsink_dtype)))
         return out
+
+    def check_batch(self, acc_shapes) -> None:
+        """``ValueError`` naming both sides unless the q and k sides hold the same number of sequences: a dense
+        side's accumulator batch, a varlen side's ``len(cu_seqlens) - 1``. For the API's operands only, not in
+        :meth:`result_shapes`: vmap and sharding fold and split a dense batch, never a varlen side's sequences."""
+        if not self.has_kv:
+            return
+        sides = []
+        for part, plan, shape in zip(PARTS, self.parts, acc_shapes):
+            names = ARG_NAMES[part]
+            if plan.work is not None:
+                sides.append((plan.work.batch, f"{names.cu_seqlens} has {plan.work.batch} sequences"))
+            elif len(shape) == 3:
+                sides.append((shape[0], f"{names.accum} has batch {shape[0]}"))
+            else:
+                return  # not an accumulator: result_shapes says so
+        (q_batch, q_what), (k_batch, k_what) = sides
+        if q_batch != k_batch:
+            raise ValueError(f"the q and k sides must have the same batch: {q_what} but {k_what}")
 
     # ---- the CUDA kernel -------------------------------------------------------------------------
     @property

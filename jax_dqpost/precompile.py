@@ -105,7 +105,8 @@ def _choice(names):
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m jax_dqpost.precompile", description=__doc__.split("\n")[0])
     p.add_argument("--arch", type=_arch,
-                   help="target GPU, e.g. sm_90a, sm_80, sm_100a (default: CUTE_DSL_ARCH, else the local GPU)")
+                   help="target GPU, e.g. sm_90a, sm_80, sm_100a; sm_90 means sm_90a (default: CUTE_DSL_ARCH, else "
+                        "the local GPU)")
     p.add_argument("--presets", type=_list_of(_preset_arch), default=None,
                    help="comma-separated GPU architectures whose FlashAttention presets to compile, e.g. 90,100,120 "
                         "(default: the target's, e.g. 90 for sm_90a)")
@@ -129,6 +130,8 @@ def main(argv=None) -> int:
         arch = args.arch or arch_.target_arch()
     except RuntimeError:
         parser.error("no CUDA GPU here: pass --arch (e.g. --arch sm_90a) or set CUTE_DSL_ARCH to choose the target")
+    except ValueError as e:  # CUTE_DSL_ARCH, or the local GPU, names an architecture the kernel does not compile for
+        parser.error(str(e))
     presets = args.presets or [arch_.sm_version(arch)]
     configs = configurations(presets, args.head_dims)
     if not configs:

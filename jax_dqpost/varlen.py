@@ -198,10 +198,10 @@ class WorkList:
         return Spans(meta[:spans_at], *(spans[:, f] for f in range(len(SPAN_FIELDS))), meta[tile_span_at:])
 
 
-def check_static(cu_seqlens_q, seqused_q, total_q: int, side: str = "q") -> None:
-    """Validate static offsets at trace time: ValueError naming the argument and the bad value (``side``: the
-    names' suffix, ``q`` or ``k``)."""
-    cu_n, used_n, total_n = f"cu_seqlens_{side}", f"seqused_{side}", f"total_{side}"
+def check_static(cu_seqlens_q, seqused_q, total_q: int, names) -> None:
+    """Validate static offsets at trace time: ValueError naming the argument and the bad value (``names``: the
+    arguments' names, a ``plan.ArgNames``)."""
+    cu_n, used_n, total_n = names.cu_seqlens, names.seqused, names.total
     cu = list(cu_seqlens_q)
     if len(cu) < 2:
         raise ValueError(f"{cu_n} must have at least 2 entries (batch + 1), got {cu}")

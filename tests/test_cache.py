@@ -12,16 +12,15 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jax_dqpost import AccumLayout, cuda_arch, dq_postprocess
-from jax_dqpost import kernel_cache
+from jax_dqpost import DISABLED_CHECKS, AccumLayout, cuda_arch, dq_postprocess
+from jax_dqpost import arch as arch_, kernel_cache
 
 LAYOUT = AccumLayout.flash_attention(90, 128)
-DISABLED = [jax.export.DisabledSafetyCheck.custom_call("jax_dqpost_postprocess_v1")]
 
 
 def _export(seqlen=100):
     f = jax.jit(lambda a: dq_postprocess(a, 1.0, seqlen_q=seqlen, head_dim=128, layout=LAYOUT))
-    return jax.export.export(f, platforms=["cuda"], disabled_checks=DISABLED)(
+    return jax.export.export(f, platforms=["cuda"], disabled_checks=DISABLED_CHECKS)(
         jax.ShapeDtypeStruct(LAYOUT.accum_shape(1, 2, seqlen, 128), jnp.float32))
 
 
@@ -30,9 +29,54 @@ def test_cuda_arch_chooses_the_target_and_validates():
         with cuda_arch(arch):
             text = _export().mlir_module()
         assert kernel_cache.get_kernel(jnp.bfloat16, LAYOUT, 128, arch=arch).fingerprint in text
-    with pytest.raises(ValueError, match=r"GPU architecture must look like 'sm_90a'.*got 'hopper'"):
-        with cuda_arch("hopper"):
+    with cuda_arch("sm_90"):  # the Hopper kernel needs sm_90a code: sm_90 means sm_90a
+        assert arch_.target_arch() == "sm_90a"
+        text = _export().mlir_module()
+    assert kernel_cache.get_kernel(jnp.bfloat16, LAYOUT, 128, arch="sm_90a").fingerprint in text
+    for bad in ("hopper", "sm_75", "sm_90f", "sm_107a", "sm_90a "):
+        with pytest.raises(ValueError, match=rf"^arch={bad!r} is not a GPU architecture the kernel compiles for; "
+                                             r"the accepted names are sm_80, sm_86, .*sm_90a, .*sm_120a, .*"
+                                             r"\('sm_90' means 'sm_90a'\)$"):
+            with cuda_arch(bad):
+                pass
+    with pytest.raises(TypeError, match=r"^arch=90: a GPU architecture is a string such as 'sm_90a', got 90 \(int\)"):
+        with cuda_arch(90):
             pass
+
+
+def test_every_accepted_arch_compiles_and_is_the_dsls():
+    """Each name check_arch accepts is an architecture of the CuTe DSL and compiles the kernel's Hopper order (whose
+    WGMMA atoms refuse sm_90): nothing accepted fails later, inside the DSL."""
+    from cutlass.base_dsl import Arch
+
+    for name in arch_.SUPPORTED_ARCHS:
+        assert name in Arch.__members__, name
+        kernel = kernel_cache.get_kernel(jnp.bfloat16, LAYOUT, 128, arch=name)
+        assert kernel.arch == name and kernel.module[:4] == b"\x7fELF"
+    assert "sm_90" in Arch.__members__ and arch_.check_arch("sm_90") == "sm_90a"
+
+
+def test_cute_dsl_arch_and_the_device_are_validated(monkeypatch):
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90")
+    assert arch_.target_arch() == "sm_90a"
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_75")
+    with pytest.raises(ValueError, match=r"^CUTE_DSL_ARCH='sm_75' is not a GPU architecture .* sm_80, "):
+        arch_.target_arch()
+    with pytest.raises(ValueError, match=r"CUTE_DSL_ARCH='sm_75'"):  # lowering for CUDA: before any compile
+        _export()
+    # Without either, the first CUDA device's compute capability names it.
+    monkeypatch.delenv("CUTE_DSL_ARCH")
+    for capability, want in (("8.0", "sm_80"), ("8.9", "sm_89"), ("9.0", "sm_90a"), ("10.0", "sm_100a"),
+                             ("10.3", "sm_103a"), ("11.0", "sm_110a"), ("12.0", "sm_120a"), ("12.1", "sm_121a"),
+                             ("7.5", None)):
+        device = type("Device", (), dict(compute_capability=capability, device_kind=f"GPU {capability}"))()
+        monkeypatch.setattr(arch_, "cuda_devices", lambda: (device,))
+        if want is not None:
+            assert arch_.target_arch() == want
+        else:
+            with pytest.raises(ValueError, match=r"^'sm_75', the architecture of the first CUDA device \(GPU 7.5\), "
+                                                 r"is not a GPU architecture the kernel compiles for"):
+                arch_.target_arch()
 
 
 _SCRIPT = textwrap.dedent("""
@@ -121,7 +165,9 @@ def test_cache_off_and_precompile_cli(tmp_path):
     (["--head-dims", "60"], "--head-dims: '60': head_dim must be a positive multiple of 8 and at most 256, got 60"),
     (["--tilings", "dense,sparse"], "--tilings: 'sparse': choose from dense, dense_seqused, varlen"),
     (["--fused", "f64"], "--fused: 'f64': choose from none, f32, bf16, f16"),
-    (["--arch", "hopper"], "--arch: GPU architecture must look like 'sm_90a'.* got 'hopper'"),
+    (["--arch", "hopper"], "--arch: 'hopper' is not a GPU architecture the kernel compiles for; the accepted names "
+                           "are sm_80, "),
+    (["--arch", "sm_75"], r"--arch: 'sm_75' is not a GPU architecture .*\('sm_90' means 'sm_90a'\)\n$"),
 ])
 def test_precompile_argument_errors_exit_2_naming_the_value(argv, message, capsys):
     from jax_dqpost import precompile
@@ -144,6 +190,26 @@ def test_precompile_without_a_gpu_or_arch_says_what_to_pass(monkeypatch, capsys)
     assert exit_.value.code == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert "pass --arch (e.g. --arch sm_90a) or set CUTE_DSL_ARCH" in lines[-1] and "Traceback" not in lines[-1]
+
+
+def test_precompile_checks_cute_dsl_arch_and_takes_sm_90_for_sm_90a(tmp_path):
+    """CUTE_DSL_ARCH naming no architecture the kernel compiles for: a one-line error and status 2, no traceback;
+    sm_90 (from --arch or CUTE_DSL_ARCH) compiles for sm_90a."""
+    env = {**os.environ, "JAX_DQPOST_CACHE_DIR": str(tmp_path)}
+    small = ["--presets", "90", "--head-dims", "64", "--dtypes", "bf16", "--tilings", "dense"]
+    run = lambda argv, **extra: subprocess.run([sys.executable, "-m", "jax_dqpost.precompile", *argv], cwd="/",
+                                               env={**env, **extra}, capture_output=True, text=True, timeout=600)
+    bad = run([], CUTE_DSL_ARCH="sm_75")
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr[-2000:]
+    assert bad.stderr.startswith("usage: "), bad.stderr
+    assert bad.stderr.strip().splitlines()[-1].startswith(
+        "python -m jax_dqpost.precompile: error: CUTE_DSL_ARCH='sm_75' is not a GPU architecture the kernel compiles "
+        "for; the accepted names are sm_80, "), bad.stderr
+    for out in (run(["--arch", "sm_90", *small]), run(small, CUTE_DSL_ARCH="sm_90")):
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert "1 kernels for sm_90a (1 layouts x 1 dtypes x 1 tilings)" in out.stdout
+    (entry,) = tmp_path.glob("*.cute")
+    assert "-sm_90a-" in entry.name, entry.name
 
 
 def test_precompile_help_describes_every_option(capsys):

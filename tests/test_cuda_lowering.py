@@ -16,17 +16,16 @@ import numpy as np
 import pytest
 
 import jax_dqpost
-from jax_dqpost import AccumLayout, dq_postprocess
+from jax_dqpost import DISABLED_CHECKS, AccumLayout, dq_postprocess
 from jax_dqpost import _ffi, kernel_cache
 from jax_dqpost.plan import Tiling
 
 LAYOUT = AccumLayout(90, 80, 256, 1, True, 32)
-DISABLED = [jax.export.DisabledSafetyCheck.custom_call(_ffi.TARGET_NAME)]
 
 
 def _export(platforms, head_dim=128, seqlen=1000, dtype=jnp.bfloat16):
     f = jax.jit(lambda a, s: dq_postprocess(a, s, seqlen_q=seqlen, head_dim=head_dim, dtype=dtype, layout=LAYOUT))
-    return jax.export.export(f, platforms=platforms, disabled_checks=DISABLED)(
+    return jax.export.export(f, platforms=platforms, disabled_checks=DISABLED_CHECKS)(
         jax.ShapeDtypeStruct(LAYOUT.accum_shape(2, 4, seqlen, head_dim), jnp.float32),
         jax.ShapeDtypeStruct((), jnp.float32))
 
@@ -62,10 +61,11 @@ def test_cuda_lowering_rejects_grids_cuda_cannot_launch(batch, heads, seqlen, wh
     f = jax.jit(lambda a: dq_postprocess(a, 0.5, seqlen_q=seqlen, head_dim=128, layout=LAYOUT))
     spec = jax.ShapeDtypeStruct(LAYOUT.accum_shape(batch, heads, seqlen, 128), jnp.float32)
     with pytest.raises(ValueError, match=what):
-        jax.export.export(f, platforms=["cuda"], disabled_checks=DISABLED)(spec)
+        jax.export.export(f, platforms=["cuda"], disabled_checks=DISABLED_CHECKS)(spec)
     if what == "batch":
         ok = jax.ShapeDtypeStruct(LAYOUT.accum_shape(batch - 1, heads, seqlen, 128), jnp.float32)
-        assert _ffi.TARGET_NAME in jax.export.export(f, platforms=["cuda"], disabled_checks=DISABLED)(ok).mlir_module()
+        exported = jax.export.export(f, platforms=["cuda"], disabled_checks=DISABLED_CHECKS)(ok)
+        assert _ffi.TARGET_NAME in exported.mlir_module()
 
 
 def test_export_serializes_and_multi_platform():
@@ -77,6 +77,45 @@ def test_export_serializes_and_multi_platform():
     want = jax.jit(lambda a: dq_postprocess(a, 0.3, seqlen_q=1000, head_dim=128, layout=LAYOUT))(acc)
     got = restored.call(acc, np.float32(0.3))
     np.testing.assert_array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16))
+
+
+def test_disabled_checks_cover_every_target_the_package_emits(rng):
+    """jax_dqpost.DISABLED_CHECKS exports, for CUDA (here without a GPU), a function using every path of the package:
+    dq_postprocess alone (target v1), with a sink and flash_attention_postprocess (target v2); each of its checks is
+    needed; the serialized artifact round-trips, and its CPU lowering runs here with the bits of a direct call."""
+    pytest.importorskip("flatbuffers", reason="Exported.serialize needs flatbuffers (in the package's [test] extra)")
+    from jax_dqpost import cuda_arch, flash_attention_postprocess
+
+    q_layout, kv_layout = AccumLayout.flash_attention(90, 64), AccumLayout.flash_attention(90, 64, tensor="dkv")
+    B, H, H_KV, S, S_K, D = 2, 4, 2, 100, 70, 64
+
+    def f(q, k, v, sink, lse, dpsum):
+        sk = dict(learnable_sink=sink, lse=lse, dpsum=dpsum)
+        alone = dq_postprocess(q, 0.5, seqlen_q=S, head_dim=D, layout=q_layout)
+        with_sink = dq_postprocess(q, 0.5, seqlen_q=S, head_dim=D, layout=q_layout, **sk)
+        fused = flash_attention_postprocess(q, k, v, 0.5, head_dim=D, dq_layout=q_layout, dkv_layout=kv_layout,
+                                            seqlen_q=S, seqlen_k=S_K, **sk)
+        return (alone,) + with_sink + fused
+
+    shapes = [q_layout.accum_shape(B, H, S, D), kv_layout.accum_shape(B, H_KV, S_K, D),
+              kv_layout.accum_shape(B, H_KV, S_K, D), (H,), (B, H, S), (B, H, q_layout.padded_seqlen(S))]
+    specs = [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]
+    assert isinstance(DISABLED_CHECKS, tuple)
+    with cuda_arch("sm_90a"):
+        for dropped in DISABLED_CHECKS:  # each check is needed: without it the export names its target
+            with pytest.raises(ValueError, match=dropped.is_custom_call()):
+                jax.export.export(jax.jit(f), platforms=["cuda"],
+                                  disabled_checks=[c for c in DISABLED_CHECKS if c != dropped])(*specs)
+        exported = jax.export.export(jax.jit(f), platforms=["cpu", "cuda"], disabled_checks=DISABLED_CHECKS)(*specs)
+    targets = set(re.findall(r"stablehlo.custom_call @(jax_dqpost\w+)\(", exported.mlir_module()))
+    assert targets == {c.is_custom_call() for c in DISABLED_CHECKS} == {_ffi.TARGET_NAME, _ffi.FUSED_TARGET_NAME}
+    restored = jax.export.deserialize(exported.serialize())
+    assert restored.platforms == ("cpu", "cuda") and restored.out_avals == exported.out_avals
+    assert restored.mlir_module_serialized == exported.mlir_module_serialized
+    args = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    want = jax.jit(f)(*args)
+    for got, w in zip(restored.call(*args), want, strict=True):
+        assert np.array_equal(np.asarray(got).view(np.uint8), np.asarray(w).view(np.uint8))
 
 
 def test_cuda_kernel_compiles_for_sm90a_for_every_fa_head_dim():

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import FA_HOPPER_CONFIGS, FA_HOPPER_HEAD_DIM, PLATFORMS, fa_cute_hopper_config
-from jax_dqpost import AccumLayout, dq_postprocess
+from jax_dqpost import DISABLED_CHECKS, AccumLayout, dq_postprocess
 import oracle
 
 DTYPES = [jnp.bfloat16, jnp.float16]
@@ -167,13 +167,32 @@ def test_errors_name_argument_and_value():
             jax.jit(lambda a: call(**{**kwargs, "dq_accum": kwargs.get("dq_accum", a)}))(acc)
 
 
+def test_layout_is_required_and_the_error_says_how_to_get_one():
+    """No default order: an accumulator read in another order gives wrong values, not an error."""
+    import inspect
+
+    from jax_dqpost import dq_accum_from_dq, flash_attention_postprocess
+
+    hint = r"AccumLayout.flash_attention\(arch, head_dim\) .*tensor='dkv'.*AccumLayout\(arch=None\) a row-major"
+    acc = jnp.zeros(AccumLayout.flash_attention(90, 128).accum_shape(1, 1, 64, 128), jnp.float32)
+    dense = dict(seqlen_q=64, head_dim=128)
+    calls = [(dq_postprocess, "layout", (acc, 1.0), dense),
+             (dq_accum_from_dq, "layout", (jnp.zeros((1, 64, 1, 128), jnp.bfloat16), 1.0), {}),
+             (flash_attention_postprocess, "dq_layout", (acc, None, None, 1.0), dense)]
+    for fn, name, args, kwargs in calls:
+        assert inspect.signature(fn).parameters[name].default is inspect.Parameter.empty, fn.__name__
+        with pytest.raises(TypeError, match=rf"{fn.__name__}\(\) needs {name}=, .*{hint}"):
+            fn(*args, **kwargs)
+        with pytest.raises(TypeError, match=rf"{name} must be an AccumLayout, got None \(NoneType\) \({hint}"):
+            fn(*args, **kwargs, **{name: None})
+
+
 def test_scale_and_values_do_not_recompile(rng):
     from jax_dqpost import kernel_cache
 
     layout = AccumLayout(90, 64, 256, 1, False, 32)
     f = jax.jit(lambda a, s: dq_postprocess(a, s, seqlen_q=100, head_dim=128, layout=layout))
-    exported = lambda: jax.export.export(f, platforms=["cuda"], disabled_checks=[
-        jax.export.DisabledSafetyCheck.custom_call("jax_dqpost_postprocess_v1")])(
+    exported = lambda: jax.export.export(f, platforms=["cuda"], disabled_checks=DISABLED_CHECKS)(
         jax.ShapeDtypeStruct(layout.accum_shape(2, 2, 100, 128), jnp.float32), jax.ShapeDtypeStruct((), jnp.float32))
     exported()
     n = kernel_cache.cache_size()
@@ -181,7 +200,6 @@ def test_scale_and_values_do_not_recompile(rng):
         f(jnp.asarray(rng.standard_normal(layout.accum_shape(2, 2, 100, 128)), jnp.float32), jnp.float32(scale))
     # Other shapes of the same binary configuration reuse the compiled kernel.
     jax.export.export(jax.jit(lambda a, s: dq_postprocess(a, s, seqlen_q=7, head_dim=120, layout=layout)),
-                      platforms=["cuda"], disabled_checks=[
-                          jax.export.DisabledSafetyCheck.custom_call("jax_dqpost_postprocess_v1")])(
+                      platforms=["cuda"], disabled_checks=DISABLED_CHECKS)(
         jax.ShapeDtypeStruct(layout.accum_shape(5, 1, 7, 120), jnp.float32), jax.ShapeDtypeStruct((), jnp.float32))
     assert kernel_cache.cache_size() == n

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import HAS_GPU, PLATFORMS
-from jax_dqpost import AccumLayout, dq_postprocess, flash_attention_postprocess
+from jax_dqpost import DISABLED_CHECKS, AccumLayout, dq_postprocess, flash_attention_postprocess
 from test_dq_postprocess import DTYPES, assert_same_bits
 import oracle
 
@@ -278,6 +278,122 @@ def test_errors_name_the_argument():
                                     dk_scale=1.0)
 
 
+def test_kv_errors_name_the_arguments_passed():
+    """dK/dV shape and offset errors name dk_accum/dv_accum, the k side's arguments and head_dim_v, never dQ's."""
+    dq_layout, dkv_layout, d, _ = _layouts("sm90-hd128")
+    k = jnp.zeros(dkv_layout.accum_shape(1, 2, 60, d), jnp.float32)
+    v64 = jnp.zeros(dkv_layout.accum_shape(1, 2, 60, 64), jnp.float32)
+    k_packed = jnp.zeros(dkv_layout.varlen_accum_shape(2, 2, 100, d), jnp.float32)
+    v_packed = jnp.zeros(dkv_layout.varlen_accum_shape(2, 2, 100, 64), jnp.float32)
+    dense = dict(seqlen_k=60)
+    packed = dict(total_k=100, cu_seqlens_k=[0, 40, 100])
+    cases = [
+        ((k, k), dict(dense, seqlen_k=200), r"dk_accum.shape\[2\] must be Sr\*Dr = 256\*128 = 32768 for seqlen_k=200, "
+         r"head_dim=128"),
+        ((k, k), dict(dense, head_dim_v=64), r"dv_accum.shape\[2\] must be Sr\*Dr = 128\*64 = 8192 for seqlen_k=60, "
+         r"head_dim_v=64"),
+        ((k, v64), dict(dense, head_dim_v=96), r"dv_accum.shape\[2\] .* head_dim_v=96 and"),
+        ((k[0], k), dense, r"dk_accum must have shape \(batch, heads, Sr\*Dr\), got shape \(2, 16384\)"),
+        ((k, k), dict(dense, seqused_k=jnp.zeros(3, jnp.int32)),
+         r"seqused_k must have shape \(1,\) \(dk_accum has batch 1\), got \(3,\)"),
+        ((k, k), dict(dense, seqused_k=[61]), r"seqused_k\[0\]=61 must be in \[0, seqlen_k=60\]"),
+        ((k_packed, k_packed), dict(packed, total_k=300),
+         r"dk_accum must have shape \(heads, Tp\*Dr\) = \(heads, 640\*128\) for total_k=300, batch=2, head_dim=128"),
+        ((k_packed, v_packed), dict(packed, head_dim_v=96),
+         r"dv_accum must have shape \(heads, Tp\*Dr\) = \(heads, 384\*96\) for total_k=100, batch=2, head_dim_v=96"),
+        ((k_packed, k_packed), dict(packed, cu_seqlens_k=jnp.asarray([0, 40, 100, 100])),
+         r"dk_accum must have shape \(heads, Tp\*Dr\) = \(heads, 512\*128\) for total_k=100, batch=3"),
+        ((k_packed, k_packed), dict(packed, seqused_k=[41, 0]),
+         r"seqused_k\[0\]=41 must be in \[0, 40\] .* in cu_seqlens_k"),
+    ]
+    for (dk_acc, dv_acc), kw, match in cases:
+        batch = len(kw["cu_seqlens_k"]) - 1 if "cu_seqlens_k" in kw else 1  # dQ's, matching the k side's
+        q = jnp.zeros(dq_layout.accum_shape(batch, 4, 80, d), jnp.float32)
+        with pytest.raises(ValueError, match=match) as err:
+            flash_attention_postprocess(q, dk_acc, dv_acc, 0.1, head_dim=d, dq_layout=dq_layout, dkv_layout=dkv_layout,
+                                        seqlen_q=80, **kw)
+        message = str(err.value)
+        assert not re.search(r"dq_accum|seqlen_q|total_q|cu_seqlens_q|seqused_q", message), message
+        if "dv_accum" in message:
+            assert "head_dim=" not in message, message
+    # The head dim dV's layout cannot hold is head_dim_v.
+    dq_layout, dkv_layout = AccumLayout.flash_attention(90, 256), AccumLayout.flash_attention(90, 256, tensor="dkv")
+    q = jnp.zeros(dq_layout.accum_shape(1, 4, 80, 256), jnp.float32)
+    k = jnp.zeros(dkv_layout.accum_shape(1, 2, 60, 256), jnp.float32)
+    with pytest.raises(ValueError, match=r"^head_dim_v=64 \(padded to 64\) with AccumLayout\(arch=90, tile_m=48"):
+        flash_attention_postprocess(q, k, k, 0.1, head_dim=256, head_dim_v=64, dq_layout=dq_layout,
+                                    dkv_layout=dkv_layout, seqlen_q=80, seqlen_k=60)
+
+
+def test_concrete_k_offsets_outside_jit_are_validated_like_static_values(rng):
+    """The k side's offsets and lengths as jax arrays outside jit: checked as static ones, naming the k side's
+    arguments; traced, the same values are clamped (no error)."""
+    dq_layout, dkv_layout, d, _ = _layouts("sm90-hd128")
+    s_q, s_k = 80, 100
+    q = jnp.asarray(rng.standard_normal(dq_layout.accum_shape(2, 4, s_q, d)), jnp.float32)
+    k_dense = jnp.asarray(rng.standard_normal(dkv_layout.accum_shape(2, 2, s_k, d)), jnp.float32)
+    k_packed = jnp.asarray(rng.standard_normal(dkv_layout.varlen_accum_shape(2, 2, s_k, d)), jnp.float32)
+    kw = dict(head_dim=d, dq_layout=dq_layout, dkv_layout=dkv_layout, seqlen_q=s_q)
+    packed = lambda cu, used=None: flash_attention_postprocess(q, k_packed, k_packed, 0.5, total_k=s_k, cu_seqlens_k=cu,
+                                                               seqused_k=used, **kw)
+    dense = lambda used: flash_attention_postprocess(q, k_dense, k_dense, 0.5, seqlen_k=s_k, seqused_k=used, **kw)
+    cases = [
+        (packed, [0, 100, 50], r"cu_seqlens_k must be non-decreasing, got cu_seqlens_k\[1\]=100 > "
+                               r"cu_seqlens_k\[2\]=50"),
+        (packed, [0, 50, 101], r"cu_seqlens_k\[-1\]=101 exceeds total_k=100"),
+        (lambda u: packed([0, 50, 100], u), [51, 3], r"seqused_k\[0\]=51 must be in \[0, 50\] .* in cu_seqlens_k"),
+        (dense, [200, 50], r"seqused_k\[0\]=200 must be in \[0, seqlen_k=100\]"),
+    ]
+    for call, values, match in cases:
+        with pytest.raises(ValueError, match=match):
+            call(values)
+        with pytest.raises(ValueError, match=match):
+            call(jnp.asarray(values, jnp.int32))
+        jax.jit(call)(jnp.asarray(values, jnp.int32))
+
+
+def test_q_and_k_sides_must_have_the_same_batch(rng):
+    """Every pairing of dense and packed sides: the batch of a dense accumulator, the sequences of a packed side
+    (static or traced offsets); a mismatch names both. Matching batches pass, also under vmap (which folds a dense
+    batch but not a packed side's sequences)."""
+    dq_layout, dkv_layout, d, _ = _layouts("sm90-hd128")
+    kw = dict(head_dim=d, dq_layout=dq_layout, dkv_layout=dkv_layout)
+
+    def side(layout, heads, batch, packed, k):
+        """(accumulator, keyword arguments) of a side with ``batch`` sequences of random lengths."""
+        if not packed:
+            acc = rng.standard_normal(layout.accum_shape(batch, heads, 50, d)).astype(np.float32)
+            return acc, {f"seqlen_{k}": 50}
+        cu = _lengths(rng, batch, 60)
+        acc = rng.standard_normal(layout.varlen_accum_shape(batch, heads, cu[-1], d)).astype(np.float32)
+        return acc, {f"total_{k}": cu[-1], f"cu_seqlens_{k}": cu}
+
+    what = {(False, "q"): "dq_accum has batch {}", (True, "q"): "cu_seqlens_q has {} sequences",
+            (False, "k"): "dk_accum has batch {}", (True, "k"): "cu_seqlens_k has {} sequences"}
+    for q_packed in (False, True):
+        for k_packed in (False, True):
+            q_batch, k_batch = (int(b) for b in rng.choice(np.arange(1, 5), 2, replace=False))
+            q, q_kw = side(dq_layout, H, q_batch, q_packed, "q")
+            k, k_kw = side(dkv_layout, H_KV, k_batch, k_packed, "k")
+            match = re.escape("the q and k sides must have the same batch: " + what[q_packed, "q"].format(q_batch)
+                              + " but " + what[k_packed, "k"].format(k_batch))
+            with pytest.raises(ValueError, match=match):
+                flash_attention_postprocess(q, k, k, 0.5, **kw, **q_kw, **k_kw)
+            traced = {n: v for n, v in {**q_kw, **k_kw}.items() if n.startswith("cu_")}
+            if traced:  # the same error for traced offsets (their shape gives the number of sequences)
+                static = {n: v for n, v in {**q_kw, **k_kw}.items() if n not in traced}
+                f = jax.jit(lambda q, k, offsets: flash_attention_postprocess(q, k, k, 0.5, **kw, **static, **offsets))
+                with pytest.raises(ValueError, match=match):
+                    f(q, k, {n: jnp.asarray(v, jnp.int32) for n, v in traced.items()})
+            # The same batch on both sides: accepted, and under vmap over the accumulators too.
+            k, k_kw = side(dkv_layout, H_KV, q_batch, k_packed, "k")
+            g = lambda q, k: flash_attention_postprocess(q, k, k, 0.5, **kw, **q_kw, **k_kw)
+            one = g(q, k)
+            mapped = jax.vmap(g)(np.stack([q, q]), np.stack([k, k]))
+            for a, b in zip(one, mapped, strict=True):
+                assert_same_bits(b[0], a, f"vmap q_packed={q_packed} k_packed={k_packed}")
+
+
 @pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
 def test_dsink_deterministic_on_gpu_across_compiles(rng):
     """The GPU's reduction order does not depend on the launch: the same bits with dQ alone and with dK/dV."""
@@ -320,8 +436,7 @@ def test_export_for_cuda_emits_one_fused_custom_call(packing):
 
     args = [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes] + [sk["learnable_sink"]] + [
         jax.ShapeDtypeStruct(r, jnp.float32) for r in rows]
-    disabled = [jax.export.DisabledSafetyCheck.custom_call(_ffi.FUSED_TARGET_NAME)]
-    exp = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=disabled)(*args)
+    exp = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=DISABLED_CHECKS)(*args)
     text = exp.mlir_module()
     assert text.count(f'@{_ffi.FUSED_TARGET_NAME}') == 1, "expected one fused launch"
     assert "jax_dqpost_postprocess_v1" not in text

@@ -208,6 +208,46 @@ def test_static_validation_names_argument_and_value():
                        total_q=5, layout=layout)
 
 
+def test_concrete_arrays_outside_jit_are_validated_like_static_values(rng):
+    """A jax array passed outside jit has values this host can read: they are checked as static ones (the same
+    error), while the array stays the kernel's operand (the traced work list's bound); traced values are clamped."""
+    from jax_dqpost.primitive import dq_postprocess_p
+    from jax_dqpost.varlen import WorkList
+
+    layout, D, T = _layout("cute-hd128"), 128, 100
+    packed = jnp.asarray(rng.standard_normal(layout.varlen_accum_shape(2, 2, T, D)), jnp.float32)
+    dense = jnp.asarray(rng.standard_normal(layout.accum_shape(2, 2, T, D)), jnp.float32)
+    varlen = lambda cu, used=None: dq_postprocess(packed, 0.5, head_dim=D, total_q=T, cu_seqlens_q=cu,
+                                                  seqused_q=used, layout=layout)
+    dense_used = lambda used: dq_postprocess(dense, 0.5, head_dim=D, seqlen_q=T, seqused_q=used, layout=layout)
+    cases = [  # (call, its argument, the static path's error)
+        (varlen, [0, 100, 50], r"cu_seqlens_q must be non-decreasing, got cu_seqlens_q\[1\]=100 > "
+                               r"cu_seqlens_q\[2\]=50"),
+        (varlen, [0, 50, 101], r"cu_seqlens_q\[-1\]=101 exceeds total_q=100"),
+        (varlen, [-1, 50, 100], r"cu_seqlens_q\[0\] must be >= 0, got -1"),
+        (lambda u: varlen([0, 50, 100], u), [51, 3], r"seqused_q\[0\]=51 must be in \[0, 50\]"),
+        (lambda u: varlen(jnp.asarray([0, 50, 100]), u), [3, -2], r"seqused_q\[1\]=-2 must be in \[0, 50\]"),
+        (lambda c: varlen(c, [3, 60]), [0, 50, 100], r"seqused_q\[1\]=60 must be in \[0, 50\]"),
+        (dense_used, [200, 50], r"seqused_q\[0\]=200 must be in \[0, seqlen_q=100\]"),
+        (dense_used, [5, -1], r"seqused_q\[1\]=-1 must be in \[0, seqlen_q=100\]"),
+    ]
+    for call, values, match in cases:
+        with pytest.raises(ValueError, match=match):
+            call(values)  # static
+        with pytest.raises(ValueError, match=match):
+            call(jnp.asarray(values, jnp.int32))  # concrete, outside jit
+        jax.jit(call)(jnp.asarray(values, jnp.int32)).block_until_ready()  # traced: clamped, no error
+    # Valid values: the concrete array is an operand of the traced path (no exact grid), with the static result.
+    lengths = rng.integers(0, 51, 2)
+    cu = [0, int(lengths[0]), int(lengths.sum())]
+    used = [int(rng.integers(0, n + 1)) for n in lengths]
+    concrete = (jnp.asarray(cu, jnp.int32), jnp.asarray(used, jnp.int32))
+    assert_same_bits(varlen(*concrete), varlen(cu, used), f"concrete vs static cu={cu} used={used}")
+    (eqn,) = [e for e in jax.make_jaxpr(lambda: varlen(*concrete))().eqns if e.primitive is dq_postprocess_p]
+    assert eqn.params["plan"].work.num_tiles == WorkList.max_tiles(T, 2, layout)
+    assert_same_bits(dense_used(concrete[1]), dense_used(used), "dense seqused concrete vs static")
+
+
 @pytest.mark.parametrize("layout", [
     AccumLayout.flash_attention(90, 128), AccumLayout.flash_attention(90, 256, tensor="dkv"),
     AccumLayout.flash_attention(90, 128, causal=True), AccumLayout(90, 16, 128, 1, True, 64)],

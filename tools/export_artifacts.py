@@ -17,12 +17,9 @@ import jax
 import jax.numpy as jnp
 
 import jax_dqpost
-from jax_dqpost import AccumLayout, dq_postprocess
-from jax_dqpost import _ffi
+from jax_dqpost import DISABLED_CHECKS, AccumLayout, dq_postprocess
 
 DATA = Path(__file__).resolve().parents[1] / "tests" / "data"
-# The only check to disable: our custom call is not one of JAX's stable-across-versions targets.
-DISABLED = [jax.export.DisabledSafetyCheck.custom_call(_ffi.TARGET_NAME)]
 
 CASES = {
     # dense, bf16, FlashAttention's hd128 Hopper configuration (tile_m 80, swapAB); scale traced
@@ -48,7 +45,7 @@ def export(case: dict) -> jax.export.Exported:
         args = (jax.ShapeDtypeStruct(layout.varlen_accum_shape(B, H, T, D), jnp.float32),
                 jax.ShapeDtypeStruct((B + 1,), jnp.int32), jax.ShapeDtypeStruct((B,), jnp.int32))
     with jax_dqpost.cuda_arch("sm_90a"):
-        return jax.export.export(f, platforms=["cuda"], disabled_checks=DISABLED)(*args)
+        return jax.export.export(f, platforms=["cuda"], disabled_checks=DISABLED_CHECKS)(*args)
 
 
 def main():

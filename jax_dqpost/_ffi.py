@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import os
+import re
 import threading
 from pathlib import Path
 
@@ -36,6 +37,44 @@ def library_path() -> Path:
     return path
 
 
+def ffi_api_version(lib: ctypes.CDLL) -> tuple[int, int]:
+    """The XLA FFI API version (major, minor) of the headers the handler library was compiled against."""
+    get = getattr(lib, "jax_dqpost_ffi_api_version", None)
+    if get is None:
+        raise RuntimeError(f"jax_dqpost: {lib._name} predates the FFI API check: install jax-dqpost again")
+    major, minor = ctypes.c_int(-1), ctypes.c_int(-1)
+    get.argtypes, get.restype = [ctypes.POINTER(ctypes.c_int)] * 2, None
+    get(ctypes.byref(major), ctypes.byref(minor))
+    return major.value, minor.value
+
+
+def runtime_ffi_api_version() -> tuple[int, int]:
+    """The XLA FFI API version of the running jaxlib: ``XLA_FFI_API_MAJOR``/``MINOR`` of the headers it ships
+    (``jax.ffi.include_dir()``)."""
+    header = Path(jax.ffi.include_dir()) / "xla" / "ffi" / "api" / "c_api.h"
+    text = header.read_text() if header.is_file() else ""
+    found = [re.search(rf"^\s*#\s*define\s+XLA_FFI_API_{part}\s+(\d+)\b", text, re.M) for part in ("MAJOR", "MINOR")]
+    if None in found:
+        raise RuntimeError(f"jax_dqpost: cannot read the running jaxlib's XLA FFI API version from {header}")
+    return int(found[0].group(1)), int(found[1].group(1))
+
+
+def check_ffi_api_version(handler: tuple[int, int], runtime: tuple[int, int], library: object = "") -> None:
+    """Raise unless a handler compiled against XLA FFI API ``handler`` runs under ``runtime``: the same major (a
+    new major breaks the ABI) and a minor no newer than the runtime's (XLA keeps older minors working, but a
+    handler built for a newer one may use what this jaxlib lacks)."""
+    if handler[0] == runtime[0] and handler[1] <= runtime[1]:
+        return
+    import jaxlib
+
+    raise RuntimeError(
+        f"jax_dqpost: the FFI handler {library} was compiled against XLA FFI API {handler[0]}.{handler[1]}, but "
+        f"the running jaxlib {getattr(jaxlib, '__version__', '')} implements {runtime[0]}.{runtime[1]}. Reinstall "
+        "jax-dqpost against the installed jaxlib: python -m pip install \"scikit-build-core>=1.0\" cmake ninja && "
+        "python -m pip install --no-build-isolation --no-deps --force-reinstall <jax-dqpost source>"
+    )
+
+
 def cute_runtime_path() -> Path:
     """``libcute_dsl_runtime.so`` of the installed nvidia-cutlass-dsl (``$JAX_DQPOST_CUTE_RUNTIME`` wins)."""
     override = os.environ.get("JAX_DQPOST_CUTE_RUNTIME")
@@ -59,7 +98,9 @@ def register() -> None:
     with _lock:
         if _registered:
             return
-        lib = ctypes.CDLL(str(library_path()))
+        path = library_path()
+        lib = ctypes.CDLL(str(path))
+        check_ffi_api_version(ffi_api_version(lib), runtime_ffi_api_version(), path)
         err = ctypes.create_string_buffer(1024)
         lib.jax_dqpost_load_runtime.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
         lib.jax_dqpost_load_runtime.restype = ctypes.c_int

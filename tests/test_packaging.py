@@ -30,6 +30,53 @@ def _installed() -> metadata.Distribution:
         pytest.skip("jax-dqpost is not installed")
 
 
+def test_the_library_was_built_for_the_running_jaxlib_ffi_api():
+    """The built handler reports the XLA FFI API of the headers it was compiled with; register() refuses it
+    unless the running jaxlib's is compatible (here, on CPU, the same comparison without registering)."""
+    lib = ctypes.CDLL(str(_ffi.library_path()))
+    handler, runtime = _ffi.ffi_api_version(lib), _ffi.runtime_ffi_api_version()
+    assert min(handler) >= 0 and min(runtime) >= 0, (handler, runtime)
+    _ffi.check_ffi_api_version(handler, runtime, _ffi.library_path())
+
+
+def test_register_refuses_a_handler_built_for_a_newer_ffi_api(monkeypatch):
+    """register() compares before it registers anything (here against a jaxlib one minor version older)."""
+    if _ffi._registered:
+        pytest.skip("the handler is registered in this process already")
+    major, minor = _ffi.ffi_api_version(ctypes.CDLL(str(_ffi.library_path())))
+    older = (major, minor - 1) if minor > 0 else (major - 1, 99)
+    monkeypatch.setattr(_ffi, "runtime_ffi_api_version", lambda: older)
+    with pytest.raises(RuntimeError, match=rf"compiled against XLA FFI API {major}\.{minor}.*Reinstall"):
+        _ffi.register()
+    assert not _ffi._registered
+
+
+@pytest.mark.parametrize("handler, runtime, ok", [
+    ((0, 3), (0, 3), True), ((0, 1), (0, 3), True),   # XLA runs handlers built for an older minor
+    ((0, 4), (0, 3), False),                          # built for a newer minor than this jaxlib's
+    ((1, 0), (0, 9), False), ((0, 3), (1, 3), False),  # another major: another ABI
+])
+def test_ffi_api_compatibility_rule(handler, runtime, ok):
+    if ok:
+        _ffi.check_ffi_api_version(handler, runtime, "lib.so")
+        return
+    want = rf"lib\.so was compiled against XLA FFI API {handler[0]}\.{handler[1]}.*implements " \
+           rf"{runtime[0]}\.{runtime[1]}\. Reinstall jax-dqpost against the installed jaxlib.*--no-build-isolation"
+    with pytest.raises(RuntimeError, match=want):
+        _ffi.check_ffi_api_version(handler, runtime, "lib.so")
+
+
+def test_the_runtime_ffi_api_version_comes_from_jaxlibs_headers(tmp_path, monkeypatch):
+    header = tmp_path / "xla" / "ffi" / "api" / "c_api.h"
+    header.parent.mkdir(parents=True)
+    header.write_text("// XLA_FFI_API_MAJOR 9 in a comment\n#define XLA_FFI_API_MAJOR 2\n#define XLA_FFI_API_MINOR 17\n")
+    monkeypatch.setattr(jax.ffi, "include_dir", lambda: str(tmp_path))
+    assert _ffi.runtime_ffi_api_version() == (2, 17)
+    header.write_text("#define XLA_FFI_API_MAJOR 2\n")
+    with pytest.raises(RuntimeError, match="cannot read the running jaxlib's XLA FFI API version"):
+        _ffi.runtime_ffi_api_version()
+
+
 def test_the_installed_wheel_is_for_any_python3():
     """The library uses no Python C API (ctypes loads it): py3-none-<platform>, not cpXY-cpXY."""
     wheel = _installed().read_text("WHEEL")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import importlib.util
 import os
 import re
@@ -26,15 +27,55 @@ _registered = False
 
 
 def library_path() -> Path:
-    """The handler library: ``$JAX_DQPOST_FFI_LIBRARY``, else the one installed with the package."""
+    """The handler library: ``$JAX_DQPOST_FFI_LIBRARY``, else the one installed with the package, else (when
+    ``jax_dqpost`` was imported from a source checkout) the installed distribution's, if built from this tree.
+
+    Python started in the repository root (``python -m jax_dqpost.bench`` there) imports the source tree, which
+    has no built library: pip builds it into the installed copy. Rather than reorder ``sys.path`` (the code that
+    runs would not be the tree's) or build into the tree, a checkout uses the library of the installed
+    distribution (found with ``importlib.metadata``) when it was built from the same sources: the same package
+    version and the same ``ffi/dqpost_ffi.cc`` (its sha256, recorded beside the library at build time). Else it
+    raises and says to reinstall: a stale handler is never loaded silently.
+    """
     override = os.environ.get("JAX_DQPOST_FFI_LIBRARY")
     path = Path(override) if override else Path(__file__).with_name(_LIBRARY_NAME)
+    source = Path(__file__).resolve().parents[1] / "ffi" / "dqpost_ffi.cc"
+    if not override and not path.is_file() and source.is_file():
+        return _installed_library(source)
     if not path.is_file():
         raise RuntimeError(
             f"jax_dqpost: FFI library not found at {path}. Install the package (pip install .) so that "
             "ffi/ is built, or point JAX_DQPOST_FFI_LIBRARY at a built libjax_dqpost_ffi.so."
         )
     return path
+
+
+_SOURCE_HASH_NAME = "libjax_dqpost_ffi.source-sha256"  # written by ffi/CMakeLists.txt beside the library
+
+
+def _installed_library(source: Path, distribution: str = "jax-dqpost") -> Path:
+    """The installed ``distribution``'s handler library, if built from ``source`` (see ``library_path``)."""
+    from importlib import metadata
+
+    from ._version import __version__
+
+    tree = source.parents[1]
+    why = f"jax_dqpost is imported from the source tree {tree}, which has no built FFI library, and"
+    again = f"install the package from this tree again (python -m pip install {tree})"
+    try:
+        dist = metadata.distribution(distribution)
+    except metadata.PackageNotFoundError:
+        raise RuntimeError(f"{why} {distribution} is not installed: {again}") from None
+    if dist.version != __version__:
+        raise RuntimeError(f"{why} the installed {distribution} is {dist.version}, this tree {__version__}: {again}")
+    lib = next((Path(dist.locate_file(f)) for f in dist.files or () if f.name == _LIBRARY_NAME), None)
+    if lib is None or not lib.is_file():
+        raise RuntimeError(f"{why} the installed {distribution} has no {_LIBRARY_NAME}: {again}")
+    stamp = lib.with_name(_SOURCE_HASH_NAME)
+    built_from = stamp.read_text().strip() if stamp.is_file() else None
+    if built_from != hashlib.sha256(source.read_bytes()).hexdigest():
+        raise RuntimeError(f"{why} the installed {lib} was not built from this tree's {source.name}: {again}")
+    return lib
 
 
 def ffi_api_version(lib: ctypes.CDLL) -> tuple[int, int]:

@@ -30,6 +30,36 @@ def _installed() -> metadata.Distribution:
         pytest.skip("jax-dqpost is not installed")
 
 
+def test_a_source_checkout_finds_the_installed_library():
+    """Python started in the repository root imports the source tree (no built library there): library_path()
+    is then the installed distribution's library, built from the same ffi/dqpost_ffi.cc."""
+    _installed()
+    env = {k: v for k, v in os.environ.items() if k != "JAX_DQPOST_FFI_LIBRARY"}
+    code = "import jax_dqpost, jax_dqpost._ffi as f; print(jax_dqpost.__file__); print(f.library_path())"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    imported, library = out.stdout.split("\n")[-3:-1]
+    assert Path(imported).resolve().parent == ROOT / "jax_dqpost", imported  # the source tree, as from the root
+    assert Path(library).is_file(), library
+
+
+def test_a_stale_or_missing_install_is_refused(tmp_path, monkeypatch):
+    _installed()
+    monkeypatch.delenv("JAX_DQPOST_FFI_LIBRARY", raising=False)
+    source = ROOT / "ffi" / "dqpost_ffi.cc"
+    assert _ffi._installed_library(source).is_file()
+    changed = tmp_path / "tree" / "ffi" / "dqpost_ffi.cc"
+    changed.parent.mkdir(parents=True)
+    changed.write_bytes(source.read_bytes() + b"// edited after the install\n")
+    with pytest.raises(RuntimeError, match=r"not built from this tree's dqpost_ffi.cc.*pip install"):
+        _ffi._installed_library(changed)
+    with pytest.raises(RuntimeError, match="jax-dqpost-elsewhere is not installed"):
+        _ffi._installed_library(source, distribution="jax-dqpost-elsewhere")
+    monkeypatch.setattr(jax_dqpost._version, "__version__", "0.0.0.dev0")
+    with pytest.raises(RuntimeError, match=r"installed jax-dqpost is .*, this tree 0\.0\.0\.dev0"):
+        _ffi._installed_library(source)
+
+
 def test_the_library_was_built_for_the_running_jaxlib_ffi_api():
     """The built handler reports the XLA FFI API of the headers it was compiled with; register() refuses it
     unless the running jaxlib's is compatible (here, on CPU, the same comparison without registering)."""

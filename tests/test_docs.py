@@ -115,6 +115,15 @@ def test_anchor_links_resolve(doc):
         assert anchor in _anchors(linked.read_text()), f"{doc} links to a missing heading {target}#{anchor}"
 
 
+def test_bench_help_description_is_a_sentence(capsys):
+    from jax_dqpost.bench import __main__ as bench
+
+    with pytest.raises(SystemExit):
+        bench.main(["--help"])
+    description = capsys.readouterr().out.split("\n\n")[1]  # usage, description, options
+    assert description.rstrip().endswith("."), description
+
+
 def _tracked(*patterns):
     out = subprocess.run(["git", "ls-files", *patterns], cwd=ROOT, capture_output=True, text=True)
     if out.returncode:

@@ -352,6 +352,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDqpostExecuteFusedCapturable, ExecuteFused, JAX
 extern "C" void* jax_dqpost_state_type_id() { return &LoadedKernel::id; }
 extern "C" const void* jax_dqpost_state_type_info() { return &kLoadedKernelTypeInfo; }
 
+// The XLA FFI API version of the headers this library was compiled against: jax_dqpost/_ffi.py compares it with
+// the running jaxlib's (the same major, a minor no newer) before registering the handlers.
+extern "C" void jax_dqpost_ffi_api_version(int* major, int* minor) {
+  *major = XLA_FFI_API_MAJOR;
+  *minor = XLA_FFI_API_MINOR;
+}
+
 // The work list's size and the padded total as the handler computes them, for the test that pins them to
 // the Python side (jax_dqpost/varlen.py).
 extern "C" int64_t jax_dqpost_work_list_size(int64_t batch, int64_t num_tiles) {

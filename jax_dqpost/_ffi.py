@@ -10,8 +10,10 @@ when it is replayed after the session (docs/design.md, "CUDA graphs and the prof
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import importlib.util
 import os
+import re
 import threading
 from pathlib import Path
 
@@ -50,15 +52,93 @@ def command_buffers() -> bool:
 
 
 def library_path() -> Path:
-    """The handler library: ``$JAX_DQPOST_FFI_LIBRARY``, else the one installed with the package."""
+    """The handler library: ``$JAX_DQPOST_FFI_LIBRARY``, else the one installed with the package, else (when
+    ``jax_dqpost`` was imported from a source checkout) the installed distribution's, if built from this tree.
+
+    Python started in the repository root (``python -m jax_dqpost.bench`` there) imports the source tree, which
+    has no built library: pip builds it into the installed copy. Rather than reorder ``sys.path`` (the code that
+    runs would not be the tree's) or build into the tree, a checkout uses the library of the installed
+    distribution (found with ``importlib.metadata``) when it was built from the same sources: the same package
+    version and the same ``ffi/dqpost_ffi.cc`` (its sha256, recorded beside the library at build time). Else it
+    raises and says to reinstall: a stale handler is never loaded silently.
+    """
     override = os.environ.get("JAX_DQPOST_FFI_LIBRARY")
     path = Path(override) if override else Path(__file__).with_name(_LIBRARY_NAME)
+    source = Path(__file__).resolve().parents[1] / "ffi" / "dqpost_ffi.cc"
+    if not override and not path.is_file() and source.is_file():
+        return _installed_library(source)
     if not path.is_file():
         raise RuntimeError(
             f"jax_dqpost: FFI library not found at {path}. Install the package (pip install .) so that "
             "ffi/ is built, or point JAX_DQPOST_FFI_LIBRARY at a built libjax_dqpost_ffi.so."
         )
     return path
+
+
+_SOURCE_HASH_NAME = "libjax_dqpost_ffi.source-sha256"  # written by ffi/CMakeLists.txt beside the library
+
+
+def _installed_library(source: Path, distribution: str = "jax-dqpost") -> Path:
+    """The installed ``distribution``'s handler library, if built from ``source`` (see ``library_path``)."""
+    from importlib import metadata
+
+    from ._version import __version__
+
+    tree = source.parents[1]
+    why = f"jax_dqpost is imported from the source tree {tree}, which has no built FFI library, and"
+    again = f"install the package from this tree again (python -m pip install {tree})"
+    try:
+        dist = metadata.distribution(distribution)
+    except metadata.PackageNotFoundError:
+        raise RuntimeError(f"{why} {distribution} is not installed: {again}") from None
+    if dist.version != __version__:
+        raise RuntimeError(f"{why} the installed {distribution} is {dist.version}, this tree {__version__}: {again}")
+    lib = next((Path(dist.locate_file(f)) for f in dist.files or () if f.name == _LIBRARY_NAME), None)
+    if lib is None or not lib.is_file():
+        raise RuntimeError(f"{why} the installed {distribution} has no {_LIBRARY_NAME}: {again}")
+    stamp = lib.with_name(_SOURCE_HASH_NAME)
+    built_from = stamp.read_text().strip() if stamp.is_file() else None
+    if built_from != hashlib.sha256(source.read_bytes()).hexdigest():
+        raise RuntimeError(f"{why} the installed {lib} was not built from this tree's {source.name}: {again}")
+    return lib
+
+
+def ffi_api_version(lib: ctypes.CDLL) -> tuple[int, int]:
+    """The XLA FFI API version (major, minor) of the headers the handler library was compiled against."""
+    get = getattr(lib, "jax_dqpost_ffi_api_version", None)
+    if get is None:
+        raise RuntimeError(f"jax_dqpost: {lib._name} predates the FFI API check: install jax-dqpost again")
+    major, minor = ctypes.c_int(-1), ctypes.c_int(-1)
+    get.argtypes, get.restype = [ctypes.POINTER(ctypes.c_int)] * 2, None
+    get(ctypes.byref(major), ctypes.byref(minor))
+    return major.value, minor.value
+
+
+def runtime_ffi_api_version() -> tuple[int, int]:
+    """The XLA FFI API version of the running jaxlib: ``XLA_FFI_API_MAJOR``/``MINOR`` of the headers it ships
+    (``jax.ffi.include_dir()``)."""
+    header = Path(jax.ffi.include_dir()) / "xla" / "ffi" / "api" / "c_api.h"
+    text = header.read_text() if header.is_file() else ""
+    found = [re.search(rf"^\s*#\s*define\s+XLA_FFI_API_{part}\s+(\d+)\b", text, re.M) for part in ("MAJOR", "MINOR")]
+    if None in found:
+        raise RuntimeError(f"jax_dqpost: cannot read the running jaxlib's XLA FFI API version from {header}")
+    return int(found[0].group(1)), int(found[1].group(1))
+
+
+def check_ffi_api_version(handler: tuple[int, int], runtime: tuple[int, int], library: object = "") -> None:
+    """Raise unless a handler compiled against XLA FFI API ``handler`` runs under ``runtime``: the same major (a
+    new major breaks the ABI) and a minor no newer than the runtime's (XLA keeps older minors working, but a
+    handler built for a newer one may use what this jaxlib lacks)."""
+    if handler[0] == runtime[0] and handler[1] <= runtime[1]:
+        return
+    import jaxlib
+
+    raise RuntimeError(
+        f"jax_dqpost: the FFI handler {library} was compiled against XLA FFI API {handler[0]}.{handler[1]}, but "
+        f"the running jaxlib {getattr(jaxlib, '__version__', '')} implements {runtime[0]}.{runtime[1]}. Reinstall "
+        "jax-dqpost against the installed jaxlib: python -m pip install \"scikit-build-core>=1.0\" cmake ninja && "
+        "python -m pip install --no-build-isolation --no-deps --force-reinstall <jax-dqpost source>"
+    )
 
 
 def cute_runtime_path() -> Path:
@@ -84,7 +164,9 @@ def register() -> None:
     with _lock:
         if _registered:
             return
-        lib = ctypes.CDLL(str(library_path()))
+        path = library_path()
+        lib = ctypes.CDLL(str(path))
+        check_ffi_api_version(ffi_api_version(lib), runtime_ffi_api_version(), path)
         err = ctypes.create_string_buffer(1024)
         lib.jax_dqpost_load_runtime.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
         lib.jax_dqpost_load_runtime.restype = ctypes.c_int

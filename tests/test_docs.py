@@ -1,11 +1,15 @@
-"""The repository stands on its own and its README stays true: the two commands CI runs are the README's (and
-install what the build needs), every relative link resolves, nothing cites a document outside the tree, and the
-sections a new user looks for are there."""
+"""The repository stands on its own and its README stays true: the two commands CI runs are the README's, every
+install command works on its own, every python block runs (but those marked sketches), every relative link and
+anchor resolves, nothing cites a document outside the tree, and the sections a new user looks for are there."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
+import sys
+import textwrap
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -27,14 +31,97 @@ def test_ci_runs_the_readme_commands_verbatim():
         assert command in ci, f"{command!r} is not in .ci/run"
 
 
-def test_the_install_command_brings_what_the_build_needs():
-    """--no-build-isolation builds with what is installed: CMake and ninja must come from the command itself
-    (a machine without a system CMake failed with CMakeNotFoundError)."""
+def _pyproject() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def test_every_install_command_brings_what_its_build_needs():
+    """Each `pip install` the README shows runs in a fresh virtual environment: pip builds the handler with build
+    isolation (pyproject's build requirements), or, with --no-build-isolation, the same command line installs them
+    first (the GPU command once lacked them: `No module named 'scikit_build_core'`); every extra it names exists."""
+    commands = re.findall(r"[^`\n]*pip install [^`\n]*", README)
+    assert len(commands) >= 2, commands
+    extras = set(_pyproject()["project"]["optional-dependencies"])
+    build_requires = [re.match(r"[\w.-]+", r).group(0) for r in _pyproject()["build-system"]["requires"]]
+    for line in commands:
+        steps = [c.strip() for c in line.split("&&")]
+        for k, step in enumerate(steps):
+            if "pip install" not in step:
+                continue
+            for extra in re.findall(r"\.\[([\w,-]+)\]", step):
+                assert set(extra.split(",")) <= extras, (extra, step)
+            if "--no-build-isolation" in step:
+                before = " ".join(steps[:k]) + " "
+                for package in [*build_requires, "cmake", "ninja"]:
+                    assert re.search(rf"[\"' ]{package}[>=<\"' ]", before), (package, line)
     install = _readme_commands()[0]
-    first = install.split("&&")[0]
-    for package in ("scikit-build-core", "jax", "cmake", "ninja"):
-        assert re.search(rf"[\"' ]{package}[>=<\"' ]", first + " "), (package, first)
-    assert "--no-build-isolation" in install and "examples/quickstart.py" in install
+    assert '".[test]"' in install and install.endswith("python examples/quickstart.py"), install
+    assert 'pip install ".[cuda13]"' in README  # the GPU command
+
+
+def _python_blocks(text: str) -> list[tuple[int, str, bool]]:
+    """(line, code, is_sketch) of every ```python block; a block right after `<!-- sketch -->` is a sketch."""
+    blocks, lines = [], text.split("\n")
+    for m in re.finditer(r"^([ \t]*)```python\n(.*?)^\1```$", text, re.M | re.S):
+        line = text.count("\n", 0, m.start()) + 1
+        before = next((lines[i].strip() for i in range(line - 2, -1, -1) if lines[i].strip()), "")
+        blocks.append((line + 1, textwrap.dedent(m.group(2)), before == "<!-- sketch -->"))
+    return blocks
+
+
+def test_readme_python_blocks_run(tmp_path):
+    """Every python block not marked a sketch runs as written, in order, as one session on CPU (8 CPU devices,
+    as the README says to make for sharding); a failure's traceback names the README line."""
+    blocks = _python_blocks(README)
+    runnable = [(line, code) for line, code, sketch in blocks if not sketch]
+    assert len(runnable) >= 6 and len(blocks) - len(runnable) <= 2, [(b[0], b[2]) for b in blocks]
+    script = tmp_path / "readme_blocks.py"
+    script.write_text(
+        "ns = {'__name__': '__main__'}\n"
+        f"for line, code in {runnable!r}:\n"
+        f"    exec(compile('\\n' * (line - 1) + code, {str(ROOT / 'README.md')!r}, 'exec'), ns)\n"
+        "    print('ran README.md block at line', line, flush=True)\n")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=900)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    assert out.stdout.count("ran README.md block") == len(runnable), out.stdout
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation but `-` and `_` dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _anchors(text: str) -> set[str]:
+    prose = re.sub(r"^([ \t]*)```.*?^\1```$", "", text, flags=re.M | re.S)  # no headings inside code blocks
+    seen: dict[str, int] = {}
+    anchors = set()
+    for heading in re.findall(r"^#{1,6} (.+)$", prose, re.M):
+        slug = _slug(heading)
+        anchors.add(slug if slug not in seen else f"{slug}-{seen[slug]}")
+        seen[slug] = seen.get(slug, 0) + 1
+    return anchors
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/design.md", "docs/performance.md"])
+def test_anchor_links_resolve(doc):
+    """Every link to a heading, in the same document (`#...`) or another one (`file.md#...`), finds it."""
+    text = (ROOT / doc).read_text()
+    for target, anchor in re.findall(r"\]\(([^)#\s]*)#([^)\s]+)\)", text):
+        if "://" in target:
+            continue
+        linked = (ROOT / doc).parent.joinpath(target) if target else ROOT / doc
+        assert anchor in _anchors(linked.read_text()), f"{doc} links to a missing heading {target}#{anchor}"
+
+
+def test_bench_help_description_is_a_sentence(capsys):
+    from jax_dqpost.bench import __main__ as bench
+
+    with pytest.raises(SystemExit):
+        bench.main(["--help"])
+    description = capsys.readouterr().out.split("\n\n")[1]  # usage, description, options
+    assert description.rstrip().endswith("."), description
 
 
 def _tracked(*patterns):

@@ -73,7 +73,9 @@ def _version(dist: str) -> str | None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jax_dqpost.bench", description=__doc__.split("\n")[0])
+    # The docstring's first line, as a sentence (there a colon leads into the list of what is timed).
+    parser = argparse.ArgumentParser(prog="python -m jax_dqpost.bench",
+                                     description=__doc__.split("\n")[0].rstrip(":") + ".")
     parser.add_argument("--out", default="bench_results", help="directory for bench.json and bench.png")
     parser.add_argument("--quick", action="store_true", help="fewer sizes and samples")
     parser.add_argument("--samples", type=int, default=None, help="samples per measurement (median)")

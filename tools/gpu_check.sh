@@ -3,8 +3,9 @@
 #   bash tools/gpu_check.sh
 # It installs the package from this checkout (no dependencies, no index, no build isolation: they must be there
 # already, scikit-build-core >= 1.0 among them, e.g. from the README's install with the [cuda13,test,bench]
-# extras) into $TARGET (default: a temporary folder put first on PYTHONPATH), then runs the steps in $STEPS (default "tests sanitizer bench"): the whole pytest suite on 4 workers,
-# compute-sanitizer memcheck on corrupt traced varlen offsets, and `python -m jax_dqpost.bench`.
+# extras) into $TARGET (default: a temporary folder put first on PYTHONPATH), then runs the steps in $STEPS
+# (default "tests sanitizer bench"): the whole pytest suite on 4 workers, compute-sanitizer memcheck on corrupt
+# traced varlen offsets, and `python -m jax_dqpost.bench`.
 # PYTEST_ARGS replaces the test selection, BENCH_ARGS goes to the benchmark. Logs and bench.json/png go to $OUT
 # (default: ./gpu_check_out).
 set -o pipefail

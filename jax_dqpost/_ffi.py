@@ -10,6 +10,7 @@ when it is replayed after the session (docs/design.md, "CUDA graphs and the prof
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import importlib.util
 import os
@@ -40,15 +41,23 @@ _lock = threading.Lock()
 _registered = False
 
 
+@functools.cache
 def command_buffers() -> bool:
-    """Whether ``JAX_DQPOST_COMMAND_BUFFERS`` asks for the command-buffer compatible handlers (``ValueError`` for
-    a value other than 0/1, true/false, yes/no, on/off, or empty)."""
-    value = os.environ.get(COMMAND_BUFFERS_ENV, "").strip().lower()
-    if value in ("", "0", "false", "no", "off"):
-        return False
-    if value in ("1", "true", "yes", "on"):
-        return True
-    raise ValueError(f"{COMMAND_BUFFERS_ENV} must be 0 or 1, got {os.environ[COMMAND_BUFFERS_ENV]!r}")
+    """Whether ``JAX_DQPOST_COMMAND_BUFFERS=1`` asks for the command-buffer compatible handlers (unset, empty or
+    0: no; ``ValueError`` for any other value). Read once per process: the registration and every lowering agree."""
+    value = os.environ.get(COMMAND_BUFFERS_ENV, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{COMMAND_BUFFERS_ENV} must be 0 or 1 (or unset), got {value!r}")
+    return value == "1"
+
+
+def call_fingerprint(fingerprint: str) -> str:
+    """The custom call's ``fingerprint`` attribute for a module with this sha256: the sha256 itself, and with
+    ``JAX_DQPOST_COMMAND_BUFFERS=1`` a suffix, so that a program compiled for the capturable handlers never shares
+    a compilation-cache entry (JAX's persistent cache keys on the HLO) with one compiled for the plain ones: XLA
+    decides at compile time which calls its command buffers capture. The handler uses the attribute only as the key
+    of its loaded modules."""
+    return fingerprint + ("+command-buffers" if command_buffers() else "")
 
 
 def library_path() -> Path:
@@ -164,6 +173,7 @@ def register() -> None:
     with _lock:
         if _registered:
             return
+        suffix = "Capturable" if command_buffers() else ""  # a bad value fails before anything is loaded
         path = library_path()
         lib = ctypes.CDLL(str(path))
         check_ffi_api_version(ffi_api_version(lib), runtime_ffi_api_version(), path)
@@ -181,7 +191,6 @@ def register() -> None:
              "type_info": jax.ffi.pycapsule(lib.jax_dqpost_state_type_info())},
             platform="CUDA",
         )
-        suffix = "Capturable" if command_buffers() else ""
         for name, execute in ((TARGET_NAME, getattr(lib, "JaxDqpostExecute" + suffix)),
                               (FUSED_TARGET_NAME, getattr(lib, "JaxDqpostExecuteFused" + suffix))):
             jax.ffi.register_ffi_target(

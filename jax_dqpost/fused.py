@@ -78,7 +78,7 @@ def _cuda_lowering(ctx, *args, fplan: FusedPlan):
     out_slots = list(_OUT_SLOTS[:len(fplan.parts)]) + ([_DSINK_SLOT] if fplan.has_sink else [])
     sizes = [int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in list(ctx.avals_in) + list(ctx.avals_out)]
     return jax.ffi.ffi_lowering(_ffi.FUSED_TARGET_NAME)(
-        ctx, *args, module=kernel.module, fingerprint=kernel.fingerprint,
+        ctx, *args, module=kernel.module, fingerprint=_ffi.call_fingerprint(kernel.fingerprint),
         slots=np.asarray(arg_slots + out_slots, np.int64), bytes=np.asarray(sizes, np.int64),
         extents=np.asarray(extents, np.int64), ctas=np.int64(ctas))
 

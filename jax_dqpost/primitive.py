@@ -54,7 +54,8 @@ def _cuda_lowering(ctx, acc, scale, aux, *, plan: Plan):
     if arch.cuda_devices():  # lowering for export on a machine without a GPU needs no registration
         _ffi.register()
     return jax.ffi.ffi_lowering(_ffi.TARGET_NAME)(
-        ctx, acc, scale, aux, module=kernel.module, fingerprint=kernel.fingerprint, **plan.ffi_attributes())
+        ctx, acc, scale, aux, module=kernel.module, fingerprint=_ffi.call_fingerprint(kernel.fingerprint),
+        **plan.ffi_attributes())
 
 
 # ---- sharding: batch and heads shard without any collective; other axes are gathered ---------------

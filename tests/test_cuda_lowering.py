@@ -132,7 +132,8 @@ def test_ffi_library_is_built_and_exports_its_handlers():
     path = _ffi.library_path()
     assert path.parent == Path(jax_dqpost.__file__).parent
     lib = ctypes.CDLL(str(path))
-    for symbol in ("JaxDqpostExecute", "JaxDqpostExecuteFused", "JaxDqpostInstantiate", "jax_dqpost_load_runtime",
+    for symbol in ("JaxDqpostExecute", "JaxDqpostExecuteFused", "JaxDqpostExecuteCapturable",
+                   "JaxDqpostExecuteFusedCapturable", "JaxDqpostInstantiate", "jax_dqpost_load_runtime",
                    "jax_dqpost_state_type_id", "jax_dqpost_state_type_info"):
         assert hasattr(lib, symbol), symbol
     # In a fresh process (loading is once per process): a bad runtime path is reported, not fatal.
@@ -193,3 +194,32 @@ def test_ffi_handler_reads_the_work_list_as_python_writes_it(rng):
         work = WorkList(total, batch, tile_m, num_tiles, tile_m, short_rows(layout))
         assert size(batch, num_tiles) == work.size
         assert padded(total, batch, tile_m) == padded_total(total, batch, tile_m)
+
+
+@pytest.fixture
+def command_buffers_env(monkeypatch):
+    """Set JAX_DQPOST_COMMAND_BUFFERS for one test (the package reads it once per process: the cache is cleared
+    around the test)."""
+    def set_value(value):
+        monkeypatch.setenv(_ffi.COMMAND_BUFFERS_ENV, value)
+        _ffi.command_buffers.cache_clear()
+    yield set_value
+    monkeypatch.undo()
+    _ffi.command_buffers.cache_clear()
+
+
+def test_command_buffers_mode_is_in_the_lowered_call(command_buffers_env):
+    """JAX_DQPOST_COMMAND_BUFFERS=1 changes the call's fingerprint attribute, so a program compiled for the
+    capturable handlers never shares a compilation-cache entry with one compiled for the plain ones; a value other
+    than 0/1 is refused, naming the variable and the value."""
+    fingerprint = kernel_cache.get_kernel(jnp.bfloat16, LAYOUT, 128, Tiling.DENSE).fingerprint
+    texts = {}
+    for value in ("", "0", "1"):
+        command_buffers_env(value)
+        texts[value] = _export(["cuda"]).mlir_module()
+    assert f'fingerprint = "{fingerprint}"' in texts[""] and texts[""] == texts["0"]
+    assert f'fingerprint = "{fingerprint}+command-buffers"' in texts["1"]
+    command_buffers_env("yes")
+    with pytest.raises(ValueError, match=r"JAX_DQPOST_COMMAND_BUFFERS must be 0 or 1 \(or unset\), got 'yes'"):
+        _export(["cuda"])
+

@@ -356,8 +356,10 @@ def test_cuda_graphs(tmp_path, capturable):
     from pathlib import Path
 
     script = Path(__file__).parent / "command_buffer_main.py"
-    env = {**os.environ, "XLA_FLAGS": f"--xla_dump_to={tmp_path}", "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
-           "JAX_DQPOST_COMMAND_BUFFERS": "1" if capturable else "0"}
+    env = {k: v for k, v in os.environ.items() if k != "JAX_DQPOST_COMMAND_BUFFERS"}  # the default: unset
+    env.update({"XLA_FLAGS": f"--xla_dump_to={tmp_path}", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
+    if capturable:
+        env["JAX_DQPOST_COMMAND_BUFFERS"] = "1"
     out = subprocess.run([sys.executable, str(script), str(int.from_bytes(os.urandom(4), "little")), str(tmp_path)],
                          env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]

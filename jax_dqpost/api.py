@@ -71,8 +71,9 @@ def dq_postprocess(dq_accum, scale, *, head_dim: int, seqlen_q: int | None = Non
       total_q: ``T``, rows of the packed output (varlen).
       cu_seqlens_q: varlen offsets: Python ints or a numpy array (static: validated now, exact launch grid) or a
         jax int32 array (an operand: new values never retrace or recompile). Values this host can read now (a jax
-        array passed outside ``jit``) are validated like static ones; traced values are not: corrupt ones are
-        clamped into a partition of the rows, never read or written out of bounds.
+        array passed outside ``jit``, read back with a device-to-host copy) are validated like static ones (lengths
+        against traced offsets: only their sign); traced values are not: corrupt ones are clamped into a partition
+        of the rows, never read or written out of bounds.
       seqused_q: lengths actually used, ``(B,)``: static ints or an int32 array, like ``cu_seqlens_q``.
       dtype: ``jnp.bfloat16`` or ``jnp.float16``, the type of dQ.
       layout: :class:`AccumLayout` of the producer (required: an accumulator read in another order gives wrong
@@ -264,8 +265,13 @@ def _plan(layout, head_dim, dtype, seqlen_q, total_q, cu_seqlens_q, seqused_q,
     cu = _int_array(cu_n, _static_as_array(cu_seqlens_q))
     used = None if seqused_q is None else _int_array(used_n, _static_as_array(seqused_q))
     cu_values = _visible_ints(cu_n, cu_seqlens_q)
+    used_values = None if used is None else _visible_ints(used_n, seqused_q)
     if cu_values is not None:  # still operands the kernel reads at run time; the values seen now are checked
-        check_static(cu_values, None if used is None else _visible_ints(used_n, seqused_q), total_q, names)
+        check_static(cu_values, used_values, total_q, names)
+    elif used_values is not None:  # traced offsets: only the lengths' sign can be checked without them
+        bad = [(b, u) for b, u in enumerate(used_values) if u < 0]
+        if bad:
+            raise ValueError(f"{used_n}[{bad[0][0]}]={bad[0][1]} must be >= 0")
     if cu.shape[0] < 2:
         raise ValueError(f"{cu_n} must have at least 2 entries (batch + 1), got shape {cu.shape}")
     batch = cu.shape[0] - 1

@@ -237,6 +237,11 @@ def test_concrete_arrays_outside_jit_are_validated_like_static_values(rng):
         with pytest.raises(ValueError, match=match):
             call(jnp.asarray(values, jnp.int32))  # concrete, outside jit
         jax.jit(call)(jnp.asarray(values, jnp.int32)).block_until_ready()  # traced: clamped, no error
+    # Readable lengths with traced offsets: only their sign can be checked (the bound needs the offsets).
+    bad_lengths, lengths_ok = jnp.asarray([500, -7], jnp.int32), jnp.asarray([500, 7], jnp.int32)  # closed over
+    with pytest.raises(ValueError, match=r"seqused_q\[1\]=-7 must be >= 0"):
+        jax.jit(lambda c: varlen(c, bad_lengths))(jnp.asarray([0, 50, 100], jnp.int32))
+    jax.jit(lambda c: varlen(c, lengths_ok))(jnp.asarray([0, 50, 100], jnp.int32)).block_until_ready()
     # Valid values: the concrete array is an operand of the traced path (no exact grid), with the static result.
     lengths = rng.integers(0, 51, 2)
     cu = [0, int(lengths[0]), int(lengths.sum())]

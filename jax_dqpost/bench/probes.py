@@ -55,7 +55,8 @@ def chain_cost(samples: int, n: int = 200) -> dict:
             ts.append(time.perf_counter() - t0)
         return statistics.median(ts), text
 
-    out = {"shape": [1, S, 1, D], "calls": n}
+    # Whether XLA may capture our calls into its command buffers (JAX_DQPOST_COMMAND_BUFFERS; the default is no).
+    out = {"shape": [1, S, 1, D], "calls": n, "command_buffers": _ffi.command_buffers()}
     t1, _ = timed(ours, 1)
     tn, text = timed(ours, n)
     out["ours_device"] = harness.device_per_kernel(jax.jit(ours, static_argnums=1), (acc, n), "DqPostprocess")

@@ -148,7 +148,11 @@ def summary(report: dict) -> str:
                 table(sorted(report["sweep"], key=lambda r: (r["config"], r["packing"], r["bytes"])))]
     c = report.get("chain")
     if c:
-        out.append(f"\n== per-call cost in a jitted chain of {c['calls']} tiny calls {tuple(c['shape'])}: ours "
+        modes = {True: "JAX_DQPOST_COMMAND_BUFFERS=1: our calls captured into XLA's command buffers",
+                 False: "default: our calls launched between XLA's command buffers"}
+        mode = modes.get(c.get("command_buffers"), "registration not recorded")
+        out.append(f"\n== per-call cost in a jitted chain of {c['calls']} tiny calls {tuple(c['shape'])} ({mode}): "
+                   "ours "
                    f"{c['ours'] * 1e6:.2f} us ({c['our_calls_in_program']} calls in the compiled program; whole "
                    f"program {c['ours_program_n'] * 1e6:.0f} us vs {c['ours_program_1'] * 1e6:.0f} us for one call); "
                    f"{c['ours_outputs_returned'] * 1e6:.2f} us when all {c['calls']} outputs are results of the "

@@ -66,7 +66,7 @@ def get_kernel(dtype, layout: AccumLayout, padded_head_dim: int, tiling: Tiling 
     ``arch``: the target GPU (default: :func:`jax_dqpost.arch.target_arch`). ``persist``: write a new module to
     the default on-disk cache even without a local GPU (None: see the module docstring).
     """
-    arch = arch_.check_arch(arch) if arch else arch_.target_arch()
+    arch = arch_.check_arch(arch, f"arch={arch!r}") if arch else arch_.target_arch()
     return _get((dtype_name(dtype), layout, int(padded_head_dim), Tiling(tiling), arch), persist)
 
 
@@ -75,7 +75,7 @@ def get_fused_kernel(dtype, parts: tuple, sink: tuple | None = None, *, arch: st
     """The fused kernel (``kernel_fused.py``) for ``FusedPlan.kernel_key``: ``parts``, a ``(layout, padded head
     dim, tiling)`` per tensor; ``sink``, the names of the sink's and dsink's dtypes (``'f32'``, ``'bf16'``,
     ``'f16'``) or None."""
-    arch = arch_.check_arch(arch) if arch else arch_.target_arch()
+    arch = arch_.check_arch(arch, f"arch={arch!r}") if arch else arch_.target_arch()
     parts = tuple((layout, int(dr), Tiling(tiling)) for layout, dr, tiling in parts)
     return _get(("fused", dtype_name(dtype), parts, None if sink is None else tuple(sink), arch), persist)
 

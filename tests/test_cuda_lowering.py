@@ -212,6 +212,10 @@ def test_command_buffers_mode_is_in_the_lowered_call(command_buffers_env):
     """JAX_DQPOST_COMMAND_BUFFERS=1 changes the call's fingerprint attribute, so a program compiled for the
     capturable handlers never shares a compilation-cache entry with one compiled for the plain ones; a value other
     than 0/1 is refused, naming the variable and the value."""
+    from jax_dqpost import arch
+
+    if arch.cuda_devices():
+        _ffi.register()  # with the process's own setting, before this test changes it (lowering registers once)
     fingerprint = kernel_cache.get_kernel(jnp.bfloat16, LAYOUT, 128, Tiling.DENSE).fingerprint
     texts = {}
     for value in ("", "0", "1"):

@@ -1,4 +1,4 @@
-// XLA FFI GPU target of jax-dqpost: launches a CuTe DSL-compiled dQ postprocess kernel on XLA's stream.
+// XLA FFI GPU target of jax-dqpost: launches a CuTe DSL-compiled postprocess kernel on XLA's stream.
 //
 // The kernel arrives as an attribute of the custom call: an object module produced by
 // `cute.compile(...).dump_to_object(kFunctionPrefix)` at lowering time, so compiled executables and
@@ -7,6 +7,9 @@
 // given by Python). Each custom call instance resolves its function once, in the instantiate stage (outside
 // any CUDA graph capture), into its own FFI state; execute takes it from there (no lock, no lookup) and
 // enqueues one launch. Nothing here blocks on the stream.
+//
+// One target is emitted (Execute); two earlier ones stay registered so that artifacts exported by earlier versions
+// keep running (ExecuteV1, ExecuteV2: their modules travel inside the artifacts).
 //
 // Each execute handler is exported twice: plain, and marked command-buffer compatible (suffix `Capturable`),
 // which lets XLA record the launch into its command buffers by stream capture. jax_dqpost/_ffi.py registers the
@@ -36,7 +39,7 @@ using CudaStream = CUstream_st*;
 
 namespace {
 
-// The symbol prefix given to dump_to_object() in jax_dqpost/compile.py.
+// The symbol prefix given to dump_to_object() in jax_dqpost/kernel_cache.py.
 constexpr char kFunctionPrefix[] = "jax_dqpost";
 
 // ------------------------------------------------------------------------------------------------
@@ -125,7 +128,91 @@ ffi::ErrorOr<std::unique_ptr<LoadedKernel>> Instantiate(ffi::Dictionary attrs) {
   return state;
 }
 
-// The launch, as the compiled module's entry point takes it (jax_dqpost/kernel.py, __call__).
+bool FitsExtents(ffi::Span<const int64_t> extents, int32_t* out) {
+  for (size_t i = 0; i < extents.size(); ++i) {
+    if (!FitsInt32(extents[i])) return false;
+    out[i] = static_cast<int32_t>(extents[i]);
+  }
+  return true;
+}
+
+// The device address of every operand, then of every result, each checked against its expected size in bytes
+// (so a buffer never disagrees with the extents the kernel indexes it by) and for 16-byte alignment.
+ffi::Error CollectBuffers(ffi::RemainingArgs args, ffi::RemainingRets rets, ffi::Span<const int64_t> bytes,
+                          void** out) {
+  const size_t n = args.size() + rets.size();
+  if (bytes.size() != n) return ffi::Error::InvalidArgument("jax_dqpost: bytes does not match the call's buffers");
+  for (size_t i = 0; i < n; ++i) {
+    void* data = nullptr;
+    size_t size = 0;
+    if (i < args.size()) {
+      auto buf = args.get<ffi::AnyBuffer>(i);
+      if (buf.has_error()) return buf.error();
+      data = buf->untyped_data(), size = buf->size_bytes();
+    } else {
+      auto buf = rets.get<ffi::AnyBuffer>(i - args.size());
+      if (buf.has_error()) return buf.error();
+      data = (*buf)->untyped_data(), size = (*buf)->size_bytes();
+    }
+    if (static_cast<int64_t>(size) != bytes[i]) {
+      return ffi::Error::InvalidArgument("jax_dqpost: buffer " + std::to_string(i) + " has " + std::to_string(size) +
+                                         " bytes, expected " + std::to_string(bytes[i]));
+    }
+    if (!Aligned16(data)) return ffi::Error::InvalidArgument("jax_dqpost: buffers must be 16-byte aligned");
+    out[i] = data;
+  }
+  return ffi::Error::Success();
+}
+
+// Runs the loaded entry point with these argument addresses (its arguments in order, then the stream and the
+// int32 return code: the last two entries of call).
+ffi::Error Run(LoadedKernel* kernel, void** call, size_t count) {
+  const int err = g_runtime.run(kernel->fn, call, count);
+  if (err != 0) return ffi::Error::Internal(RuntimeError("CuteDSLRT_Function_Run", err));
+  const int32_t ret = *static_cast<int32_t*>(call[count - 1]);
+  if (ret != 0) return ffi::Error::Internal("jax_dqpost: kernel launch failed with CUDA error " + std::to_string(ret));
+  return ffi::Error::Success();
+}
+
+// ------------------------------------------------------------------------------------------------
+// The target: the kernel of jax_dqpost/kernel.py, called as jax_dqpost/abi.py declares it: every operand, then
+// every result, as a device pointer; then kExtentsPerPart int32 extents per part; then the stream. Attributes:
+// "bytes", each buffer's size; "extents" (Plan.launch); "ctas", the launch's CTAs (0: nothing to do).
+constexpr int64_t kExtentsPerPart = 5;  // abi.EXTENTS
+constexpr int64_t kMaxParts = 3;        // abi.PARTS
+constexpr size_t kMaxBuffers = 16;      // more than any call has (abi.pointers: at most 13)
+
+ffi::Error Execute(CudaStream stream, LoadedKernel* kernel, ffi::RemainingArgs args, ffi::RemainingRets rets,
+                   std::string_view /*module: the instantiate stage's*/, std::string_view /*fingerprint*/,
+                   ffi::Span<const int64_t> bytes, ffi::Span<const int64_t> extents, int64_t ctas) {
+  const size_t n = args.size() + rets.size();
+  const size_t num_extents = extents.size();
+  if (n > kMaxBuffers || num_extents == 0 || num_extents % kExtentsPerPart != 0 ||
+      num_extents > static_cast<size_t>(kMaxParts * kExtentsPerPart)) {
+    return ffi::Error::InvalidArgument("jax_dqpost: the call's buffers or extents do not fit the kernel");
+  }
+  void* ptrs[kMaxBuffers] = {};
+  if (ffi::Error err = CollectBuffers(args, rets, bytes, ptrs); err.failure()) return err;
+  int32_t ext[kMaxParts * kExtentsPerPart];
+  if (!FitsExtents(extents, ext)) return ffi::Error::InvalidArgument("jax_dqpost: extent out of int32 range");
+  if (!FitsInt32(ctas)) return ffi::Error::InvalidArgument("jax_dqpost: too many CTAs for one launch");
+  if (ctas == 0) return ffi::Error::Success();  // no work
+  CudaStream st = stream;
+  int32_t ret = 0;
+  void* call[kMaxBuffers + kMaxParts * kExtentsPerPart + 2];
+  size_t k = 0;
+  for (size_t i = 0; i < n; ++i) call[k++] = &ptrs[i];
+  for (size_t i = 0; i < num_extents; ++i) call[k++] = &ext[i];
+  call[k++] = &st;
+  call[k++] = &ret;
+  return Run(kernel, call, k);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Earlier targets, kept for artifacts exported by earlier versions (never emitted now).
+//
+// v1: the single-tensor kernel of jax-dqpost <= 0.1 (acc, dq, scale, aux, then five int32 extents). The launch, as
+// that module's entry point takes it:
 struct Launch {
   int32_t batch_or_spans = 0;  // batch, or the number of spans (varlen): the kernel's z extent or work list
   int32_t heads = 0;
@@ -195,7 +282,7 @@ ffi::Error CheckAndPlan(int64_t mode, const ffi::Buffer<ffi::F32>& acc, const ff
 }
 
 // Execute stage: validate the buffers against the kernel's contract, then enqueue one launch.
-ffi::Error Execute(CudaStream stream, LoadedKernel* kernel,
+ffi::Error ExecuteV1(CudaStream stream, LoadedKernel* kernel,
                    ffi::Buffer<ffi::F32> acc,        // fp32 accumulator, (B, H, Sr*Dr) or varlen (H, Tp*Dr)
                    ffi::Buffer<ffi::F32> scale,      // () softmax scale, in device memory
                    ffi::Buffer<ffi::S32> aux,        // seqused_q (B,), the varlen work list, or empty
@@ -234,63 +321,36 @@ ffi::Error Execute(CudaStream stream, LoadedKernel* kernel,
   int32_t ret = 0;
   void* args[] = {&acc_ptr, &dq_ptr, &scale_ptr, &aux_ptr, &launch.batch_or_spans, &launch.heads, &launch.rows,
                   &launch.head_dim, &launch.grid_x, &st, &ret};
-  const int err = g_runtime.run(kernel->fn, args, sizeof(args) / sizeof(args[0]));
-  if (err != 0) return ffi::Error::Internal(RuntimeError("CuteDSLRT_Function_Run", err));
-  if (ret != 0) {
-    return ffi::Error::Internal("jax_dqpost: kernel launch failed with CUDA error " + std::to_string(ret));
-  }
-  return ffi::Error::Success();
+  return Run(kernel, args, sizeof(args) / sizeof(args[0]));
 }
 
-// ------------------------------------------------------------------------------------------------
-// Target v2: the fused kernel (jax_dqpost/kernel_fused.py), dQ and optionally dK, dV and the sink gradient.
-// Its entry point takes kFusedSlots pointers in a fixed order and kFusedExtents int32 extents. The custom call's
-// operands, then its results, are some of those pointers: attribute "slots" gives each one's position, "bytes" the
-// size it must have (so a buffer never disagrees with the extents the kernel indexes it by), "extents" the
-// kernel's extents (FusedPlan.launch_extents) and "ctas" the launch's CTAs (0: nothing to do).
+// v2: the fused kernel of jax-dqpost <= 0.1: kFusedSlots pointers in a fixed order (attribute "slots" gives each
+// buffer's), then kFusedExtents int32 extents.
 constexpr int64_t kFusedSlots = 13;
 constexpr int64_t kFusedExtents = 15;
 
-ffi::Error ExecuteFused(CudaStream stream, LoadedKernel* kernel, ffi::RemainingArgs args, ffi::RemainingRets rets,
-                        std::string_view /*module: the instantiate stage's*/, std::string_view /*fingerprint*/,
-                        ffi::Span<const int64_t> slots,
-                        ffi::Span<const int64_t> bytes, ffi::Span<const int64_t> extents, int64_t ctas) {
+ffi::Error ExecuteV2(CudaStream stream, LoadedKernel* kernel, ffi::RemainingArgs args, ffi::RemainingRets rets,
+                     std::string_view /*module*/, std::string_view /*fingerprint*/, ffi::Span<const int64_t> slots,
+                     ffi::Span<const int64_t> bytes, ffi::Span<const int64_t> extents, int64_t ctas) {
   const size_t n = args.size() + rets.size();
-  if (slots.size() != n || bytes.size() != n || static_cast<int64_t>(extents.size()) != kFusedExtents) {
+  if (n > static_cast<size_t>(kFusedSlots) || slots.size() != n ||
+      static_cast<int64_t>(extents.size()) != kFusedExtents) {
     return ffi::Error::InvalidArgument("jax_dqpost: slots, bytes and extents do not match the call");
   }
+  void* buffers[kFusedSlots] = {};
+  if (ffi::Error err = CollectBuffers(args, rets, bytes, buffers); err.failure()) return err;
   void* ptrs[kFusedSlots] = {};
   for (size_t i = 0; i < n; ++i) {
     const int64_t slot = slots[i];
     if (slot < 0 || slot >= kFusedSlots || ptrs[slot] != nullptr) {
       return ffi::Error::InvalidArgument("jax_dqpost: bad or repeated slot " + std::to_string(slot));
     }
-    void* data = nullptr;
-    size_t size = 0;
-    if (i < args.size()) {
-      auto buf = args.get<ffi::AnyBuffer>(i);
-      if (buf.has_error()) return buf.error();
-      data = buf->untyped_data(), size = buf->size_bytes();
-    } else {
-      auto buf = rets.get<ffi::AnyBuffer>(i - args.size());
-      if (buf.has_error()) return buf.error();
-      data = (*buf)->untyped_data(), size = (*buf)->size_bytes();
-    }
-    if (static_cast<int64_t>(size) != bytes[i]) {
-      return ffi::Error::InvalidArgument("jax_dqpost: buffer " + std::to_string(i) + " has " + std::to_string(size) +
-                                         " bytes, expected " + std::to_string(bytes[i]));
-    }
-    if (!Aligned16(data)) return ffi::Error::InvalidArgument("jax_dqpost: buffers must be 16-byte aligned");
-    ptrs[slot] = data;
+    ptrs[slot] = buffers[i];
   }
   int32_t ext[kFusedExtents];
-  for (int64_t i = 0; i < kFusedExtents; ++i) {
-    if (!FitsInt32(extents[i])) return ffi::Error::InvalidArgument("jax_dqpost: extent out of int32 range");
-    ext[i] = static_cast<int32_t>(extents[i]);
-  }
+  if (!FitsExtents(extents, ext)) return ffi::Error::InvalidArgument("jax_dqpost: extent out of int32 range");
   if (!FitsInt32(ctas)) return ffi::Error::InvalidArgument("jax_dqpost: too many CTAs for one launch");
   if (ctas == 0) return ffi::Error::Success();  // no work
-  // (13 pointers, 15 int32 extents, stream) -> ret, as kernel_fused.py's __call__ takes them.
   CudaStream st = stream;
   int32_t ret = 0;
   void* call[kFusedSlots + kFusedExtents + 2];
@@ -298,12 +358,7 @@ ffi::Error ExecuteFused(CudaStream stream, LoadedKernel* kernel, ffi::RemainingA
   for (int64_t i = 0; i < kFusedExtents; ++i) call[kFusedSlots + i] = &ext[i];
   call[kFusedSlots + kFusedExtents] = &st;
   call[kFusedSlots + kFusedExtents + 1] = &ret;
-  const int err = g_runtime.run(kernel->fn, call, sizeof(call) / sizeof(call[0]));
-  if (err != 0) return ffi::Error::Internal(RuntimeError("CuteDSLRT_Function_Run", err));
-  if (ret != 0) {
-    return ffi::Error::Internal("jax_dqpost: kernel launch failed with CUDA error " + std::to_string(ret));
-  }
-  return ffi::Error::Success();
+  return Run(kernel, call, kFusedSlots + kFusedExtents + 2);
 }
 
 }  // namespace
@@ -313,6 +368,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDqpostInstantiate, Instantiate,
 
 // The bindings, declared once each; every handler is exported plain and command-buffer compatible.
 #define JAX_DQPOST_EXECUTE_BINDING                                                   \
+  ffi::Ffi::Bind()                                                                   \
+      .Ctx<ffi::PlatformStream<CudaStream>>()                                       \
+      .Ctx<ffi::State<LoadedKernel>>()                                              \
+      .RemainingArgs()                                                              \
+      .RemainingRets()                                                              \
+      .Attr<std::string_view>("module") /* unused here (Instantiate loads it) */    \
+      .Attr<std::string_view>("fingerprint")                                        \
+      .Attr<ffi::Span<const int64_t>>("bytes")                                      \
+      .Attr<ffi::Span<const int64_t>>("extents")                                    \
+      .Attr<int64_t>("ctas")
+
+#define JAX_DQPOST_EXECUTE_V1_BINDING                                                \
   ffi::Ffi::Bind()                                                                   \
       .Ctx<ffi::PlatformStream<CudaStream>>()                                       \
       .Ctx<ffi::State<LoadedKernel>>()                                              \
@@ -328,13 +395,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDqpostInstantiate, Instantiate,
       .Attr<int64_t>("tile_hdim")                                                   \
       .Attr<int64_t>("num_tiles")
 
-#define JAX_DQPOST_EXECUTE_FUSED_BINDING                                             \
+#define JAX_DQPOST_EXECUTE_V2_BINDING                                                \
   ffi::Ffi::Bind()                                                                   \
       .Ctx<ffi::PlatformStream<CudaStream>>()                                       \
       .Ctx<ffi::State<LoadedKernel>>()                                              \
       .RemainingArgs()                                                              \
       .RemainingRets()                                                              \
-      .Attr<std::string_view>("module") /* unused here (Instantiate loads it) */    \
+      .Attr<std::string_view>("module")                                             \
       .Attr<std::string_view>("fingerprint")                                        \
       .Attr<ffi::Span<const int64_t>>("slots")                                      \
       .Attr<ffi::Span<const int64_t>>("bytes")                                      \
@@ -344,9 +411,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDqpostInstantiate, Instantiate,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDqpostExecute, Execute, JAX_DQPOST_EXECUTE_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDqpostExecuteCapturable, Execute, JAX_DQPOST_EXECUTE_BINDING,
                               {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDqpostExecuteFused, ExecuteFused, JAX_DQPOST_EXECUTE_FUSED_BINDING);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDqpostExecuteFusedCapturable, ExecuteFused, JAX_DQPOST_EXECUTE_FUSED_BINDING,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDqpostExecuteV1, ExecuteV1, JAX_DQPOST_EXECUTE_V1_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDqpostExecuteV1Capturable, ExecuteV1, JAX_DQPOST_EXECUTE_V1_BINDING,
                               {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDqpostExecuteV2, ExecuteV2, JAX_DQPOST_EXECUTE_V2_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDqpostExecuteV2Capturable, ExecuteV2, JAX_DQPOST_EXECUTE_V2_BINDING,
+                              {ffi::Traits::kCmdBufferCompatible});
+
+// The calling convention as the handler passes it, for the test that pins it to jax_dqpost/abi.py.
+extern "C" int64_t jax_dqpost_extents_per_part() { return kExtentsPerPart; }
+extern "C" int64_t jax_dqpost_max_parts() { return kMaxParts; }
+extern "C" int64_t jax_dqpost_max_buffers() { return static_cast<int64_t>(kMaxBuffers); }
 
 // The state's type, registered with XLA by Python (jax.ffi.register_ffi_type) before the targets.
 extern "C" void* jax_dqpost_state_type_id() { return &LoadedKernel::id; }

@@ -20,15 +20,14 @@ from pathlib import Path
 
 import jax
 
-TARGET_NAME = "jax_dqpost_postprocess_v1"
-"""The custom-call target name of ``dq_postprocess``'s lowering (versioned: a new ABI gets a new name)."""
-FUSED_TARGET_NAME = "jax_dqpost_postprocess_v2"
-"""The target of the fused kernel (``flash_attention_postprocess``; ``dq_postprocess`` with a sink or a
-clustered layout)."""
-DISABLED_CHECKS = tuple(jax.export.DisabledSafetyCheck.custom_call(name) for name in (TARGET_NAME, FUSED_TARGET_NAME))
-"""``jax.export.export(..., disabled_checks=jax_dqpost.DISABLED_CHECKS)``: our targets are not on JAX's list of
-custom calls with stable ABIs, so exporting a function that lowers to them for CUDA needs these checks disabled;
-one for every target the package emits."""
+TARGET_NAME = "jax_dqpost_postprocess_v3"
+"""The custom-call target every call lowers to (versioned: a new calling convention gets a new name)."""
+LEGACY_TARGETS = {"jax_dqpost_postprocess_v1": "JaxDqpostExecuteV1", "jax_dqpost_postprocess_v2": "JaxDqpostExecuteV2"}
+"""Targets of earlier versions (the single-tensor and the fused kernel of 0.1), still registered so that artifacts
+they exported keep running; never emitted. Name -> handler symbol."""
+DISABLED_CHECKS = (jax.export.DisabledSafetyCheck.custom_call(TARGET_NAME),)
+"""``jax.export.export(..., disabled_checks=jax_dqpost.DISABLED_CHECKS)``: our target is not on JAX's list of
+custom calls with stable ABIs, so exporting a function that lowers to it for CUDA needs this check disabled."""
 
 COMMAND_BUFFERS_ENV = "JAX_DQPOST_COMMAND_BUFFERS"
 """Set to 1 to let XLA capture our launches into its command buffers (see the module docstring)."""
@@ -168,7 +167,7 @@ def cute_runtime_path() -> Path:
 
 
 def register() -> None:
-    """Load the handler library, point it at the CuTe runtime and register the CUDA target."""
+    """Load the handler library, point it at the CuTe runtime and register the CUDA targets."""
     global _registered
     with _lock:
         if _registered:
@@ -191,8 +190,9 @@ def register() -> None:
              "type_info": jax.ffi.pycapsule(lib.jax_dqpost_state_type_info())},
             platform="CUDA",
         )
-        for name, execute in ((TARGET_NAME, getattr(lib, "JaxDqpostExecute" + suffix)),
-                              (FUSED_TARGET_NAME, getattr(lib, "JaxDqpostExecuteFused" + suffix))):
+        targets = {TARGET_NAME: "JaxDqpostExecute", **LEGACY_TARGETS}
+        for name, symbol in targets.items():
+            execute = getattr(lib, symbol + suffix)
             jax.ffi.register_ffi_target(
                 name,
                 {"instantiate": jax.ffi.pycapsule(lib.JaxDqpostInstantiate), "execute": jax.ffi.pycapsule(execute)},

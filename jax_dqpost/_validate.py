@@ -1,39 +1,179 @@
-"""Checks of static (Python) arguments shared by the API and AccumLayout: errors name the argument and show
-the value and its type."""
+"""The API's arguments coerced into the primitive's operands and the parts of its plan: every check of user input,
+with errors that name the argument and show the bad value (``TypeError``/``ValueError`` at trace time)."""
 
 from __future__ import annotations
 
 import numbers
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
-MAX_HEAD_DIM = 256  # FlashAttention's largest head dimension; the kernel's tiles are sized for it
+from . import abi
+from ._checks import describe, static_int
+from .layout import AccumLayout
+from .plan import ARG_NAMES, ArgNames, Part
+from .varlen import INT32_MAX, WorkList, check_static
+
+LAYOUT_HINT = ("AccumLayout.flash_attention(arch, head_dim) gives FlashAttention-4's dQ order, "
+               "AccumLayout.flash_attention(arch, head_dim, tensor='dkv') its dK/dV order, AccumLayout(arch=None) a "
+               "row-major one")
 
 
-def describe(value) -> str:
-    """``value`` as an error message shows it: its repr and its type."""
-    return f"{value!r} ({type(value).__name__})"
+def part(layout, head_dim, dtype, seqlen, total, cu_seqlens, seqused,
+         names: ArgNames = ARG_NAMES["dq"]) -> tuple[Part, object]:
+    """One tensor's :class:`~jax_dqpost.plan.Part` and its side's int32 aux operand (empty, seqused or the work
+    list), from the API's arguments of its side; errors name the arguments as ``names`` does."""
+    seqlen_n, total_n, cu_n, used_n = names.seqlen, names.total, names.cu_seqlens, names.seqused
+    seqlen_q, total_q, cu_seqlens_q, seqused_q = seqlen, total, cu_seqlens, seqused
+    if cu_seqlens_q is None:
+        if total_q is not None:
+            raise ValueError(f"{total_n}={total_q!r} is only for variable-length batches (with {cu_n})")
+        if seqlen_q is None:
+            raise ValueError(f"{seqlen_n} is required for dense batches (or pass {cu_n} and {total_n})")
+        plan = Part(layout, head_dim, dtype, seqlen=static_int(seqlen_n, seqlen_q, minimum=0),
+                    seqused=seqused_q is not None)
+        if seqused_q is None:
+            return plan, jnp.zeros((0,), jnp.int32)
+        if _is_static(seqused_q):
+            used = _static_ints(used_n, seqused_q)
+            _check_dense_seqused(used, plan.seqlen, names)
+            return plan, jnp.asarray(np.asarray(used, np.int32).reshape(-1))
+        used, values = _int_array(used_n, seqused_q), _visible_ints(used_n, seqused_q)
+        if values is not None:  # still an operand the kernel reads at run time; the values seen now are checked
+            _check_dense_seqused(values, plan.seqlen, names)
+        return plan, used
+
+    if seqlen_q is not None:
+        raise ValueError(f"{seqlen_n}={seqlen_q!r} is only for dense batches; variable-length batches take {total_n}")
+    if total_q is None:
+        raise ValueError(f"{total_n} (rows of the packed output) is required with {cu_n}")
+    total_q = static_int(total_n, total_q, minimum=0)
+    if _is_static(cu_seqlens_q) and (seqused_q is None or _is_static(seqused_q)):
+        cu = _static_ints(cu_n, cu_seqlens_q)
+        used = None if seqused_q is None else _static_ints(used_n, seqused_q)
+        check_static(cu, used, total_q, names)
+        _check_int32_range(total_q, len(cu) - 1, layout.pad_rows, total_n)
+        work, meta = WorkList.build(np, np.asarray(cu), None if used is None else np.asarray(used),
+                                    total=total_q, layout=layout)
+        return Part(layout, head_dim, dtype, work=work), jnp.asarray(meta)
+    cu = _int_array(cu_n, _static_as_array(cu_seqlens_q))
+    used = None if seqused_q is None else _int_array(used_n, _static_as_array(seqused_q))
+    cu_values = _visible_ints(cu_n, cu_seqlens_q)
+    used_values = None if used is None else _visible_ints(used_n, seqused_q)
+    if cu_values is not None:  # still operands the kernel reads at run time; the values seen now are checked
+        check_static(cu_values, used_values, total_q, names)
+    elif used_values is not None:  # traced offsets: only the lengths' sign can be checked without them
+        bad = [(b, u) for b, u in enumerate(used_values) if u < 0]
+        if bad:
+            raise ValueError(f"{used_n}[{bad[0][0]}]={bad[0][1]} must be >= 0")
+    if cu.shape[0] < 2:
+        raise ValueError(f"{cu_n} must have at least 2 entries (batch + 1), got shape {cu.shape}")
+    batch = cu.shape[0] - 1
+    if used is not None and used.shape != (batch,):
+        raise ValueError(f"{used_n} must have shape ({batch},) to match {cu_n}, got {used.shape}")
+    _check_int32_range(total_q, batch, layout.pad_rows, total_n)
+    work, meta = WorkList.build(jnp, cu, used, total=total_q, layout=layout,
+                                num_tiles=WorkList.max_tiles(total_q, batch, layout))
+    return Part(layout, head_dim, dtype, work=work), meta
 
 
-def static_int(name: str, value, *, minimum: int | None = None) -> int:
-    """``value`` as a Python int; ``TypeError`` unless it is an integer (bools are not), ``ValueError`` below
-    ``minimum``."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be a Python int, got {describe(value)}")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return int(value)
+def check_layout(layout, name: str = "layout") -> None:
+    if not isinstance(layout, AccumLayout):
+        raise TypeError(f"{name} must be an AccumLayout, got {describe(layout)} ({LAYOUT_HINT})")
 
 
-def static_bool(name: str, value) -> bool:
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be a bool, got {describe(value)}")
-    return bool(value)
+def accumulator(name: str, x):
+    """A float32 accumulator operand (``TypeError`` naming the argument otherwise)."""
+    dtype = getattr(x, "dtype", None)
+    if dtype is None and isinstance(x, (list, tuple)):
+        x = np.asarray(x, np.float32)
+        dtype = x.dtype
+    if dtype is None or np.dtype(dtype) != np.float32:
+        raise TypeError(f"{name} must be float32, got {describe(x) if dtype is None else np.dtype(dtype).name}")
+    return jnp.asarray(x)
 
 
-def head_dim(value, name: str = "head_dim") -> int:
-    """A head dimension: a Python int, a positive multiple of 8, at most 256."""
-    value = static_int(name, value)
-    if value <= 0 or value % 8 or value > MAX_HEAD_DIM:
-        raise ValueError(f"{name} must be a positive multiple of 8 and at most {MAX_HEAD_DIM}, got {value}")
-    return value
+def sink_operands(learnable_sink, lse, dpsum):
+    """``(learnable_sink, lse, dpsum)`` as operands, or None without a sink; all three or none."""
+    given = {name: v is not None for name, v in (("learnable_sink", learnable_sink), ("lse", lse), ("dpsum", dpsum))}
+    if not any(given.values()):
+        return None
+    if not all(given.values()):
+        missing = [name for name, g in given.items() if not g]
+        raise ValueError(f"the sink gradient needs learnable_sink, lse and dpsum; missing {', '.join(missing)}")
+    sink_dtype = getattr(learnable_sink, "dtype", None)
+    if sink_dtype is None or np.dtype(sink_dtype) not in abi.SINK_DTYPES:
+        raise TypeError("learnable_sink must be a float32, bfloat16 or float16 array, got "
+                        + (describe(learnable_sink) if sink_dtype is None else f"dtype {sink_dtype}"))
+    return (jnp.asarray(learnable_sink), accumulator("lse", lse), accumulator("dpsum", dpsum))
+
+
+def out_dtype(dtype) -> np.dtype:
+    """dQ's dtype: bfloat16 or float16 (``None`` is not float64 here)."""
+    try:
+        out = None if dtype is None else np.dtype(dtype)
+    except TypeError:
+        out = None
+    if out is None:
+        raise TypeError(f"dtype must be jnp.bfloat16 or jnp.float16, got {describe(dtype)}")
+    if out not in abi.OUT_DTYPES:
+        raise ValueError(f"dtype must be jnp.bfloat16 or jnp.float16, got {out.name}")
+    return out
+
+
+def _is_static(x) -> bool:
+    """Python sequences of ints and numpy arrays are static; jax arrays (and tracers) are device data."""
+    return isinstance(x, (list, tuple, range, np.ndarray))
+
+
+def _visible_ints(name: str, x) -> list[int] | None:
+    """The values of offsets or lengths if this host can read them now: static ones, or a jax array that is not a
+    tracer (outside jit, or a constant inside it); None for traced values."""
+    concrete = isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.is_fully_addressable
+    return _static_ints(name, x) if concrete or _is_static(x) else None
+
+
+def _check_dense_seqused(used: list[int], seqlen: int, names: ArgNames) -> None:
+    bad = [(b, u) for b, u in enumerate(used) if not 0 <= u <= seqlen]
+    if bad:
+        raise ValueError(f"{names.seqused}[{bad[0][0]}]={bad[0][1]} must be in [0, {names.seqlen}={seqlen}]")
+
+
+def _static_ints(name: str, x) -> list[int]:
+    arr = np.asarray(x)
+    if arr.ndim != 1 or not (np.issubdtype(arr.dtype, np.integer) or arr.size == 0):
+        raise TypeError(f"{name} must be a 1-D sequence of ints, got {describe(x)}")
+    return [int(v) for v in arr]
+
+
+def _static_as_array(x):
+    return np.asarray(x) if isinstance(x, (list, tuple, range)) else x
+
+
+def _int_array(name: str, x):
+    dtype = getattr(x, "dtype", None)
+    if dtype is None or not jnp.issubdtype(dtype, jnp.integer):
+        raise TypeError(f"{name} must be an integer array or a sequence of Python ints, got {type(x).__name__} "
+                        f"of dtype {dtype}")
+    if np.ndim(x) != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {np.shape(x)}")
+    return jnp.asarray(x).astype(jnp.int32)
+
+
+def _check_int32_range(total_q: int, batch: int, pad_rows: int, name: str = "total_q") -> None:
+    if total_q + (batch + 2) * pad_rows > INT32_MAX:
+        raise ValueError(f"{name}={total_q} with batch={batch} overflows the int32 row offsets")
+
+
+def scale_operand(scale, name: str = "scale"):
+    """scale as a float32 scalar operand: a Python real or a floating-point scalar array (traced or not)."""
+    if isinstance(scale, numbers.Real) and not isinstance(scale, (bool, np.bool_)):
+        return jnp.float32(scale)
+    dtype = getattr(scale, "dtype", None)
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"{name} must be a Python float or a floating-point scalar, got {describe(scale)}"
+                        + ("" if dtype is None else f" of dtype {dtype}"))
+    if np.shape(scale) != ():
+        raise ValueError(f"{name} must be a scalar, got shape {np.shape(scale)}")
+    return jnp.asarray(scale).astype(jnp.float32)

@@ -1,8 +1,8 @@
 """Compile the CuTe DSL kernel once per binary-changing configuration; cutlass is imported lazily here.
 
-The key (``Plan.kernel_key`` and the target GPU) holds what changes the binary: output dtype, accumulator
-layout, padded head dim, tiling and GPU architecture. Batch, heads, sequence lengths, head dim and scale are
-run-time arguments of the compiled module, so they never trigger a compile.
+The key (``Plan.kernel_key`` and the target GPU) holds what changes the binary: output dtype, each part's
+accumulator layout, padded head dim and tiling, the sink's dtypes and the GPU architecture. Batch, heads, sequence
+lengths, head dims and scales are run-time arguments of the compiled module, so they never trigger a compile.
 
 Two caches: in memory (per process), and on disk (``$JAX_DQPOST_CACHE_DIR``, default
 ``$XDG_CACHE_HOME/jax_dqpost`` or ``~/.cache/jax_dqpost``; ``JAX_DQPOST_CACHE_DIR=none`` turns it off). A disk
@@ -29,10 +29,9 @@ from pathlib import Path
 
 import numpy as np
 
-from . import arch as arch_
+from . import abi, arch as arch_
 from ._version import __version__
-from .layout import AccumLayout
-from .plan import OUT_DTYPES, Tiling
+from .plan import Tiling
 
 FUNCTION_PREFIX = "jax_dqpost"
 """Symbol prefix of the compiled entry point; ffi/dqpost_ffi.cc looks the function up by it."""
@@ -51,42 +50,38 @@ _cache: dict[tuple, CompiledKernel] = {}
 
 def dtype_name(dtype) -> str:
     """'bf16' or 'f16' for the output dtype (or that name itself), else ValueError."""
-    if isinstance(dtype, str) and dtype in OUT_DTYPES.values():
+    names = [abi.DTYPE_NAMES[d] for d in abi.OUT_DTYPES]
+    if isinstance(dtype, str) and dtype in names:
         return dtype
-    name = OUT_DTYPES.get(np.dtype(dtype))
-    if name is None:
-        raise ValueError(f"dtype must be bfloat16 or float16, got {np.dtype(dtype)}")
+    try:
+        name = abi.DTYPE_NAMES.get(np.dtype(dtype))
+    except TypeError:
+        name = None
+    if name not in names:
+        raise ValueError(f"dtype must be bfloat16 or float16, got {dtype!r}")
     return name
 
 
-def get_kernel(dtype, layout: AccumLayout, padded_head_dim: int, tiling: Tiling = Tiling.DENSE, *,
-               arch: str | None = None, persist: bool | None = None) -> CompiledKernel:
-    """The compiled module for this configuration (``Plan.kernel_key``), from a cache or compiled now.
+def get_kernel(key: tuple, *, arch: str | None = None, persist: bool | None = None) -> CompiledKernel:
+    """The compiled module for ``key`` (``Plan.kernel_key``: ``(dtype, parts, sink)``, ``parts`` a ``(layout,
+    padded head dim, tiling)`` per part, ``sink`` the names of the sink's and dsink's dtypes or None), from a cache
+    or compiled now.
 
     ``arch``: the target GPU (default: :func:`jax_dqpost.arch.target_arch`). ``persist``: write a new module to
     the default on-disk cache even without a local GPU (None: see the module docstring).
     """
     arch = arch_.check_arch(arch, f"arch={arch!r}") if arch else arch_.target_arch()
-    return _get((dtype_name(dtype), layout, int(padded_head_dim), Tiling(tiling), arch), persist)
-
-
-def get_fused_kernel(dtype, parts: tuple, sink: tuple | None = None, *, arch: str | None = None,
-                     persist: bool | None = None) -> CompiledKernel:
-    """The fused kernel (``kernel_fused.py``) for ``FusedPlan.kernel_key``: ``parts``, a ``(layout, padded head
-    dim, tiling)`` per tensor; ``sink``, the names of the sink's and dsink's dtypes (``'f32'``, ``'bf16'``,
-    ``'f16'``) or None."""
-    arch = arch_.check_arch(arch, f"arch={arch!r}") if arch else arch_.target_arch()
+    dtype, parts, sink = key
+    abi.part_names(len(parts))
     parts = tuple((layout, int(dr), Tiling(tiling)) for layout, dr, tiling in parts)
-    return _get(("fused", dtype_name(dtype), parts, None if sink is None else tuple(sink), arch), persist)
-
-
-def _get(key: tuple, persist: bool | None) -> CompiledKernel:
+    key = (dtype_name(dtype), parts, None if sink is None else tuple(sink), arch)
     with _lock:
         hit = _cache.get(key)
         if hit is None:
             hit = _load(key)
         if hit is None:
-            hit = _compile_fused(*key[1:]) if key[0] == "fused" else _compile(*key)
+            module = bytes(compile_executor(*key).dump_to_object(FUNCTION_PREFIX))
+            hit = CompiledKernel(module=module, fingerprint=hashlib.sha256(module).hexdigest(), arch=arch)
             _store(key, hit, persist)
         _cache[key] = hit
     return hit
@@ -119,11 +114,12 @@ def _disk_name(key: tuple) -> str:
     except metadata.PackageNotFoundError:  # a DSL on PYTHONPATH, not installed as a distribution
         dsl = "unknown"
     here = Path(__file__).parent
-    names = ("kernel.py", "kernel_fused.py", "layout.py", "varlen.py")
+    names = ("abi.py", "kernel.py", "tile.py", "layout.py", "varlen.py")
     source = b"".join((here / name).read_bytes() for name in names)
     digest = hashlib.sha256(repr((key, __version__, dsl, FUNCTION_PREFIX, _ENTRY_MAGIC)).encode() + source).hexdigest()
-    label = "fused" if key[0] == "fused" else f"{key[0]}-{key[3].name.lower()}"
-    return f"{label}-{key[-1]}-{digest[:40]}.cute"
+    dtype, parts, sink, arch = key
+    label = "-".join([dtype] + [tiling.name.lower() for _, _, tiling in parts] + (["sink"] if sink else []))
+    return f"{label}-{arch}-{digest[:40]}.cute"
 
 
 def _load(key: tuple) -> CompiledKernel | None:
@@ -166,98 +162,57 @@ def _store(key: tuple, kernel: CompiledKernel, persist: bool | None) -> None:
             os.unlink(tmp)
 
 
-def _compile(dtype: str, layout: AccumLayout, padded_head_dim: int, tiling: Tiling, arch: str) -> CompiledKernel:
-    executor = compile_executor(dtype, layout, padded_head_dim, tiling, arch)
-    module = bytes(executor.dump_to_object(FUNCTION_PREFIX))
-    return CompiledKernel(module=module, fingerprint=hashlib.sha256(module).hexdigest(), arch=arch)
-
-
-def cute_dtype(dtype: str):
-    """The CuTe numeric type of an output dtype name ('bf16', 'f16')."""
-    import cutlass
-
-    return {"bf16": cutlass.BFloat16, "f16": cutlass.Float16}[dtype_name(dtype)]
-
-
-def executor_args(dtype: str, acc: int, dq: int, scale: int, aux: int, extents) -> tuple:
-    """The arguments of the kernel's C ABI (kernel.py ``__call__``) but the stream, as CuTe values: device
-    addresses of the fp32 accumulator, dQ (``dtype``), the fp32 scale and the int32 aux operand (seqused_q or
-    the work list; any address when unused), then the int32 ``extents`` (``Plan.launch_extents``)."""
-    import cutlass
-    import cutlass.cute as cute
-    from cutlass.cute.runtime import make_ptr
-
-    gmem = cute.AddressSpace.gmem
-    return (make_ptr(cutlass.Float32, acc, gmem, assumed_align=16),
-            make_ptr(cute_dtype(dtype), dq, gmem, assumed_align=16),
-            make_ptr(cutlass.Float32, scale, gmem, assumed_align=4),
-            make_ptr(cutlass.Int32, aux, gmem, assumed_align=4),
-            *(cutlass.Int32(d) for d in extents))
-
-
-def compile_executor(dtype: str, layout: AccumLayout, padded_head_dim: int, tiling: Tiling, arch: str, **tuning):
-    """``cute.compile`` the kernel; returns CuTe's executor, callable from Python with the arguments of the
-    C ABI (kernel.py: pointers, int32 extents, stream). Callers serialise through ``_lock`` or accept that
-    the DSL's global arch is set here (and restored afterwards). ``tuning``: keyword arguments of
-    :class:`~jax_dqpost.kernel.DqPostprocess` for experiments (tools/ncu_kernels.py); the package itself
-    always compiles with the defaults, which is why they are not part of the cache key."""
-    from .kernel import DqPostprocess
-
-    cute_type = cute_dtype(dtype)
-    if not DqPostprocess.can_implement(cute_type, layout, padded_head_dim):
-        raise ValueError(f"jax_dqpost: no kernel for dtype={dtype}, {layout}, padded head dim {padded_head_dim}")
-    kernel = DqPostprocess(cute_type, layout, padded_head_dim, tiling=Tiling(tiling),
-                           target_sm=arch_.sm_version(arch), **tuning)
-    # placeholder addresses and extents: the executor takes the real ones at every call
-    return _cute_compile(kernel, executor_args(dtype, 16, 16, 16, 16, (1, 1, 1, 8, 1)), arch)
-
-
-FUSED_SLOTS = ("acc_q", "out_q", "aux_q", "acc_k", "out_k", "acc_v", "out_v", "aux_k", "scales", "sink", "lse",
-               "dpsum", "dsink")
-"""The fused kernel's pointer arguments, in the order of its C ABI (``kernel_fused.py``, ``__call__``)."""
-
-
-def fused_executor_args(dtype: str, sink, addresses, extents) -> tuple:
-    """The fused kernel's C ABI but the stream, as CuTe values: one device address per :data:`FUSED_SLOTS`
-    entry (any address for an absent operand), then its 15 int32 extents (``FusedPlan.launch_extents``)."""
-    import cutlass
-    import cutlass.cute as cute
-    from cutlass.cute.runtime import make_ptr
-
-    f32, i32, out = cutlass.Float32, cutlass.Int32, cute_dtype(dtype)
-    sink_type, dsink_type = (f32, f32) if sink is None else (_sink_type(sink[0]), _sink_type(sink[1]))
-    types = (f32, out, i32, f32, out, f32, out, i32, f32, sink_type, f32, f32, dsink_type)
-    vectors = {"acc_q", "out_q", "acc_k", "out_k", "acc_v", "out_v"}  # 16-byte aligned (checked by the handler)
-    ptrs = tuple(make_ptr(t, a, cute.AddressSpace.gmem, assumed_align=16 if name in vectors else t.width // 8)
-                 for name, t, a in zip(FUSED_SLOTS, types, addresses))
-    return ptrs + tuple(cutlass.Int32(e) for e in extents)
-
-
-def _sink_type(name: str):
+def cute_type(name: str):
+    """The CuTe numeric type of a dtype name (``abi.DTYPE_NAMES``)."""
     import cutlass
 
     return {"f32": cutlass.Float32, "bf16": cutlass.BFloat16, "f16": cutlass.Float16}[name]
 
 
-def compile_fused_executor(dtype: str, parts: tuple, sink, arch: str):
-    """``cute.compile`` the fused kernel (``get_fused_kernel``'s arguments); CuTe's executor."""
-    from .kernel import DqPostprocess
-    from .kernel_fused import FusedPostprocess, PartSpec
+def executor_args(dtype: str, num_parts: int, sink, addresses, extents) -> tuple:
+    """The kernel entry's arguments but the stream (``abi.arguments``), as CuTe values: one device address per
+    pointer (``abi.pointers``), then the int32 extents (``Plan.launch``)."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_ptr
 
-    cute_type = cute_dtype(dtype)
+    names = abi.pointers(num_parts, sink is not None)
+    types = {f"{p}_accum": "f32" for p in abi.PARTS} | {p: dtype_name(dtype) for p in abi.PARTS}
+    types |= {"q_aux": None, "k_aux": None, "scales": "f32", "lse": "f32", "dpsum": "f32"}
+    if sink is not None:
+        types |= {"learnable_sink": sink[0], "dsink": sink[1]}
+    if len(addresses) != len(names) or len(extents) != len(abi.extents(num_parts)):
+        raise ValueError(f"the kernel takes {len(names)} addresses and {len(abi.extents(num_parts))} extents, got "
+                         f"{len(addresses)} and {len(extents)}")
+    ptrs = []
+    for name, address in zip(names, addresses):
+        t = cutlass.Int32 if types[name] is None else cute_type(types[name])
+        vector = name.endswith("_accum") or name in abi.PARTS  # read and written as 16-byte vectors
+        ptrs.append(make_ptr(t, address, cute.AddressSpace.gmem,
+                             assumed_align=abi.VECTOR_ALIGN if vector else t.width // 8))
+    return tuple(ptrs) + tuple(cutlass.Int32(e) for e in extents)
+
+
+def compile_executor(dtype: str, parts: tuple, sink, arch: str, **tuning):
+    """``cute.compile`` the kernel (:func:`get_kernel`'s key); CuTe's executor, callable from Python with
+    :func:`executor_args` and a stream. Callers serialise through ``_lock`` or accept that the DSL's global arch is
+    set here (and restored afterwards). ``tuning``: ``TileConverter`` keyword arguments for experiments
+    (tools/ncu_kernels.py); the package itself always compiles with the defaults, which is why they are not part of
+    the key."""
+    from .kernel import PartSpec, Postprocess
+    from .tile import TileConverter
+
+    out = cute_type(dtype_name(dtype))
     for layout, dr, _ in parts:
-        if not DqPostprocess.can_implement(cute_type, layout, dr):
+        if not TileConverter.can_implement(out, layout, dr):
             raise ValueError(f"jax_dqpost: no kernel for dtype={dtype}, {layout}, padded head dim {dr}")
-    kernel = FusedPostprocess(cute_type, tuple(PartSpec(*p) for p in parts),
-                              None if sink is None else (_sink_type(sink[0]), _sink_type(sink[1])),
-                              target_sm=arch_.sm_version(arch))
-    extents = [1, 1, 1, 8, 1] * len(parts) + [0] * 5 * (3 - len(parts))
-    return _cute_compile(kernel, fused_executor_args(dtype, sink, [16] * len(FUSED_SLOTS), extents), arch)
-
-
-def _compile_fused(dtype: str, parts: tuple, sink, arch: str) -> CompiledKernel:
-    module = bytes(compile_fused_executor(dtype, parts, sink, arch).dump_to_object(FUNCTION_PREFIX))
-    return CompiledKernel(module=module, fingerprint=hashlib.sha256(module).hexdigest(), arch=arch)
+    kernel = Postprocess(out, tuple(PartSpec(*p) for p in parts),
+                         None if sink is None else (cute_type(sink[0]), cute_type(sink[1])),
+                         target_sm=arch_.sm_version(arch), **tuning)
+    # placeholder addresses and extents: the executor takes the real ones at every call
+    n = len(parts)
+    args = executor_args(dtype, n, sink, [16] * len(abi.pointers(n, sink is not None)), [1, 1, 1, 8, 1] * n)
+    return _cute_compile(kernel, args, arch)
 
 
 def _cute_compile(kernel, args: tuple, arch: str):

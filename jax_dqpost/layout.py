@@ -26,8 +26,8 @@ import dataclasses
 
 import numpy as np
 
-from . import _validate
-from ._validate import MAX_HEAD_DIM
+from . import _checks
+from ._checks import MAX_HEAD_DIM
 from .varlen import padded_total
 
 __all__ = ["AccumLayout"]
@@ -48,11 +48,11 @@ has 163 KiB, sm_90 and sm_100 227 KiB). The kernel stages one ``tile_m x Dr`` dQ
 
 
 def _check_int(name: str, value, *, minimum: int = 1) -> int:
-    return _validate.static_int(f"AccumLayout.{name}", value, minimum=minimum)
+    return _checks.static_int(f"AccumLayout.{name}", value, minimum=minimum)
 
 
 def _check_bool(name: str, value) -> bool:
-    return _validate.static_bool(f"AccumLayout.{name}", value)
+    return _checks.static_bool(f"AccumLayout.{name}", value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,12 +194,12 @@ class AccumLayout:
         kernel that finishes dQ, dK and dV itself; FlashAttention-4 has no sm80 backward: both raise
         ``ValueError``.
         """
-        arch = _validate.static_int("arch", arch, minimum=1)
-        head_dim = _validate.head_dim(head_dim)
-        head_dim_v = head_dim if head_dim_v is None else _validate.head_dim(head_dim_v, name="head_dim_v")
-        causal = _validate.static_bool("causal", causal)
+        arch = _checks.static_int("arch", arch, minimum=1)
+        head_dim = _checks.head_dim(head_dim)
+        head_dim_v = head_dim if head_dim_v is None else _checks.head_dim(head_dim_v, name="head_dim_v")
+        causal = _checks.static_bool("causal", causal)
         if tensor not in ("dq", "dkv"):
-            raise ValueError(f"tensor must be 'dq' or 'dkv', got {_validate.describe(tensor)}")
+            raise ValueError(f"tensor must be 'dq' or 'dkv', got {_checks.describe(tensor)}")
         dkv = tensor == "dkv"
         family = arch // 10
         if family == 9:
@@ -328,7 +328,7 @@ class AccumLayout:
     def _check_order(self, head_dim: int, name: str = "head_dim"):
         """The order itself is defined for ``head_dim`` (the producer's MMA tiling divides, Dr <= 256):
         ``(head_dim, Dr, description)``, else ``ValueError``. What the index map needs; the kernel needs more."""
-        head_dim = _validate.head_dim(head_dim, name)
+        head_dim = _checks.head_dim(head_dim, name)
         dr = self.padded_head_dim(head_dim)
         what = f"{name}={head_dim} (padded to {dr}) with {self}"
         if dr > MAX_HEAD_DIM:

@@ -1,23 +1,23 @@
-"""One value describing a postprocess call: :class:`Plan` (one tensor), :class:`FusedPlan` (dQ, dK, dV and the
-sink gradient in one launch, built of plans).
+"""One value describing a postprocess call: :class:`Plan`, made of a :class:`Part` per tensor (dQ, or dQ, dK and
+dV) and the learnable sink's dtype.
 
-The API builds a plan from the arguments (``api.py``); it is the primitive's only parameter, and every rule
-asks it: the operand and result shapes (abstract evaluation), the reference (``reference.py``), the kernel's
-compile key, launch grid and extents and the FFI attributes (CUDA lowering), the sharding rule and the vmap
-folding (``primitive.py``). Batch and heads are not part of it: they come from the operands' shapes, so vmap
-and sharding change them without a new plan.
+The API builds the plan from the arguments (``api.py``); it is the primitive's only parameter, and every rule asks
+it: the operand and result shapes (abstract evaluation), the reference (``reference.py``), the kernel's compile key,
+launch grid and extents (``lowering.py``), the sharding rule and the vmap folding (``primitive.py``). Batch and
+heads are not part of it: they come from the operands' shapes, so vmap and sharding change them without a new plan.
+The operands and results are in the order of the calling convention (``abi.py``).
 
-Three tilings, one per way a CTA finds its tile (compiled into the kernel; their values are the FFI's
-``mode`` attribute)::
+A part's accumulator comes in one of three tilings, one per way a CTA finds its tile (compiled into the kernel)::
 
-    tiling          dq_accum           aux (int32)            result
+    tiling          accumulator        aux (int32)            result
     DENSE           (B, H, Sr * Dr)    (0,)                   (B, S, H, D)
-    DENSE_SEQUSED   (B, H, Sr * Dr)    seqused_q (B,)         (B, S, H, D)
+    DENSE_SEQUSED   (B, H, Sr * Dr)    seqused (B,)           (B, S, H, D)
     VARLEN          (H, Tp * Dr)       the work list          (T, H, D)
 
 ``Sr = ceil(S / P) * P``; ``Dr``, the padded head dim (``AccumLayout.padded_head_dim``);
 ``Tp = round_up(T + B * P, P)`` (``varlen.padded_total``), with ``P = tile_m * cluster_size``
-(``AccumLayout.pad_rows``; ``P = tile_m`` but for Blackwell's 2-CTA dK/dV).
+(``AccumLayout.pad_rows``; ``P = tile_m`` but for Blackwell's 2-CTA dK/dV). ``S``, ``T``, ``seqused`` are the
+part's side's: the query side for dQ, the key side for dK and dV.
 """
 
 from __future__ import annotations
@@ -26,16 +26,13 @@ import dataclasses
 import enum
 from typing import NamedTuple
 
-import jax.numpy as jnp
 import numpy as np
 
+from . import abi
 from .layout import AccumLayout
 from .varlen import INT32_MAX, WorkList
 
-OUT_DTYPES = {np.dtype(jnp.bfloat16): "bf16", np.dtype(jnp.float16): "f16"}
-"""The output types, with the names the FFI attribute and the kernel cache use for them."""
-
-MAX_GRID_Z = 65535  # CUDA's limit on gridDim.z: the batch of the dense tilings
+MAX_GRID_Z = 65535  # CUDA's limit on gridDim.z: the batch of dense parts
 
 
 class ArgNames(NamedTuple):
@@ -58,38 +55,38 @@ ARG_NAMES = {
 
 
 class Tiling(enum.IntEnum):
-    """How a CTA of the kernel finds its tile. The values are the FFI's ``mode`` attribute (ABI)."""
+    """How a CTA of the kernel finds its tile (compiled into the kernel; part of the cache key)."""
 
     DENSE = 0  # tile (b, h, m) of a dense accumulator
-    DENSE_SEQUSED = 1  # the same; rows past seqused_q[b] are zeros
+    DENSE_SEQUSED = 1  # the same; rows past seqused[b] are zeros
     VARLEN = 2  # tile m of head h looks its span up in the work list
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
-    """The static description of one call (frozen, hashable: a primitive parameter).
+class Part:
+    """The static description of one tensor of a call (frozen, hashable).
 
     Attributes:
       layout: the producer's :class:`AccumLayout`.
       head_dim: ``D``.
-      dtype: numpy dtype of dQ (bf16 or fp16 for the op; the transpose carries the cotangent's).
-      seqlen_q: ``S`` of a dense batch; None for varlen.
-      seqused_q: dense with ``seqused_q``: the aux operand holds the lengths.
-      work: the varlen work list's static shape (``varlen.WorkList``); None for dense batches.
+      dtype: numpy dtype of the result (bf16 or fp16 for the op; the transpose carries the cotangent's).
+      seqlen: ``S`` of a dense side; None for varlen.
+      seqused: dense with ``seqused``: the aux operand holds the lengths.
+      work: the varlen work list's static shape (``varlen.WorkList``); None for dense sides.
     """
 
     layout: AccumLayout
     head_dim: int
     dtype: np.dtype
-    seqlen_q: int | None = None
-    seqused_q: bool = False
+    seqlen: int | None = None
+    seqused: bool = False
     work: WorkList | None = None
 
     @property
     def tiling(self) -> Tiling:
         if self.work is not None:
             return Tiling.VARLEN
-        return Tiling.DENSE_SEQUSED if self.seqused_q else Tiling.DENSE
+        return Tiling.DENSE_SEQUSED if self.seqused else Tiling.DENSE
 
     @property
     def padded_head_dim(self) -> int:
@@ -97,14 +94,14 @@ class Plan:
 
     @property
     def kernel_key(self) -> tuple:
-        """What changes the compiled binary (with the target GPU): nothing else is compiled in."""
-        return OUT_DTYPES[np.dtype(self.dtype)], self.layout, self.padded_head_dim, self.tiling
+        """What of this part changes the compiled binary."""
+        return self.layout, self.padded_head_dim, self.tiling
 
     # ---- shapes ----------------------------------------------------------------------------------
     def aux_shape(self, batch: int) -> tuple[int]:
         if self.work is not None:
             return (self.work.size,)
-        return (batch,) if self.seqused_q else (0,)
+        return (batch,) if self.seqused else (0,)
 
     def result_shape(self, acc_shape, aux_shape, names: ArgNames = ARG_NAMES["dq"]) -> tuple[int, ...]:
         """The shape of the result for operands of these shapes; ``ValueError`` naming what does not fit, in the
@@ -117,148 +114,119 @@ class Plan:
             if len(acc_shape) != 2 or acc_shape[1] != w.padded_total * dr:
                 raise ValueError(
                     f"{n.accum} must have shape (heads, Tp*Dr) = (heads, {w.padded_total}*{dr}) for "
-                    f"{n.total}={w.total_q}, batch={w.batch}, {n.head_dim}={self.head_dim} and {layout} "
+                    f"{n.total}={w.total}, batch={w.batch}, {n.head_dim}={self.head_dim} and {layout} "
                     f"(Tp = ceil(({n.total} + batch*P) / P) * P, P = tile_m*cluster_size = {layout.pad_rows}); "
                     f"got shape {tuple(acc_shape)}")
-            return (w.total_q, acc_shape[0], self.head_dim)
+            return (w.total, acc_shape[0], self.head_dim)
         if len(acc_shape) != 3:
             raise ValueError(f"{n.accum} must have shape (batch, heads, Sr*Dr), got shape {tuple(acc_shape)}")
         batch, heads, flat = acc_shape
-        sr = layout.padded_seqlen(self.seqlen_q)
+        sr = layout.padded_seqlen(self.seqlen)
         if flat != sr * dr:
             raise ValueError(
-                f"{n.accum}.shape[2] must be Sr*Dr = {sr}*{dr} = {sr * dr} for {n.seqlen}={self.seqlen_q}, "
+                f"{n.accum}.shape[2] must be Sr*Dr = {sr}*{dr} = {sr * dr} for {n.seqlen}={self.seqlen}, "
                 f"{n.head_dim}={self.head_dim} and {layout}; got shape {tuple(acc_shape)}")
         if tuple(aux_shape) != self.aux_shape(batch):
             raise ValueError(f"{n.seqused} must have shape {self.aux_shape(batch)} ({n.accum} has batch {batch}), "
                              f"got {tuple(aux_shape)}")
-        return (batch, self.seqlen_q, heads, self.head_dim)
+        return (batch, self.seqlen, heads, self.head_dim)
+
+    def heads(self, acc_shape) -> int:
+        return acc_shape[0] if self.work is not None else acc_shape[1]
 
     # ---- the CUDA kernel -------------------------------------------------------------------------
     def launch_extents(self, acc_shape) -> tuple[int, int, int, int, int]:
-        """The kernel's int32 extents, in the order of its C ABI (``kernel.py``, ``DqPostprocess.__call__``):
-        ``(batch, heads, S, D, ceil(S / tile_m))`` for dense tilings, ``(K, heads, T, D, num_tiles)`` for varlen
-        (``K = batch + 2`` spans). The launch grid is ``(heads * extents[4], 1, batch)`` (varlen: ``(ctas, 1, 1)``,
-        :meth:`ctas`). ``ValueError`` if CUDA cannot launch it (``gridDim.x < 2^31``, ``gridDim.z <= 65535``)."""
+        """The part's int32 extents (``abi.EXTENTS``): ``(batch, heads, S, D, ceil(S / tile_m))`` for dense
+        tilings, ``(K, heads, T, D, num_tiles)`` for varlen (``K = batch + 2`` spans). ``ValueError`` if CUDA
+        cannot launch it (``gridDim.x < 2^31``, ``gridDim.z <= 65535``)."""
         if self.work is not None:
-            heads, batch, rows = acc_shape[0], 1, self.work.total_q
+            heads, batch, rows = acc_shape[0], 1, self.work.total
             extents = (self.work.num_spans, heads, rows, self.head_dim, self.work.num_tiles)
         else:
-            batch, heads, rows = acc_shape[0], acc_shape[1], self.seqlen_q
+            batch, heads, rows = acc_shape[0], acc_shape[1], self.seqlen
             extents = (batch, heads, rows, self.head_dim, self.layout.num_tiles(rows))
         if batch > MAX_GRID_Z:
-            raise ValueError(f"dq_postprocess on CUDA: batch (with any vmapped axes folded in) must be <= "
-                             f"{MAX_GRID_Z}, got {batch}")
+            raise ValueError(f"jax_dqpost on CUDA: batch (with any vmapped axes folded in) must be <= {MAX_GRID_Z}, "
+                             f"got {batch}")
         if heads * extents[4] > INT32_MAX or rows > INT32_MAX:
-            raise ValueError(f"dq_postprocess on CUDA: heads * ceil(rows / tile_m) must be < 2^31, got heads={heads}, "
+            raise ValueError(f"jax_dqpost on CUDA: heads * ceil(rows / tile_m) must be < 2^31, got heads={heads}, "
                              f"{extents[4]} tiles per head ({rows} rows)")
         return extents
 
     def ctas(self, acc_shape) -> int:
-        """CTAs of the kernel's launch for an accumulator of this shape (varlen: ``WorkList.ctas``)."""
-        dim0, heads, _, _, grid_x = self.launch_extents(acc_shape)
-        return self.work.ctas(heads) if self.work is not None else dim0 * heads * grid_x
-
-    def ffi_attributes(self) -> dict:
-        """The custom call's attributes besides the module (``ffi/dqpost_ffi.cc``, ``Execute``)."""
-        return dict(dtype=OUT_DTYPES[np.dtype(self.dtype)], mode=np.int64(self.tiling),
-                    tile_m=np.int64(self.layout.tile_m), tile_hdim=np.int64(self.padded_head_dim),
-                    num_tiles=np.int64(0 if self.work is None else self.work.num_tiles))
-
-    # ---- sharding: batch and heads shard with no collective; every other axis is gathered ----------
-    def sharding_rule(self) -> tuple[str, tuple[str, ...]]:
-        """Shardy's einsum-like rule over (dq_accum, scale, aux) -> dq, and the factors needing replication."""
-        if self.work is not None:
-            return "h l, , k -> t h d", ("l", "k", "t", "d")
-        if self.seqused_q:
-            return "b h l, , b -> b s h d", ("l", "s", "d")
-        return "b h l, , z -> b s h d", ("l", "z", "s", "d")
-
-    def shard_specs(self, acc_spec: tuple):
-        """``(dq_accum, aux, dq)`` partition specs (tuples) when dq_accum's axes are sharded as ``acc_spec``."""
-        if self.work is not None:  # (H, Tp*Dr) -> (T, H, D): heads only
-            heads = acc_spec[0]
-            return (heads, None), (None,), (None, heads, None)
-        batch, heads = acc_spec[0], acc_spec[1]  # (B, H, Sr*Dr) -> (B, S, H, D)
-        return (batch, heads, None), ((batch,) if self.seqused_q else (None,)), (batch, None, heads, None)
-
-
-# ---- the whole postprocess: dQ, dK and dV in one launch, and the learnable-sink gradient --------------
-SINK_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
-"""Types of ``learnable_sink`` (and of ``dsink``)."""
-
-PARTS = ("dq", "dk", "dv")
-NUM_EXTENTS = 5 * len(PARTS)  # the fused kernel's int32 extents: Plan.launch_extents of each part
+        """CTAs of this part per grid z (dense parts: per batch; varlen: ``WorkList.ctas``)."""
+        _, heads, _, _, grid_x = self.launch_extents(acc_shape)
+        return self.work.ctas(heads) if self.work is not None else heads * grid_x
 
 
 @dataclasses.dataclass(frozen=True)
-class FusedPlan:
-    """The static description of a whole postprocess call (``flash_attention_postprocess``; also
-    ``dq_postprocess`` with a sink or a clustered layout): a :class:`Plan` per tensor, and the sink gradient.
+class Plan:
+    """The static description of a postprocess call (frozen, hashable: the primitive's parameter).
 
-    The operands of the fused primitive, in order (``[...]``: only when present)::
-
-        dq_accum, q_aux, [dk_accum, dv_accum, k_aux], scales (3,) f32, [learnable_sink, lse, dpsum]
-
-    ``q_aux``/``k_aux``: the int32 operand of the q-side / k-side plans (``Plan.aux_shape``); dK and dV share
-    the k side's. ``scales``: dQ's, dK's and dV's. The sink operands, for ``H`` query heads::
+    Operands and results in the order of ``abi.py``. The sink operands, for ``H`` query heads::
 
         dense (dq):   learnable_sink (H,)   lse (B, H, S)   dpsum (B, H, Sr)
         varlen (dq):  learnable_sink (H,)   lse (H, T)      dpsum (H, Tp)
 
-    The results: ``dq, [dk, dv], [dsink (H,)]``. ``dsink[h] = sum over sequences b and rows r < len_b of
-    -p * dpsum[b, h, r]``, ``p = exp(sink[h] - lse[b, h, r])`` (1 where ``lse = -inf``); varlen rows at ``lse[h,
-    cu[b] + r]`` and ``dpsum[h, acc_row[b] + r]`` (the padded offset), ``len_b`` honouring ``seqused_q``.
+    ``dsink[h] = sum over sequences b and rows r < len_b of -p * dpsum[b, h, r]``, ``p = exp(sink[h] - lse[b, h,
+    r])`` (1 where ``lse = -inf``); varlen rows at ``lse[h, cu[b] + r]`` and ``dpsum[h, acc_row[b] + r]`` (the
+    padded offset), ``len_b`` honouring ``seqused_q``.
 
     Attributes:
-      dq, dk, dv: the tensors' plans (``dk``/``dv``: both or neither; their dtype is dq's).
+      parts: a :class:`Part` per tensor: dQ's, or dQ's, dK's and dV's (``abi.PARTS``; one dtype).
       sink_dtype: ``learnable_sink``'s dtype, or None without a sink.
       dsink_dtype: the type the kernel writes ``dsink`` in: ``sink_dtype``, or float32 for the partial sums
         of a batch shard (reduced across shards, then rounded).
     """
 
-    dq: Plan
-    dk: Plan | None = None
-    dv: Plan | None = None
+    parts: tuple[Part, ...]
     sink_dtype: np.dtype | None = None
     dsink_dtype: np.dtype | None = None
 
-    @property
-    def parts(self) -> tuple[Plan, ...]:
-        return (self.dq,) if self.dk is None else (self.dq, self.dk, self.dv)
+    def __post_init__(self):
+        abi.part_names(len(self.parts))  # one part or three
 
     @property
-    def has_kv(self) -> bool:
-        return self.dk is not None
+    def names(self) -> tuple[str, ...]:
+        return abi.part_names(len(self.parts))
+
+    @property
+    def dq(self) -> Part:
+        return self.parts[0]
 
     @property
     def has_sink(self) -> bool:
         return self.sink_dtype is not None
 
     @property
-    def num_operands(self) -> int:
-        return 3 + (3 if self.has_kv else 0) + (3 if self.has_sink else 0)
+    def operand_names(self) -> tuple[str, ...]:
+        return abi.operands(len(self.parts), self.has_sink)
 
-    def without_sink(self) -> "FusedPlan":
+    @property
+    def num_operands(self) -> int:
+        return len(self.operand_names)
+
+    @property
+    def side_parts(self) -> tuple[Part, ...]:
+        """The first part of each side (whose plan its aux operand follows): dQ's, then dK's."""
+        return self.parts[:len(abi.sides(len(self.parts)))]
+
+    def without_sink(self) -> "Plan":
         return dataclasses.replace(self, sink_dtype=None, dsink_dtype=None)
 
     # ---- operands and results ----------------------------------------------------------------------
     def split(self, args) -> dict:
-        """The operands by name (see the class docstring): ``acc`` (a tuple per part), ``aux`` (a tuple per
-        part), ``scales``, and ``sink``/``lse``/``dpsum`` (None without a sink)."""
-        args = list(args)
-        if self.has_kv:
-            dq_acc, q_aux, dk_acc, dv_acc, k_aux, scales, *sink = args
-            acc, aux = (dq_acc, dk_acc, dv_acc), (q_aux, k_aux, k_aux)
-        else:
-            dq_acc, q_aux, scales, *sink = args
-            acc, aux = (dq_acc,), (q_aux,)
-        sink, lse, dpsum = sink if self.has_sink else (None, None, None)
-        return dict(acc=acc, aux=aux, scales=scales, sink=sink, lse=lse, dpsum=dpsum)
+        """The operands by role: ``acc`` and ``aux`` (a tuple per part; dK and dV share the k side's aux),
+        ``scales``, and ``sink``/``lse``/``dpsum`` (None without a sink)."""
+        named = dict(zip(self.operand_names, args, strict=True))
+        acc = tuple(named[f"{p}_accum"] for p in self.names)
+        aux = tuple(named[f"{abi.SIDE[p]}_aux"] for p in self.names)
+        return dict(acc=acc, aux=aux, scales=named["scales"], sink=named.get("learnable_sink"),
+                    lse=named.get("lse"), dpsum=named.get("dpsum"))
 
-    def join(self, acc, aux, scales, sink=None, lse=None, dpsum=None) -> list:
-        """The inverse of :meth:`split` (``aux``: the q-side operand, then the k-side one)."""
-        args = [acc[0], aux[0]] + ([acc[1], acc[2], aux[1]] if self.has_kv else []) + [scales]
+    def join(self, acc, side_aux, scales, sink=None, lse=None, dpsum=None) -> list:
+        """The inverse of :meth:`split` (``side_aux``: one aux operand per side)."""
+        args = list(acc) + list(side_aux) + [scales]
         return args + ([sink, lse, dpsum] if self.has_sink else [])
 
     def sink_shapes(self, dq_acc_shape) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
@@ -266,19 +234,21 @@ class FusedPlan:
         q = self.dq
         if q.work is not None:
             heads = dq_acc_shape[0]
-            return (heads,), (heads, q.work.total_q), (heads, q.work.padded_total)
+            return (heads,), (heads, q.work.total), (heads, q.work.padded_total)
         batch, heads = dq_acc_shape[0], dq_acc_shape[1]
-        return (heads,), (batch, heads, q.seqlen_q), (batch, heads, q.layout.padded_seqlen(q.seqlen_q))
+        return (heads,), (batch, heads, q.seqlen), (batch, heads, q.layout.padded_seqlen(q.seqlen))
 
     def result_shapes(self, shapes) -> list[tuple[tuple[int, ...], np.dtype]]:
         """``(shape, dtype)`` of each result for operands of these shapes; ``ValueError`` naming what does not
         fit."""
         ops = self.split(shapes)
+        if tuple(ops["scales"]) != (len(self.parts),):
+            raise ValueError(f"the scales operand must have shape ({len(self.parts)},), got {ops['scales']}")
         out = [(p.result_shape(a, x, ARG_NAMES[name]), p.dtype)
-               for name, p, a, x in zip(PARTS, self.parts, ops["acc"], ops["aux"])]
-        if self.has_kv:
-            (_, _, q_heads, _), (k_shape, _) = _batch_heads(self.dq, out[0][0]), out[1]
-            _, _, kv_heads, _ = _batch_heads(self.dk, k_shape)
+               for name, p, a, x in zip(self.names, self.parts, ops["acc"], ops["aux"])]
+        if len(self.parts) > 1:
+            q_heads, k_shape = out[0][0][-2], out[1][0]
+            kv_heads = k_shape[-2]
             if out[2][0][:-1] != k_shape[:-1]:
                 raise ValueError(f"dk_accum and dv_accum disagree on batch, rows or heads: dk {k_shape}, dv "
                                  f"{out[2][0]}")
@@ -298,51 +268,50 @@ class FusedPlan:
         """``ValueError`` naming both sides unless the q and k sides hold the same number of sequences: a dense
         side's accumulator batch, a varlen side's ``len(cu_seqlens) - 1``. For the API's operands only, not in
         :meth:`result_shapes`: vmap and sharding fold and split a dense batch, never a varlen side's sequences."""
-        if not self.has_kv:
+        if len(self.parts) == 1:
             return
         sides = []
-        for part, plan, shape in zip(PARTS, self.parts, acc_shapes):
-            names = ARG_NAMES[part]
-            if plan.work is not None:
-                sides.append((plan.work.batch, f"{names.cu_seqlens} has {plan.work.batch} sequences"))
+        for name, part, shape in zip(self.names, self.parts, acc_shapes):
+            names = ARG_NAMES[name]
+            if part.work is not None:
+                sides.append((part.work.batch, f"{names.cu_seqlens} has {part.work.batch} sequences"))
             elif len(shape) == 3:
                 sides.append((shape[0], f"{names.accum} has batch {shape[0]}"))
             else:
                 return  # not an accumulator: result_shapes says so
-        (q_batch, q_what), (k_batch, k_what) = sides
+        (q_batch, q_what), (k_batch, k_what) = sides[:2]
         if q_batch != k_batch:
             raise ValueError(f"the q and k sides must have the same batch: {q_what} but {k_what}")
 
     # ---- the CUDA kernel -------------------------------------------------------------------------
     @property
+    def batch_on_grid_z(self) -> bool:
+        """Every part dense: the launch grid's z is the batch (shared by the parts), as a CTA's tile is found
+        without dividing by the tiles per batch."""
+        return all(p.work is None for p in self.parts)
+
+    @property
     def kernel_key(self) -> tuple:
-        """What changes the compiled binary (with the target GPU)."""
-        parts = tuple((p.layout, p.padded_head_dim, p.tiling) for p in self.parts)
-        sink = None if not self.has_sink else (_SINK_NAMES[np.dtype(self.sink_dtype)],
-                                               _SINK_NAMES[np.dtype(self.dsink_dtype)])
-        return OUT_DTYPES[np.dtype(self.dq.dtype)], parts, sink
+        """What changes the compiled binary (with the target GPU): ``(dtype name, part keys, sink)``."""
+        sink = None if not self.has_sink else (abi.DTYPE_NAMES[np.dtype(self.sink_dtype)],
+                                               abi.DTYPE_NAMES[np.dtype(self.dsink_dtype)])
+        return abi.DTYPE_NAMES[np.dtype(self.dq.dtype)], tuple(p.kernel_key for p in self.parts), sink
 
     def launch(self, acc_shapes) -> tuple[tuple[int, ...], int]:
-        """``(extents, ctas)``: the fused kernel's :data:`NUM_EXTENTS` int32 extents (each part's
-        ``Plan.launch_extents``, zeros for absent parts) and its one-dimensional grid: ``H`` sink CTAs (with a
-        sink), then every part's tiles. ``ValueError`` if CUDA cannot launch that many (``2^31 - 1``)."""
-        extents, ctas = [], self.dq_heads(acc_shapes[0]) if self.has_sink else 0
+        """``(extents, ctas)``: the kernel's int32 extents (``abi.EXTENTS`` of each part, ``Part.launch_extents``)
+        and the CTAs of its launch, ``grid_x * grid_z``: ``grid_x`` counts ``H`` sink CTAs (with a sink), then
+        every part's (per batch, when :attr:`batch_on_grid_z`). ``ValueError`` if CUDA cannot launch it."""
+        extents, grid_x = [], self.dq.heads(acc_shapes[0]) if self.has_sink else 0
         for p, shape in zip(self.parts, acc_shapes):
-            extents += p.launch_extents(shape)
-            ctas += p.ctas(shape)
-        if ctas > INT32_MAX:
-            raise ValueError(f"flash_attention_postprocess on CUDA: {ctas} CTAs, more than CUDA launches (2^31 - 1)")
-        return tuple(extents) + (0,) * (NUM_EXTENTS - len(extents)), ctas
-
-    def dq_heads(self, dq_acc_shape) -> int:
-        return dq_acc_shape[0] if self.dq.work is not None else dq_acc_shape[1]
-
-
-_SINK_NAMES = {np.dtype(np.float32): "f32", np.dtype(jnp.bfloat16): "bf16", np.dtype(jnp.float16): "f16"}
-
-
-def _batch_heads(plan: Plan, out_shape):
-    """``(batch or None, rows, heads, head_dim)`` of a result shape."""
-    if plan.work is not None:
-        return (None,) + tuple(out_shape)
-    return tuple(out_shape)
+            ext = p.launch_extents(shape)
+            extents += ext
+            grid_x += p.ctas(shape) * (1 if self.batch_on_grid_z or p.work is not None else ext[0])
+        grid_z = 1
+        if self.batch_on_grid_z:
+            batches = {e for e in extents[::len(abi.EXTENTS)]}
+            if len(batches) != 1:
+                raise ValueError(f"jax_dqpost on CUDA: the parts' batches differ: {sorted(batches)}")
+            grid_z = extents[0]
+        if grid_x > INT32_MAX:
+            raise ValueError(f"jax_dqpost on CUDA: {grid_x} CTAs along x, more than CUDA launches (2^31 - 1)")
+        return tuple(extents), grid_x * grid_z

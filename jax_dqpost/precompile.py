@@ -2,7 +2,7 @@
 
     python -m jax_dqpost.precompile                       # the local GPU's presets, every head dim
     python -m jax_dqpost.precompile --arch sm_90a --presets 90 --dtypes bf16 --tilings dense,varlen
-    python -m jax_dqpost.precompile --fused none,f32      # also the fused dQ/dK/dV kernels, with and without sink
+    python -m jax_dqpost.precompile --fused none,f32      # also the dQ + dK + dV kernels, with and without sink
 
 Works without a GPU when ``--arch`` (or ``CUTE_DSL_ARCH``) names the target. Prints what it compiled. Bad
 arguments, and requests that select no kernel, exit with status 2 and a message naming the value.
@@ -14,11 +14,11 @@ import argparse
 import sys
 import time
 
-from . import _validate, arch as arch_, kernel_cache
+from . import _checks, abi, arch as arch_, kernel_cache
 from .layout import AccumLayout
-from .plan import OUT_DTYPES, Tiling
+from .plan import Tiling
 
-_DTYPE_NAMES = tuple(OUT_DTYPES.values())
+_DTYPE_NAMES = tuple(abi.DTYPE_NAMES[d] for d in abi.OUT_DTYPES)
 _TILING_NAMES = tuple(t.name.lower() for t in Tiling)
 _SINK_NAMES = ("none", "f32", "bf16", "f16")
 
@@ -84,7 +84,7 @@ def _preset_arch(text: str) -> int:
 
 
 def _head_dim(text: str) -> int:
-    return _validate.head_dim(_int(text))
+    return _checks.head_dim(_int(text))
 
 
 def _arch(text: str) -> str:
@@ -146,7 +146,7 @@ def main(argv=None) -> int:
     for layout, padded_head_dim in configs:
         for dtype in args.dtypes:
             for tiling in tilings:
-                kernel_cache.get_kernel(dtype, layout, padded_head_dim, tiling, arch=arch, persist=True)
+                kernel_cache.get_kernel((dtype, ((layout, padded_head_dim, tiling),), None), arch=arch, persist=True)
                 n += 1
     print(f"{n} kernels for {arch} ({len(configs)} layouts x {len(args.dtypes)} dtypes x {len(tilings)} tilings) in "
           f"{time.perf_counter() - start:.1f} s, cached in {kernel_cache.cache_dir()}")
@@ -158,8 +158,8 @@ def main(argv=None) -> int:
                 for tiling in tilings:
                     for sink in args.fused:
                         parts = ((q, q_dr, tiling), (kv, kv_dr, tiling), (kv, kv_dr, tiling))
-                        kernel_cache.get_fused_kernel(dtype, parts, None if sink == "none" else (sink, sink),
-                                                      arch=arch, persist=True)
+                        kernel_cache.get_kernel((dtype, parts, None if sink == "none" else (sink, sink)), arch=arch,
+                                                persist=True)
                         n += 1
         print(f"{n} fused kernels for {arch} ({len(fused)} layout pairs x {len(args.dtypes)} dtypes x {len(tilings)} "
               f"tilings x {len(args.fused)} sinks) in {time.perf_counter() - start:.1f} s")

@@ -1,170 +1,324 @@
-"""The ``dq_postprocess`` primitive: every rule (abstract eval, lowerings, vmap, JVP, transpose, sharding),
-registered in one block at the end.
+"""The postprocess primitive: every rule (abstract eval, lowerings, vmap, JVP, transpose, sharding), registered in
+one block at the end.
 
-Operands: ``dq_accum`` float32, ``scale`` float32 ``()``, ``aux`` int32 1-D (empty, ``seqused_q`` or the varlen
-work list). One parameter: ``plan``, the :class:`~jax_dqpost.plan.Plan` of the call, which every rule asks for
-shapes, the kernel, the FFI attributes and the sharding rule (``plan.py`` has the table of operands).
+Operands and results in the order of ``abi.py``; its one parameter is ``plan`` (:class:`~jax_dqpost.plan.Plan`),
+which every rule asks. ``dq_postprocess`` binds it with one part, ``flash_attention_postprocess`` with one or three,
+and either with a sink.
 
-Two primitives: ``dq_postprocess_p`` is what users bind; it carries the vmap, JVP and transpose rules and
-lowers through ``custom_partitioning`` (batch and heads shard, other axes are gathered). Each device then runs
-``_dq_postprocess_shard_p`` on its shards, which lowers on CUDA to a custom call to our XLA FFI target
-carrying the CuTe DSL-compiled module, and on every other platform to the jax.numpy reference
-(``reference.py``), so results are the same bits everywhere.
+``postprocess_p`` is what the API binds; it lowers through ``custom_partitioning`` (batch and heads shard, other
+axes are gathered). Each device then runs ``_postprocess_shard_p`` on its shards, which lowers on CUDA to a custom
+call to our FFI target carrying the CuTe module (``lowering.py``) and on every other platform to the jax.numpy
+reference (``reference.py``), so results are the same bits everywhere.
+
+Autodiff: linear in the accumulators (their transpose is ``dq_accum_from_dq`` for each tensor) and bilinear in
+the scales; ``dsink`` is differentiable in ``learnable_sink``, ``lse`` and ``dpsum`` (its tangent is computed by the
+float32 reference formula, ``reference.dsink_reference``); the integer operands are not differentiable.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
-from jax._src import ad_util, dispatch
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import _ffi, arch
-from .plan import Plan
-from .reference import accum_from_dq_reference, dq_postprocess_reference, gather_accumulator, mul_f32_rn
+from jax._src import dispatch  # apply_primitive, prim_requires_devices_during_lowering: no public API
 
-dq_postprocess_p = Primitive("dq_postprocess")
-# The same op once partitioned: what each device runs on its shards (lowers to the kernel or reference).
-_dq_postprocess_shard_p = Primitive("dq_postprocess_shard")
+from . import lowering
+from .plan import Plan
+from .reference import accum_from_dq_reference, dsink_reference, gather_accumulator, mul_f32_rn, postprocess_reference
+
+postprocess_p = Primitive("jax_dqpost_postprocess")
+postprocess_p.multiple_results = True
+_postprocess_shard_p = Primitive("jax_dqpost_postprocess_shard")
+_postprocess_shard_p.multiple_results = True
 
 _NOT_MAPPED = None  # vmap's batch dimension of an unbatched operand
 
 
-def _abstract_eval(acc, scale, aux, *, plan: Plan):
-    if acc.dtype != np.float32:
-        raise TypeError(f"dq_accum must be float32, got {acc.dtype}")
-    if scale.dtype != np.float32 or scale.shape != ():
-        raise TypeError(f"scale must be a float32 scalar, got {scale.dtype}{list(scale.shape)}")
-    if aux.dtype != np.int32 or aux.ndim != 1:
-        raise TypeError(f"the int32 operand must be 1-D int32, got {aux.dtype}{list(aux.shape)}")
-    return jax.core.ShapedArray(plan.result_shape(acc.shape, aux.shape), plan.dtype)
+def _moved(x, dim, size):
+    """``x`` with its mapped axis first (broadcast to ``size`` if unmapped)."""
+    if dim is _NOT_MAPPED:
+        return jnp.broadcast_to(x, (size,) + x.shape)
+    return jnp.moveaxis(x, dim, 0)
 
 
-def _cuda_lowering(ctx, acc, scale, aux, *, plan: Plan):
-    from . import kernel_cache  # imports cutlass lazily, at the first CUDA lowering (if the disk cache misses)
+def _abstract_eval(*args, plan: Plan):
+    ops = plan.split(args)
+    for name, a in zip(plan.names, ops["acc"]):
+        if a.dtype != np.float32:
+            raise TypeError(f"{name}_accum must be float32, got {a.dtype}")
+    for a in ops["aux"]:
+        if a.dtype != np.int32 or a.ndim != 1:
+            raise TypeError(f"the int32 operands must be 1-D int32, got {a.dtype}{list(a.shape)}")
+    if ops["scales"].dtype != np.float32:
+        raise TypeError(f"scales must be float32, got {ops['scales'].dtype}")
+    if plan.has_sink:
+        if ops["sink"].dtype != plan.sink_dtype:
+            raise TypeError(f"learnable_sink must be {np.dtype(plan.sink_dtype).name}, got {ops['sink'].dtype}")
+        for name in ("lse", "dpsum"):
+            if ops[name].dtype != np.float32:
+                raise TypeError(f"{name} must be float32, got {ops[name].dtype}")
+    return [jax.core.ShapedArray(shape, dtype) for shape, dtype in plan.result_shapes([a.shape for a in args])]
 
-    plan.launch_extents(ctx.avals_in[0].shape)  # CUDA's grid limits, checked before any compile
-    kernel = kernel_cache.get_kernel(*plan.kernel_key)
-    if arch.cuda_devices():  # lowering for export on a machine without a GPU needs no registration
-        _ffi.register()
-    return jax.ffi.ffi_lowering(_ffi.TARGET_NAME)(
-        ctx, acc, scale, aux, module=kernel.module, fingerprint=_ffi.call_fingerprint(kernel.fingerprint),
-        **plan.ffi_attributes())
+
+# ---- sharding: batch and heads shard without any collective (a batch-sharded dsink: one psum) --------
+def _shard_fn(*args):
+    *args, plan = args
+    return tuple(_postprocess_shard_p.bind(*args, plan=plan))
 
 
-# ---- sharding: batch and heads shard without any collective; other axes are gathered ---------------
-def _shard_fn(acc, scale, aux, plan):
-    return _dq_postprocess_shard_p.bind(acc, scale, aux, plan=plan)
+def _specs(plan: Plan, mesh, acc_spec: tuple, kv_heads: int | None):
+    """Partition specs ``(operands, results, batch axes)`` when dq_accum's axes are sharded as ``acc_spec``:
+    dQ's batch and heads shard; dK/dV's heads take the query heads' axes when they divide evenly (so a device
+    keeps the key/value heads of its query heads), and their batch the same axes as dQ's."""
+    q, k = plan.dq, plan.parts[-1]
+    batch, heads = (None, acc_spec[0]) if q.work is not None else (acc_spec[0], acc_spec[1])
+    acc = [(heads, None) if q.work is not None else (batch, heads, None)]
+    aux = [(batch,) if q.seqused else (None,)]
+    outs = [(None, heads, None) if q.work is not None else (batch, None, heads, None)]
+    if len(plan.parts) > 1:
+        kv_heads = heads if _divides(mesh, heads, kv_heads) else None
+        k_batch = batch if k.work is None else None
+        kv_acc = (kv_heads, None) if k.work is not None else (k_batch, kv_heads, None)
+        acc += [kv_acc, kv_acc]
+        aux.append((k_batch,) if k.seqused else (None,))
+        kv_out = (None, kv_heads, None) if k.work is not None else (k_batch, None, kv_heads, None)
+        outs += [kv_out, kv_out]
+    sink = ()
+    if plan.has_sink:
+        rows = (heads, None) if q.work is not None else (batch, heads, None)
+        sink = ((heads,), rows, rows)
+        outs.append((heads,))
+    return plan.join(acc, aux, (None,), *sink), outs, batch
+
+
+def _divides(mesh, axes, size) -> bool:
+    if axes is None:
+        return True
+    names = axes if isinstance(axes, tuple) else (axes,)
+    return size % int(np.prod([mesh.shape[n] for n in names])) == 0
 
 
 def _partition(plan, mesh, arg_shapes, result_shape):
     sharding = arg_shapes[0].sharding
     ndim = len(arg_shapes[0].shape)
     spec = tuple(getattr(sharding, "spec", ())) if sharding is not None else ()
-    acc_s, aux_s, out_s = plan.shard_specs(spec + (None,) * (ndim - len(spec)))
-    arg_shardings = tuple(NamedSharding(mesh, P(*s)) for s in (acc_s, (), aux_s))
-    lower = functools.partial(_shard_fn, plan=plan)  # the same op on each device's shards
-    return mesh, lower, NamedSharding(mesh, P(*out_s)), arg_shardings
+    arg_specs, out_specs, batch = _specs(plan, mesh, spec + (None,) * (ndim - len(spec)), _kv_heads(plan, arg_shapes))
+    arg_shardings = tuple(NamedSharding(mesh, P(*s)) for s in arg_specs)
+    out_shardings = [NamedSharding(mesh, P(*s)) for s in out_specs]
+    if plan.has_sink and batch is not None:
+        # Each batch shard sums its own sequences: float32 partial sums, added across shards, then rounded.
+        partial = dataclasses.replace(plan, dsink_dtype=np.dtype(np.float32))
+
+        def lower(*args):
+            *outs, dsink = _postprocess_shard_p.bind(*args, plan=partial)
+            return (*outs, jax.lax.psum(dsink, batch).astype(plan.dsink_dtype))
+    else:
+        def lower(*args):
+            return tuple(_postprocess_shard_p.bind(*args, plan=plan))
+    return mesh, lower, tuple(out_shardings), arg_shardings
+
+
+def _kv_heads(plan: Plan, arg_shapes):
+    if len(plan.parts) == 1:
+        return None
+    return plan.parts[1].heads(plan.split(arg_shapes)["acc"][1].shape)
+
+
+def _rule(plan: Plan) -> tuple[str, tuple[str, ...]]:
+    """Shardy's einsum-like rule: batch ``b``, query heads ``h`` and key/value heads ``g`` may shard; every other
+    factor needs replication."""
+    q, k = plan.dq, plan.parts[-1]
+    acc = ["h l" if q.work is not None else "b h l"]
+    aux = ["k" if q.work is not None else ("b" if q.seqused else "z")]
+    outs = ["t h d" if q.work is not None else "b s h d"]
+    if len(plan.parts) > 1:
+        acc += ["g m", "g n"] if k.work is not None else ["b g m", "b g n"]
+        aux.append("w" if k.work is not None else ("b" if k.seqused else "y"))
+        outs += ["u g e", "u g f"] if k.work is not None else ["b u g e", "b u g f"]
+    sink = ()
+    if plan.has_sink:
+        sink = ("h", "h t", "h r") if q.work is not None else ("h", "b h t", "b h r")
+        outs.append("h")
+    operands = plan.join(acc, aux, "c", *sink)
+    factors = "".join(operands + outs).replace(" ", "")
+    replicated = tuple(dict.fromkeys(f for f in factors if f not in "bhg"))  # in order of appearance
+    return ", ".join(operands) + " -> " + ", ".join(outs), replicated
 
 
 @functools.cache
-def _partitioned(rule: tuple[str, tuple[str, ...]]):
-    """custom_partitioning of the op for one Shardy rule (``Plan.sharding_rule``): batch and heads factors
-    shard; sequence, head-dim and work-list factors need replication (Shardy all-gathers them)."""
-    fn = custom_partitioning(_shard_fn, static_argnums=(3,))
-    fn.def_partition(_partition, sharding_rule=rule[0], need_replication_factors=rule[1])
+def _partitioned(plan: Plan):
+    """custom_partitioning of the op for one plan (its Shardy rule depends on the plan's tilings)."""
+    fn = custom_partitioning(_shard_fn, static_argnums=(plan.num_operands,))
+    rule, replicated = _rule(plan)
+    fn.def_partition(_partition, sharding_rule=rule, need_replication_factors=replicated)
     return fn
 
 
-def _partitioned_impl(acc, scale, aux, *, plan: Plan):
-    return _partitioned(plan.sharding_rule())(acc, scale, aux, plan)
+def _partitioned_impl(*args, plan: Plan):
+    return list(_partitioned(plan)(*args, plan))
 
 
-# ---- autodiff: the op is linear in dq_accum (and in scale) ------------------------------------------
+# ---- autodiff --------------------------------------------------------------------------------------
 def _jvp(primals, tangents, *, plan: Plan):
-    acc, scale, aux = primals
-    acc_dot, scale_dot, _ = tangents
-    out = dq_postprocess_p.bind(acc, scale, aux, plan=plan)
+    outs = postprocess_p.bind(*primals, plan=plan)
+    ops, dots = plan.split(primals), plan.split(tangents)
+    linear = plan.without_sink()
     terms = []
-    if type(acc_dot) is not ad_util.Zero:
-        terms.append(dq_postprocess_p.bind(acc_dot, scale, aux, plan=plan))
-    if type(scale_dot) is not ad_util.Zero:
-        terms.append(dq_postprocess_p.bind(acc, scale_dot, aux, plan=plan))
-    if not terms:
-        return out, ad_util.p2tz(out)
-    return out, terms[0] if len(terms) == 1 else terms[0] + terms[1]
+    acc_dots = [None if type(t) is ad.Zero else t for t in dots["acc"]]
+    if any(t is not None for t in acc_dots):
+        acc_dots = [jnp.zeros(a.shape, a.dtype) if t is None else t for a, t in zip(ops["acc"], acc_dots)]
+        terms.append(postprocess_p.bind(*linear.join(acc_dots, _aux(ops, plan), ops["scales"]), plan=linear))
+    if type(dots["scales"]) is not ad.Zero:
+        terms.append(postprocess_p.bind(*linear.join(ops["acc"], _aux(ops, plan), dots["scales"]), plan=linear))
+    n = len(plan.parts)
+    if terms:
+        out_dots = [terms[0][i] if len(terms) == 1 else terms[0][i] + terms[1][i] for i in range(n)]
+    else:
+        out_dots = [_zero_tangent(o) for o in outs[:n]]
+    if plan.has_sink:
+        sink_dot = _dsink_tangent(ops, dots, plan)
+        out_dots.append(_zero_tangent(outs[n]) if sink_dot is None else sink_dot.astype(outs[n].dtype))
+    return outs, out_dots
 
 
-def _transpose(ct, acc, scale, aux, *, plan: Plan):
-    """dq_accum's cotangent is the scatter back into accumulator order (``dq_accum_from_dq``); scale's is
-    the sum of cotangent times the accumulator values the op read."""
-    if ad.is_undefined_primal(aux):
-        raise ValueError("dq_postprocess is not differentiable in its integer operand")
-    if ad.is_undefined_primal(acc) and ad.is_undefined_primal(scale):
-        raise ValueError("dq_postprocess is bilinear in (dq_accum, scale); transpose one at a time")
-    if type(ct) is ad_util.Zero:
-        return [None, None, None]
-    if ad.is_undefined_primal(acc):
-        return [accum_from_dq_reference(ct, scale, aux, plan), None, None]
-    x, keep = gather_accumulator(acc, aux, plan)
-    scale_bar = jax.numpy.sum(jax.numpy.where(keep, ct.astype(np.float32) * x, 0.0))
-    return [None, scale_bar.astype(scale.aval.dtype), None]
+def _aux(ops, plan: Plan):
+    """The aux operand of each side (``Plan.join``'s)."""
+    return ops["aux"][:len(plan.side_parts)]
 
 
-# ---- vmap: fold the mapped axis into the kernel's batch (dense) or heads (varlen) ---------------------
+def _zero_tangent(x):
+    return ad.Zero(jax.typeof(x).to_tangent_aval())
+
+
+def _dsink_tangent(ops, dots, plan: Plan):
+    """The tangent of dsink, from the float32 formula (``reference.dsink_reference``), or None if it is zero."""
+    names = ("sink", "lse", "dpsum")
+    if all(type(dots[n]) is ad.Zero for n in names):
+        return None
+    primals = tuple(ops[n] for n in names)
+    tangents = tuple(jnp.zeros(ops[n].shape, ops[n].dtype) if type(dots[n]) is ad.Zero else dots[n]
+                     for n in names)
+    aux = ops["aux"][0]
+    return jax.jvp(lambda *xs: dsink_reference(*xs, aux, plan.dq), primals, tangents)[1]
+
+
+def _transpose(cts, *args, plan: Plan):
+    """The accumulators' cotangents are the scatters back into accumulator order (``dq_accum_from_dq``); the
+    scales' are the sums of cotangent times the accumulator values read. (The JVP transposes only the linear,
+    sink-free form.)"""
+    if plan.has_sink:
+        raise ValueError("jax_dqpost: the op with a sink is transposed through its JVP only")
+    ops = plan.split(args)
+    if any(ad.is_undefined_primal(a) for a in ops["aux"]):
+        raise ValueError("jax_dqpost: the postprocess is not differentiable in its integer operands")
+    undefined_acc = [ad.is_undefined_primal(a) for a in ops["acc"]]
+    scales = ops["scales"]
+    acc_cts = [None] * len(plan.parts)
+    scales_ct = None
+    if ad.is_undefined_primal(scales):
+        if any(undefined_acc):
+            raise ValueError("jax_dqpost: the postprocess is bilinear in (accumulators, scales); transpose one at a "
+                             "time")
+        bars = []
+        for i, (p, acc, aux) in enumerate(zip(plan.parts, ops["acc"], ops["aux"])):
+            ct = cts[i]
+            if type(ct) is ad.Zero:
+                bars.append(jnp.zeros((), jnp.float32))
+                continue
+            x, keep = gather_accumulator(acc, aux, p)
+            bars.append(jnp.sum(jnp.where(keep, ct.astype(np.float32) * x, 0.0)))
+        scales_ct = jnp.stack(bars).astype(scales.aval.dtype)
+    else:
+        for i, (p, acc, aux) in enumerate(zip(plan.parts, ops["acc"], ops["aux"])):
+            if not undefined_acc[i]:
+                continue
+            ct = cts[i]
+            if type(ct) is ad.Zero:
+                acc_cts[i] = None
+            else:
+                acc_cts[i] = accum_from_dq_reference(ct, scales[i], aux, p)
+    aux_none = (None,) * len(plan.side_parts)
+    return plan.join(acc_cts, aux_none, scales_ct)
+
+
+# ---- vmap: fold the mapped axis into each tensor's batch (dense) or heads -----------------------------
 def _batch(args, dims, *, plan: Plan):
-    acc, scale, aux = args
-    acc_dim, scale_dim, aux_dim = dims
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not _NOT_MAPPED)
-    acc = _moved(acc, acc_dim, size)
-    if scale_dim is not _NOT_MAPPED:
-        # A per-element scale: apply it first (the same single fp32 multiply), then convert with 1.
-        s = jax.numpy.moveaxis(scale, scale_dim, 0).reshape((size,) + (1,) * (acc.ndim - 1))
-        acc, scale = mul_f32_rn(acc, s), jax.numpy.float32(1.0)
-    n = acc.shape[0]
-    if plan.work is not None:
-        if aux_dim is _NOT_MAPPED:
-            # The same offsets for every element: (N, H, L) is (N*H, L), one call; the result (T, N*H, D)
-            # is (T, N, H, D) with the mapped axis at 1 (no transpose here; JAX moves it if needed).
-            h = acc.shape[1]
-            out = dq_postprocess_p.bind(acc.reshape((n * h,) + acc.shape[2:]), scale, aux, plan=plan)
-            return out.reshape((out.shape[0], n, h) + out.shape[2:]), 1
-        meta = _moved(aux, aux_dim, size)  # per-element offsets: one call each
-        out = jax.lax.map(lambda xs: dq_postprocess_p.bind(xs[0], scale, xs[1], plan=plan), (acc, meta))
-        return out, 0
-    # Dense: (N, B, H, L) is (N*B, H, L); seqused_q (N, B) is (N*B,).
-    b = acc.shape[1]
-    acc = acc.reshape((n * b,) + acc.shape[2:])
-    if plan.seqused_q:
-        aux = _moved(aux, aux_dim, size).reshape(n * b)
-    out = dq_postprocess_p.bind(acc, scale, aux, plan=plan)
-    return out.reshape((n, b) + out.shape[1:]), 0
-
-
-def _moved(x, dim, size):
-    """``x`` with its mapped axis first (broadcast to ``size`` if unmapped)."""
-    if dim is _NOT_MAPPED:
-        return jax.numpy.broadcast_to(x, (size,) + x.shape)
-    return jax.numpy.moveaxis(x, dim, 0)
+    ops, ds = plan.split(args), plan.split(dims)
+    q_heads_fold = plan.dq.work is not None or plan.has_sink
+    k_heads_fold = len(plan.parts) > 1 and (plan.parts[1].work is not None or (q_heads_fold and plan.dq.work is None))
+    folds = [q_heads_fold] + [k_heads_fold] * (len(plan.parts) - 1)
+    # Per-element offsets (or lengths that cannot fold): one call per element.
+    aux_mapped = [d is not _NOT_MAPPED for d in ds["aux"]]
+    if any(m and (fold or p.work is not None) for m, fold, p in zip(aux_mapped, folds, plan.parts)):
+        moved = [_moved(a, d, size) for a, d in zip(args, dims)]
+        outs = jax.lax.map(lambda xs: tuple(postprocess_p.bind(*xs, plan=plan)), moved)
+        return list(outs), [0] * len(outs)
+    accs = [_moved(a, d, size) for a, d in zip(ops["acc"], ds["acc"])]
+    scales = ops["scales"]
+    if ds["scales"] is not _NOT_MAPPED:
+        # Per-element scales: apply them first (the same single fp32 multiply), then convert with 1.
+        s = jnp.moveaxis(scales, ds["scales"], 0)
+        accs = [mul_f32_rn(a, s[:, i].reshape((size,) + (1,) * (a.ndim - 1))) for i, a in enumerate(accs)]
+        scales = jnp.ones((len(plan.parts),), jnp.float32)
+    new_acc, new_aux = [], []
+    for i, (p, a, fold) in enumerate(zip(plan.parts, accs, folds)):
+        if p.work is not None:  # (N, H, L) -> (N*H, L)
+            new_acc.append(a.reshape((size * a.shape[1],) + a.shape[2:]))
+        elif fold:  # (N, B, H, L) -> (B, N*H, L)
+            a = jnp.moveaxis(a, 0, 1)
+            new_acc.append(a.reshape((a.shape[0], size * a.shape[2]) + a.shape[3:]))
+        else:  # (N, B, H, L) -> (N*B, H, L)
+            new_acc.append(a.reshape((size * a.shape[1],) + a.shape[2:]))
+    for j, (aux, d) in enumerate(zip(ops["aux"], ds["aux"])):
+        p = plan.parts[0 if j == 0 else 1]
+        if p.work is None and p.seqused and not folds[0 if j == 0 else 1]:
+            aux = _moved(aux, d, size).reshape(-1)
+        new_aux.append(aux)
+    sink = ()
+    if plan.has_sink:
+        s_, lse, dpsum = (_moved(ops[n], ds[n], size) for n in ("sink", "lse", "dpsum"))
+        if plan.dq.work is not None:  # (N, H, X) -> (N*H, X)
+            lse, dpsum = (x.reshape((size * x.shape[1],) + x.shape[2:]) for x in (lse, dpsum))
+        else:  # (N, B, H, X) -> (B, N*H, X)
+            lse, dpsum = (jnp.moveaxis(x, 0, 1) for x in (lse, dpsum))
+            lse, dpsum = (x.reshape((x.shape[0], size * x.shape[2]) + x.shape[3:]) for x in (lse, dpsum))
+        sink = (s_.reshape(-1), lse, dpsum)
+    outs = postprocess_p.bind(*plan.join(new_acc, new_aux[:len(plan.side_parts)], scales, *sink), plan=plan)
+    result, out_dims = [], []
+    for p, o, fold in zip(plan.parts, outs, folds):
+        if p.work is not None:  # (T, N*H, D) -> (T, N, H, D)
+            result.append(o.reshape((o.shape[0], size, o.shape[1] // size) + o.shape[2:]))
+            out_dims.append(1)
+        elif fold:  # (B, S, N*H, D) -> (B, S, N, H, D)
+            result.append(o.reshape(o.shape[:2] + (size, o.shape[2] // size) + o.shape[3:]))
+            out_dims.append(2)
+        else:  # (N*B, S, H, D) -> (N, B, S, H, D)
+            result.append(o.reshape((size, o.shape[0] // size) + o.shape[1:]))
+            out_dims.append(0)
+    if plan.has_sink:
+        result.append(outs[-1].reshape(size, -1))
+        out_dims.append(0)
+    return result, out_dims
 
 
 # ---- registrations: every rule of the primitives, in one place -----------------------------------
-# dq_postprocess_p: what users bind; autodiff and vmap rules; lowers through custom partitioning (which
-# needs the devices while lowering).
-dq_postprocess_p.def_impl(functools.partial(dispatch.apply_primitive, dq_postprocess_p))
-dq_postprocess_p.def_abstract_eval(_abstract_eval)
-mlir.register_lowering(dq_postprocess_p, mlir.lower_fun(_partitioned_impl, multiple_results=False))
-dispatch.prim_requires_devices_during_lowering.add(dq_postprocess_p)
-ad.primitive_jvps[dq_postprocess_p] = _jvp
-ad.primitive_transposes[dq_postprocess_p] = _transpose
-batching.primitive_batchers[dq_postprocess_p] = _batch
-# _dq_postprocess_shard_p: one device's shards; the CUDA kernel, or the jax.numpy reference elsewhere.
-_dq_postprocess_shard_p.def_abstract_eval(_abstract_eval)
-mlir.register_lowering(_dq_postprocess_shard_p, mlir.lower_fun(dq_postprocess_reference, multiple_results=False))
-mlir.register_lowering(_dq_postprocess_shard_p, _cuda_lowering, platform="cuda")
+postprocess_p.def_impl(functools.partial(dispatch.apply_primitive, postprocess_p))
+postprocess_p.def_abstract_eval(_abstract_eval)
+mlir.register_lowering(postprocess_p, mlir.lower_fun(_partitioned_impl, multiple_results=True))
+dispatch.prim_requires_devices_during_lowering.add(postprocess_p)
+ad.primitive_jvps[postprocess_p] = _jvp
+ad.primitive_transposes[postprocess_p] = _transpose
+batching.primitive_batchers[postprocess_p] = _batch
+_postprocess_shard_p.def_abstract_eval(_abstract_eval)
+mlir.register_lowering(_postprocess_shard_p, mlir.lower_fun(postprocess_reference, multiple_results=True))
+mlir.register_lowering(_postprocess_shard_p, lowering.cuda_lowering, platform="cuda")

@@ -17,31 +17,31 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .plan import FusedPlan, Plan
+from .plan import Part, Plan
 
 LOG2_E = math.log2(math.e)  # exp(x) = exp2(x * log2(e)), as FlashAttention computes it
 
 
-def dq_postprocess_reference(dq_accum, scale, aux, *, plan: Plan):
-    """The primitive's semantics (operands as ``plan.py`` describes them)."""
-    x, keep = gather_accumulator(dq_accum, aux, plan)
-    y = mul_f32_rn(x, jnp.asarray(scale, jnp.float32)).astype(plan.dtype)
-    return jnp.where(keep, y, jnp.zeros((), plan.dtype))
+def part_reference(acc, scale, aux, part: Part):
+    """One part's result: ``round(float32(scale) * acc)`` gathered into its natural layout, zeros elsewhere."""
+    x, keep = gather_accumulator(acc, aux, part)
+    y = mul_f32_rn(x, jnp.asarray(scale, jnp.float32)).astype(part.dtype)
+    return jnp.where(keep, y, jnp.zeros((), part.dtype))
 
 
-def fused_reference(*args, fplan: FusedPlan):
-    """The fused primitive's semantics: each tensor as :func:`dq_postprocess_reference` with its own scale, and
+def postprocess_reference(*args, plan: Plan):
+    """The primitive's semantics (operands and results in ``abi.py``'s order): each part with its own scale, and
     the sink gradient (:func:`dsink_reference`)."""
-    ops = fplan.split(args)
-    outs = [dq_postprocess_reference(acc, ops["scales"][i], aux, plan=p)
-            for i, (p, acc, aux) in enumerate(zip(fplan.parts, ops["acc"], ops["aux"]))]
-    if fplan.has_sink:
-        outs.append(dsink_reference(ops["sink"], ops["lse"], ops["dpsum"], ops["aux"][0], fplan.dq)
-                    .astype(fplan.dsink_dtype))
+    ops = plan.split(args)
+    outs = [part_reference(acc, ops["scales"][i], aux, p)
+            for i, (p, acc, aux) in enumerate(zip(plan.parts, ops["acc"], ops["aux"]))]
+    if plan.has_sink:
+        outs.append(dsink_reference(ops["sink"], ops["lse"], ops["dpsum"], ops["aux"][0], plan.dq)
+                    .astype(plan.dsink_dtype))
     return outs
 
 
-def dsink_terms(sink, lse, dpsum, q_aux, plan: Plan):
+def dsink_terms(sink, lse, dpsum, q_aux, plan: Part):
     """``(H, N)`` float32: every row's ``-p * dpsum`` (0 for rows outside the sequences), ``p = exp2((sink -
     lse) * log2(e))`` (1 where ``lse = -inf``). Dense rows are the ``(b, r)`` pairs, varlen rows the packed rows."""
     if plan.work is not None:
@@ -51,8 +51,8 @@ def dsink_terms(sink, lse, dpsum, q_aux, plan: Plan):
         at = jnp.clip(s.acc_row[k] + i, 0, w.padded_total - 1)  # the row's padded offset in dpsum
         lse_rows, dpsum_rows = lse, jnp.take(dpsum, at, axis=1)  # (H, T)
     else:
-        seqlen, batch, heads = plan.seqlen_q, lse.shape[0], lse.shape[1]
-        used = _rows_used(q_aux, seqlen) if plan.seqused_q else jnp.ones((batch, seqlen), bool)
+        seqlen, batch, heads = plan.seqlen, lse.shape[0], lse.shape[1]
+        used = _rows_used(q_aux, seqlen) if plan.seqused else jnp.ones((batch, seqlen), bool)
         keep = jnp.broadcast_to(used[None], (1, batch, seqlen)).reshape(1, batch * seqlen)
         lse_rows = jnp.moveaxis(lse, 1, 0).reshape(heads, batch * seqlen)  # (H, B * S)
         dpsum_rows = jnp.moveaxis(dpsum[:, :, :seqlen], 1, 0).reshape(heads, batch * seqlen)
@@ -62,21 +62,21 @@ def dsink_terms(sink, lse, dpsum, q_aux, plan: Plan):
     return jnp.where(keep, -p * dpsum_rows.astype(jnp.float32), 0.0)
 
 
-def dsink_reference(sink, lse, dpsum, q_aux, plan: Plan):
+def dsink_reference(sink, lse, dpsum, q_aux, plan: Part):
     """The learnable sink's gradient, float32 ``(H,)``: the sum of :func:`dsink_terms` over the rows
-    (deterministic; the GPU kernel sums in FlashAttention-4's order instead, see ``kernel_fused.py``)."""
+    (deterministic; the GPU kernel sums in FlashAttention-4's order instead, see ``kernel.py``)."""
     return jnp.sum(dsink_terms(sink, lse, dpsum, q_aux, plan), axis=1)
 
 
-def gather_accumulator(dq_accum, aux, plan: Plan):
+def gather_accumulator(dq_accum, aux, plan: Part):
     """The accumulator values of every output element, in the output's shape, as float32, and a mask that
-    is False where the output is zero (rows past seqused_q, rows no sequence covers)."""
+    is False where the output is zero (rows past seqused, rows no sequence covers)."""
     if plan.work is not None:
         return _varlen_gather(dq_accum, aux, plan)
-    return _dense_gather(dq_accum, aux if plan.seqused_q else None, plan)
+    return _dense_gather(dq_accum, aux if plan.seqused else None, plan)
 
 
-def accum_from_dq_reference(dq, scale, aux, plan: Plan):
+def accum_from_dq_reference(dq, scale, aux, plan: Part):
     """The transpose of the op: the float32 accumulator with ``scale * dq[i, j]`` (one fp32 multiply) at the
     position the op reads element (i, j) from, and 0 in every other entry (padding, unread rows).
     ``dq``: ``(B, S, H, D)`` (dense) or ``(T, H, D)`` (varlen)."""
@@ -99,9 +99,9 @@ def accum_from_dq_reference(dq, scale, aux, plan: Plan):
         logical = jnp.pad(logical, ((0, 0), (0, 0), (0, dr - plan.head_dim)))
         tiles = logical.reshape(heads, w.padded_total // tile_m, tile_m * dr)
         return jnp.take(tiles, inverse, axis=2).reshape(heads, w.padded_total * dr)
-    batch, seqlen, heads = dq.shape[0], plan.seqlen_q, dq.shape[2]
+    batch, seqlen, heads = dq.shape[0], plan.seqlen, dq.shape[2]
     y = jnp.transpose(x, (0, 2, 1, 3))  # (B, H, S, D)
-    if plan.seqused_q:
+    if plan.seqused:
         y = jnp.where(_rows_used(aux, seqlen)[:, None, :, None], y, 0.0)
     padded_rows = layout.padded_seqlen(seqlen)
     y = jnp.pad(y, ((0, 0), (0, 0), (0, padded_rows - seqlen), (0, dr - plan.head_dim)))
@@ -110,14 +110,14 @@ def accum_from_dq_reference(dq, scale, aux, plan: Plan):
 
 
 def _rows_used(seqused, seqlen: int):
-    """(B, S) bool: row s of batch b is below its (clamped) ``seqused_q[b]``."""
+    """(B, S) bool: row s of batch b is below its (clamped) ``seqused[b]``."""
     used = jnp.clip(seqused.astype(jnp.int32), 0, seqlen)
     return jnp.arange(seqlen, dtype=jnp.int32)[None, :] < used[:, None]
 
 
-def _dense_gather(dq_accum, seqused, plan: Plan):
+def _dense_gather(dq_accum, seqused, plan: Part):
     batch, heads, _ = dq_accum.shape
-    layout, seqlen, head_dim = plan.layout, plan.seqlen_q, plan.head_dim
+    layout, seqlen, head_dim = plan.layout, plan.seqlen, plan.head_dim
     tile_m, dr = layout.tile_m, plan.padded_head_dim
     num_blocks = layout.padded_seqlen(seqlen) // tile_m
     # Positions of the wanted (row, column) elements inside one tile, rows < tile_m, columns < D.
@@ -133,12 +133,12 @@ def _dense_gather(dq_accum, seqused, plan: Plan):
 
 def _row_spans(w, s):
     """The span of every output row (spans partition [0, T) in order) and the row's index inside it."""
-    r = jnp.arange(w.total_q, dtype=jnp.int32)
+    r = jnp.arange(w.total, dtype=jnp.int32)
     k = jnp.clip(jnp.searchsorted(s.row_start + s.span_rows, r, side="right"), 0, w.num_spans - 1)
     return k, r - s.row_start[k]
 
 
-def _varlen_gather(dq_accum, meta, plan: Plan):
+def _varlen_gather(dq_accum, meta, plan: Part):
     heads, w = dq_accum.shape[0], plan.work
     tile_m, dr, head_dim = plan.layout.tile_m, plan.padded_head_dim, plan.head_dim
     s = w.decode(meta)

@@ -1,13 +1,14 @@
-"""Variable-length (packed) batches: from ``cu_seqlens_q`` / ``seqused_q`` to the work list, and back.
+"""Variable-length (packed) batches: from ``cu_seqlens`` / ``seqused`` to the work list, and back (either side:
+the q side's ``cu_seqlens_q``, the k side's ``cu_seqlens_k``).
 
 The output ``dq`` of shape ``(T, H, D)`` is cut into ``K = B + 2`` consecutive spans of rows: the rows before
 the first sequence, the ``B`` sequences, the rows after the last. Span ``k`` starts at output row
 ``row_start[k]``, has ``span_rows[k]`` rows, of which the first ``conv_rows[k]`` are converted from the
 accumulator (starting at accumulator row ``acc_row[k]``) and the rest are zero. Sequence ``b`` (span ``b+1``):
 
-    c          = clip(cummax(cu_seqlens_q), 0, T)          # offsets made monotone and in range
+    c          = clip(cummax(cu_seqlens), 0, T)             # offsets made monotone and in range
     row_start  = c[b],   span_rows = c[b+1] - c[b]
-    conv_rows  = span_rows, or clip(seqused_q[b], 0, span_rows) when seqused_q is given
+    conv_rows  = span_rows, or clip(seqused[b], 0, span_rows) when seqused is given
     acc_row    = (c[b] + b * P) // P * P                  # FlashAttention's padded offset, rounded down
 
 with ``P = tile_m * cluster_size`` (``AccumLayout.pad_rows``): FlashAttention pads in whole clusters of tiles.
@@ -74,10 +75,10 @@ def grid_ctas(heads, num_tiles, num_spans, short_rows: int, short_heads: int = S
     return heads * num_tiles
 
 
-def padded_total(total_q, batch, pad_rows: int):
+def padded_total(total, batch, pad_rows: int):
     """``Tp``: accumulator rows FlashAttention allocates, ``round_up(T + B * P, P)``, ``P`` = ``pad_rows`` (a tile,
     or a cluster of tiles). Plain arithmetic: also evaluated on the kernel's run-time integers."""
-    return (total_q + (batch + 1) * pad_rows - 1) // pad_rows * pad_rows
+    return (total + (batch + 1) * pad_rows - 1) // pad_rows * pad_rows
 
 
 def sections(num_spans):
@@ -99,11 +100,11 @@ class Spans(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class WorkList:
-    """The static shape of a work list: ``batch`` sequences packed into ``total_q`` rows, ``tile_m``-row tiles,
+    """The static shape of a work list: ``batch`` sequences packed into ``total`` rows, ``tile_m``-row tiles,
     ``num_tiles`` slots (module docstring), accumulator rows padded in units of ``pad_rows`` (``tile_m *
     cluster_size``), tiles of at most ``short_rows`` rows short (0: none)."""
 
-    total_q: int
+    total: int
     batch: int
     tile_m: int
     num_tiles: int
@@ -120,7 +121,7 @@ class WorkList:
 
     @property
     def padded_total(self) -> int:
-        return padded_total(self.total_q, self.batch, self.pad_rows)
+        return padded_total(self.total, self.batch, self.pad_rows)
 
     @property
     def short_slots(self) -> int:
@@ -132,8 +133,8 @@ class WorkList:
         return grid_ctas(heads, self.num_tiles, self.num_spans, self.short_rows)
 
     @staticmethod
-    def max_tiles(total_q: int, batch: int, layout) -> int:
-        """The slots of a work list for any offsets of ``batch`` sequences in ``total_q`` rows (traced offsets).
+    def max_tiles(total: int, batch: int, layout) -> int:
+        """The slots of a work list for any offsets of ``batch`` sequences in ``total`` rows (traced offsets).
 
         Long tiles: a span of ``r`` rows has ``ceil(r / tile_m)`` tiles, so all spans have at most ``ceil(T / tile_m)
         + K``. With short tiles (``s = short_rows``) a span's long tiles number at most ``(r + tile_m - s - 1) //
@@ -141,11 +142,11 @@ class WorkList:
         1))`` in all; plus the ``K`` short-tile slots."""
         tile_m, s, spans = layout.tile_m, short_rows(layout), batch + 2
         if not s:
-            return -(-total_q // tile_m) + spans
-        return min((total_q + (tile_m - s - 1) * spans) // tile_m, total_q // (s + 1)) + spans
+            return -(-total // tile_m) + spans
+        return min((total + (tile_m - s - 1) * spans) // tile_m, total // (s + 1)) + spans
 
     @classmethod
-    def build(cls, xp, cu_seqlens_q, seqused_q, *, total_q: int, layout, num_tiles: int | None = None):
+    def build(cls, xp, cu_seqlens, seqused, *, total: int, layout, num_tiles: int | None = None):
         """``(WorkList, int32 array)``; ``xp`` is ``numpy`` (static values) or ``jax.numpy`` (traced values).
 
         ``layout``: the accumulator's ``AccumLayout`` (its tile, row padding and short tiles). ``num_tiles``: the
@@ -153,7 +154,7 @@ class WorkList:
         :meth:`max_tiles`).
         """
         tile_m, pad_rows, short = layout.tile_m, layout.pad_rows, short_rows(layout)
-        cu = xp.asarray(cu_seqlens_q).astype(np.int32)
+        cu = xp.asarray(cu_seqlens).astype(np.int32)
         batch = cu.shape[0] - 1
         if xp is np:
             running_max = np.maximum.accumulate(cu)
@@ -161,15 +162,15 @@ class WorkList:
             import jax
 
             running_max = jax.lax.cummax(cu, axis=0)
-        c = xp.clip(running_max, 0, total_q).astype(np.int32)
+        c = xp.clip(running_max, 0, total).astype(np.int32)
         starts = xp.concatenate([xp.zeros(1, np.int32), c])  # span k starts at starts[k]
-        ends = xp.concatenate([c, xp.full(1, total_q, np.int32)])
+        ends = xp.concatenate([c, xp.full(1, total, np.int32)])
         span_rows = ends - starts
         seq_rows = span_rows[1:-1]
-        if seqused_q is None:
+        if seqused is None:
             seq_conv = seq_rows
         else:
-            seq_conv = xp.clip(xp.asarray(seqused_q).astype(np.int32), 0, seq_rows)
+            seq_conv = xp.clip(xp.asarray(seqused).astype(np.int32), 0, seq_rows)
         zero = xp.zeros(1, np.int32)
         conv_rows = xp.concatenate([zero, seq_conv, zero])
         b = xp.arange(batch, dtype=np.int32)
@@ -186,7 +187,7 @@ class WorkList:
             num_tiles = int(tile_start[-1]) + short_slots
         tile_span = xp.searchsorted(tile_start, xp.arange(num_tiles - short_slots, dtype=np.int32), side="right") - 1
         tile_span = xp.clip(tile_span, 0, batch + 1).astype(np.int32)
-        work = cls(total_q=total_q, batch=batch, tile_m=tile_m, num_tiles=num_tiles, pad_rows=pad_rows,
+        work = cls(total=total, batch=batch, tile_m=tile_m, num_tiles=num_tiles, pad_rows=pad_rows,
                    short_rows=short)
         return work, xp.concatenate([tile_start, spans, tile_span,
                                      xp.arange(short_slots, dtype=np.int32)]).astype(np.int32)
@@ -198,11 +199,11 @@ class WorkList:
         return Spans(meta[:spans_at], *(spans[:, f] for f in range(len(SPAN_FIELDS))), meta[tile_span_at:])
 
 
-def check_static(cu_seqlens_q, seqused_q, total_q: int, names) -> None:
+def check_static(cu_seqlens, seqused, total: int, names) -> None:
     """Validate static offsets at trace time: ValueError naming the argument and the bad value (``names``: the
     arguments' names, a ``plan.ArgNames``)."""
     cu_n, used_n, total_n = names.cu_seqlens, names.seqused, names.total
-    cu = list(cu_seqlens_q)
+    cu = list(cu_seqlens)
     if len(cu) < 2:
         raise ValueError(f"{cu_n} must have at least 2 entries (batch + 1), got {cu}")
     if cu[0] < 0:
@@ -210,10 +211,10 @@ def check_static(cu_seqlens_q, seqused_q, total_q: int, names) -> None:
     for b in range(len(cu) - 1):
         if cu[b + 1] < cu[b]:
             raise ValueError(f"{cu_n} must be non-decreasing, got {cu_n}[{b}]={cu[b]} > {cu_n}[{b + 1}]={cu[b + 1]}")
-    if cu[-1] > total_q:
-        raise ValueError(f"{cu_n}[-1]={cu[-1]} exceeds {total_n}={total_q}")
-    if seqused_q is not None:
-        used = list(seqused_q)
+    if cu[-1] > total:
+        raise ValueError(f"{cu_n}[-1]={cu[-1]} exceeds {total_n}={total}")
+    if seqused is not None:
+        used = list(seqused)
         if len(used) != len(cu) - 1:
             raise ValueError(f"{used_n} must have batch={len(cu) - 1} entries, got {len(used)}")
         for b, u in enumerate(used):

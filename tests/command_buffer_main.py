@@ -47,7 +47,7 @@ def computations(hlo_text: str) -> dict[str, str]:
 def hlo_command_buffers(compiled) -> list[str]:
     """Names of command-buffer computations of a compiled program that contain our FFI call."""
     comps = computations(compiled.as_text())
-    targets = [f'custom_call_target="{t}"' for t in (_ffi.TARGET_NAME, _ffi.FUSED_TARGET_NAME)]
+    targets = [f'custom_call_target="{_ffi.TARGET_NAME}"']
     return sorted(n for n, b in comps.items() if "command_buffer" in n and any(t in b for t in targets))
 
 
@@ -67,7 +67,7 @@ def thunk_command_buffer_holds_call(text: str) -> bool:
             for inner in lines[i + 1:]:
                 if inner.strip() and indent(inner) <= indent(line):
                     break
-                if "kCustomCall" in inner or _ffi.TARGET_NAME in inner or _ffi.FUSED_TARGET_NAME in inner:
+                if "kCustomCall" in inner or _ffi.TARGET_NAME in inner:
                     return True
     return False
 

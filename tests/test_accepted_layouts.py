@@ -73,8 +73,8 @@ def compile_all(seed: int, count: int) -> None:
             print(f"compiling {layout} head_dim={head_dim} {tiling.name} {arch}", flush=True)
             with warnings.catch_warnings():
                 warnings.simplefilter("error")  # a user sees no warning from compiling
-                kernel = kernel_cache.get_kernel(jnp.bfloat16, layout, layout.padded_head_dim(head_dim), tiling,
-                                                 arch=arch)
+                parts = ((layout, layout.padded_head_dim(head_dim), tiling),)
+                kernel = kernel_cache.get_kernel((jnp.bfloat16, parts, None), arch=arch)
             assert kernel.module[:4] == b"\x7fELF", (layout, head_dim, arch)
     print("compiled", len(cases), "cases", flush=True)
 
@@ -91,11 +91,11 @@ def test_every_accepted_layout_compiles_for_every_target(rng):
 
 def test_short_tile_vectors_follow_the_index_map(rng):
     """The kernel's short-tile path reads rows (2p, 2p + 1), columns 16 j .. 16 j + 15 of a swapped Hopper tile as
-    eight 16-byte vectors (``DqPostprocess.short_vector``): checked against ``tile_index_map`` for every row pair
+    eight 16-byte vectors (``TileConverter.short_vector``): checked against ``tile_index_map`` for every row pair
     and column block of FlashAttention-4's swapped presets and of random accepted swapped layouts."""
     import cutlass
 
-    from jax_dqpost.kernel import DqPostprocess
+    from jax_dqpost.tile import TileConverter
 
     presets = [(AccumLayout.flash_attention(90, 128), 128), (AccumLayout.flash_attention(90, 192, tensor="dkv"), 192),
                (AccumLayout.flash_attention(90, 256, tensor="dkv"), 256), (AccumLayout(90, 192, 128, 1, True, 64), 128)]
@@ -103,7 +103,7 @@ def test_short_tile_vectors_follow_the_index_map(rng):
     assert len(swapped) >= 4, "too few random swapped layouts"
     for layout, head_dim in presets + swapped:
         dr, f = layout.padded_head_dim(head_dim), layout.tile_index_map(head_dim)
-        kernel = DqPostprocess(cutlass.BFloat16, layout, dr, tiling=Tiling.VARLEN)
+        kernel = TileConverter(cutlass.BFloat16, layout, dr, tiling=Tiling.VARLEN)
         p, j, c, e, o = np.ix_(*map(np.arange, (layout.tile_m // 2, dr // 16, 8, 2, 2)))
         at = np.vectorize(kernel.short_vector)(p, j) + 16 * c + 2 * e + o
         assert np.array_equal(at, f[2 * p + o, 16 * j + 8 * e + c]), layout

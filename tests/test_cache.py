@@ -28,11 +28,11 @@ def test_cuda_arch_chooses_the_target_and_validates():
     for arch in ("sm_80", "sm_100a"):
         with cuda_arch(arch):
             text = _export().mlir_module()
-        assert kernel_cache.get_kernel(jnp.bfloat16, LAYOUT, 128, arch=arch).fingerprint in text
+        assert kernel_cache.get_kernel((jnp.bfloat16, ((LAYOUT, 128, 0),), None), arch=arch).fingerprint in text
     with cuda_arch("sm_90"):  # the Hopper kernel needs sm_90a code: sm_90 means sm_90a
         assert arch_.target_arch() == "sm_90a"
         text = _export().mlir_module()
-    assert kernel_cache.get_kernel(jnp.bfloat16, LAYOUT, 128, arch="sm_90a").fingerprint in text
+    assert kernel_cache.get_kernel((jnp.bfloat16, ((LAYOUT, 128, 0),), None), arch="sm_90a").fingerprint in text
     for bad in ("hopper", "sm_75", "sm_90f", "sm_107a", "sm_90a "):
         with pytest.raises(ValueError, match=rf"^arch={bad!r} is not a GPU architecture the kernel compiles for; "
                                              r"the accepted names are sm_80, sm_86, .*sm_90a, .*sm_120a, .*"
@@ -51,7 +51,7 @@ def test_every_accepted_arch_compiles_and_is_the_dsls():
 
     for name in arch_.SUPPORTED_ARCHS:
         assert name in Arch.__members__, name
-        kernel = kernel_cache.get_kernel(jnp.bfloat16, LAYOUT, 128, arch=name)
+        kernel = kernel_cache.get_kernel((jnp.bfloat16, ((LAYOUT, 128, 0),), None), arch=name)
         assert kernel.arch == name and kernel.module[:4] == b"\x7fELF"
     assert "sm_90" in Arch.__members__ and arch_.check_arch("sm_90") == "sm_90a"
 
@@ -83,7 +83,7 @@ _SCRIPT = textwrap.dedent("""
     import sys, jax, jax.numpy as jnp
     from jax_dqpost import AccumLayout, kernel_cache as c
     from jax_dqpost.plan import Tiling
-    k = c.get_kernel(jnp.bfloat16, AccumLayout.flash_attention(90, 128), 128, Tiling.VARLEN, arch="sm_90a")
+    k = c.get_kernel((jnp.bfloat16, ((AccumLayout.flash_attention(90, 128), 128, Tiling.VARLEN),), None), arch="sm_90a")
     print(k.fingerprint, "cutlass" in sys.modules)
 """)
 
@@ -119,8 +119,8 @@ def test_a_damaged_entry_is_recompiled_and_rewritten_with_one_warning(tmp_path, 
 
     monkeypatch.setenv("JAX_DQPOST_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(kernel_cache, "_cache", {})
-    key = (jnp.bfloat16, LAYOUT, 128, Tiling.VARLEN)
-    good = kernel_cache.get_kernel(*key, arch="sm_90a")
+    key = (jnp.bfloat16, ((LAYOUT, 128, Tiling.VARLEN),), None)
+    good = kernel_cache.get_kernel(key, arch="sm_90a")
     (entry,) = tmp_path.glob("*.cute")
     intact = entry.read_bytes()
     module_at = len(intact) - len(good.module)
@@ -130,12 +130,12 @@ def test_a_damaged_entry_is_recompiled_and_rewritten_with_one_warning(tmp_path, 
     entry.write_bytes(broken)
     monkeypatch.setattr(kernel_cache, "_cache", {})  # a new process: only the disk cache
     with pytest.warns(RuntimeWarning, match=r"kernel cache entry .* is damaged") as caught:
-        again = kernel_cache.get_kernel(*key, arch="sm_90a")
+        again = kernel_cache.get_kernel(key, arch="sm_90a")
     assert len([w for w in caught if "damaged" in str(w.message)]) == 1
     assert again.module == good.module and again.fingerprint == good.fingerprint
     assert entry.read_bytes() == intact  # rewritten whole
     monkeypatch.setattr(kernel_cache, "_cache", {})
-    assert kernel_cache.get_kernel(*key, arch="sm_90a").module == good.module  # a clean hit now, no warning
+    assert kernel_cache.get_kernel(key, arch="sm_90a").module == good.module  # a clean hit now, no warning
 
 
 def test_cache_off_and_precompile_cli(tmp_path):
@@ -152,7 +152,7 @@ def test_cache_off_and_precompile_cli(tmp_path):
                            cwd="/", env=env, capture_output=True, text=True, timeout=600)
     assert fused.returncode == 0, fused.stderr[-2000:]
     assert "6 fused kernels for sm_90a (3 layout pairs x 1 dtypes x 1 tilings x 2 sinks)" in fused.stdout
-    assert len(list(tmp_path.glob("fused-sm_90a-*.cute"))) == 6
+    assert len(list(tmp_path.glob("bf16-dense-dense-dense-*sm_90a-*.cute"))) == 6
     off = subprocess.run([sys.executable, "-m", "jax_dqpost.precompile", "--arch", "sm_90a"], cwd="/",
                          env={**env, "JAX_DQPOST_CACHE_DIR": "none"}, capture_output=True, text=True, timeout=600)
     assert off.returncode == 1 and "cache is off" in off.stderr
@@ -231,7 +231,7 @@ def test_cross_compiling_without_a_gpu_leaves_the_default_cache_alone(tmp_path):
         pytest.skip("this machine has a GPU: kernels for it are cached by default")
     code = ("import jax, jax.numpy as jnp; from jax_dqpost import kernel_cache, arch, AccumLayout\n"
             "assert not arch.cuda_devices()\n"
-            "kernel_cache.get_kernel(jnp.bfloat16, AccumLayout.flash_attention(90, 64), 64, arch='sm_90a')\n")
+            "kernel_cache.get_kernel((jnp.bfloat16, ((AccumLayout.flash_attention(90, 64), 64, 0),), None), arch='sm_90a')\n")
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_DQPOST_CACHE_DIR", "XDG_CACHE_HOME")}
     out = subprocess.run([sys.executable, "-c", code], env={**env, "HOME": str(tmp_path)}, cwd="/",
                          capture_output=True, text=True, timeout=600)

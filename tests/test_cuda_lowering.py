@@ -23,6 +23,11 @@ from jax_dqpost.plan import Tiling
 LAYOUT = AccumLayout(90, 80, 256, 1, True, 32)
 
 
+def _key(dtype, layout, padded_head_dim, tiling=Tiling.DENSE):
+    """The kernel cache's key of a one-part call without a sink (``Plan.kernel_key``)."""
+    return (dtype, ((layout, padded_head_dim, tiling),), None)
+
+
 def _export(platforms, head_dim=128, seqlen=1000, dtype=jnp.bfloat16):
     f = jax.jit(lambda a, s: dq_postprocess(a, s, seqlen_q=seqlen, head_dim=head_dim, dtype=dtype, layout=LAYOUT))
     return jax.export.export(f, platforms=platforms, disabled_checks=DISABLED_CHECKS)(
@@ -42,11 +47,14 @@ def test_export_for_cuda_emits_our_custom_call(dtype, name):
     text = exported.mlir_module()
     calls = re.findall(r"stablehlo.custom_call @(\w+)\(", text)
     assert calls == [_ffi.TARGET_NAME], calls
-    assert f'dtype = "{name}"' in text and "tile_m = 80 : i64" in text and "tile_hdim = 128 : i64" in text
-    assert "mode = 0 : i64" in text and "num_tiles = 0 : i64" in text
+    tiles = -(-1000 // 80)
+    # abi.py: dq_accum, q_aux (empty), scales (1,), then dq; extents (B, H, S, D, tiles); CTAs H * tiles per batch
+    acc_bytes, out_bytes = 2 * 4 * tiles * 80 * 128 * 4, 2 * 1000 * 4 * 128 * 2
+    assert f"bytes = dense<[{acc_bytes}, 0, 4, {out_bytes}]> : tensor<4xi64>" in text
+    assert f"extents = dense<[2, 4, 1000, 128, {tiles}]>" in text and f"ctas = {2 * 4 * tiles} : i64" in text
     assert "mhlo.backend_config = {" in text  # typed XLA FFI: attributes as a dictionary
     assert "tensor<2x1000x4x128x" in text  # (B, S, H, D) result
-    kernel = kernel_cache.get_kernel(dtype, LAYOUT, 128, arch="sm_90a")
+    kernel = kernel_cache.get_kernel(_key(dtype, LAYOUT, 128), arch="sm_90a")
     assert kernel.module[:4] == b"\x7fELF"  # a host object holding the sm_90a cubin
     assert f'fingerprint = "{kernel.fingerprint}"' in text
 
@@ -80,9 +88,9 @@ def test_export_serializes_and_multi_platform():
 
 
 def test_disabled_checks_cover_every_target_the_package_emits(rng):
-    """jax_dqpost.DISABLED_CHECKS exports, for CUDA (here without a GPU), a function using every path of the package:
-    dq_postprocess alone (target v1), with a sink and flash_attention_postprocess (target v2); each of its checks is
-    needed; the serialized artifact round-trips, and its CPU lowering runs here with the bits of a direct call."""
+    """jax_dqpost.DISABLED_CHECKS exports, for CUDA (here without a GPU), a function using every path of the package
+    (dq_postprocess alone, with a sink, flash_attention_postprocess: one target); each of its checks is needed; the
+    serialized artifact round-trips, and its CPU lowering runs here with the bits of a direct call."""
     pytest.importorskip("flatbuffers", reason="Exported.serialize needs flatbuffers (in the package's [test] extra)")
     from jax_dqpost import cuda_arch, flash_attention_postprocess
 
@@ -108,7 +116,7 @@ def test_disabled_checks_cover_every_target_the_package_emits(rng):
                                   disabled_checks=[c for c in DISABLED_CHECKS if c != dropped])(*specs)
         exported = jax.export.export(jax.jit(f), platforms=["cpu", "cuda"], disabled_checks=DISABLED_CHECKS)(*specs)
     targets = set(re.findall(r"stablehlo.custom_call @(jax_dqpost\w+)\(", exported.mlir_module()))
-    assert targets == {c.is_custom_call() for c in DISABLED_CHECKS} == {_ffi.TARGET_NAME, _ffi.FUSED_TARGET_NAME}
+    assert targets == {c.is_custom_call() for c in DISABLED_CHECKS} == {_ffi.TARGET_NAME}
     restored = jax.export.deserialize(exported.serialize())
     assert restored.platforms == ("cpu", "cuda") and restored.out_avals == exported.out_avals
     assert restored.mlir_module_serialized == exported.mlir_module_serialized
@@ -124,7 +132,7 @@ def test_cuda_kernel_compiles_for_sm90a_for_every_fa_head_dim():
     for head_dim in (64, 96, 128, 192, 256, 40, 200):
         for causal in (False, True):
             layout = AccumLayout(90, *fa_cute_hopper_config(head_dim, causal))
-            k = kernel_cache.get_kernel(jnp.float16, layout, layout.padded_head_dim(head_dim), arch="sm_90a")
+            k = kernel_cache.get_kernel(_key(jnp.float16, layout, layout.padded_head_dim(head_dim)), arch="sm_90a")
             assert k.arch == "sm_90a" and len(k.module) > 1000
 
 
@@ -132,9 +140,9 @@ def test_ffi_library_is_built_and_exports_its_handlers():
     path = _ffi.library_path()
     assert path.parent == Path(jax_dqpost.__file__).parent
     lib = ctypes.CDLL(str(path))
-    for symbol in ("JaxDqpostExecute", "JaxDqpostExecuteFused", "JaxDqpostExecuteCapturable",
-                   "JaxDqpostExecuteFusedCapturable", "JaxDqpostInstantiate", "jax_dqpost_load_runtime",
-                   "jax_dqpost_state_type_id", "jax_dqpost_state_type_info"):
+    handlers = ["JaxDqpostExecute"] + list(_ffi.LEGACY_TARGETS.values())
+    for symbol in handlers + [h + "Capturable" for h in handlers] + [
+            "JaxDqpostInstantiate", "jax_dqpost_load_runtime", "jax_dqpost_state_type_id", "jax_dqpost_state_type_info"]:
         assert hasattr(lib, symbol), symbol
     # In a fresh process (loading is once per process): a bad runtime path is reported, not fatal.
     code = ("import ctypes, sys; lib = ctypes.CDLL(sys.argv[1]); err = ctypes.create_string_buffer(256); "
@@ -153,7 +161,7 @@ def test_every_order_and_mode_compiles_for(arch):
                AccumLayout(None, 64, 256, 1, False, 32)]
     for layout in layouts:
         for tiling in Tiling:
-            k = kernel_cache.get_kernel(jnp.bfloat16, layout, 128, tiling, arch=arch)
+            k = kernel_cache.get_kernel(_key(jnp.bfloat16, layout, 128, tiling), arch=arch)
             assert k.arch == arch and k.module[:4] == b"\x7fELF"
 
 
@@ -165,7 +173,7 @@ def test_compiling_for_another_arch_leaves_the_dsl_setting_alone():
     envar = CuTeDSL._get_dsl().envar
     before = envar.arch
     for arch in ("sm_100a", "sm_80"):
-        kernel_cache.compile_executor("bf16", LAYOUT, 128, Tiling.VARLEN, arch)
+        kernel_cache.compile_executor("bf16", ((LAYOUT, 128, Tiling.VARLEN),), None, arch)
         assert envar.arch == before, (arch, envar.arch, before)
 
 
@@ -196,6 +204,22 @@ def test_ffi_handler_reads_the_work_list_as_python_writes_it(rng):
         assert padded(total, batch, tile_m) == padded_total(total, batch, tile_m)
 
 
+def test_ffi_handler_passes_the_calling_convention_of_abi():
+    """The handler knows the calling convention only as: every buffer, then the extents (abi.EXTENTS per part, at
+    most abi.PARTS parts), then the stream; pinned here to abi.py. Every call's pointer list fits its buffer array."""
+    from jax_dqpost import abi
+
+    lib = ctypes.CDLL(str(_ffi.library_path()))
+    for name in ("jax_dqpost_extents_per_part", "jax_dqpost_max_parts", "jax_dqpost_max_buffers"):
+        getattr(lib, name).restype = ctypes.c_int64
+    assert lib.jax_dqpost_extents_per_part() == len(abi.EXTENTS)
+    assert lib.jax_dqpost_max_parts() == len(abi.PARTS)
+    assert lib.jax_dqpost_max_buffers() >= max(len(abi.pointers(n, s)) for n in (1, 3) for s in (False, True))
+    assert abi.pointers(3, True) == ("dq_accum", "dk_accum", "dv_accum", "q_aux", "k_aux", "scales", "learnable_sink",
+                                     "lse", "dpsum", "dq", "dk", "dv", "dsink")
+    assert abi.arguments(1, False)[-5:] == tuple(f"dq_{e}" for e in abi.EXTENTS)
+
+
 @pytest.fixture
 def command_buffers_env(monkeypatch):
     """Set JAX_DQPOST_COMMAND_BUFFERS for one test (the package reads it once per process: the cache is cleared
@@ -216,7 +240,7 @@ def test_command_buffers_mode_is_in_the_lowered_call(command_buffers_env):
 
     if arch.cuda_devices():
         _ffi.register()  # with the process's own setting, before this test changes it (lowering registers once)
-    fingerprint = kernel_cache.get_kernel(jnp.bfloat16, LAYOUT, 128, Tiling.DENSE).fingerprint
+    fingerprint = kernel_cache.get_kernel(_key(jnp.bfloat16, LAYOUT, 128)).fingerprint
     texts = {}
     for value in ("", "0", "1"):
         command_buffers_env(value)

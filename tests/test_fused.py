@@ -410,8 +410,9 @@ def test_dsink_deterministic_on_gpu_across_compiles(rng):
 
 @pytest.mark.parametrize("packing", ["dense", "varlen"])
 def test_export_for_cuda_emits_one_fused_custom_call(packing):
-    """Lowered for CUDA (also without a GPU): one custom call to target v2 carrying the fused module (dQ, dK, dV
-    and dsink), its slots, sizes and extents; and it serialises."""
+    """Lowered for CUDA (also without a GPU): one custom call carrying one module (dQ, dK, dV and dsink), with the
+    buffers in abi.py's order (their sizes checked by the handler) and the extents of each part; and it
+    serialises."""
     from jax_dqpost import _ffi
 
     dq_layout, dkv_layout, d, dv = _layouts("sm90-hd192-dv128")
@@ -438,9 +439,20 @@ def test_export_for_cuda_emits_one_fused_custom_call(packing):
         jax.ShapeDtypeStruct(r, jnp.float32) for r in rows]
     exp = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=DISABLED_CHECKS)(*args)
     text = exp.mlir_module()
-    assert text.count(f'@{_ffi.FUSED_TARGET_NAME}') == 1, "expected one fused launch"
-    assert "jax_dqpost_postprocess_v1" not in text
-    assert re.search(r"slots = dense<\[0, 2, 3, 5, 7, 8, 9, 10, 11, 1, 4, 6, 12\]>", text), "operand slots"
+    assert text.count("@jax_dqpost") == 1 and text.count(f"@{_ffi.TARGET_NAME}") == 1, "expected one launch"
+    outs = [(batch, s_q, H, d) if packing == "dense" else (s_q, H, d),
+            (batch, s_k, H_KV, d) if packing == "dense" else (s_k, H_KV, d),
+            (batch, s_k, H_KV, dv) if packing == "dense" else (s_k, H_KV, dv)]
+    aux = (0, 0)  # dense: no seqused; varlen: the work lists of traced offsets (varlen.WorkList, its bound of tiles)
+    if packing == "varlen":
+        from jax_dqpost.varlen import WorkList, sections
+
+        aux = tuple(sections(batch + 2)[1] + WorkList.max_tiles(total, batch, layout)
+                    for total, layout in ((s_q, dq_layout), (s_k, dkv_layout)))
+    sizes = [4 * int(np.prod(x)) for x in shapes]
+    sizes += [4 * a for a in aux] + [4 * 3, 4 * H] + [4 * int(np.prod(r)) for r in rows]
+    sizes += [2 * int(np.prod(o)) for o in outs] + [4 * H]
+    assert "bytes = dense<[" + ", ".join(map(str, sizes)) + "]>" in text, "buffers in abi.py's order"
     assert [o.shape for o in exp.out_avals] == [(batch, s_q, H, d) if packing == "dense" else (s_q, H, d),
                                                 (batch, s_k, H_KV, d) if packing == "dense" else (s_k, H_KV, d),
                                                 (batch, s_k, H_KV, dv) if packing == "dense" else (s_k, H_KV, dv),

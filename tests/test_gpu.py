@@ -42,7 +42,7 @@ def _kernel_on_poisoned_output(rng, layout, head_dim, seqlen, dtype, what):
     import cuda.bindings.driver as cuda
 
     from jax_dqpost import arch, kernel_cache
-    from jax_dqpost.plan import Plan
+    from jax_dqpost.plan import Part, Plan
 
     B, H, D, S = 2, 3, head_dim, seqlen
     logical = oracle.random_logical(rng, (B, S, H, D))
@@ -51,16 +51,16 @@ def _kernel_on_poisoned_output(rng, layout, head_dim, seqlen, dtype, what):
                                    two_cta=layout.two_cta)
     scale = float(rng.uniform(0.05, 2.0))
     want = oracle.expected_dq(logical, scale, dtype)
-    plan = Plan(layout, D, np.dtype(dtype), seqlen_q=S)
-    name, _, padded, tiling = plan.kernel_key
-    executor = kernel_cache.compile_executor(name, layout, padded, tiling, arch.target_arch())
+    plan = Plan((Part(layout, D, np.dtype(dtype), seqlen=S),))
+    name, parts, _ = plan.kernel_key
+    executor = kernel_cache.compile_executor(name, parts, None, arch.target_arch())
     t_acc = torch.from_numpy(acc).cuda()
     t_out = torch.full((B * S * H * D + GUARD,), np.uint16(POISON).view(np.int16).item(), dtype=torch.int16,
                        device="cuda")
     t_scale = torch.tensor([scale], dtype=torch.float32).cuda()
-    executor(*kernel_cache.executor_args(name, t_acc.data_ptr(), t_out.data_ptr(),
-                                         t_scale.data_ptr(), t_scale.data_ptr(),  # aux: unused when dense
-                                         plan.launch_extents(acc.shape)),
+    # abi.pointers(1, False): dq_accum, q_aux (unused when dense), scales, dq
+    addresses = [t_acc.data_ptr(), t_scale.data_ptr(), t_scale.data_ptr(), t_out.data_ptr()]
+    executor(*kernel_cache.executor_args(name, 1, None, addresses, plan.launch([acc.shape])[0]),
              cuda.CUstream(torch.cuda.current_stream().cuda_stream))
     torch.cuda.synchronize()
     out = t_out.cpu().numpy().view(np.uint16)
@@ -104,7 +104,7 @@ def test_short_varlen_tiles_on_poisoned_output(rng, name, dtype, heads):
     import cuda.bindings.driver as cuda
 
     from jax_dqpost import arch, kernel_cache, varlen
-    from jax_dqpost.plan import Plan
+    from jax_dqpost.plan import Part, Plan
 
     layout, D = SHORT_TILE_LAYOUTS[name]
     H, batch = heads, 300
@@ -121,15 +121,15 @@ def test_short_varlen_tiles_on_poisoned_output(rng, name, dtype, heads):
     t_acc, t_scale = torch.from_numpy(acc).cuda(), torch.tensor([scale], dtype=torch.float32).cuda()
     executor = None
     for num_tiles in (None, varlen.WorkList.max_tiles(T, batch, layout)):  # static offsets' slots, traced ones'
-        work, meta = varlen.WorkList.build(np, cu, used, total_q=T, layout=layout, num_tiles=num_tiles)
-        plan = Plan(layout, D, np.dtype(dtype), work=work)
-        kind, _, padded, tiling = plan.kernel_key
-        executor = executor or kernel_cache.compile_executor(kind, layout, padded, tiling, arch.target_arch())
+        work, meta = varlen.WorkList.build(np, cu, used, total=T, layout=layout, num_tiles=num_tiles)
+        plan = Plan((Part(layout, D, np.dtype(dtype), work=work),))
+        kind, parts, _ = plan.kernel_key
+        executor = executor or kernel_cache.compile_executor(kind, parts, None, arch.target_arch())
         t_meta = torch.from_numpy(meta).cuda()
         n = T * H * D
         t_out = torch.full((n + GUARD,), np.uint16(POISON).view(np.int16).item(), dtype=torch.int16, device="cuda")
-        executor(*kernel_cache.executor_args(kind, t_acc.data_ptr(), t_out.data_ptr(), t_scale.data_ptr(),
-                                             t_meta.data_ptr(), plan.launch_extents(acc.shape)),
+        addresses = [t_acc.data_ptr(), t_meta.data_ptr(), t_scale.data_ptr(), t_out.data_ptr()]
+        executor(*kernel_cache.executor_args(kind, 1, None, addresses, plan.launch([acc.shape])[0]),
                  cuda.CUstream(torch.cuda.current_stream().cuda_stream))
         torch.cuda.synchronize()
         out = t_out.cpu().numpy().view(np.uint16)
@@ -162,33 +162,33 @@ def test_jax_output_poisoned_by_allocator_reuse(rng, dtype):
 
 
 def test_ffi_rejects_inconsistent_attributes(rng):
-    """The handler validates buffers against its attributes and returns an error, never launches."""
+    """The handler validates the buffers against its attributes and returns an error, never launches."""
     from jax_dqpost import _ffi, kernel_cache
 
     layout = AccumLayout(90, 64, 256, 1, False, 32)
-    kernel = kernel_cache.get_kernel(jnp.bfloat16, layout, 128)
+    kernel = kernel_cache.get_kernel((jnp.bfloat16, ((layout, 128, 0),), None))
     _ffi.register()
     acc = jnp.zeros(layout.accum_shape(1, 2, 64, 128), jnp.float32)
+    out_bytes = 64 * 2 * 128 * 2
 
-    def call(out_shape, **attrs):
-        base = dict(module=kernel.module, fingerprint=kernel.fingerprint, dtype="bf16", mode=np.int64(0),
-                    tile_m=np.int64(64), tile_hdim=np.int64(128), num_tiles=np.int64(0))
-        return jax.ffi.ffi_call(_ffi.TARGET_NAME, jax.ShapeDtypeStruct(out_shape, jnp.bfloat16))(
-            acc, jnp.float32(1.0), jnp.zeros((0,), jnp.int32), **{**base, **attrs})
+    def call(**attrs):
+        base = dict(module=kernel.module, fingerprint=kernel.fingerprint,
+                    bytes=np.asarray([acc.size * 4, 0, 4, out_bytes], np.int64),
+                    extents=np.asarray([1, 2, 64, 128, 1], np.int64), ctas=np.int64(2))
+        return jax.ffi.ffi_call(_ffi.TARGET_NAME, jax.ShapeDtypeStruct((1, 64, 2, 128), jnp.bfloat16))(
+            acc, jnp.zeros((0,), jnp.int32), jnp.ones((1,), jnp.float32), **{**base, **attrs})
 
-    call((1, 64, 2, 128)).block_until_ready()  # consistent: runs
-    for out_shape, attrs, msg in [
-        ((1, 65, 2, 128), {}, "ceil"),
-        ((1, 64, 3, 128), {}, "batch or heads"),
-        ((1, 64, 2, 128), {"tile_hdim": np.int64(256)}, "ceil"),
-        ((1, 64, 2, 128), {"dtype": "f16"}, "element type"),
-        ((1, 64, 2, 136), {}, "head_dim"),
-        ((1, 64, 2, 128), {"mode": np.int64(1)}, "seqused_q must have batch entries"),
-        ((1, 64, 2, 128), {"mode": np.int64(2)}, "varlen dq_accum must have rank 2"),
-        ((1, 64, 2, 128), {"mode": np.int64(7)}, "unknown mode"),
+    call().block_until_ready()  # consistent: runs
+    for attrs, msg in [
+        ({"bytes": np.asarray([acc.size * 4, 0, 4, out_bytes + 2], np.int64)}, "buffer 3 has"),
+        ({"bytes": np.asarray([acc.size * 4, 0, 4], np.int64)}, "bytes does not match"),
+        ({"extents": np.asarray([1, 2, 64, 128], np.int64)}, "do not fit the kernel"),
+        ({"extents": np.asarray([1, 2, 64, 128, 1] * 4, np.int64)}, "do not fit the kernel"),
+        ({"extents": np.asarray([1, 2, 2**31, 128, 1], np.int64)}, "int32 range"),
+        ({"ctas": np.int64(2**31)}, "too many CTAs"),
     ]:
         with pytest.raises(Exception, match=msg):
-            call(out_shape, **attrs).block_until_ready()
+            call(**attrs).block_until_ready()
 
 
 # FlashAttention-4 4.0.0b36 uses names that CuTe DSL 4.8.1 deprecates: its warnings, not ours, in the tests that run it.

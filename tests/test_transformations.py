@@ -39,7 +39,7 @@ def test_vmap_dense_folds_into_one_call_and_matches_a_loop(rng, platform):
         assert_same_bits(got, want, f"vmap in_axes={in_axes}")
     # One kernel call for the whole vmapped batch (not a loop), and nested vmap.
     jaxpr = jax.make_jaxpr(jax.vmap(op, in_axes=(0, None, 0)))(acc, scales[0], used)
-    assert str(jaxpr).count("dq_postprocess") == 1 and "while" not in str(jaxpr)
+    assert str(jaxpr).count("jax_dqpost_postprocess[") == 1 and "while" not in str(jaxpr)
     nested = jax.jit(jax.vmap(jax.vmap(op, in_axes=(0, None, None)), in_axes=(0, None, None)))(
         acc.reshape((1, n) + acc.shape[1:]), scales[0], used[0])
     assert_same_bits(nested[0], np.stack([np.asarray(jax.jit(op)(acc[i], scales[0], used[0])) for i in range(n)]),
@@ -69,7 +69,7 @@ def test_vmap_varlen_matches_a_loop(rng, platform):
                                          layout=LAYOUT)
     for name, fn in (("traced", same), ("static", static)):
         jaxpr = str(jax.make_jaxpr(jax.vmap(fn))(acc, scales))
-        assert jaxpr.count("dq_postprocess") == 1 and "while" not in jaxpr, jaxpr
+        assert jaxpr.count("jax_dqpost_postprocess[") == 1 and "while" not in jaxpr, jaxpr
         got = jax.jit(jax.vmap(fn))(acc, scales)
         want = np.stack([np.asarray(jax.jit(fn)(acc[i], scales[i])) for i in range(n)])
         assert_same_bits(got, want, f"vmap varlen, shared {name} offsets")

@@ -211,7 +211,7 @@ def test_static_validation_names_argument_and_value():
 def test_concrete_arrays_outside_jit_are_validated_like_static_values(rng):
     """A jax array passed outside jit has values this host can read: they are checked as static ones (the same
     error), while the array stays the kernel's operand (the traced work list's bound); traced values are clamped."""
-    from jax_dqpost.primitive import dq_postprocess_p
+    from jax_dqpost.primitive import postprocess_p
     from jax_dqpost.varlen import WorkList
 
     layout, D, T = _layout("cute-hd128"), 128, 100
@@ -248,8 +248,8 @@ def test_concrete_arrays_outside_jit_are_validated_like_static_values(rng):
     used = [int(rng.integers(0, n + 1)) for n in lengths]
     concrete = (jnp.asarray(cu, jnp.int32), jnp.asarray(used, jnp.int32))
     assert_same_bits(varlen(*concrete), varlen(cu, used), f"concrete vs static cu={cu} used={used}")
-    (eqn,) = [e for e in jax.make_jaxpr(lambda: varlen(*concrete))().eqns if e.primitive is dq_postprocess_p]
-    assert eqn.params["plan"].work.num_tiles == WorkList.max_tiles(T, 2, layout)
+    (eqn,) = [e for e in jax.make_jaxpr(lambda: varlen(*concrete))().eqns if e.primitive is postprocess_p]
+    assert eqn.params["plan"].dq.work.num_tiles == WorkList.max_tiles(T, 2, layout)
     assert_same_bits(dense_used(concrete[1]), dense_used(used), "dense seqused concrete vs static")
 
 
@@ -279,7 +279,7 @@ def test_work_list_slots_take_every_tile_once(rng, layout):
         for traced in (False, True) if case % 5 != 4 else (True,):
             xp = jnp if traced else np
             num_tiles = WorkList.max_tiles(T, batch, layout) if traced else None
-            work, meta = WorkList.build(xp, cu, used, total_q=T, layout=layout, num_tiles=num_tiles)
+            work, meta = WorkList.build(xp, cu, used, total=T, layout=layout, num_tiles=num_tiles)
             s = work.decode(np.asarray(meta))
             K = work.num_spans
             expect = {(k, m) for k in range(K) for m in range(-(-int(s.span_rows[k]) // tm))}

@@ -1,7 +1,7 @@
 """Kernel-level evidence for the benchmark's gaps, on the GPU machine (B, H, S = 2, 32, 8192, bf16).
 
     python tools/ncu_kernels.py sweep hd96 hd128 hd192
-        graph-replay time of our kernel with tuning variants (DqPostprocess keyword arguments; each checked
+        graph-replay time of our kernel with tuning variants (TileConverter keyword arguments; each checked
         bit-equal to the default's output), FlashAttention-4 and the same-bytes copy, side by side, median of 15
         (as the benchmark measures them), dense and varlen (64 random lengths)
     python tools/ncu_kernels.py short [COUNT ...] [--l2-fetch BYTES]
@@ -30,7 +30,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 from jax_dqpost.bench import cases as bench_cases, harness  # noqa: E402
 
 # Variants tried per configuration by `sweep` (the first, {}, is the package's default).
-VARIANTS = [{}, {"heads_fastest": False}, {"min_ctas_per_sm": 0}]
+VARIANTS = [{}, {"min_ctas_per_sm": 0}]
 # ... and by `short` (varlen only).
 SHORT_VARIANTS = [{}, {"short_heads": 4}, {"short_heads": 16}, {"short_heads": 32}, {"min_ctas_per_sm": 3}]
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import AccumLayout
-from ..plan import Plan
+from ..plan import Part, Plan
 from ..varlen import WorkList
 from . import harness
 
@@ -96,22 +96,23 @@ class Case:
         tm = self.layout.tile_m
         bf16 = np.dtype(jnp.bfloat16)
         if packing == "dense":
-            self.plan, self.cu, self.meta = Plan(self.layout, head_dim, bf16, seqlen_q=S), None, None
+            self.part, self.cu, self.meta = Part(self.layout, head_dim, bf16, seqlen=S), None, None
             self.acc_shape, self.out_shape = self.layout.accum_shape(B, H, S, head_dim), (B, S, H, head_dim)
         else:
             self.cu = random_lengths(rng, self.tokens, sequences) if cu is None else list(cu)
             if self.cu[-1] != self.tokens:
                 raise ValueError(f"cu must end at the problem's {self.tokens} tokens, got {self.cu[-1]}")
             grid = WorkList.max_tiles(self.tokens, len(self.cu) - 1, self.layout) if traced else None
-            work, self.meta = WorkList.build(np, self.cu, None, total_q=self.tokens, layout=self.layout,
+            work, self.meta = WorkList.build(np, self.cu, None, total=self.tokens, layout=self.layout,
                                              num_tiles=grid)
-            self.plan = Plan(self.layout, head_dim, bf16, work=work)
+            self.part = Part(self.layout, head_dim, bf16, work=work)
             self.acc_shape = self.layout.varlen_accum_shape(work.batch, H, self.tokens, head_dim)
             self.out_shape = (self.tokens, H, head_dim)
             # CTAs: launched (the work list's grid), and one per tile and head, what the previous kernel launched
             self.ctas = work.ctas(H)
             self.tile_ctas = H * int(sum(-(-n // tm) for n in np.diff(self.cu)))
-        dr = self.plan.padded_head_dim
+        self.plan = Plan((self.part,))
+        dr = self.part.padded_head_dim
         self.bytes = self.tokens * H * (dr * 4 + head_dim * 2)  # useful bytes: rows of the sequences only
         per_call = int(np.prod(self.acc_shape)) * 4 + int(np.prod(self.out_shape)) * 2
         self.copies = max(2, min(256, -(-ROTATE_BYTES // per_call)))
@@ -131,19 +132,21 @@ class Case:
         self.torch.cuda.empty_cache()
 
     def ours(self, **tuning):
-        """Launcher of our kernel; ``tuning``: DqPostprocess keyword arguments (experiments only)."""
+        """Launcher of our kernel; ``tuning``: ``TileConverter`` keyword arguments (experiments only)."""
         import cuda.bindings.driver as cuda
 
         from .. import arch, kernel_cache
 
-        name, layout, padded, tiling = self.plan.kernel_key
+        dtype, parts, sink = self.plan.kernel_key
         key = (self.plan.kernel_key, tuple(sorted(tuning.items())))
         if key not in _EXECUTORS:
-            _EXECUTORS[key] = kernel_cache.compile_executor(name, layout, padded, tiling, arch.target_arch(), **tuning)
+            _EXECUTORS[key] = kernel_cache.compile_executor(dtype, parts, sink, arch.target_arch(), **tuning)
         ex = _EXECUTORS[key]
-        extents = self.plan.launch_extents(self.acc_shape)
-        args = [kernel_cache.executor_args(name, a.data_ptr(), o.data_ptr(), self.t_scale.data_ptr(),
-                                           self.t_meta.data_ptr(), extents) for a, o in zip(self.t_acc, self.t_out)]
+        extents, _ = self.plan.launch([self.acc_shape])
+        # abi.pointers(1, False): dq_accum, q_aux, scales, dq
+        args = [kernel_cache.executor_args(dtype, 1, None, [a.data_ptr(), self.t_meta.data_ptr(),
+                                                            self.t_scale.data_ptr(), o.data_ptr()], extents)
+                for a, o in zip(self.t_acc, self.t_out)]
 
         def run(n):
             stream = cuda.CUstream(self.torch.cuda.current_stream().cuda_stream)  # the capture stream, too
@@ -220,14 +223,14 @@ class Case:
         (``tokens * H * Dr`` floats in, as many bf16 out: the practical roofline); ``ours_jax_device``, our op."""
         import jax
 
-        elems = self.tokens * self.H * self.plan.padded_head_dim
+        elems = self.tokens * self.H * self.part.padded_head_dim
         keys = jax.random.split(jax.random.PRNGKey(2), self.copies)
         flat = [jax.random.normal(k, (elems,), np.float32) for k in keys]
         scale, ours = np.float32(self.scale), self.ours_jax_fn()
         out = {}
         for name, fn, args, kernel in (
                 ("xla_device", lambda xs: [(x * scale).astype(jnp.bfloat16) for x in xs], flat, ""),
-                ("ours_jax_device", lambda xs: [ours(x) for x in xs], self.j_acc, "DqPostprocess")):
+                ("ours_jax_device", lambda xs: [ours(x) for x in xs], self.j_acc, harness.OUR_KERNEL)):
             t = harness.device_time_per_call(jax.jit(fn), (args,), kernel, self.copies, max(3, samples // 5))
             if t:
                 out[name] = t
@@ -336,7 +339,7 @@ def measure_short(case: Case, samples: int) -> dict:
 
     case.jax_inputs()
     ours = case.ours_jax_fn()
-    t = harness.device_time_per_call(jax.jit(lambda xs: [ours(x) for x in xs]), (case.j_acc,), "DqPostprocess",
+    t = harness.device_time_per_call(jax.jit(lambda xs: [ours(x) for x in xs]), (case.j_acc,), harness.OUR_KERNEL,
                                      case.copies, 3)
     if t:
         res["ours_jax_device"] = t

@@ -4,7 +4,7 @@ Per case (B=2, H=32, H_kv=8, S=8192; FlashAttention-4's Hopper presets for dQ an
 
 - ``fused``: our fused kernel; ``fused_sink``: the same with the learnable-sink gradient (dense cases);
 - ``FA4_3``: FlashAttention-4's three postprocess launches (dQ, with the sink when ``fused_sink`` is measured, dK,
-  dV); ``ours_3``: our single-tensor kernel launched three times;
+  dV); ``ours_3``: our kernel launched once per tensor (one part each);
 - these four by CUDA events around the replay of a CUDA graph of back-to-back calls (torch);
 - ``xla_same_bytes``: XLA's own fused ``(acc * scale).astype(bf16)`` of the three accumulators, and ``fused_jax``:
   ``jax.jit(flash_attention_postprocess)``; both from the GPU timeline (jax.profiler) of one jitted program
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import AccumLayout, arch, flash_attention_postprocess, kernel_cache
-from ..plan import FusedPlan, Plan
+from .. import AccumLayout, abi, arch, flash_attention_postprocess, kernel_cache
+from ..plan import Part, Plan
 from ..varlen import WorkList
 from . import harness
 from .cases import ROTATE_BYTES, random_lengths
@@ -41,8 +41,8 @@ class FusedCase:
         bf16 = np.dtype(jnp.bfloat16)
         self.T = B * S
         if packing == "dense":
-            q = Plan(self.ql, head_dim, bf16, seqlen_q=S)
-            k = Plan(self.kl, head_dim, bf16, seqlen_q=S)
+            q = Part(self.ql, head_dim, bf16, seqlen=S)
+            k = Part(self.kl, head_dim, bf16, seqlen=S)
             self.cu, self.metas = None, (None, None)
             self.acc_shapes = (self.ql.accum_shape(B, H, S, head_dim), self.kl.accum_shape(B, G, S, head_dim),
                                self.kl.accum_shape(B, G, S, head_dim))
@@ -50,9 +50,9 @@ class FusedCase:
             self.rows = ((B, H, S), (B, H, self.ql.padded_seqlen(S)))
         else:
             self.cu = random_lengths(rng, self.T, 64)
-            wq, mq = WorkList.build(np, self.cu, None, total_q=self.T, layout=self.ql)
-            wk, mk = WorkList.build(np, self.cu, None, total_q=self.T, layout=self.kl)
-            q, k = Plan(self.ql, head_dim, bf16, work=wq), Plan(self.kl, head_dim, bf16, work=wk)
+            wq, mq = WorkList.build(np, self.cu, None, total=self.T, layout=self.ql)
+            wk, mk = WorkList.build(np, self.cu, None, total=self.T, layout=self.kl)
+            q, k = Part(self.ql, head_dim, bf16, work=wq), Part(self.kl, head_dim, bf16, work=wk)
             self.metas = (mq, mk)
             batch = len(self.cu) - 1
             self.acc_shapes = (self.ql.varlen_accum_shape(batch, H, self.T, head_dim),
@@ -61,7 +61,7 @@ class FusedCase:
             self.out_shapes = ((self.T, H, head_dim), (self.T, G, head_dim), (self.T, G, head_dim))
             self.rows = ((H, self.T), (H, wq.padded_total))
         sink_dtype = np.dtype(np.float32) if sink else None
-        self.fplan = FusedPlan(q, k, k, sink_dtype=sink_dtype, dsink_dtype=sink_dtype)
+        self.plan = Plan((q, k, k), sink_dtype=sink_dtype, dsink_dtype=sink_dtype)
         self.scale = head_dim ** -0.5
         dr = q.padded_head_dim
         tokens_heads = self.T * (H + 2 * G)
@@ -91,16 +91,18 @@ class FusedCase:
     def fused_run(self, sink: bool):
         import cuda.bindings.driver as cuda
 
-        fplan = self.fplan if sink else self.fplan.without_sink()
-        dtype, parts, sink_key = fplan.kernel_key
-        ex = kernel_cache.compile_fused_executor(dtype, parts, sink_key, arch.target_arch())
-        extents, _ = fplan.launch(self.acc_shapes)
+        plan = self.plan if sink else self.plan.without_sink()
+        dtype, parts, sink_key = plan.kernel_key
+        ex = kernel_cache.compile_executor(dtype, parts, sink_key, arch.target_arch())
+        extents, _ = plan.launch(self.acc_shapes)
         args = []
         for i in range(self.copies):
             (qa, ka, va), (qo, ko, vo) = self.t_acc[i], self.t_out[i]
-            addr = [qa, qo, self.t_meta[0], ka, ko, va, vo, self.t_meta[1], self.t_scales, self.t_sink, self.t_lse,
-                    self.t_dpsum, self.t_dsink[i]]
-            args.append(kernel_cache.fused_executor_args(dtype, sink_key, [a.data_ptr() for a in addr], extents))
+            buffers = dict(dq_accum=qa, dk_accum=ka, dv_accum=va, q_aux=self.t_meta[0], k_aux=self.t_meta[1],
+                           scales=self.t_scales, learnable_sink=self.t_sink, lse=self.t_lse, dpsum=self.t_dpsum,
+                           dq=qo, dk=ko, dv=vo, dsink=self.t_dsink[i])
+            addresses = [buffers[name].data_ptr() for name in abi.pointers(3, sink)]
+            args.append(kernel_cache.executor_args(dtype, 3, sink_key, addresses, extents))
 
         def run(n):
             stream = cuda.CUstream(self.torch.cuda.current_stream().cuda_stream)
@@ -109,23 +111,25 @@ class FusedCase:
         return run
 
     def singles_run(self):
+        """Our kernel launched once per tensor (one part each)."""
         import cuda.bindings.driver as cuda
 
-        exes = []
-        for j, p in enumerate(self.fplan.parts):
-            name, layout, dr, tiling = p.kernel_key
-            ex = kernel_cache.compile_executor(name, layout, dr, tiling, arch.target_arch())
-            exes.append((ex, name, p.launch_extents(self.acc_shapes[j]), j))
+        launches = []
+        for j, p in enumerate(self.plan.parts):
+            plan = Plan((p,))
+            dtype, parts, _ = plan.kernel_key
+            ex = kernel_cache.compile_executor(dtype, parts, None, arch.target_arch())
+            launches.append((ex, dtype, plan.launch([self.acc_shapes[j]])[0], j))
         scales = [self.t_scales[j:j + 1] for j in range(3)]
 
         def run(n):
             stream = cuda.CUstream(self.torch.cuda.current_stream().cuda_stream)
             for i in range(n):
                 k = i % self.copies
-                for ex, name, extents, j in exes:
-                    ex(*kernel_cache.executor_args(name, self.t_acc[k][j].data_ptr(), self.t_out[k][j].data_ptr(),
-                                                   scales[j].data_ptr(), self.t_meta[min(j, 1)].data_ptr(), extents),
-                       stream)
+                for ex, dtype, extents, j in launches:
+                    addresses = [self.t_acc[k][j].data_ptr(), self.t_meta[min(j, 1)].data_ptr(),
+                                 scales[j].data_ptr(), self.t_out[k][j].data_ptr()]  # abi.pointers(1, False)
+                    ex(*kernel_cache.executor_args(dtype, 1, None, addresses, extents), stream)
         return run
 
     def fa4_run(self, sink: bool):

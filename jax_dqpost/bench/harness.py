@@ -17,6 +17,10 @@ MIN_SAMPLE_S = 2e-3
 MIN_WALL_SAMPLE_S = 10e-3
 
 
+OUR_KERNEL = "jax_dqpostkernelPostprocess"
+"""What our kernel's name on the GPU timeline contains (``jax_dqpost.kernel.Postprocess``)."""
+
+
 def log(*a) -> None:
     """Progress, on stderr (the report goes to stdout)."""
     print(*a, file=sys.stderr, flush=True)

@@ -59,7 +59,7 @@ def chain_cost(samples: int, n: int = 200) -> dict:
     out = {"shape": [1, S, 1, D], "calls": n, "command_buffers": _ffi.command_buffers()}
     t1, _ = timed(ours, 1)
     tn, text = timed(ours, n)
-    out["ours_device"] = harness.device_per_kernel(jax.jit(ours, static_argnums=1), (acc, n), "DqPostprocess")
+    out["ours_device"] = harness.device_per_kernel(jax.jit(ours, static_argnums=1), (acc, n), harness.OUR_KERNEL)
     out["our_calls_in_program"] = len(re.findall(f'custom_call_target="{_ffi.TARGET_NAME}"', text))
     out["ours"] = (tn - t1) / (n - 1)
     out["ours_program_1"], out["ours_program_n"] = t1, tn
@@ -90,7 +90,7 @@ for D in map(int, sys.argv[1].split(",")):
     layout = AccumLayout.flash_attention(90, D)
     acc = jnp.ones(layout.accum_shape(1, 2, 256, D), jnp.float32).block_until_ready()
     s = time.perf_counter()
-    kernel_cache.get_kernel(jnp.bfloat16, layout, layout.padded_head_dim(D))
+    kernel_cache.get_kernel(('bf16', ((layout, layout.padded_head_dim(D), 0),), None))
     k = time.perf_counter()
     jax.jit(lambda a: dq_postprocess(a, 0.1, seqlen_q=256, head_dim=D, layout=layout))(acc).block_until_ready()
     e = time.perf_counter()

@@ -2,12 +2,12 @@
 
 Imports cutlass at module import: load this module lazily (``kernel_cache.py`` does).
 
-The entry point takes its arguments in the order of ``abi.py``. Grid ``(grid_x, 1, grid_z)``: along x, with a sink,
-``H`` CTAs (one per query head) reducing ``dsink``; then the CTAs of dQ, of dK and of dV, each part numbered as
-``tile.py`` describes. When every part is dense (``Plan.batch_on_grid_z``) ``grid_z`` is the batch and x numbers one
-batch's CTAs (the sink's CTAs work at ``z = 0`` only); otherwise ``grid_z = 1`` and a dense part's CTA ``x`` is tile
-``x % (H * grid_x)`` of batch ``x // (H * grid_x)``. A CTA of a part runs that part's
-:meth:`TileConverter.cta <jax_dqpost.tile.TileConverter.cta>`. The CTA has as many threads as the widest part; a
+The entry point takes its arguments in the order of ``abi.py``. A call of one part without a sink launches that
+part's own grid: ``(H * grid_x, 1, B)`` dense (``Plan.batch_on_grid_z``), ``(varlen.grid_ctas(...), 1, 1)`` varlen,
+every CTA the part's, with a shared-memory allocator of its own. Any other call launches a one-dimensional grid: with
+a sink, ``H`` CTAs (one per query head) reducing ``dsink``; then the CTAs of dQ, of dK and of dV, each part numbered
+as ``tile.py`` describes, a dense part's CTA ``x`` being its tile ``x % (H * grid_x)`` of batch ``x // (H * grid_x)``.
+A CTA of a part runs that part's :meth:`TileConverter.cta <jax_dqpost.tile.TileConverter.cta>`. The CTA has as many threads as the widest part; a
 narrower part runs on its first ``num_threads`` threads and synchronises them with a named barrier. The parts share
 one shared-memory buffer (the largest part's tile).
 
@@ -77,7 +77,8 @@ class Postprocess:
         self.sink_threads = self.parts[0].num_threads  # FlashAttention-4 reduces with the dQ postprocess's CTA
         self.smem_bytes = max(max(p.smem_bytes for p in self.parts), 4 * _WARP)
         self.min_ctas_per_sm = min(p.min_ctas_per_sm for p in self.parts)
-        self.batch_on_grid_z = all(p.tiling != Tiling.VARLEN for p in parts)  # Plan.batch_on_grid_z
+        self.alone = len(parts) == 1 and sink is None  # the part's own grid (module docstring)
+        self.batch_on_grid_z = self.alone and parts[0].tiling != Tiling.VARLEN  # Plan.batch_on_grid_z
         self.pointers = abi.pointers(len(parts), sink is not None)
 
     @cute.jit
@@ -87,8 +88,11 @@ class Postprocess:
         pointers, extents, stream = args[:num], args[num:-1], args[-1]
         per = len(abi.EXTENTS)
         grid_x = extents[1] if const_expr(self.sink is not None) else 0
-        for i in cutlass.range_constexpr(len(self.parts)):
-            grid_x = grid_x + self._part_ctas(i, extents[per * i:per * (i + 1)])
+        if const_expr(self.alone):
+            grid_x = self.parts[0].num_ctas(*extents[0:2], extents[4])  # per batch when dense: z is the batch
+        else:
+            for i in cutlass.range_constexpr(len(self.parts)):
+                grid_x = grid_x + self._part_ctas(i, extents[per * i:per * (i + 1)])
         grid_z = extents[0] if const_expr(self.batch_on_grid_z) else 1
         self.kernel(tuple(pointers), tuple(extents)).launch(
             grid=[grid_x, 1, grid_z],
@@ -113,6 +117,16 @@ class Postprocess:
     def kernel(self, pointers: tuple, extents: tuple):
         tidx, _, _ = cute.arch.thread_idx()
         bid, _, bz = cute.arch.block_idx()
+        if const_expr(self.alone):
+            # The whole grid is the part's: no CTA count to compare, the tile allocated by the part (measured: the
+            # former single-tensor kernel's speed; a count and a shared buffer cost 20-100 ns a launch)
+            self.parts[0].cta(self._part_args(0, pointers, extents), bid, bz, tidx, cutlass.memory.SmemAllocator())
+        else:
+            self._parts_and_sink(pointers, extents, bid, tidx)
+
+    @cute.jit
+    def _parts_and_sink(self, pointers, extents, bid, tidx):
+        """A CTA of the one-dimensional grid (module docstring)."""
         smem = cutlass.memory.SmemAllocator()
         base = smem.allocate_array(cutlass.Uint8, self.smem_bytes, byte_alignment=1024)
         start = Int32(0)
@@ -120,47 +134,31 @@ class Postprocess:
             at = {n: k for k, n in enumerate(self.pointers)}
             q = self._part_args(0, pointers, extents)
             start = q.heads
-            if bid < q.heads and bz == 0:
+            if bid < q.heads:
                 if tidx < self.sink_threads:
                     self._reduce_sink(bid, tidx, pointers[at["learnable_sink"]], pointers[at["lse"]],
                                       pointers[at["dpsum"]], pointers[at["dsink"]], q, base)
-        if const_expr(len(self.parts) == 1 and self.sink is None):
-            # The whole grid is the one part's: no CTA count to compute or compare (measured: 20-100 ns a launch)
-            self._run_part(0, bid, bz, tidx, self._part_args(0, pointers, extents), base)
-        else:
-            for i in cutlass.range_constexpr(len(self.parts)):
-                part = self._part_args(i, pointers, extents)
-                count = self._part_ctas(i, part[4:])
-                self._part_tile(i, bid - start, count, bz, tidx, part, base)
-                start = start + count
+        for i in cutlass.range_constexpr(len(self.parts)):
+            part = self._part_args(i, pointers, extents)
+            count = self._part_ctas(i, part[4:])
+            self._part_tile(i, bid - start, count, tidx, part, base)
+            start = start + count
 
     def _part_ctas(self, i: int, extents):
-        """CTAs of part ``i`` along x with these extents (a dense part off the grid's z: every batch)."""
+        """CTAs of part ``i`` in the one-dimensional grid with these extents (dense: every batch's)."""
         dim0, heads, _, _, grid_x = extents
         count = self.parts[i].num_ctas(dim0, heads, grid_x)
-        if const_expr(self.batch_on_grid_z or self.parts[i].tiling == Tiling.VARLEN):
-            return count
-        return count * dim0
+        return count if const_expr(self.parts[i].tiling == Tiling.VARLEN) else count * dim0
 
     @cute.jit
-    def _part_tile(self, i: cutlass.Constexpr, local, count, bz, tidx, part: PartArgs, base):
+    def _part_tile(self, i: cutlass.Constexpr, local, count, tidx, part: PartArgs, base):
         """CTA ``local`` of part ``i``'s ``count`` CTAs, if it is one (numbered as ``tile.py`` describes)."""
-        conv = self.parts[i]
-        if local >= 0 and local < count:
-            if const_expr(conv.num_threads == self.num_threads):
-                self._run_part(i, local, bz, tidx, part, base)
+        if local >= 0 and local < count and tidx < self.parts[i].num_threads:
+            if const_expr(self.parts[i].tiling == Tiling.VARLEN):
+                self.parts[i].cta(part, local, Int32(0), tidx, _SharedTile(base))
             else:
-                if tidx < conv.num_threads:
-                    self._run_part(i, local, bz, tidx, part, base)
-
-    @cute.jit
-    def _run_part(self, i: cutlass.Constexpr, local, bz, tidx, part: PartArgs, base):
-        conv = self.parts[i]
-        if const_expr(conv.tiling == Tiling.VARLEN or self.batch_on_grid_z):
-            conv.cta(part, local, bz, tidx, _SharedTile(base))
-        else:
-            per_batch = part.heads * part.grid_x
-            conv.cta(part, local % per_batch, local // per_batch, tidx, _SharedTile(base))
+                per_batch = part.heads * part.grid_x
+                self.parts[i].cta(part, local % per_batch, local // per_batch, tidx, _SharedTile(base))
 
     # ---- the sink gradient ------------------------------------------------------------------------
     def _sink_sync(self):

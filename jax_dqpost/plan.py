@@ -286,9 +286,8 @@ class Plan:
     # ---- the CUDA kernel -------------------------------------------------------------------------
     @property
     def batch_on_grid_z(self) -> bool:
-        """Every part dense: the launch grid's z is the batch (shared by the parts), as a CTA's tile is found
-        without dividing by the tiles per batch."""
-        return all(p.work is None for p in self.parts)
+        """One dense part and no sink: the launch is the part's own grid, the batch on its z (``kernel.py``)."""
+        return len(self.parts) == 1 and not self.has_sink and self.dq.work is None
 
     @property
     def kernel_key(self) -> tuple:
@@ -299,19 +298,14 @@ class Plan:
 
     def launch(self, acc_shapes) -> tuple[tuple[int, ...], int]:
         """``(extents, ctas)``: the kernel's int32 extents (``abi.EXTENTS`` of each part, ``Part.launch_extents``)
-        and the CTAs of its launch, ``grid_x * grid_z``: ``grid_x`` counts ``H`` sink CTAs (with a sink), then
-        every part's (per batch, when :attr:`batch_on_grid_z`). ``ValueError`` if CUDA cannot launch it."""
-        extents, grid_x = [], self.dq.heads(acc_shapes[0]) if self.has_sink else 0
+        and the CTAs of its launch: with a sink ``H`` sink CTAs, then every part's, every batch's (the grid's z is
+        the batch when :attr:`batch_on_grid_z`). ``ValueError`` if CUDA cannot launch it."""
+        extents, ctas = [], self.dq.heads(acc_shapes[0]) if self.has_sink else 0
         for p, shape in zip(self.parts, acc_shapes):
             ext = p.launch_extents(shape)
             extents += ext
-            grid_x += p.ctas(shape) * (1 if self.batch_on_grid_z or p.work is not None else ext[0])
-        grid_z = 1
-        if self.batch_on_grid_z:
-            batches = {e for e in extents[::len(abi.EXTENTS)]}
-            if len(batches) != 1:
-                raise ValueError(f"jax_dqpost on CUDA: the parts' batches differ: {sorted(batches)}")
-            grid_z = extents[0]
+            ctas += p.ctas(shape) * (1 if p.work is not None else ext[0])
+        grid_x = ctas // extents[0] if self.batch_on_grid_z and extents[0] else ctas
         if grid_x > INT32_MAX:
             raise ValueError(f"jax_dqpost on CUDA: {grid_x} CTAs along x, more than CUDA launches (2^31 - 1)")
-        return tuple(extents), grid_x * grid_z
+        return tuple(extents), ctas

@@ -1,6 +1,6 @@
 """The repository stands on its own and its README stays true: the two commands CI runs are the README's, every
 install command works on its own, every python block runs (but those marked sketches), every relative link and
-anchor resolves, nothing cites a document outside the tree, and the sections a new user looks for are there."""
+anchor resolves, and nothing cites a document outside the tree."""
 
 from __future__ import annotations
 
@@ -74,7 +74,8 @@ def test_readme_python_blocks_run(tmp_path):
     as the README says to make for sharding); a failure's traceback names the README line."""
     blocks = _python_blocks(README)
     runnable = [(line, code) for line, code, sketch in blocks if not sketch]
-    assert len(runnable) >= 6 and len(blocks) - len(runnable) <= 2, [(b[0], b[2]) for b in blocks]
+    # the quickstart and the three calls at least; hardly any code that does not run
+    assert len(runnable) >= 4 and len(blocks) - len(runnable) <= 1, [(b[0], b[2]) for b in blocks]
     script = tmp_path / "readme_blocks.py"
     script.write_text(
         "ns = {'__name__': '__main__'}\n"
@@ -104,7 +105,10 @@ def _anchors(text: str) -> set[str]:
     return anchors
 
 
-@pytest.mark.parametrize("doc", ["README.md", "docs/design.md", "docs/performance.md"])
+DOCS = ["README.md", "CHANGELOG.md", "docs/design.md", "docs/performance.md"]
+
+
+@pytest.mark.parametrize("doc", DOCS)
 def test_anchor_links_resolve(doc):
     """Every link to a heading, in the same document (`#...`) or another one (`file.md#...`), finds it."""
     text = (ROOT / doc).read_text()
@@ -139,17 +143,9 @@ def test_nothing_cites_what_is_not_in_the_tree():
     assert not _tracked("results"), "run logs are not kept in the tree"
 
 
-@pytest.mark.parametrize("doc", ["README.md", "docs/design.md", "docs/performance.md"])
+@pytest.mark.parametrize("doc", DOCS)
 def test_relative_links_resolve(doc):
     text = (ROOT / doc).read_text()
     for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", text):
         if "://" not in target:
             assert (ROOT / doc).parent.joinpath(target).exists(), f"{doc} links to a missing {target}"
-
-
-def test_readme_has_what_a_new_user_looks_for():
-    for heading in ("## Install and run", "## Where `dq_accum` comes from", "## GPU requirements", "## API",
-                    "## Performance"):
-        assert heading in README, heading
-    assert "custom_vjp" in README and "dq_accum_from_dq" in README
-    assert "XLA_FLAGS=--xla_force_host_platform_device_count=8" in README

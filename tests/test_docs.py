@@ -18,6 +18,12 @@ ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 
 
+def test_readme_is_short():
+    """Read in five minutes (issue #20): at most 12,000 characters. The reference lives in the docstrings, the
+    measurements in docs/performance.md, the history in CHANGELOG.md."""
+    assert len(README) <= 12_000, f"README.md has {len(README)} characters"
+
+
 def _readme_commands() -> list[str]:
     block = re.search(r"```bash\n(.*?)```", README, re.S).group(1)
     return [line for line in block.splitlines() if line.strip() and not line.lstrip().startswith("#")]

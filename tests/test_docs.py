@@ -1,6 +1,6 @@
 """The repository stands on its own and its README stays true: the two commands CI runs are the README's, every
-install command works on its own, every python block runs (but those marked sketches), every relative link and
-anchor resolves, and nothing cites a document outside the tree."""
+install command works on its own, every python block runs (but those marked sketches), the preset table is what the
+code returns, every relative link and anchor resolves, and nothing cites a document outside the tree."""
 
 from __future__ import annotations
 
@@ -93,6 +93,52 @@ def test_readme_python_blocks_run(tmp_path):
                          timeout=900)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     assert out.stdout.count("ran README.md block") == len(runnable), out.stdout
+
+
+def _preset_rows() -> list[list[str]]:
+    """The rows of the README's preset table: those whose first cell lists GPU architectures."""
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in README.splitlines()
+            if line.startswith("|")]
+    return [row for row in rows if re.fullmatch(r"\d+(, \d+)*", row[0])]
+
+
+def _preset_cell(cell: str):
+    """A cell's layout (`(arch, tile_m, ...)`, the fields of AccumLayout in order), or ValueError."""
+    from jax_dqpost import AccumLayout
+
+    if "ValueError" in cell:
+        return ValueError
+    fields = re.fullmatch(r"`\((.*)\)`", cell).group(1)
+    return eval(f"AccumLayout({fields})", {"AccumLayout": AccumLayout})
+
+
+def _preset(arch, head_dim, causal, tensor):
+    from jax_dqpost import AccumLayout
+
+    try:
+        return AccumLayout.flash_attention(arch, head_dim, causal, tensor=tensor)
+    except ValueError:
+        return ValueError
+
+
+def test_readme_preset_table_is_what_the_code_returns():
+    """Every row of the table holds AccumLayout.flash_attention's dQ and dK/dV layout for every head dim (multiples
+    of 8) in its range, and the rows cover each listed architecture's head dims 8..256, causal or not, once."""
+    rows = _preset_rows()
+    assert len(rows) >= 8, rows
+    covered = []
+    for archs, head_dims, causal, dq_cell, dkv_cell in rows:
+        lo, hi = map(int, head_dims.split(".."))
+        dq = _preset_cell(dq_cell)
+        dkv = dq if dkv_cell == "the same" else _preset_cell(dkv_cell)
+        for arch in map(int, archs.split(", ")):
+            for flag in {"either": (False, True), "no": (False,), "yes": (True,)}[causal]:
+                for head_dim in range(lo, hi + 1, 8):
+                    covered.append((arch, head_dim, flag))
+                    assert _preset(arch, head_dim, flag, "dq") == dq, (arch, head_dim, flag, "dq")
+                    assert _preset(arch, head_dim, flag, "dkv") == dkv, (arch, head_dim, flag, "dkv")
+    archs = {arch for arch, _, _ in covered}
+    assert sorted(covered) == [(a, d, c) for a in sorted(archs) for d in range(8, 257, 8) for c in (False, True)]
 
 
 def _slug(heading: str) -> str:

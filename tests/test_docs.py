@@ -1,6 +1,7 @@
 """The repository stands on its own and its README stays true: the two commands CI runs are the README's, every
 install command works on its own, every python block runs (but those marked sketches), the preset table is what the
-code returns, every relative link and anchor resolves, and nothing cites a document outside the tree."""
+code returns, the performance summary quotes docs/performance.md, every relative link and anchor resolves, and
+nothing cites a document outside the tree."""
 
 from __future__ import annotations
 
@@ -139,6 +140,20 @@ def test_readme_preset_table_is_what_the_code_returns():
                     assert _preset(arch, head_dim, flag, "dkv") == dkv, (arch, head_dim, flag, "dkv")
     archs = {arch for arch, _, _ in covered}
     assert sorted(covered) == [(a, d, c) for a in sorted(archs) for d in range(8, 257, 8) for c in (False, True)]
+
+
+def _numbers(text: str) -> set[str]:
+    """The words of text that hold a digit (numbers, ranges, dates, commits), without trailing punctuation."""
+    return {w.rstrip(".") for w in re.findall(r"[\w.%-]+", text) if re.search(r"\d", w)}
+
+
+def test_readme_performance_summary_quotes_performance_md():
+    """The measurements' one home is docs/performance.md: every number of the README's performance summary (ranges,
+    ratios, date, commit) appears there, so a new run that updates that page and not the README fails here."""
+    section = README.split("\n## Performance\n", 1)[1].split("\n## ", 1)[0]
+    quoted, measured = _numbers(section), _numbers((ROOT / "docs" / "performance.md").read_text())
+    assert len(quoted) >= 5, quoted
+    assert quoted <= measured, f"not in docs/performance.md: {sorted(quoted - measured)}"
 
 
 def _slug(heading: str) -> str:

@@ -109,8 +109,8 @@ def pytest_runtest_makereport(item, call):
 
 # ---- what the tests run on
 
-DTYPES = [pytest.param(jnp.bfloat16, id="bf16"), pytest.param(jnp.float16, id="f16")]
-"""The output dtypes, as parameters."""
+DTYPES = [jnp.bfloat16, jnp.float16]
+"""The output dtypes (parameter ids: ``ids=["bf16", "f16"]``)."""
 
 # FlashAttention's Hopper dQ configurations: (tile_m, num_threads, atom_layout, swap_ab, hdim_multiple_of)
 # FlashAttention-4's CuTe DSL backward (flash_attn/cute/interface.py) and C++ FA3's (hopper/flash_bwd_launch_template.h),

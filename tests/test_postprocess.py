@@ -152,7 +152,7 @@ def _side(rng, k, layout, heads, head_dims, scales, dtype, packing, offsets, *, 
             cu, used, total = given
         else:
             cu = [0] + np.cumsum(lengths).tolist()
-            total = cu[-1] + int(rng.integers(0, 40))
+            total = cu[-1] + int(rng.integers(1, 40))  # rows no sequence covers
         if packing == "varlen-seqused" and given is None:
             used = oracle.random_seqused(rng, cu)
             used[0] = lengths[0]
@@ -312,8 +312,10 @@ def test_matches_oracle(rng, platform, part, sink, packing, offsets, dtype, layo
         n_seq = 3 if len(hds) == 1 else 2
         calls = [call(hds[i % len(hds)], seqlens=_dense_seqlens(case, i, len(hds))) for i in range(len(hds) * n_seq)]
     elif packing.startswith("dense"):
+        # one call: random lengths; dQ and dK at the layout's first head dim in bf16, its second in fp16
+        i = ("bf16", "f16").index(dtype) % len(hds)
         seqlens = (int(rng.integers(1, 3 * case.dq.pad_rows)), int(rng.integers(1, 3 * case.dkv.pad_rows)))
-        calls = [call(hds[0], hds[-1], seqlens=seqlens, batch=2 if packing == "dense" else 4)]
+        calls = [call(hds[i], hds[(i + 1) % len(hds)], seqlens=seqlens, batch=2 if packing == "dense" else 4)]
     else:
         calls = [call(hds[0], hds[-1], lengths=_varlen_lengths(rng, 9), batch=9)]
         if packing == "varlen" and part == "dq":  # a single sequence

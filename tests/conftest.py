@@ -103,7 +103,8 @@ def pytest_runtest_makereport(item, call):
     if report.failed:
         report.sections.append((
             "random inputs", f"run seed {RUN_SEED}, this test's seed {seed_of(item.nodeid)} (from the run seed and "
-                             f"its id); replay with: {SEED_ENV}={RUN_SEED} pytest '{item.nodeid}'"))
+                             f"its id); replay with: cd {item.config.rootpath} && {SEED_ENV}={RUN_SEED} pytest "
+                             f"'{item.nodeid}'"))
     return report
 
 

@@ -6,10 +6,15 @@ float16, with its gradient) x the packing (dense, dense with seqused, varlen, va
 (static or traced) x the output dtype (bf16, fp16) x the accumulator layout. dq, dk and dv must have the oracle's
 bits (one fp32 multiply, one rounding); dsink must be within tolerance of a float64 reference.
 
-Every layout runs dense in both dtypes through both parts; the other combinations run over the layouts that the
-varlen path distinguishes (VARLEN_LAYOUTS) or take the layouts in turn (ROTATION), so that each layout meets each
-of them. On CPU this checks the jax.numpy reference; where a CUDA GPU is present the same tests run the kernels,
-each output written over a poisoned buffer.
+Every (part, sink, packing, offsets) combination runs (test_matches_oracle). Without a sink, dense runs every
+layout in both dtypes through both parts (dQ alone at each of the layout's head dims and at the tile boundaries);
+the other combinations take their (layout, dtype) runs in turn from a cycle (_matrix), so that each layout meets
+both dtypes, both offsets and both kinds of lengths. FlashAttention-4's presets run at every head dim
+(test_presets_at_every_head_dim); rounding ties, scales, empty shapes, corrupt traced offsets and many short
+sequences have their own tests, through both parts.
+
+On CPU this checks the jax.numpy reference; where a CUDA GPU is present the same tests run the kernels, each output
+written over a poisoned buffer (run).
 """
 
 from __future__ import annotations
@@ -45,8 +50,8 @@ def _same(layout):
 
 @dataclasses.dataclass(frozen=True)
 class LayoutCase:
-    """A producer's dQ order and dK/dV order, and the head dims to run them with (the dqkv part pairs each head
-    dim, for dQ and dK, with the next one, for dV)."""
+    """A producer's dQ order and dK/dV order, and the head dims to run them with (with dK and dV: dV's head dim
+    is the next one of the list)."""
     dq: AccumLayout
     dkv: AccumLayout
     head_dims: tuple[int, ...]

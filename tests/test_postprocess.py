@@ -80,6 +80,8 @@ assert {FA_HOPPER_CONFIGS[n] for n in FA_HOPPER_CONFIGS if n.startswith("cute-")
     (c.dq.tile_m, c.dq.num_threads, c.dq.atom_layout, c.dq.swap_ab, c.dq.hdim_multiple_of)
     for n, c in LAYOUTS.items() if n.startswith("sm90-")}
 
+FA4_LAYOUTS = {name for name in LAYOUTS if name.startswith(("sm90-", "sm100-", "sm120"))}  # FlashAttention-4's pairs
+
 # The layouts every varlen combination runs: swapped and plain Hopper orders (short tiles or not), a head dim
 # padded to 64, the mma.sync, 2-CTA tcgen05 (clustered dK/dV) and row-major orders, and dV's own head dim.
 VARLEN_LAYOUTS = ("sm90-hd128", "sm90-hd64", "sm90-hd96", "cxx-hd256-swap", "sm120", "sm100-2cta", "row-major",
@@ -97,7 +99,8 @@ def _matrix():
     """The matrix's parameters: (part, sink, packing, offsets) in every combination, each with runs of (layout,
     dtype, sink dtype).
 
-    Without a sink, dense runs every layout in both dtypes. The other combinations take their runs in turn from a
+    Without a sink, dense runs every layout in both dtypes (with dK and dV, the layouts that are not FlashAttention-4's
+    pairs in one dtype each). The other combinations take their runs in turn from a
     cycle: varlen four runs each from VARLEN_LAYOUTS x dtypes (every pair once per part), dense with seqused two and
     a sink one (with static offsets and dQ alone, one per sink dtype) from all layouts x dtypes."""
     params = []
@@ -107,8 +110,10 @@ def _matrix():
         sink_dtypes = _cycle(SINK_DTYPES, 1 if part == "dq" else 2)
         for sink, packing in itertools.product((False, True), PACKINGS):
             for offsets in ("static",) if packing == "dense" else ("static", "traced"):
-                if not sink and packing == "dense":
-                    runs = [(layout, dtype, None) for layout in sorted(LAYOUTS) for dtype in ("bf16", "f16")]
+                if not sink and packing == "dense":  # (dK/dV in a dQ order: one dtype each, in turn)
+                    runs = [(layout, dtype, None) for i, layout in enumerate(sorted(LAYOUTS))
+                            for dtype in ("bf16", "f16")
+                            if part == "dq" or layout in FA4_LAYOUTS or dtype == ("bf16", "f16")[i % 2]]
                 elif not sink and packing.startswith("varlen"):
                     runs = [(*next(varlen_runs), None) for _ in range(4)]
                 elif not sink:
@@ -162,7 +167,8 @@ def _side(rng, k, layout, heads, head_dims, scales, dtype, packing, offsets, *, 
             used = oracle.random_seqused(rng, cu)
             used[0] = lengths[0]
         static = {f"total_{k}": total}
-        sides = [oracle.varlen_case(rng, layout, cu, used, total, heads, d, s, dtype) for d, s in zip(head_dims, scales)]
+        sides = [oracle.varlen_case(rng, layout, cu, used, total, heads, d, s, dtype)
+                 for d, s in zip(head_dims, scales)]
         rows = dict(seqused=used, cu=cu, total=total, pad=layout.pad_rows)
         offsets_kw = {f"cu_seqlens_{k}": cu}
     if used is not None:
@@ -337,9 +343,9 @@ PRESET_HEAD_DIMS = {90: tuple(range(8, 257, 8)), 100: (8, 40, 64, 72, 96, 120, 1
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)
-@pytest.mark.parametrize("arch, dtype, part", [  # dQ, dK and dV in one dtype for each preset
+@pytest.mark.parametrize("arch, dtype, part", [  # dQ, dK and dV: Hopper's presets, in one dtype
     (arch, dtype, part) for arch in sorted(PRESET_HEAD_DIMS) for dtype in ("bf16", "f16") for part in PARTS
-    if part == "dq" or dtype == {90: "bf16", 100: "f16", 120: "bf16"}[arch]])
+    if part == "dq" or (arch, dtype) == (90, "bf16")])
 def test_presets_at_every_head_dim(rng, platform, part, dtype, arch):
     """dQ at every head dim; with dK and dV, dK at every head dim and dV at the next one where the preset's dK/dV
     layout takes it (every head dim once)."""
@@ -428,9 +434,9 @@ def test_corrupt_traced_offsets_are_clamped(rng, platform, part, packing):
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)
-@pytest.mark.parametrize("part", PARTS)
-@pytest.mark.parametrize("offsets", ["static", "traced"])
+@pytest.mark.parametrize("part, offsets", [("dq", "static"), ("dq", "traced"), ("dqkv", "traced")])
 def test_many_short_sequences(rng, platform, part, offsets):
+    """2000 sequences of 0..12 rows (more than FlashAttention's binary-search threshold), rows after the last."""
     case = LAYOUTS["sm90-hd128"]
     lengths = ([int(x) for x in rng.integers(0, 13, 2000)], [int(x) for x in rng.integers(0, 13, 2000)])
     check(platform, [make_call(rng, part, None, "varlen", offsets, "bf16", case, 128, lengths=lengths, batch=2000,

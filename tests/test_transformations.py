@@ -209,6 +209,8 @@ def test_linear_in_the_accumulators_bilinear_in_the_scales(rng, platform, part, 
     if part == "dq":  # (the fused op's derivative rules are the same code: its VJPs below, for time)
         check_grads(jax.jit(f), args, order=1, modes=("fwd", "rev"), eps=1.0, atol=0.05, rtol=0.02)
         check_grads(linear, args[:len(accs)], order=2, modes=("fwd", "rev"), eps=1.0, atol=0.05, rtol=0.02)
+    if (part, packing) == ("dq", "varlen"):
+        return  # (its VJP: dK's and dV's below, the same transpose, for time)
     outs, vjp = jax.vjp(linear, *args[:len(accs)])
     cts = tuple(jnp.asarray(rng.standard_normal(o.shape), o.dtype) for o in outs)
     kw = {} if packing == "dense" else dict(cu_seqlens_q=offsets["cu_q"])

@@ -187,7 +187,7 @@ def test_linear_in_the_accumulators_bilinear_in_the_scales(rng, platform, part, 
     """The VJP of each accumulator is dq_accum_from_dq of its cotangent, with its scale. dQ alone: linear in its
     accumulator and bilinear in (accumulator, scale), so central differences with a large step are exact up to fp16
     rounding: first order in both, second order in the accumulator (jointly with the scale, second-order checks see
-    a cubic, whose central differences are not exact)."""
+    a cubic, whose central differences are not exact); its packed VJP is the fused op's packed dK/dV one."""
     device = jax.devices(platform)[0]
     cu = [0, 70, 70, 200]
     x, static = problem(rng, part, packing, specials=False, batch=1, seqlens=(90, 60), cu=cu, total=210,

@@ -1,28 +1,54 @@
-"""Shared test fixtures: platforms to run on, fresh random generators, FlashAttention configurations."""
+"""Shared test configuration: the run's random seed, one kernel cache for the run, the platforms to run on, and the
+accumulator layouts the tests cover.
+
+Random inputs: every test draws from its own stream (the ``rng`` fixture; ``seed`` is its integer seed, for a
+subprocess), derived from the run's seed and the test's id, so a test gets the same inputs whatever else runs, in
+whatever order, on whichever xdist worker. The run's seed is 0 unless ``JAX_DQPOST_TEST_SEED`` says otherwise; the
+report's header names it, and a failing test's report says how to replay it.
+
+Kernel cache: the tests that lower for CUDA compile CuTe kernels (also without a GPU, for ``CUTE_DSL_ARCH``). The run
+has one on-disk kernel cache: the first pytest process makes it (the xdist controller, or the only process), its
+xdist workers use it too (so a kernel is compiled once per run, not once per worker; the cache is safe for
+concurrent writers), and it is removed when that process exits.
+"""
 
 from __future__ import annotations
 
 import atexit
+import hashlib
 import os
 import shutil
 import sys
 import tempfile
 
-# A fresh on-disk kernel cache per test process (every compile test compiles; test_cache.py tests the cache),
-# removed when the process exits.
-_CACHE = tempfile.mkdtemp(prefix="jax_dqpost_test_cache_")
-os.environ["JAX_DQPOST_CACHE_DIR"] = _CACHE
-atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+SEED_ENV = "JAX_DQPOST_TEST_SEED"
+_RUN_CACHE_ENV = "JAX_DQPOST_TEST_RUN_CACHE"  # "<pid of the process that made it>:<directory>"
+
+
+def _run_kernel_cache() -> str:
+    """The run's kernel cache directory: the one the parent process made if this is one of its xdist workers (xdist
+    starts them as its children after importing this file), else a new one, removed when this process exits (a
+    pytest run inside a test makes its own)."""
+    owner, _, inherited = os.environ.get(_RUN_CACHE_ENV, "").partition(":")
+    if os.environ.get("PYTEST_XDIST_WORKER") and owner == str(os.getppid()) and os.path.isdir(inherited):
+        return inherited
+    path = tempfile.mkdtemp(prefix="jax_dqpost_test_cache_")
+    os.environ[_RUN_CACHE_ENV] = f"{os.getpid()}:{path}"
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
+os.environ["JAX_DQPOST_CACHE_DIR"] = _run_kernel_cache()
 
 # Eight CPU devices for the sharding tests (must be set before JAX initialises its CPU backend).
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
-import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from jax_dqpost import arch  # noqa: E402
+from jax_dqpost import AccumLayout, arch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests/oracle.py
 
@@ -31,6 +57,61 @@ PLATFORMS = ["cpu", "cuda"] if HAS_GPU else ["cpu"]
 if not HAS_GPU:
     # Lowering for CUDA without a GPU (export tests) compiles the kernel for this architecture.
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+
+# ---- the run's seed
+
+def _read_seed() -> int:
+    value = os.environ.get(SEED_ENV, "").strip()
+    if not value:
+        return 0
+    try:
+        return int(value, 0)
+    except ValueError:
+        raise pytest.UsageError(f"{SEED_ENV} must be an integer, got {value!r}") from None
+
+
+RUN_SEED = _read_seed()
+
+
+def seed_of(nodeid: str) -> int:
+    """The seed of test ``nodeid``'s random stream: from the run's seed and the test's id alone."""
+    digest = hashlib.sha256(f"{RUN_SEED}\0{nodeid}".encode()).digest()
+    return int.from_bytes(digest[:8], "little")
+
+
+@pytest.fixture
+def seed(request) -> int:
+    """This test's seed (``rng`` is ``np.random.default_rng(seed)``): pass it to a subprocess that draws inputs."""
+    return seed_of(request.node.nodeid)
+
+
+@pytest.fixture
+def rng(seed):
+    """This test's random stream: the same inputs on every run with the same ``JAX_DQPOST_TEST_SEED``."""
+    return np.random.default_rng(seed)
+
+
+def pytest_report_header(config):
+    how = f"from {SEED_ENV}" if os.environ.get(SEED_ENV, "").strip() else f"the default; {SEED_ENV} sets another"
+    return f"jax_dqpost: random inputs from run seed {RUN_SEED} ({how}), one stream per test id"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.failed:
+        report.sections.append((
+            "random inputs", f"run seed {RUN_SEED}, this test's seed {seed_of(item.nodeid)} (from the run seed and "
+                             f"its id); replay with: cd {item.config.rootpath} && {SEED_ENV}={RUN_SEED} pytest "
+                             f"'{item.nodeid}'"))
+    return report
+
+
+# ---- what the tests run on
+
+DTYPES = [jnp.bfloat16, jnp.float16]
+"""The output dtypes (parameter ids: ``ids=["bf16", "f16"]``)."""
 
 # FlashAttention's Hopper dQ configurations: (tile_m, num_threads, atom_layout, swap_ab, hdim_multiple_of)
 # FlashAttention-4's CuTe DSL backward (flash_attn/cute/interface.py) and C++ FA3's (hopper/flash_bwd_launch_template.h),
@@ -51,20 +132,19 @@ FA_HOPPER_HEAD_DIM = {"cute-hd64": 64, "cute-hd96-single-wg": 96, "cute-hd128-ca
                       "cute-hd192": 192, "cute-hd256": 256, "cxx-hd64-softcap": 64, "cxx-hd96": 96,
                       "cxx-hd192-3wg": 192, "cxx-hd256-swap": 256}
 
+# Accumulator orders other than Hopper's, with the head dims each is run with.
+OTHER_ORDERS = {
+    "sm120": (AccumLayout(80, 64, 128, 4, False, 32), (64, 128, 96, 256)),
+    "sm80-swap": (AccumLayout(80, 64, 256, 2, True, 32), (128, 256)),
+    "sm80-cxx-hd64": (AccumLayout(80, 128, 256, 4, False, 64), (64, 40)),
+    "sm100-1cta": (AccumLayout(100, 128, 128, 1, False, 32), (64, 96, 120)),
+    "sm100-2cta": (AccumLayout(100, 128, 128, 1, False, 32, two_cta=True), (128, 192, 160)),
+    "row-major": (AccumLayout(None, 64, 256, 1, False, 32), (40, 128, 256)),
+}
+
 
 def fa_cute_hopper_config(head_dim: int, causal: bool = False):
     """The layout FlashAttention's CuTe DSL backward uses for dQ on Hopper, as a (tile_m, threads, atom,
     swap, mult) tuple, from the package's preset (itself checked against the table in test_layout.py)."""
-    from jax_dqpost import AccumLayout
-
     p = AccumLayout.flash_attention(90, head_dim, causal=causal)
     return (p.tile_m, p.num_threads, p.atom_layout, p.swap_ab, p.hdim_multiple_of)
-
-
-@pytest.fixture
-def rng(request):
-    """A fresh generator per test; the seed is printed on failure for reproduction."""
-    seed = int.from_bytes(os.urandom(8), "little")
-    request.node.user_properties.append(("seed", seed))
-    print(f"seed={seed}")
-    return np.random.default_rng(seed)

@@ -230,8 +230,8 @@ def build_varlen(rng, cu, seqused, total_q, heads, head_dim, layout_args, *, hdi
     pad = tile_m * cluster
     Tp = round_up(total_q + batch * pad, pad)
     pos = tile_positions(arch, tile_m, Dr, *layout_args[1:], two_cta=two_cta)
-    acc = (rng.standard_normal((heads, Tp * Dr)) * 1e3).astype(np.float32)
-    acc[rng.random(acc.shape) < 0.05] = np.nan
+    acc = rng.standard_normal((heads, Tp * Dr), dtype=np.float32) * np.float32(1e3)
+    acc[rng.random(acc.shape, dtype=np.float32) < 0.05] = np.nan
     if logical is None:
         logical = random_logical(rng, (total_q, heads, head_dim))
     expected = np.zeros((total_q, heads, head_dim), dtype)
@@ -240,11 +240,10 @@ def build_varlen(rng, cu, seqused, total_q, heads, head_dim, layout_args, *, hdi
         length = c[b + 1] - c[b]
         used = length if seqused is None else min(max(seqused[b], 0), length)
         start = (c[b] + b * pad) // pad * pad
-        for i in range(used):
-            row = c[b] + i
-            tile_base = (start + (i // tile_m) * tile_m) * Dr
-            acc[:, tile_base + pos[i % tile_m, :head_dim]] = logical[row]  # (H, D) into producer order
-            expected[row] = expected_dq(logical[row], scale, dtype)
+        i = np.arange(used)  # row c[b] + i is row i of the sequence: tile i // tile_m, row i % tile_m of it
+        at = ((start + (i // tile_m) * tile_m) * Dr)[:, None] + pos[i % tile_m, :head_dim]  # (used, D)
+        acc[:, at] = np.transpose(logical[c[b]:c[b] + used], (1, 0, 2))  # (H, used, D) into producer order
+        expected[c[b]:c[b] + used] = expected_dq(logical[c[b]:c[b] + used], scale, dtype)
     return acc, expected
 
 
@@ -253,3 +252,119 @@ def expected_dense_seqused(logical, seqused, scale, dtype):
     for b, u in enumerate(seqused):
         out[b, min(max(u, 0), logical.shape[1]):] = 0
     return out
+
+
+# ---- comparisons and whole cases (numpy only; a layout is read through its attributes)
+
+def assert_same_bits(got, want, what=""):
+    """``got`` has ``want``'s shape, dtype and bits (NaNs in the same places, any NaN payload)."""
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.shape == want.shape and got.dtype == want.dtype, (what, got.shape, got.dtype, want.shape, want.dtype)
+    gnan, wnan = np.isnan(got.astype(np.float32)), np.isnan(want.astype(np.float32))
+    assert np.array_equal(gnan, wnan), f"{what}: NaN positions differ"
+    bits = lambda x: x.view(np.uint16) if x.dtype.itemsize == 2 else x.view(np.uint32)  # noqa: E731
+    diff = (bits(got) != bits(want)) & ~wnan
+    if diff.any():
+        idx = np.argwhere(diff)[:5]
+        raise AssertionError(f"{what}: {diff.sum()} of {diff.size} elements differ, first at {idx.tolist()}: "
+                             f"got {[got[tuple(i)] for i in idx]} want {[want[tuple(i)] for i in idx]}")
+
+
+def layout_args(layout):
+    """The ``(tile_m, num_threads, atom_layout, swap_ab)`` a producer emulation takes, from an AccumLayout."""
+    return layout.tile_m, layout.num_threads, layout.atom_layout, layout.swap_ab
+
+
+def dense_case(rng, layout, shape, scale, dtype, *, seqused=None, specials=True, padding="random"):
+    """A dense accumulator ``(B, H, Sr*Dr)`` in ``layout``'s order holding random values of logical shape ``shape``
+    ``(B, S, H, D)``, and the expected output (rows past ``seqused`` zero)."""
+    logical = random_logical(rng, shape, specials=specials)
+    acc = build_accumulator(logical, layout_args(layout), hdim_multiple_of=layout.hdim_multiple_of, rng=rng,
+                            padding=padding, arch=layout.arch, two_cta=layout.two_cta, cluster=layout.cluster_size)
+    if seqused is None:
+        return acc, expected_dq(logical, scale, dtype)
+    return acc, expected_dense_seqused(logical, seqused, scale, dtype)
+
+
+def varlen_case(rng, layout, cu, seqused, total, heads, head_dim, scale, dtype, *, logical=None):
+    """A packed accumulator ``(H, Tp*Dr)`` in ``layout``'s order and the expected ``(T, H, D)`` output
+    (:func:`build_varlen`)."""
+    return build_varlen(rng, cu, seqused, total, heads, head_dim, layout_args(layout),
+                        hdim_multiple_of=layout.hdim_multiple_of, scale=scale, dtype=dtype, logical=logical,
+                        arch=layout.arch, two_cta=layout.two_cta, cluster=layout.cluster_size)
+
+
+def random_offsets(rng, batch, most):
+    """``cu_seqlens`` of ``batch`` sequences of random lengths in ``[0, most)``."""
+    return [0] + np.cumsum(rng.integers(0, most, size=batch)).tolist()
+
+
+def random_seqused(rng, cu):
+    """Random lengths used, each in ``[0, its sequence's length]``."""
+    return [int(rng.integers(0, cu[b + 1] - cu[b] + 1)) for b in range(len(cu) - 1)]
+
+
+def sequence_rows(cu, seqused, total, pad):
+    """``(first output row, first accumulator row, rows)`` of each packed sequence, its offsets made valid as
+    documented (:func:`clamped_offsets`; lengths clamped to their sequence), the accumulator padded by ``pad`` rows
+    per sequence (FlashAttention's allocation)."""
+    c = clamped_offsets(cu, total)
+    rows = []
+    for b in range(len(cu) - 1):
+        length = c[b + 1] - c[b]
+        used = length if seqused is None else min(max(seqused[b], 0), length)
+        rows.append((c[b], (c[b] + b * pad) // pad * pad, used))
+    return rows
+
+
+# ---- the learnable sink's gradient: float64 reference
+
+def sink_inputs(rng, heads, sink_dtype, lse_shape, dpsum_shape, heads_axis):
+    """A sink ``(H,)`` of ``sink_dtype`` and float32 ``lse``, ``dpsum`` as attention leaves them: ``lse`` counts
+    the sink's mass too (``p = exp(sink - lse)`` is in (0, 1]), 5% of its rows are -inf (attended to nothing)."""
+    sink = (rng.standard_normal(heads) * 2).astype(sink_dtype)
+    axes = tuple(i for i in range(len(lse_shape)) if i != heads_axis)
+    lse = (np.expand_dims(sink.astype(np.float32), axes) + np.abs(rng.standard_normal(lse_shape)) * 3)
+    lse = lse.astype(np.float32)
+    lse[rng.random(lse_shape) < 0.05] = -np.inf
+    return sink, lse, rng.standard_normal(dpsum_shape).astype(np.float32)
+
+
+def expected_dsink(sink, lse, dpsum, *, seqused=None, cu=None, total=None, pad=None):
+    """float64 ``dsink[h] = sum over the covered rows of -exp(sink[h] - lse) * dpsum`` (the exponential is 1 where
+    lse = -inf), and the sum of the terms' magnitudes per head (the sum cancels: the scale of its error).
+
+    Dense: ``lse`` (B, H, S), ``dpsum`` (B, H, Sr), rows below ``seqused``. Packed (``cu``, ``total``, ``pad``):
+    ``lse`` (H, T) at the sequence's output rows, ``dpsum`` (H, Tp) at its accumulator rows (:func:`sequence_rows`).
+    """
+    s = sink.astype(np.float64)
+    if cu is None:
+        batch, heads, seqlen = lse.shape
+        used = [seqlen] * batch if seqused is None else [min(max(u, 0), seqlen) for u in seqused]
+        lse_rows = np.moveaxis(lse, 1, 0).reshape(heads, -1)
+        dpsum_rows = np.moveaxis(dpsum[:, :, :seqlen], 1, 0).reshape(heads, -1)
+        keep = np.concatenate([np.arange(seqlen) < u for u in used])
+    else:
+        heads = lse.shape[0]
+        lse_cols, dpsum_cols = [], []
+        for out_row, acc_row, rows in sequence_rows(cu, seqused, total, pad):
+            lse_cols += range(out_row, out_row + rows)
+            dpsum_cols += range(acc_row, acc_row + rows)
+        lse_rows, dpsum_rows = lse[:, lse_cols], dpsum[:, dpsum_cols]
+        keep = np.ones(len(lse_cols), bool)
+    lse64 = lse_rows.astype(np.float64)
+    with np.errstate(over="ignore"):
+        p = np.where(np.isneginf(lse64), 1.0, np.exp(s[:, None] - lse64))
+    terms = np.where(keep[None, :], -p * dpsum_rows.astype(np.float64), 0.0)
+    return terms.sum(axis=1), np.abs(terms).sum(axis=1)
+
+
+def assert_dsink_close(got, want, magnitude, sink_dtype, what=""):
+    """Within 1e-5 of the terms' magnitude (a float32 sum), plus one rounding to a 16-bit ``sink_dtype``."""
+    got = np.asarray(got)
+    assert got.dtype == np.dtype(sink_dtype) and got.shape == want.shape, (what, got.dtype, got.shape)
+    got = got.astype(np.float64)
+    tol = 1e-5 * magnitude
+    if np.dtype(sink_dtype) != np.float32:
+        tol = tol + np.abs(want) * (2.0**-8 if np.dtype(sink_dtype) == ml_dtypes.bfloat16 else 2.0**-11)
+    assert (np.abs(got - want) <= tol).all(), (what, got, want, tol)

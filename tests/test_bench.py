@@ -14,7 +14,7 @@ import pytest
 
 from jax_dqpost.bench import __main__ as bench_main
 from jax_dqpost.bench import cases, fused, harness, probes, report
-from test_dq_postprocess import assert_same_bits
+from oracle import assert_same_bits
 
 
 @pytest.mark.parametrize("packing", cases.PACKINGS)

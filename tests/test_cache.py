@@ -112,7 +112,7 @@ def test_concurrent_writers(tmp_path):
 
 
 @pytest.mark.parametrize("damage", ["truncated", "garbage", "one_byte", "empty", "old_format"])
-def test_a_damaged_entry_is_recompiled_and_rewritten_with_one_warning(tmp_path, monkeypatch, damage):
+def test_a_damaged_entry_is_recompiled_and_rewritten_with_one_warning(tmp_path, monkeypatch, rng, damage):
     """Every read verifies the entry against its sha256: a damaged entry never reaches a module (or an exported
     artifact); it is discarded with one warning, compiled again and rewritten."""
     from jax_dqpost.plan import Tiling
@@ -124,7 +124,7 @@ def test_a_damaged_entry_is_recompiled_and_rewritten_with_one_warning(tmp_path, 
     (entry,) = tmp_path.glob("*.cute")
     intact = entry.read_bytes()
     module_at = len(intact) - len(good.module)
-    broken = {"truncated": intact[:len(intact) // 2], "garbage": os.urandom(len(intact)), "empty": b"",
+    broken = {"truncated": intact[:len(intact) // 2], "garbage": rng.bytes(len(intact)), "empty": b"",
               "one_byte": intact[:module_at + 100] + bytes([intact[module_at + 100] ^ 1]) + intact[module_at + 101:],
               "old_format": good.module}[damage]
     entry.write_bytes(broken)

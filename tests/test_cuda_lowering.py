@@ -76,11 +76,11 @@ def test_cuda_lowering_rejects_grids_cuda_cannot_launch(batch, heads, seqlen, wh
         assert _ffi.TARGET_NAME in exported.mlir_module()
 
 
-def test_export_serializes_and_multi_platform():
+def test_export_serializes_and_multi_platform(rng):
     exported = _export(["cpu", "cuda"])
     assert exported.platforms == ("cpu", "cuda")
     restored = jax.export.deserialize(exported.serialize())
-    acc = np.random.default_rng().standard_normal(LAYOUT.accum_shape(2, 4, 1000, 128)).astype(np.float32)
+    acc = rng.standard_normal(LAYOUT.accum_shape(2, 4, 1000, 128)).astype(np.float32)
     # On this machine the CPU lowering of the multi-platform artifact runs: same bits as a direct call.
     want = jax.jit(lambda a: dq_postprocess(a, 0.3, seqlen_q=1000, head_dim=128, layout=LAYOUT))(acc)
     got = restored.call(acc, np.float32(0.3))

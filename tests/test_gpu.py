@@ -1,7 +1,7 @@
 """GPU-only checks (skipped without a CUDA GPU): the kernel on poisoned outputs, the FFI target's
 errors, and bit-for-bit agreement with upstream FlashAttention-4's postprocess on the same accumulators.
 
-The oracle comparisons of test_dq_postprocess.py also run on the GPU through the FFI target.
+The oracle comparisons of test_postprocess.py also run on the GPU through the FFI targets (on poisoned outputs).
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import FA_HOPPER_CONFIGS, FA_HOPPER_HEAD_DIM, HAS_GPU
+from conftest import DTYPES, FA_HOPPER_CONFIGS, FA_HOPPER_HEAD_DIM, HAS_GPU, OTHER_ORDERS
 from jax_dqpost import AccumLayout, dq_postprocess
-from test_dq_postprocess import DTYPES, OTHER_ORDERS, assert_same_bits
 import oracle
+from oracle import assert_same_bits
 
 pytestmark = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
 
@@ -345,7 +345,7 @@ def test_artifact_exported_on_a_cpu_machine_runs_here(rng, name):
 
 
 @pytest.mark.parametrize("capturable", [False, True], ids=["default", "JAX_DQPOST_COMMAND_BUFFERS=1"])
-def test_cuda_graphs(tmp_path, capturable):
+def test_cuda_graphs(tmp_path, seed, capturable):
     """Programs that XLA runs with command buffers (CUDA graphs) give bit-exact results, in a straight chain of
     calls and in a lax.fori_loop (tests/command_buffer_main.py, own process). By default XLA launches our call
     between its command buffers; with JAX_DQPOST_COMMAND_BUFFERS=1 it records the call into them."""
@@ -360,7 +360,7 @@ def test_cuda_graphs(tmp_path, capturable):
     env.update({"XLA_FLAGS": f"--xla_dump_to={tmp_path}", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
     if capturable:
         env["JAX_DQPOST_COMMAND_BUFFERS"] = "1"
-    out = subprocess.run([sys.executable, str(script), str(int.from_bytes(os.urandom(4), "little")), str(tmp_path)],
+    out = subprocess.run([sys.executable, str(script), str(seed), str(tmp_path)],
                          env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])
@@ -375,7 +375,7 @@ def test_cuda_graphs(tmp_path, capturable):
             assert not where, f"{name}: our call was captured into a command buffer by default: {where}"
 
 
-def test_profiler_around_calls():
+def test_profiler_around_calls(seed):
     """Both ops, static and traced varlen offsets, at a size that used to crash: each program runs before, inside
     and after a jax.profiler trace with bit-exact results (tests/profiler_main.py, own process)."""
     import json
@@ -385,7 +385,6 @@ def test_profiler_around_calls():
     from pathlib import Path
 
     script = Path(__file__).parent / "profiler_main.py"
-    seed = int.from_bytes(os.urandom(4), "little")
     out = subprocess.run([sys.executable, str(script), str(seed)], capture_output=True, text=True, timeout=600,
                          env={**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
     assert out.returncode == 0, f"seed {seed}: " + out.stderr[-3000:]
@@ -409,7 +408,7 @@ print(np.array_equal(np.asarray(got).view(np.uint16), oracle.expected_dq(logical
 """
 
 
-def test_a_damaged_cache_entry_heals_on_the_gpu(tmp_path):
+def test_a_damaged_cache_entry_heals_on_the_gpu(tmp_path, seed, rng):
     """A process that finds its kernel's disk entry truncated or overwritten warns once, compiles the kernel again,
     rewrites the entry and launches the right module (bit-exact); the next process loads the healed entry."""
     import os
@@ -421,7 +420,7 @@ def test_a_damaged_cache_entry_heals_on_the_gpu(tmp_path):
     tests = str(Path(__file__).parent)
 
     def run():
-        out = subprocess.run([sys.executable, "-c", _CACHE_SCRIPT, str(int.from_bytes(os.urandom(4), "little")), tests],
+        out = subprocess.run([sys.executable, "-c", _CACHE_SCRIPT, str(seed), tests],
                              env=env, capture_output=True, text=True, timeout=600, cwd="/")
         assert out.returncode == 0, out.stderr[-3000:]
         assert out.stdout.split()[-1] == "True", out.stdout
@@ -430,7 +429,7 @@ def test_a_damaged_cache_entry_heals_on_the_gpu(tmp_path):
     assert "damaged" not in run()
     (entry,) = (tmp_path / "cache").glob("*.cute")
     intact = entry.read_bytes()
-    for broken in (intact[: len(intact) // 3], os.urandom(len(intact))):
+    for broken in (intact[: len(intact) // 3], rng.bytes(len(intact))):  # truncated, overwritten
         entry.write_bytes(broken)
         assert run().count("is damaged") == 1
         assert entry.read_bytes() == intact

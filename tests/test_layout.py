@@ -145,3 +145,37 @@ def test_flash_attention_presets():
                 continue
             for causal in (False, True):
                 fa(arch, head_dim, causal=causal).check_head_dim(head_dim)
+
+
+def test_presets_match_flash_attention_4():
+    """FlashAttention-4 b36's dK/dV configurations (interface.py: _tile_size_bwd_sm90 and the postprocess calls);
+    the sm90 entries were also observed in its backward on the H200 (test_fa4_producer.py)."""
+    fa = AccumLayout.flash_attention
+    sm90 = {64: (128, 256, 2, False, 32), 96: (128, 256, 2, False, 32), 128: (128, 256, 2, False, 32),
+            192: (96, 256, 2, True, 64), 256: (48, 256, 1, True, 64)}
+    for d, want in sm90.items():
+        for causal in (False, True):
+            assert fa(90, d, causal, tensor="dkv") == AccumLayout(90, *want)
+    for d in (64, 96):
+        assert fa(100, d, tensor="dkv") == AccumLayout(100, 128, 128, 1, False, 32)
+    for d in (128, 192):
+        assert fa(100, d, tensor="dkv") == AccumLayout(100, 128, 128, 1, False, 32, cluster_size=2)
+        assert fa(110, d, tensor="dkv").cluster_size == 2
+        assert fa(100, d).cluster_size == 1 and fa(100, d).two_cta
+    assert fa(120, 256, tensor="dkv") == AccumLayout(80, 64, 128, 4, False, 32)
+    with pytest.raises(ValueError, match="dedicated hd256 kernel"):
+        fa(100, 256, tensor="dkv")
+    with pytest.raises(ValueError, match="tensor must be 'dq' or 'dkv', got 'dk'"):
+        fa(90, 128, tensor="dk")
+    with pytest.raises(ValueError, match="no dK/dV postprocess configuration for arch=80"):
+        fa(80, 128, tensor="dkv")
+
+
+def test_cluster_size_pads_rows_in_clusters():
+    layout = AccumLayout(100, 128, 128, cluster_size=2)
+    assert layout.pad_rows == 256 and layout.padded_seqlen(300) == 512 and layout.num_tiles(300) == 3
+    assert layout.varlen_accum_shape(2, 1, 100, 64) == (1, 768 * 64)  # round_up(100 + 2*256, 256)
+    assert "cluster_size=2" in repr(layout) and "cluster_size" not in repr(AccumLayout())
+    for bad, err in ((0, ValueError), (16, ValueError), (1.5, TypeError), (True, TypeError)):
+        with pytest.raises(err, match="AccumLayout.cluster_size"):
+            AccumLayout(cluster_size=bad)

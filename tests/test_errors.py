@@ -1,0 +1,261 @@
+"""The public API's argument errors: each names the argument and the value, for dq_postprocess and
+flash_attention_postprocess (its q side and its k side); offsets a host can read (static, or jax arrays outside jit)
+are validated, traced ones are not (clamped, tests/test_postprocess.py)."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_dqpost import AccumLayout, dq_postprocess, flash_attention_postprocess
+from oracle import assert_same_bits, random_offsets
+
+H, H_KV = 4, 2
+
+
+def _layouts(name):
+    """FlashAttention-4's (dQ, dK/dV) presets, head_dim, head_dim_v."""
+    arch, d, dv, causal = {"sm90-hd128": (90, 128, 128, False)}[name]
+    return (AccumLayout.flash_attention(arch, d, causal), AccumLayout.flash_attention(arch, d, causal, tensor="dkv"),
+            d, dv)
+
+
+def test_errors_name_argument_and_value():
+    layout = AccumLayout(90, 64, 256, 1, False, 32)
+    acc = jnp.zeros(layout.accum_shape(1, 1, 64, 128), jnp.float32)
+    call = lambda **kw: dq_postprocess(**{**dict(dq_accum=acc, scale=1.0, seqlen_q=64, head_dim=128,
+                                                 layout=layout), **kw})
+    cases = [
+        (dict(head_dim=100), ValueError, "head_dim .* got 100"),
+        (dict(head_dim=264), ValueError, "head_dim .* got 264"),
+        (dict(head_dim=128.0), TypeError, "head_dim must be a Python int, got 128.0"),
+        (dict(seqlen_q=-1), ValueError, "seqlen_q must be >= 0, got -1"),
+        (dict(seqlen_q=jnp.int32(64)), TypeError, "seqlen_q must be a Python int"),
+        (dict(seqlen_q=65), ValueError, r"dq_accum.shape\[2\] must be Sr\*Dr = 128\*128"),
+        (dict(dq_accum=acc.astype(jnp.bfloat16)), TypeError, "dq_accum must be float32, got bfloat16"),
+        (dict(dq_accum=acc[0]), ValueError, r"dq_accum must have shape \(batch, heads, Sr\*Dr\), got shape"),
+        (dict(dtype=jnp.float32), ValueError, "dtype must be jnp.bfloat16 or jnp.float16, got float32"),
+        (dict(dtype=None), TypeError, r"dtype must be jnp.bfloat16 or jnp.float16, got None \(NoneType\)"),
+        (dict(dtype="bfloat17"), TypeError, r"dtype must be .* got 'bfloat17' \(str\)"),
+        (dict(scale=jnp.ones(2)), ValueError, r"scale must be a scalar, got shape \(2,\)"),
+        (dict(scale=jnp.int32(1)), TypeError, "scale must be a Python float or a floating-point scalar, got .* int32"),
+        (dict(scale=True), TypeError, r"scale must be a Python float .* got True \(bool\)"),
+        (dict(scale="0.1"), TypeError, r"scale must be a Python float .* got '0.1' \(str\)"),
+        (dict(scale=1j), TypeError, r"scale must be a Python float .* got 1j \(complex\)"),
+        (dict(scale=None), TypeError, r"scale must be a Python float .* got None \(NoneType\)"),
+        (dict(layout=(90, 64)), TypeError, r"layout must be an AccumLayout, got \(90, 64\) \(tuple\)"),
+        (dict(layout=AccumLayout(90, 80, 256, 1, True, 32), head_dim=96), ValueError,
+         "head_dim=96 .* 64-row WGMMA atoms"),
+    ]
+    for kwargs, exc, pattern in cases:
+        with pytest.raises(exc, match=pattern):
+            call(**kwargs)
+        with pytest.raises(exc, match=pattern):  # the same error at trace time under jit
+            jax.jit(lambda a: call(**{**kwargs, "dq_accum": kwargs.get("dq_accum", a)}))(acc)
+
+
+def test_layout_is_required_and_the_error_says_how_to_get_one():
+    """No default order: an accumulator read in another order gives wrong values, not an error."""
+    import inspect
+
+    from jax_dqpost import dq_accum_from_dq
+
+    hint = r"AccumLayout.flash_attention\(arch, head_dim\) .*tensor='dkv'.*AccumLayout\(arch=None\) a row-major"
+    acc = jnp.zeros(AccumLayout.flash_attention(90, 128).accum_shape(1, 1, 64, 128), jnp.float32)
+    dense = dict(seqlen_q=64, head_dim=128)
+    calls = [(dq_postprocess, "layout", (acc, 1.0), dense),
+             (dq_accum_from_dq, "layout", (jnp.zeros((1, 64, 1, 128), jnp.bfloat16), 1.0), {}),
+             (flash_attention_postprocess, "dq_layout", (acc, None, None, 1.0), dense)]
+    for fn, name, args, kwargs in calls:
+        assert inspect.signature(fn).parameters[name].default is inspect.Parameter.empty, fn.__name__
+        with pytest.raises(TypeError, match=rf"{fn.__name__}\(\) needs {name}=, .*{hint}"):
+            fn(*args, **kwargs)
+        with pytest.raises(TypeError, match=rf"{name} must be an AccumLayout, got None \(NoneType\) \({hint}"):
+            fn(*args, **kwargs, **{name: None})
+
+
+def test_static_validation_names_argument_and_value():
+    layout = AccumLayout.flash_attention(90, 128)  # FlashAttention-4's hd128 dQ order
+    acc = jnp.zeros((2, 128 * ((100 + 3 * 80 - 1) // 80 * 80)), jnp.float32)
+    call = lambda **kw: dq_postprocess(acc, 1.0, **{**dict(head_dim=128, total_q=100, cu_seqlens_q=[0, 50, 100],
+                                                           layout=layout), **kw})
+    call()  # consistent
+    cases = [
+        (dict(cu_seqlens_q=[0, 60, 50]), ValueError, r"non-decreasing, got cu_seqlens_q\[1\]=60 > cu_seqlens_q\[2\]=50"),
+        (dict(cu_seqlens_q=[-1, 50, 100]), ValueError, r"cu_seqlens_q\[0\] must be >= 0, got -1"),
+        (dict(cu_seqlens_q=[0, 50, 101]), ValueError, r"cu_seqlens_q\[-1\]=101 exceeds total_q=100"),
+        (dict(cu_seqlens_q=[0]), ValueError, r"at least 2 entries"),
+        (dict(seqused_q=[10, 51]), ValueError, r"seqused_q\[1\]=51 must be in \[0, 50\]"),
+        (dict(seqused_q=[10]), ValueError, r"seqused_q must have batch=2 entries, got 1"),
+        (dict(cu_seqlens_q=[0.0, 50.0, 100.0]), TypeError, r"cu_seqlens_q must be a 1-D sequence of ints"),
+        (dict(total_q=None), ValueError, r"total_q .* is required with cu_seqlens_q"),
+        (dict(seqlen_q=100), ValueError, r"seqlen_q=100 is only for dense batches"),
+        (dict(cu_seqlens_q=jnp.zeros(3, jnp.float32)), TypeError, r"cu_seqlens_q must be an integer array"),
+        (dict(total_q=300, cu_seqlens_q=jnp.asarray([0, 50, 99])), ValueError, r"dq_accum must have shape \(heads, Tp\*Dr\)"),
+    ]
+    for kwargs, exc, pattern in cases:
+        with pytest.raises(exc, match=pattern):
+            call(**kwargs)
+    with pytest.raises(ValueError, match=r"seqused_q\[1\]=300 must be in \[0, seqlen_q=200\]"):
+        dq_postprocess(jnp.zeros(layout.accum_shape(2, 1, 200, 128), jnp.float32), 1.0, seqlen_q=200, head_dim=128,
+                       seqused_q=[3, 300], layout=layout)
+    with pytest.raises(ValueError, match=r"total_q=5 is only for variable-length batches"):
+        dq_postprocess(jnp.zeros(layout.accum_shape(2, 1, 200, 128), jnp.float32), 1.0, seqlen_q=200, head_dim=128,
+                       total_q=5, layout=layout)
+
+
+def test_errors_name_the_argument():
+    dq_layout, dkv_layout, d, _ = _layouts("sm90-hd128")
+    q = jnp.zeros(dq_layout.accum_shape(1, 4, 80, d), jnp.float32)
+    k = jnp.zeros(dkv_layout.accum_shape(1, 2, 60, d), jnp.float32)
+    base = dict(head_dim=d, dq_layout=dq_layout, dkv_layout=dkv_layout, seqlen_q=80, seqlen_k=60)
+    cases = [
+        (dict(dk_accum=None), ValueError, "dk_accum and dv_accum must be given together"),
+        (dict(dkv_layout=None), ValueError, "dkv_layout is required"),
+        (dict(dkv_layout="sm90"), TypeError, "dkv_layout must be an AccumLayout, got 'sm90'"),
+        (dict(seqlen_k=None), ValueError, "seqlen_k is required"),
+        (dict(cu_seqlens_k=[0, 10], seqlen_k=None, total_k=5), ValueError, r"cu_seqlens_k\[-1\]=10 exceeds total_k=5"),
+        (dict(dk_accum=k.astype(jnp.bfloat16)), TypeError, "dk_accum must be float32, got bfloat16"),
+        (dict(dk_scale="1"), TypeError, r"dk_scale must be a Python float .* got '1' \(str\)"),
+        (dict(dv_accum=k[:, :1]), ValueError, "dk_accum and dv_accum disagree on batch, rows or heads"),
+        (dict(learnable_sink=jnp.zeros(4)), ValueError, "missing lse, dpsum"),
+        (dict(learnable_sink=jnp.zeros(4, jnp.int32), lse=jnp.zeros((1, 4, 80)), dpsum=jnp.zeros((1, 4, 80))),
+         TypeError, "learnable_sink must be a float32, bfloat16 or float16 array, got dtype int32"),
+        (dict(learnable_sink=jnp.zeros(4), lse=jnp.zeros((1, 4, 79)), dpsum=jnp.zeros((1, 4, 128))),
+         ValueError, r"lse must have shape \(1, 4, 80\)"),
+        (dict(head_dim_v=100), ValueError, "head_dim_v must be a positive multiple of 8"),
+    ]
+    for change, err, match in cases:
+        kw = dict(base, dk_accum=k, dv_accum=k)
+        kw.update(change)
+        dk_acc, dv_acc = kw.pop("dk_accum"), kw.pop("dv_accum")
+        with pytest.raises(err, match=match):
+            flash_attention_postprocess(q, dk_acc, dv_acc, 0.1, **kw)
+    k3 = jnp.zeros(dkv_layout.accum_shape(1, 3, 60, d), jnp.float32)
+    with pytest.raises(ValueError, match=r"key/value heads \(3\) must divide the query heads \(4\)"):
+        flash_attention_postprocess(q, k3, k3, 0.1, **base)
+    with pytest.raises(ValueError, match="dkv_layout, seqlen_k only apply with dk_accum"):
+        flash_attention_postprocess(q, None, None, 0.1, **base)
+    with pytest.raises(ValueError, match="head_dim_v, dk_scale only apply with dk_accum"):
+        flash_attention_postprocess(q, None, None, 0.1, head_dim=d, dq_layout=dq_layout, seqlen_q=80, head_dim_v=64,
+                                    dk_scale=1.0)
+
+
+def test_kv_errors_name_the_arguments_passed():
+    """dK/dV shape and offset errors name dk_accum/dv_accum, the k side's arguments and head_dim_v, never dQ's."""
+    dq_layout, dkv_layout, d, _ = _layouts("sm90-hd128")
+    k = jnp.zeros(dkv_layout.accum_shape(1, 2, 60, d), jnp.float32)
+    v64 = jnp.zeros(dkv_layout.accum_shape(1, 2, 60, 64), jnp.float32)
+    k_packed = jnp.zeros(dkv_layout.varlen_accum_shape(2, 2, 100, d), jnp.float32)
+    v_packed = jnp.zeros(dkv_layout.varlen_accum_shape(2, 2, 100, 64), jnp.float32)
+    dense = dict(seqlen_k=60)
+    packed = dict(total_k=100, cu_seqlens_k=[0, 40, 100])
+    cases = [
+        ((k, k), dict(dense, seqlen_k=200), r"dk_accum.shape\[2\] must be Sr\*Dr = 256\*128 = 32768 for seqlen_k=200, "
+         r"head_dim=128"),
+        ((k, k), dict(dense, head_dim_v=64), r"dv_accum.shape\[2\] must be Sr\*Dr = 128\*64 = 8192 for seqlen_k=60, "
+         r"head_dim_v=64"),
+        ((k, v64), dict(dense, head_dim_v=96), r"dv_accum.shape\[2\] .* head_dim_v=96 and"),
+        ((k[0], k), dense, r"dk_accum must have shape \(batch, heads, Sr\*Dr\), got shape \(2, 16384\)"),
+        ((k, k), dict(dense, seqused_k=jnp.zeros(3, jnp.int32)),
+         r"seqused_k must have shape \(1,\) \(dk_accum has batch 1\), got \(3,\)"),
+        ((k, k), dict(dense, seqused_k=[61]), r"seqused_k\[0\]=61 must be in \[0, seqlen_k=60\]"),
+        ((k_packed, k_packed), dict(packed, total_k=300),
+         r"dk_accum must have shape \(heads, Tp\*Dr\) = \(heads, 640\*128\) for total_k=300, batch=2, head_dim=128"),
+        ((k_packed, v_packed), dict(packed, head_dim_v=96),
+         r"dv_accum must have shape \(heads, Tp\*Dr\) = \(heads, 384\*96\) for total_k=100, batch=2, head_dim_v=96"),
+        ((k_packed, k_packed), dict(packed, cu_seqlens_k=jnp.asarray([0, 40, 100, 100])),
+         r"dk_accum must have shape \(heads, Tp\*Dr\) = \(heads, 512\*128\) for total_k=100, batch=3"),
+        ((k_packed, k_packed), dict(packed, seqused_k=[41, 0]),
+         r"seqused_k\[0\]=41 must be in \[0, 40\] .* in cu_seqlens_k"),
+    ]
+    for (dk_acc, dv_acc), kw, match in cases:
+        batch = len(kw["cu_seqlens_k"]) - 1 if "cu_seqlens_k" in kw else 1  # dQ's, matching the k side's
+        q = jnp.zeros(dq_layout.accum_shape(batch, 4, 80, d), jnp.float32)
+        with pytest.raises(ValueError, match=match) as err:
+            flash_attention_postprocess(q, dk_acc, dv_acc, 0.1, head_dim=d, dq_layout=dq_layout, dkv_layout=dkv_layout,
+                                        seqlen_q=80, **kw)
+        message = str(err.value)
+        assert not re.search(r"dq_accum|seqlen_q|total_q|cu_seqlens_q|seqused_q", message), message
+        if "dv_accum" in message:
+            assert "head_dim=" not in message, message
+    # The head dim dV's layout cannot hold is head_dim_v.
+    dq_layout, dkv_layout = AccumLayout.flash_attention(90, 256), AccumLayout.flash_attention(90, 256, tensor="dkv")
+    q = jnp.zeros(dq_layout.accum_shape(1, 4, 80, 256), jnp.float32)
+    k = jnp.zeros(dkv_layout.accum_shape(1, 2, 60, 256), jnp.float32)
+    with pytest.raises(ValueError, match=r"^head_dim_v=64 \(padded to 64\) with AccumLayout\(arch=90, tile_m=48"):
+        flash_attention_postprocess(q, k, k, 0.1, head_dim=256, head_dim_v=64, dq_layout=dq_layout,
+                                    dkv_layout=dkv_layout, seqlen_q=80, seqlen_k=60)
+
+
+def test_concrete_k_offsets_outside_jit_are_validated_like_static_values(rng):
+    """The k side's offsets and lengths as jax arrays outside jit: checked as static ones, naming the k side's
+    arguments; traced, the same values are clamped (no error)."""
+    dq_layout, dkv_layout, d, _ = _layouts("sm90-hd128")
+    s_q, s_k = 80, 100
+    q = jnp.asarray(rng.standard_normal(dq_layout.accum_shape(2, 4, s_q, d)), jnp.float32)
+    k_dense = jnp.asarray(rng.standard_normal(dkv_layout.accum_shape(2, 2, s_k, d)), jnp.float32)
+    k_packed = jnp.asarray(rng.standard_normal(dkv_layout.varlen_accum_shape(2, 2, s_k, d)), jnp.float32)
+    kw = dict(head_dim=d, dq_layout=dq_layout, dkv_layout=dkv_layout, seqlen_q=s_q)
+    packed = lambda cu, used=None: flash_attention_postprocess(q, k_packed, k_packed, 0.5, total_k=s_k, cu_seqlens_k=cu,
+                                                               seqused_k=used, **kw)
+    dense = lambda used: flash_attention_postprocess(q, k_dense, k_dense, 0.5, seqlen_k=s_k, seqused_k=used, **kw)
+    cases = [
+        (packed, [0, 100, 50], r"cu_seqlens_k must be non-decreasing, got cu_seqlens_k\[1\]=100 > "
+                               r"cu_seqlens_k\[2\]=50"),
+        (packed, [0, 50, 101], r"cu_seqlens_k\[-1\]=101 exceeds total_k=100"),
+        (lambda u: packed([0, 50, 100], u), [51, 3], r"seqused_k\[0\]=51 must be in \[0, 50\] .* in cu_seqlens_k"),
+        (dense, [200, 50], r"seqused_k\[0\]=200 must be in \[0, seqlen_k=100\]"),
+    ]
+    for call, values, match in cases:
+        with pytest.raises(ValueError, match=match):
+            call(values)
+        with pytest.raises(ValueError, match=match):
+            call(jnp.asarray(values, jnp.int32))
+        jax.jit(call)(jnp.asarray(values, jnp.int32))
+
+
+def test_q_and_k_sides_must_have_the_same_batch(rng):
+    """Every pairing of dense and packed sides: the batch of a dense accumulator, the sequences of a packed side
+    (static or traced offsets); a mismatch names both. Matching batches pass, also under vmap (which folds a dense
+    batch but not a packed side's sequences)."""
+    dq_layout, dkv_layout, d, _ = _layouts("sm90-hd128")
+    kw = dict(head_dim=d, dq_layout=dq_layout, dkv_layout=dkv_layout)
+
+    def side(layout, heads, batch, packed, k):
+        """(accumulator, keyword arguments) of a side with ``batch`` sequences of random lengths."""
+        if not packed:
+            acc = rng.standard_normal(layout.accum_shape(batch, heads, 50, d)).astype(np.float32)
+            return acc, {f"seqlen_{k}": 50}
+        cu = random_offsets(rng, batch, 60)
+        acc = rng.standard_normal(layout.varlen_accum_shape(batch, heads, cu[-1], d)).astype(np.float32)
+        return acc, {f"total_{k}": cu[-1], f"cu_seqlens_{k}": cu}
+
+    what = {(False, "q"): "dq_accum has batch {}", (True, "q"): "cu_seqlens_q has {} sequences",
+            (False, "k"): "dk_accum has batch {}", (True, "k"): "cu_seqlens_k has {} sequences"}
+    for q_packed in (False, True):
+        for k_packed in (False, True):
+            q_batch, k_batch = (int(b) for b in rng.choice(np.arange(1, 5), 2, replace=False))
+            q, q_kw = side(dq_layout, H, q_batch, q_packed, "q")
+            k, k_kw = side(dkv_layout, H_KV, k_batch, k_packed, "k")
+            match = re.escape("the q and k sides must have the same batch: " + what[q_packed, "q"].format(q_batch)
+                              + " but " + what[k_packed, "k"].format(k_batch))
+            with pytest.raises(ValueError, match=match):
+                flash_attention_postprocess(q, k, k, 0.5, **kw, **q_kw, **k_kw)
+            traced = {n: v for n, v in {**q_kw, **k_kw}.items() if n.startswith("cu_")}
+            if traced:  # the same error for traced offsets (their shape gives the number of sequences)
+                static = {n: v for n, v in {**q_kw, **k_kw}.items() if n not in traced}
+                f = jax.jit(lambda q, k, offsets: flash_attention_postprocess(q, k, k, 0.5, **kw, **static, **offsets))
+                with pytest.raises(ValueError, match=match):
+                    f(q, k, {n: jnp.asarray(v, jnp.int32) for n, v in traced.items()})
+            # The same batch on both sides: accepted, and under vmap over the accumulators too.
+            k, k_kw = side(dkv_layout, H_KV, q_batch, k_packed, "k")
+            g = lambda q, k: flash_attention_postprocess(q, k, k, 0.5, **kw, **q_kw, **k_kw)
+            one = g(q, k)
+            mapped = jax.vmap(g)(np.stack([q, q]), np.stack([k, k]))
+            for a, b in zip(one, mapped, strict=True):
+                assert_same_bits(b[0], a, f"vmap q_packed={q_packed} k_packed={k_packed}")

@@ -58,7 +58,10 @@ def dsink_terms(sink, lse, dpsum, q_aux, plan: Part):
         dpsum_rows = jnp.moveaxis(dpsum[:, :, :seqlen], 1, 0).reshape(heads, batch * seqlen)
     sink = jnp.asarray(sink).astype(jnp.float32)[:, None]
     lse_rows = lse_rows.astype(jnp.float32)
-    p = jnp.where(lse_rows == -jnp.inf, 1.0, jnp.exp2((sink - lse_rows) * jnp.float32(LOG2_E)))
+    attended = lse_rows != -jnp.inf
+    # The exponent of a row that attended to nothing is taken at 0, so that neither branch of the where has an
+    # infinite value or gradient (a where passes the other branch's NaN gradient through).
+    p = jnp.where(attended, jnp.exp2((sink - jnp.where(attended, lse_rows, sink)) * jnp.float32(LOG2_E)), 1.0)
     return jnp.where(keep, -p * dpsum_rows.astype(jnp.float32), 0.0)
 
 

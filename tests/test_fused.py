@@ -5,10 +5,9 @@ Its results against the oracle: tests/test_postprocess.py; its errors: tests/tes
 
 from __future__ import annotations
 
-import re
-
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from jax_dqpost import DISABLED_CHECKS, AccumLayout, flash_attention_postprocess

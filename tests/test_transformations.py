@@ -230,9 +230,6 @@ def test_dsink_gradients(rng, platform, part, packing):
 
 @pytest.mark.parametrize("platform", PLATFORMS)
 @pytest.mark.parametrize("part", PARTS)
-@pytest.mark.xfail(strict=True, reason="known bug: the gradients of dsink in learnable_sink and lse are NaN where a "
-                                       "row of lse is -inf (the reference's exp is masked by a where, its gradient "
-                                       "is not)")
 def test_dsink_gradients_where_a_row_attended_to_nothing(rng, platform, part):
     """Rows with lse = -inf (attended to nothing): p = 1, so no gradient to sink or lse from them, -1 to dpsum."""
     _check_dsink_gradients(rng, platform, part, "dense", attended_to_nothing=True)

@@ -25,44 +25,43 @@ def part(layout, head_dim, dtype, seqlen, total, cu_seqlens, seqused,
     """One tensor's :class:`~jax_dqpost.plan.Part` and its side's int32 aux operand (empty, seqused or the work
     list), from the API's arguments of its side; errors name the arguments as ``names`` does."""
     seqlen_n, total_n, cu_n, used_n = names.seqlen, names.total, names.cu_seqlens, names.seqused
-    seqlen_q, total_q, cu_seqlens_q, seqused_q = seqlen, total, cu_seqlens, seqused
-    if cu_seqlens_q is None:
-        if total_q is not None:
-            raise ValueError(f"{total_n}={total_q!r} is only for variable-length batches (with {cu_n})")
-        if seqlen_q is None:
+    if cu_seqlens is None:
+        if total is not None:
+            raise ValueError(f"{total_n}={total!r} is only for variable-length batches (with {cu_n})")
+        if seqlen is None:
             raise ValueError(f"{seqlen_n} is required for dense batches (or pass {cu_n} and {total_n})")
-        plan = Part(layout, head_dim, dtype, seqlen=static_int(seqlen_n, seqlen_q, minimum=0),
-                    seqused=seqused_q is not None)
-        if seqused_q is None:
+        plan = Part(layout, head_dim, dtype, seqlen=static_int(seqlen_n, seqlen, minimum=0),
+                    seqused=seqused is not None)
+        if seqused is None:
             return plan, jnp.zeros((0,), jnp.int32)
-        if _is_static(seqused_q):
-            used = _static_ints(used_n, seqused_q)
+        if _is_static(seqused):
+            used = _static_ints(used_n, seqused)
             _check_dense_seqused(used, plan.seqlen, names)
             return plan, jnp.asarray(np.asarray(used, np.int32).reshape(-1))
-        used, values = _int_array(used_n, seqused_q), _visible_ints(used_n, seqused_q)
+        used, values = _int_array(used_n, seqused), _visible_ints(used_n, seqused)
         if values is not None:  # still an operand the kernel reads at run time; the values seen now are checked
             _check_dense_seqused(values, plan.seqlen, names)
         return plan, used
 
-    if seqlen_q is not None:
-        raise ValueError(f"{seqlen_n}={seqlen_q!r} is only for dense batches; variable-length batches take {total_n}")
-    if total_q is None:
+    if seqlen is not None:
+        raise ValueError(f"{seqlen_n}={seqlen!r} is only for dense batches; variable-length batches take {total_n}")
+    if total is None:
         raise ValueError(f"{total_n} (rows of the packed output) is required with {cu_n}")
-    total_q = static_int(total_n, total_q, minimum=0)
-    if _is_static(cu_seqlens_q) and (seqused_q is None or _is_static(seqused_q)):
-        cu = _static_ints(cu_n, cu_seqlens_q)
-        used = None if seqused_q is None else _static_ints(used_n, seqused_q)
-        check_static(cu, used, total_q, names)
-        _check_int32_range(total_q, len(cu) - 1, layout.pad_rows, total_n)
+    total = static_int(total_n, total, minimum=0)
+    if _is_static(cu_seqlens) and (seqused is None or _is_static(seqused)):
+        cu = _static_ints(cu_n, cu_seqlens)
+        used = None if seqused is None else _static_ints(used_n, seqused)
+        check_static(cu, used, total, names)
+        _check_int32_range(total, len(cu) - 1, layout.pad_rows, total_n)
         work, meta = WorkList.build(np, np.asarray(cu), None if used is None else np.asarray(used),
-                                    total=total_q, layout=layout)
+                                    total=total, layout=layout)
         return Part(layout, head_dim, dtype, work=work), jnp.asarray(meta)
-    cu = _int_array(cu_n, _static_as_array(cu_seqlens_q))
-    used = None if seqused_q is None else _int_array(used_n, _static_as_array(seqused_q))
-    cu_values = _visible_ints(cu_n, cu_seqlens_q)
-    used_values = None if used is None else _visible_ints(used_n, seqused_q)
+    cu = _int_array(cu_n, _static_as_array(cu_seqlens))
+    used = None if seqused is None else _int_array(used_n, _static_as_array(seqused))
+    cu_values = _visible_ints(cu_n, cu_seqlens)
+    used_values = None if used is None else _visible_ints(used_n, seqused)
     if cu_values is not None:  # still operands the kernel reads at run time; the values seen now are checked
-        check_static(cu_values, used_values, total_q, names)
+        check_static(cu_values, used_values, total, names)
     elif used_values is not None:  # traced offsets: only the lengths' sign can be checked without them
         bad = [(b, u) for b, u in enumerate(used_values) if u < 0]
         if bad:
@@ -72,9 +71,9 @@ def part(layout, head_dim, dtype, seqlen, total, cu_seqlens, seqused,
     batch = cu.shape[0] - 1
     if used is not None and used.shape != (batch,):
         raise ValueError(f"{used_n} must have shape ({batch},) to match {cu_n}, got {used.shape}")
-    _check_int32_range(total_q, batch, layout.pad_rows, total_n)
-    work, meta = WorkList.build(jnp, cu, used, total=total_q, layout=layout,
-                                num_tiles=WorkList.max_tiles(total_q, batch, layout))
+    _check_int32_range(total, batch, layout.pad_rows, total_n)
+    work, meta = WorkList.build(jnp, cu, used, total=total, layout=layout,
+                                num_tiles=WorkList.max_tiles(total, batch, layout))
     return Part(layout, head_dim, dtype, work=work), meta
 
 
@@ -161,9 +160,9 @@ def _int_array(name: str, x):
     return jnp.asarray(x).astype(jnp.int32)
 
 
-def _check_int32_range(total_q: int, batch: int, pad_rows: int, name: str = "total_q") -> None:
-    if total_q + (batch + 2) * pad_rows > INT32_MAX:
-        raise ValueError(f"{name}={total_q} with batch={batch} overflows the int32 row offsets")
+def _check_int32_range(total: int, batch: int, pad_rows: int, name: str) -> None:
+    if total + (batch + 2) * pad_rows > INT32_MAX:
+        raise ValueError(f"{name}={total} with batch={batch} overflows the int32 row offsets")
 
 
 def scale_operand(scale, name: str = "scale"):

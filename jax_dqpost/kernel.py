@@ -79,12 +79,12 @@ class Postprocess:
         self.min_ctas_per_sm = min(p.min_ctas_per_sm for p in self.parts)
         self.alone = len(parts) == 1 and sink is None  # the part's own grid (module docstring)
         self.batch_on_grid_z = self.alone and parts[0].tiling != Tiling.VARLEN  # Plan.batch_on_grid_z
-        self.pointers = abi.pointers(len(parts), sink is not None)
+        self.pointer_at = {name: k for k, name in enumerate(abi.pointers(len(parts), sink is not None))}
 
     @cute.jit
     def __call__(self, *args):
         """``abi.arguments(...)`` (pointers, then int32 extents), then the CUDA stream."""
-        num = len(self.pointers)
+        num = len(self.pointer_at)
         pointers, extents, stream = args[:num], args[num:-1], args[-1]
         per = len(abi.EXTENTS)
         grid_x = extents[1] if const_expr(self.sink is not None) else 0
@@ -107,9 +107,7 @@ class Postprocess:
 
     def _part_args(self, i: int, pointers, extents) -> PartArgs:
         """Part ``i``'s record, its pointers found by name in the entry's list (``abi.pointers``)."""
-        name = self.names[i]
-        at = {n: k for k, n in enumerate(self.pointers)}
-        per = len(abi.EXTENTS)
+        name, at, per = self.names[i], self.pointer_at, len(abi.EXTENTS)
         return PartArgs(pointers[at[f"{name}_accum"]], pointers[at[name]], pointers[at["scales"]] + i,
                         pointers[at[f"{abi.SIDE[name]}_aux"]], *extents[per * i:per * (i + 1)])
 
@@ -131,7 +129,7 @@ class Postprocess:
         base = smem.allocate_array(cutlass.Uint8, self.smem_bytes, byte_alignment=1024)
         start = Int32(0)
         if const_expr(self.sink is not None):
-            at = {n: k for k, n in enumerate(self.pointers)}
+            at = self.pointer_at
             q = self._part_args(0, pointers, extents)
             start = q.heads
             if bid < q.heads:

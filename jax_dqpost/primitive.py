@@ -279,9 +279,8 @@ def _batch(args, dims, *, plan: Plan):
             new_acc.append(a.reshape((a.shape[0], size * a.shape[2]) + a.shape[3:]))
         else:  # (N, B, H, L) -> (N*B, H, L)
             new_acc.append(a.reshape((size * a.shape[1],) + a.shape[2:]))
-    for j, (aux, d) in enumerate(zip(ops["aux"], ds["aux"])):
-        p = plan.parts[0 if j == 0 else 1]
-        if p.work is None and p.seqused and not folds[0 if j == 0 else 1]:
+    for aux, d, p, fold in zip(_aux(ops, plan), _aux(ds, plan), plan.side_parts, folds):  # one per side
+        if p.work is None and p.seqused and not fold:
             aux = _moved(aux, d, size).reshape(-1)
         new_aux.append(aux)
     sink = ()
@@ -293,7 +292,7 @@ def _batch(args, dims, *, plan: Plan):
             lse, dpsum = (jnp.moveaxis(x, 0, 1) for x in (lse, dpsum))
             lse, dpsum = (x.reshape((x.shape[0], size * x.shape[2]) + x.shape[3:]) for x in (lse, dpsum))
         sink = (s_.reshape(-1), lse, dpsum)
-    outs = postprocess_p.bind(*plan.join(new_acc, new_aux[:len(plan.side_parts)], scales, *sink), plan=plan)
+    outs = postprocess_p.bind(*plan.join(new_acc, new_aux, scales, *sink), plan=plan)
     result, out_dims = [], []
     for p, o, fold in zip(plan.parts, outs, folds):
         if p.work is not None:  # (T, N*H, D) -> (T, N, H, D)

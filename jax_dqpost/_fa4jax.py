@@ -1,0 +1,189 @@
+"""Everything :mod:`jax_dqpost.fa4jax` takes from fa4-jax that is not its public API, in one place.
+
+fa4-jax (https://github.com/nshepperd/fa4-jax, MIT) runs FlashAttention-4's CuTe DSL kernels from JAX through
+cutejax. Its reverse mode is ``fa4_jax.kernels.CuteBackend.vjp``: a preprocess (``dpsum``, ``lse * log2 e`` and the
+zeroed fp32 dQ accumulator), the main backward kernel (dQ accumulated with atomics; dK and dV written directly, or
+for grouped-query attention accumulated in fp32 buffers zeroed by XLA), then one postprocess launch per
+accumulator. :func:`accumulators` runs the first two steps exactly as fa4-jax does and stops there; the
+postprocess is ours. Read from fa4-jax 0.1.0 (``src/fa4_jax/kernels.py``, ``attention.py``); any other version
+is refused, because these names and the kernels' accumulator geometry are private to it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+FA4JAX_VERSION = "0.1.0"
+INSTALL_HINT = "pip install 'jax-dqpost[fa4-jax]' (fa4-jax 0.1.0 needs Python >= 3.12 and a CUDA GPU)"
+
+
+@functools.cache
+def modules():
+    """``(fa4_jax, fa4_jax.attention, fa4_jax.kernels, cutejax)``; ImportError naming the fix when fa4-jax is
+    missing or another version."""
+    try:
+        import fa4_jax
+    except ImportError as e:
+        raise ImportError(f"jax_dqpost.fa4jax needs fa4-jax {FA4JAX_VERSION}, which is not installed ({e}): "
+                          f"{INSTALL_HINT}") from None
+    if fa4_jax.__version__ != FA4JAX_VERSION:
+        raise ImportError(f"jax_dqpost.fa4jax is written against fa4-jax {FA4JAX_VERSION}'s internals, found "
+                          f"fa4-jax {fa4_jax.__version__}: {INSTALL_HINT}")
+    import cutejax
+    from fa4_jax import attention, kernels
+    return fa4_jax, attention, kernels, cutejax
+
+
+def register_backend(name: str, backend) -> None:
+    modules()[1].register_backend(name, backend)
+
+
+def as_cute(cfg):
+    """``cfg`` (fa4-jax's ``AttnConfig``) as fa4-jax's own kernel backend has it. fa4-jax keys its compiled kernels
+    by the identity of a static tree cached per config, so every launch made with this config reuses the kernels
+    fa4-jax compiled (or will compile) for its own backend."""
+    return dataclasses.replace(cfg, backend="cute")
+
+
+def config(q, *, causal=False, varlen=False, defined_padding=False):
+    """The ``AttnConfig`` fa4-jax's ``flash_attn``/``flash_attn_varlen`` build for its kernel backend (tests and
+    benchmarks: no window, no mask mod, the default scale)."""
+    return modules()[1]._make_config(q, causal, None, None, None, "cute", varlen, defined_padding=defined_padding)
+
+
+def cute_backend_class():
+    """fa4-jax's kernel backend: ours reuses its forward, forward-mode tangent and validation."""
+    return modules()[2].CuteBackend
+
+
+@dataclasses.dataclass(frozen=True)
+class Accumulators:
+    """What fa4-jax's backward leaves for the postprocess.
+
+    ``dq_accum``: (B, H, Sr*Dr) dense or (H, Tp*Dr) packed. Without grouped-query attention the main kernel
+    wrote ``dk``/``dv`` itself and ``dk_accum``/``dv_accum`` are None; with it, the reverse. ``dq_order`` and
+    ``dkv_order``: the ``(order_arch, tile_rows, num_threads, atom_layout, swap_ab)`` fa4-jax hands its
+    postprocess for each accumulator (``_bwd_post_params``); the head dim is padded to a multiple of 32 on every
+    path (``_round_up(d, 32)``).
+    """
+
+    dq_accum: object
+    dk: object
+    dv: object
+    dk_accum: object
+    dv_accum: object
+    dq_order: tuple
+    dkv_order: tuple
+
+
+HDIM_MULTIPLE_OF = 32
+
+
+def accumulators(cfg, q, k, v, out, lse, d_out, d_lse, aux, seqlens) -> Accumulators:
+    """fa4-jax's preprocess and main backward kernel for ``(cfg, q, k, v, out, lse, d_out)``: the same calls,
+    shapes, specs and buffer aliases as its ``CuteBackend.vjp``, without the postprocess."""
+    _, _, K, cutejax = modules()
+    if d_lse is not None:
+        raise NotImplementedError("fa4-jax's backward takes no cotangent of the lse output; use "
+                                  "backend='reference' for that")
+    d_out = d_out.astype(q.dtype)
+    cfg = as_cute(cfg)
+    dtype, hd, hdv, ratio, arch = K._validate(cfg, "bwd", q, k, v)
+    plan = K._bwd_plan(dtype, hd, hdv, ratio, cfg.causal, cfg.local, arch)
+    static = K._get_static(cfg, dtype, hd, hdv, ratio, arch, "bwd")
+    pre = K._aux_static("pre", static["pre"], static["scale"])
+    f32 = "float32"
+    orders = (K._bwd_post_params(plan, arch, "dq"), K._bwd_post_params(plan, arch, "dkv"))
+
+    def struct(shape, dt=f32):
+        import jax
+        return jax.ShapeDtypeStruct(shape, dt)
+
+    def pad(x, to):
+        return -(-x // to) * to
+
+    import jax.numpy as jnp
+
+    packed = seqlens is not None
+    qkv_spec = K._QKV3_SPEC if packed else K._QKV_SPEC
+    if packed:
+        total_q, h, d = q.shape
+        total_k, h_kv, _ = k.shape
+        batch = seqlens[0].shape[0] - 1
+        rows_q = pad(total_q, plan.tile_m) + batch * plan.tile_m
+        rows_k = pad(total_k, plan.tile_n) + batch * plan.tile_n
+        lead_q, lead_k = (h,), (h_kv,)
+    else:
+        b, s_q, h, d = q.shape
+        _, s_k, h_kv, _ = k.shape
+        rows_q, rows_k = pad(s_q, plan.tile_m), pad(s_k, plan.tile_n)
+        lead_q, lead_k = (b, h), (b, h_kv)
+    d_v = v.shape[-1]
+    dr, dvr = pad(d, HDIM_MULTIPLE_OF), pad(d_v, HDIM_MULTIPLE_OF)
+
+    pre_outs = [struct((*lead_q, rows_q)), struct((*lead_q, rows_q)), struct((*lead_q, rows_q * dr))]
+    if packed:
+        cu_q, cu_k, su_q, su_k = seqlens
+        dpsum, lse_log2, dq_accum = cutejax.call(
+            K._fa4_bwd_pre_varlen, pre_outs, pre, out, d_out, lse, cu_q, su_q,
+            in_specs=[qkv_spec, qkv_spec, K._LSE_SPEC, None, None], out_specs=K._F32_SPEC,
+            name="fa4_bwd_pre_varlen")
+    else:
+        dpsum, lse_log2, dq_accum = cutejax.call(
+            K._fa4_bwd_pre, pre_outs, pre, out, d_out, lse,
+            in_specs=[qkv_spec, qkv_spec, K._LSE_SPEC], out_specs=K._F32_SPEC, name="fa4_bwd_pre")
+
+    tail = (*seqlens, tuple(aux)) if packed else (tuple(aux),)
+    tail_specs = [None] * ((4 if packed else 0) + len(aux))
+    suffix = "_varlen" if packed else ""
+    if ratio == 1:
+        if packed and cfg.defined_padding:  # dK/dV donated zero-filled: rows no sequence uses stay 0
+            fn, name, given = K._fa4_bwd_varlen_dp, "fa4_bwd_varlen_dp", (jnp.zeros(k.shape, k.dtype),
+                                                                          jnp.zeros(v.shape, v.dtype))
+            aliases, given_specs = {6: 0, 7: 1, 8: 2}, [qkv_spec] * 2
+        else:
+            fn = K._fa4_bwd_varlen if packed else K._fa4_bwd
+            name, given, aliases, given_specs = "fa4_bwd" + suffix, (), {6: 0}, []
+        dq_accum, dk, dv = cutejax.call(
+            fn, [struct(dq_accum.shape), struct(k.shape, k.dtype), struct(v.shape, v.dtype)],
+            static, q, k, v, d_out, lse_log2, dpsum, dq_accum, *given, *tail,
+            in_specs=[qkv_spec] * 4 + [K._F32_SPEC] * 3 + given_specs + tail_specs,
+            out_specs=[K._F32_SPEC, qkv_spec, qkv_spec], input_output_aliases=aliases, name=name)
+        return Accumulators(dq_accum, dk, dv, None, None, *orders)
+    dk_accum = jnp.zeros((*lead_k, rows_k * dr), jnp.float32)
+    dv_accum = jnp.zeros((*lead_k, rows_k * dvr), jnp.float32)
+    dq_accum, dk_accum, dv_accum = cutejax.call(
+        K._fa4_bwd_gqa_varlen if packed else K._fa4_bwd_gqa,
+        [struct(dq_accum.shape), struct(dk_accum.shape), struct(dv_accum.shape)],
+        static, q, k, v, d_out, lse_log2, dpsum, dq_accum, dk_accum, dv_accum, *tail,
+        in_specs=[qkv_spec] * 4 + [K._F32_SPEC] * 5 + tail_specs, out_specs=[K._F32_SPEC] * 3,
+        input_output_aliases={6: 0, 7: 1, 8: 2}, name="fa4_bwd_gqa" + suffix)
+    return Accumulators(dq_accum, None, None, dk_accum, dv_accum, *orders)
+
+
+def fa4_postprocess(cfg, q, k, v, acc: Accumulators, seqlens):
+    """fa4-jax's own postprocess of ``acc``: one launch per accumulator, as its ``CuteBackend.vjp`` makes them
+    (without ``defined_padding``'s zero-filled outputs). ``(dq, dk, dv)``; the reference for tests and
+    benchmarks."""
+    _, _, K, cutejax = modules()
+    cfg = as_cute(cfg)
+    dtype, hd, hdv, ratio, arch = K._validate(cfg, "bwd", q, k, v)
+    static = K._get_static(cfg, dtype, hd, hdv, ratio, arch, "bwd")
+    packed = seqlens is not None
+    spec = K._QKV3_SPEC if packed else K._QKV_SPEC
+    import jax
+
+    def post(name, key, scale, accum, like, side):
+        args = (accum, *(seqlens[side::2] if packed else ()))
+        name += "_varlen" if packed else ""
+        return cutejax.call(getattr(K, "_" + name), jax.ShapeDtypeStruct(like.shape, like.dtype),
+                            K._aux_static(key, static[key], scale), *args,
+                            in_specs=[K._F32_SPEC] + [None] * (len(args) - 1), out_specs=spec, name=name)
+
+    dq = post("fa4_bwd_post", "post", static["scale"], acc.dq_accum, q, 0)
+    if acc.dk_accum is None:
+        return dq, acc.dk, acc.dv
+    dk = post("fa4_bwd_post_dk", "post_k", static["scale"], acc.dk_accum, k, 1)
+    dv = post("fa4_bwd_post_dv", "post_v", None, acc.dv_accum, v, 1)
+    return dq, dk, dv

@@ -1,0 +1,228 @@
+"""fa4-jax (FlashAttention-4's kernels called from JAX) as the producer, jax-dqpost as its postprocess.
+
+The GPU tests need fa4-jax 0.1.0 (Python >= 3.12) and a CUDA GPU. They take the accumulators fa4-jax's own
+backward writes and check that our one launch gives the bits of fa4-jax's own postprocess launches on them, for
+every head dim, masking, packing and grouping fa4-jax runs on this GPU; then that ``jax.grad``, ``vmap`` and
+``shard_map`` through the attention give fa4-jax's gradients. fa4-jax's backward adds fp32 partial sums with
+atomics in no fixed order, so two backward runs agree bit for bit only where every accumulator element receives
+at most two terms (``a + b == b + a``): the end-to-end tests use such shapes, the postprocess tests any shape.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import HAS_GPU
+from jax_dqpost import AccumLayout, _fa4jax, fa4jax
+
+HAS_FA4JAX = importlib.util.find_spec("fa4_jax") is not None
+needs_fa4jax_gpu = pytest.mark.skipif(not (HAS_GPU and HAS_FA4JAX),
+                                      reason="needs a CUDA GPU and fa4-jax (Python >= 3.12: pip install '.[fa4-jax]')")
+HEAD_DIMS = (64, 96, 128, 192, 256)
+DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16}
+
+
+def _bits(x):
+    return np.asarray(x).view(np.uint16)
+
+
+def _fresh_registration():
+    _fa4jax.modules.cache_clear()
+    fa4jax.register.cache_clear()
+
+
+# ---- without fa4-jax, or without a GPU: one line each (runs everywhere)
+
+def test_without_fa4jax_a_call_says_how_to_install(monkeypatch):
+    q = jnp.zeros((1, 64, 2, 64), jnp.bfloat16)
+    monkeypatch.setitem(sys.modules, "fa4_jax", None)  # as if not installed, also where it is
+    _fresh_registration()
+    try:
+        with pytest.raises(ImportError) as info:
+            fa4jax.flash_attn(q, q, q, causal=True)
+    finally:
+        monkeypatch.undo()
+        _fresh_registration()
+    message = str(info.value)
+    assert "\n" not in message and "fa4-jax 0.1.0" in message and "jax-dqpost[fa4-jax]" in message, message
+
+
+@pytest.mark.skipif(not HAS_FA4JAX, reason="fa4-jax is not installed")
+def test_another_fa4jax_version_is_refused(monkeypatch):
+    import fa4_jax
+
+    monkeypatch.setattr(fa4_jax, "__version__", "0.2.0")
+    _fresh_registration()
+    try:
+        with pytest.raises(ImportError, match=r"fa4-jax 0\.1\.0's internals, found fa4-jax 0\.2\.0"):
+            fa4jax.register()
+    finally:
+        monkeypatch.undo()
+        _fresh_registration()
+
+
+@pytest.mark.skipif(not HAS_FA4JAX or HAS_GPU, reason="needs fa4-jax on a machine without a GPU")
+def test_without_a_gpu_a_call_says_so():
+    q = jnp.zeros((1, 64, 2, 64), jnp.bfloat16)
+    with pytest.raises(RuntimeError, match="needs a GPU") as info:
+        fa4jax.flash_attn(q, q, q)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.skipif(not HAS_FA4JAX, reason="fa4-jax is not installed")
+def test_backend_is_set_by_the_module():
+    q = jnp.zeros((1, 64, 2, 64), jnp.bfloat16)
+    with pytest.raises(TypeError, match="backend='cute'"):
+        fa4jax.flash_attn(q, q, q, backend="cute")
+
+
+def test_accum_layout_of_each_kernel_family():
+    assert fa4jax.accum_layout((90, 80, 256, 1, True)) == AccumLayout(90, 80, 256, 1, True, 32)
+    assert fa4jax.accum_layout((120, 64, 128, 4, False)) == AccumLayout(80, 64, 128, 4, False, 32)
+    assert fa4jax.accum_layout((100, 128, 128, 1, False)) == AccumLayout(100, 128, 128, 1, False, 32)
+    with pytest.raises(ValueError, match="no accumulator order for arch 70"):
+        fa4jax.accum_layout((70, 64, 128, 1, False))
+
+
+# ---- the GPU: the accumulators of fa4-jax's backward, finished both ways
+
+def _inputs(rng, dtype, q_shape, k_shape, v_shape):
+    return [jnp.asarray(rng.standard_normal(s), dtype) for s in (q_shape, k_shape, v_shape, q_shape)]
+
+
+def _varlen_offsets(rng, batch, most):
+    lengths = rng.integers(1, most, size=batch)
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    used = np.minimum(lengths, rng.integers(1, most, size=batch)).astype(np.int32)
+    return cu, used
+
+
+def _rows(cu, used, total):
+    """Boolean (total,): the packed rows some sequence uses."""
+    mask = np.zeros(total, bool)
+    for start, n in zip(cu[:-1], used):
+        mask[start:start + n] = True
+    return mask
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "packed"))
+def _finish_both_ways(q, k, v, d_out, seqlens, *, causal, packed):
+    """fa4-jax's forward (the reference, in jnp) and backward accumulators, finished by fa4-jax's own postprocess
+    launches and by ours: ``(theirs, ours, dq_accum)``."""
+    import fa4_jax
+
+    if packed:
+        out, lse = fa4_jax.reference_attn_varlen(q, k, v, seqlens[0], seqlens[1], seqused_q=seqlens[2],
+                                                 seqused_k=seqlens[3], causal=causal, return_lse=True)
+    else:
+        out, lse = fa4_jax.reference_attn(q, k, v, causal=causal, return_lse=True)
+    cfg = _fa4jax.config(q, causal=causal, varlen=packed)
+    acc = _fa4jax.accumulators(cfg, q, k, v, out.astype(q.dtype), lse, d_out, None, (), seqlens)
+    return (_fa4jax.fa4_postprocess(cfg, q, k, v, acc, seqlens), fa4jax.postprocess(cfg, q, k, v, acc, seqlens),
+            acc.dq_accum)
+
+
+@needs_fa4jax_gpu
+@pytest.mark.parametrize("packing", ["dense", "varlen"])
+@pytest.mark.parametrize("heads_kv", [8, 2], ids=["mha", "gqa"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype, head_dim", [("bf16", d) for d in HEAD_DIMS] + [("fp16", 64), ("fp16", 128)])
+def test_postprocess_bit_identical_to_fa4jax(rng, dtype, head_dim, causal, heads_kv, packing):
+    """bf16 on every head dim, fp16 on two (each configuration compiles fa4-jax's backward)."""
+    dtype = DTYPES[dtype]
+    batch, heads = 2, 8
+    if packing == "dense":
+        s_q, s_k = 1000, 777  # not multiples of any tile
+        q, k, v, d_out = _inputs(rng, dtype, (batch, s_q, heads, head_dim), (batch, s_k, heads_kv, head_dim),
+                                 (batch, s_k, heads_kv, head_dim))
+        seqlens, q_rows, k_rows = None, slice(None), slice(None)
+    else:
+        cu_q, used_q = _varlen_offsets(rng, 3, 700)
+        cu_k, used_k = _varlen_offsets(rng, 3, 600)
+        q, k, v, d_out = _inputs(rng, dtype, (int(cu_q[-1]), heads, head_dim), (int(cu_k[-1]), heads_kv, head_dim),
+                                 (int(cu_k[-1]), heads_kv, head_dim))
+        seqlens = tuple(jnp.asarray(a) for a in (cu_q, cu_k, used_q, used_k))
+        q_rows, k_rows = _rows(cu_q, used_q, q.shape[0]), _rows(cu_k, used_k, k.shape[0])
+    theirs, ours, dq_accum = _finish_both_ways(q, k, v, d_out, seqlens, causal=causal, packed=seqlens is not None)
+    assert np.count_nonzero(np.asarray(dq_accum)) > dq_accum.size // 4  # a real backward ran
+    gqa = heads_kv < heads
+    for name, want, got, rows in zip(("dq", "dk", "dv"), theirs, ours, (q_rows, k_rows, k_rows)):
+        if name != "dq" and not gqa:
+            assert got is want  # the main kernel's dk, dv, untouched
+            continue
+        np.testing.assert_array_equal(_bits(got)[rows], _bits(want)[rows], err_msg=name)
+        if seqlens is not None:  # rows no sequence uses: 0 in ours, unspecified in fa4-jax's
+            assert not np.asarray(got)[~rows].any(), name
+        assert np.count_nonzero(_bits(got)) > got.size // 4, name
+
+
+# ---- end to end: jax.grad, vmap and shard_map through the attention
+
+def _e2e_inputs(rng, heads_kv, head_dim=64, batch=2, seqlen=64):
+    """Sequences of 64 rows: one q tile and one kv tile per head on every configuration, so each accumulator
+    element sums at most two terms (dK/dV: two q heads per kv head) and two backward runs agree bit for bit."""
+    q, k, v, w = _inputs(rng, jnp.bfloat16, (batch, seqlen, 4, head_dim), (batch, seqlen, heads_kv, head_dim),
+                         (batch, seqlen, heads_kv, head_dim))
+    return q, k, v, w
+
+
+def _grads(attention, causal):
+    def loss(q, k, v, w):
+        return jnp.sum(attention(q, k, v, causal=causal).astype(jnp.float32) * w.astype(jnp.float32))
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+
+def _fa4_own(q, k, v, **kwargs):
+    import fa4_jax
+    return fa4_jax.flash_attn(q, k, v, backend="cute", **kwargs)
+
+
+def _assert_same(got, want):
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        np.testing.assert_array_equal(_bits(g), _bits(w), err_msg=name)
+        assert np.count_nonzero(_bits(g)) > g.size // 2, name
+
+
+@needs_fa4jax_gpu
+@pytest.mark.parametrize("heads_kv", [4, 2], ids=["mha", "gqa"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_grad_equals_fa4jax(rng, head_dim, causal, heads_kv):
+    q, k, v, w = _e2e_inputs(rng, heads_kv, head_dim)
+    _assert_same(_grads(fa4jax.flash_attn, causal)(q, k, v, w), _grads(_fa4_own, causal)(q, k, v, w))
+
+
+@needs_fa4jax_gpu
+@pytest.mark.parametrize("heads_kv", [4, 2], ids=["mha", "gqa"])
+def test_vmap_of_grad_equals_fa4jax(rng, heads_kv):
+    q, k, v, w = (jnp.stack([x, y]) for x, y in zip(_e2e_inputs(rng, heads_kv), _e2e_inputs(rng, heads_kv)))
+    ours = jax.vmap(_grads(fa4jax.flash_attn, True))(q, k, v, w)
+    _assert_same(ours, jax.vmap(_grads(_fa4_own, True))(q, k, v, w))
+    one = _grads(fa4jax.flash_attn, True)(q[1], k[1], v[1], w[1])  # the fold into the batch keeps each example
+    _assert_same([g[1] for g in ours], one)
+
+
+@needs_fa4jax_gpu
+@pytest.mark.parametrize("axis", ["batch", "heads"])
+def test_shard_map_over_devices_equals_fa4jax(rng, axis):
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    devices = jax.devices()
+    n = len(devices)
+    q, k, v, w = _e2e_inputs(rng, 2, batch=2 * n if axis == "batch" else 2)
+    if axis == "heads":  # 4 q heads and 2 kv heads per device
+        q, w = (jnp.tile(x, (1, 1, n, 1)) for x in (q, w))
+        k, v = (jnp.tile(x, (1, 1, n, 1)) for x in (k, v))
+    spec = P("d") if axis == "batch" else P(None, None, "d")
+    mesh = Mesh(np.array(devices), ("d",))
+    sharded = jax.jit(jax.shard_map(_grads(fa4jax.flash_attn, True), mesh=mesh, in_specs=spec, out_specs=spec))
+    got = sharded(q, k, v, w)
+    assert len(got[0].sharding.device_set) == n
+    _assert_same(got, _grads(_fa4_own, True)(q, k, v, w))

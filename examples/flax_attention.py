@@ -1,8 +1,9 @@
-"""A flax (nnx) attention layer whose backward finishes dQ with jax-dqpost, trained for a few steps.
+"""A flax (nnx) attention layer whose backward is finished by jax-dqpost, trained for a few steps.
 
-``nnx.MultiHeadAttention`` takes an ``attention_fn``; ours is the custom-VJP attention of
-``train_step.py``, whose backward stores the fp32 dQ in FlashAttention's accumulator order and calls
-``dq_postprocess``. The gradient must match flax's default attention, and the loss must go down.
+``nnx.MultiHeadAttention`` takes an ``attention_fn``; ours is ``train_step.attention``: on a CUDA GPU with fa4-jax,
+FlashAttention-4's backward kernels (fa4-jax) finished by one jax-dqpost launch; elsewhere the stand-in producer
+(jax.numpy storing dQ in FlashAttention's accumulator order, then ``dq_postprocess``). The gradient must match
+flax's default attention, and the loss must go down.
 
     python examples/flax_attention.py
 """
@@ -13,7 +14,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from train_step import attention  # the custom-VJP attention (examples/ is on sys.path when run as a script)
+from train_step import PRODUCER, attention  # examples/ is on sys.path when run as a script
 
 B, S, H, D = 2, 96, 2, 64
 
@@ -54,8 +55,8 @@ def main():
     rel = float(jnp.linalg.norm(gq - gq_plain) / jnp.linalg.norm(gq_plain))
     optimizer = nnx.Optimizer(ours, optax.adam(3e-3), wrt=nnx.Param)
     losses = [float(train_step(ours, optimizer, x, target)) for _ in range(40)]
-    print(f"backend: {jax.default_backend()}, query-kernel gradient vs flax's attention: relative error "
-          f"{rel:.2e}; loss {losses[0]:.5f} -> {losses[-1]:.5f} in {len(losses)} steps")
+    print(f"producer: {PRODUCER}; backend: {jax.default_backend()}; query-kernel gradient vs flax's attention: "
+          f"relative error {rel:.2e}; loss {losses[0]:.5f} -> {losses[-1]:.5f} in {len(losses)} steps")
     if not rel < 5e-2 or not losses[-1] < 0.7 * losses[0]:
         raise SystemExit("wrong gradient or the loss did not go down")
 

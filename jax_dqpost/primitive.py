@@ -167,6 +167,21 @@ def _partitioned_impl(*args, plan: Plan):
     return list(_partitioned(plan)(*args, plan))
 
 
+def _unpartitioned_impl(*args, plan: Plan):
+    return list(_postprocess_shard_p.bind(*args, plan=plan))
+
+
+def _lowering(ctx, *args, plan: Plan):
+    """Through ``custom_partitioning``, which needs the program's devices. jax hands a lowering the devices only when
+    the program's jaxpr holds a primitive that asks for them, as ours does; bound inside another primitive's own
+    lowering (fa4-jax's backward, lowered with ``mlir.lower_fun``), the op finds none, and lowers unpartitioned:
+    one device's program, or inside ``shard_map``, as is; in an automatically partitioned program XLA gathers its
+    operands, as it does for the custom calls around it."""
+    nested = getattr(ctx.module_context.axis_context, "device_assignment", ()) is None
+    impl = _unpartitioned_impl if nested else _partitioned_impl
+    return mlir.lower_fun(impl, multiple_results=True)(ctx, *args, plan=plan)
+
+
 # ---- autodiff --------------------------------------------------------------------------------------
 def _jvp(primals, tangents, *, plan: Plan):
     outs = postprocess_p.bind(*primals, plan=plan)
@@ -313,7 +328,7 @@ def _batch(args, dims, *, plan: Plan):
 # ---- registrations: every rule of the primitives, in one place -----------------------------------
 postprocess_p.def_impl(functools.partial(dispatch.apply_primitive, postprocess_p))
 postprocess_p.def_abstract_eval(_abstract_eval)
-mlir.register_lowering(postprocess_p, mlir.lower_fun(_partitioned_impl, multiple_results=True))
+mlir.register_lowering(postprocess_p, _lowering)
 dispatch.prim_requires_devices_during_lowering.add(postprocess_p)
 ad.primitive_jvps[postprocess_p] = _jvp
 ad.primitive_transposes[postprocess_p] = _transpose

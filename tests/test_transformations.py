@@ -396,3 +396,38 @@ def test_varlen_heads_shard_without_collectives(rng, devices, part, offsets):
     assert not COLLECTIVES.search(text), f"collective in the heads-sharded varlen program ({offsets} offsets)"
     for j in range(len(got)):
         assert_same_bits(got[j], want[j], f"varlen sharded over heads ({offsets} offsets), output {j}")
+
+
+# ---- bound inside another primitive's own lowering (as fa4-jax's backward binds it)
+
+def _outer_primitive(op, outs):
+    """A primitive lowered with ``mlir.lower_fun(op)``: jax gives such a lowering no devices."""
+    from jax.extend.core import Primitive
+    from jax.interpreters import mlir
+
+    prim = Primitive("test_outer_of_postprocess")
+    prim.multiple_results = True
+    prim.def_abstract_eval(lambda *args: [jax.core.ShapedArray(o.shape, o.dtype) for o in outs])
+    mlir.register_lowering(prim, mlir.lower_fun(lambda *args: op(*args), multiple_results=True))
+    return prim
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize("part", PARTS)
+def test_inside_another_primitives_lowering(rng, platform, part):
+    """One device, and 8 CPU devices with the operands sharded over batch: the bits of the op called directly."""
+    x, static = problem(rng, part, "dense-seqused", batch=8)
+    op = make_op(part, static)
+    device = jax.devices(platform)[0]
+    want = jax.jit(op)(jax.device_put(x, device))
+    names = sorted(x)
+    prim = _outer_primitive(lambda *args: op(dict(zip(names, args))), want)
+    got = jax.jit(lambda x: prim.bind(*(x[n] for n in names)))(jax.device_put(x, device))
+    for j in range(len(want)):
+        assert_same_bits(got[j], want[j], f"nested on one {platform} device, output {j}")
+    if platform == "cpu" and len(CPUS) >= 8:
+        mesh = Mesh(np.array(CPUS[:8]), ("b",))
+        placed = {n: jax.device_put(v, NamedSharding(mesh, P("b") if np.ndim(v) else P())) for n, v in x.items()}
+        got = jax.jit(lambda x: prim.bind(*(x[n] for n in names)))(placed)
+        for j in range(len(want)):
+            assert_same_bits(got[j], want[j], f"nested in a program over 8 CPU devices, output {j}")

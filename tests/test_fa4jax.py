@@ -224,7 +224,9 @@ def test_shard_map_over_devices_equals_fa4jax(rng, axis):
         k, v = (jnp.tile(x, (1, 1, n, 1)) for x in (k, v))
     spec = P("d") if axis == "batch" else P(None, None, "d")
     mesh = Mesh(np.array(devices), ("d",))
-    sharded = jax.jit(jax.shard_map(_grads(fa4jax.flash_attn, True), mesh=mesh, in_specs=spec, out_specs=spec))
+    # fa4-jax's primitives give no varying-manual-axes types to their cotangents: shard_map without that check.
+    sharded = jax.jit(jax.shard_map(_grads(fa4jax.flash_attn, True), mesh=mesh, in_specs=spec, out_specs=spec,
+                                    check_vma=False))
     got = sharded(q, k, v, w)
     assert len(got[0].sharding.device_set) == n
     _assert_same(got, _grads(_fa4_own, True)(q, k, v, w))

@@ -10,8 +10,10 @@ alone (``jax.jit`` of the function ``jax.vjp`` returns, its residuals passed as 
 - ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")``, for context (where cuDNN takes the shape).
 
 Device time from the GPU timeline (jax.profiler): a step's time is the sum of the durations of its GPU activities
-(kernels and memsets), the postprocess share that of the kernels whose name contains ``Postprocess``; each is the
-median over the traced steps, the implementations of one shape alternated in one trace. Prints a table and writes
+(kernels and memsets), the postprocess share that of the kernels whose name contains ``Postprocess``, the rest
+the preprocess, the main kernel and the accumulators' zeroing (the same kernels in both); each is the median over
+the traced steps, the implementations of one shape in turn in one trace (their order reversed every other round).
+"Bwd ratio" is fa4-jax's step time over ours (above 1: ours is faster). Prints a table and writes
 ``fa4jax.json`` into ``--out``. The gradients of ``fa4jax`` and ``dqpost`` are compared on the way (they agree
 to the atomics' rounding: the backward adds fp32 partial sums in no fixed order).
 """
@@ -32,8 +34,8 @@ from . import harness
 POST = "Postprocess"
 METHOD = ("device time of the backward alone (jax.jit of jax.vjp's function, residuals as arguments): per step, the "
           "sum of the durations of its GPU activities (kernels and memsets) on jax.profiler's timeline; postprocess "
-          "= kernels whose name contains 'Postprocess'; median over the steps, implementations alternated in one "
-          "trace")
+          "= kernels whose name contains 'Postprocess'; median over the steps, implementations in turn in one trace, "
+          "order reversed every other round")
 
 
 def shapes(quick: bool):
@@ -84,27 +86,31 @@ def _trace(calls) -> list[tuple[str, int]]:
 
 
 def measure(runs: dict, steps: int) -> dict:
-    """Each ``runs[name] = (step, args)`` traced ``steps`` times, the implementations in turn: per implementation,
-    the medians of the step's and the postprocess's device time, and the step's GPU activities."""
+    """Each ``runs[name] = (step, args)`` traced ``steps`` times, the implementations in turn (reversed every other
+    round): per implementation, the medians of the step's device time, its postprocess's and each activity's."""
     import jax
 
     for step, args in runs.values():
         jax.block_until_ready(step(*args))
     counts = {name: len(_trace([run])) for name, run in runs.items()}
-    events = _trace([run for _ in range(steps) for run in runs.values()])
-    per_round = sum(counts.values())
-    if len(events) != per_round * steps:
+    orders = [list(runs) if r % 2 == 0 else list(runs)[::-1] for r in range(steps)]
+    events = _trace([runs[name] for order in orders for name in order])
+    if len(events) != sum(counts.values()) * steps:
         raise RuntimeError(f"{len(events)} GPU activities for {steps} rounds of {counts}")
-    result, offset = {}, 0
-    for name, count in counts.items():
-        chunks = [events[r * per_round + offset:r * per_round + offset + count] for r in range(steps)]
-        names = sorted(ev for ev, _ in chunks[0])
-        if any(sorted(ev for ev, _ in c) != names for c in chunks):
-            raise RuntimeError(f"{name}: the traced steps ran different kernels")
-        result[name] = dict(step_us=statistics.median(sum(d for _, d in c) for c in chunks) * 1e-3,
-                            post_us=statistics.median(sum(d for ev, d in c if POST in ev) for c in chunks) * 1e-3,
-                            activities=[ev for ev, _ in chunks[0]])
-        offset += count
+    chunks, at = {name: [] for name in runs}, 0
+    for order in orders:
+        for name in order:
+            chunks[name].append(events[at:at + counts[name]])
+            at += counts[name]
+    result = {}
+    for name, steps_of in chunks.items():
+        names = [ev for ev, _ in steps_of[0]]
+        if any([ev for ev, _ in c] != names for c in steps_of):
+            raise RuntimeError(f"{name}: the traced steps ran different GPU activities")
+        result[name] = dict(step_us=statistics.median(sum(d for _, d in c) for c in steps_of) * 1e-3,
+                            post_us=statistics.median(sum(d for ev, d in c if POST in ev) for c in steps_of) * 1e-3,
+                            activities=[(ev, statistics.median(c[i][1] for c in steps_of) * 1e-3)
+                                        for i, ev in enumerate(names)])
     return result
 
 
@@ -140,13 +146,15 @@ def run_shape(shape, steps: int) -> dict:
 
 def table(results) -> str:
     rows = ["| H_kv | hd | causal | fa4-jax bwd (us) | its postprocess (us) | + jax-dqpost bwd (us) | our postprocess "
-            "(us) | bwd speedup | cuDNN bwd (us) |", "|---|---|---|---|---|---|---|---|---|"]
+            "(us) | bwd ratio | postprocess ratio | rest, fa4-jax / ours (us) | cuDNN bwd (us) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         f, o = r["fa4jax"], r["dqpost"]
         cudnn = f"{r['cudnn']['step_us']:.1f}" if "cudnn" in r else "n/a"
         rows.append(f"| {r['heads_kv']} | {r['head_dim']} | {'yes' if r['causal'] else 'no'} | {f['step_us']:.1f} | "
                     f"{f['post_us']:.1f} | {o['step_us']:.1f} | {o['post_us']:.1f} | "
-                    f"{f['step_us'] / o['step_us']:.3f} | {cudnn} |")
+                    f"{f['step_us'] / o['step_us']:.3f} | {f['post_us'] / o['post_us']:.2f} | "
+                    f"{f['step_us'] - f['post_us']:.1f} / {o['step_us'] - o['post_us']:.1f} | {cudnn} |")
     return "\n".join(rows)
 
 
@@ -154,7 +162,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m jax_dqpost.bench.fa4jax", description=__doc__.splitlines()[0])
     p.add_argument("--out", default=".", help="folder for fa4jax.json")
     p.add_argument("--quick", action="store_true", help="hd 128, H_kv 8 only")
-    p.add_argument("--steps", type=int, default=30, help="traced steps per implementation and shape")
+    p.add_argument("--steps", type=int, default=20, help="traced steps per implementation and shape")
     args = p.parse_args(argv)
     import jax
 
@@ -170,14 +178,15 @@ def main(argv=None) -> int:
         print("python -m jax_dqpost.bench.fa4jax needs a CUDA GPU", file=sys.stderr)
         return 2
     results = []
+    Path(args.out).mkdir(parents=True, exist_ok=True)
     for shape in shapes(args.quick):
         harness.log(f"fa4jax bench: {shape}")
         results.append(run_shape(shape, args.steps))
         harness.log(table(results[-1:]).splitlines()[-1])
-    report = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), commit=_commit(),
-                  gpu=jax.devices()[0].device_kind, jax=jax.__version__, method=METHOD, results=results)
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "fa4jax.json").write_text(json.dumps(report, indent=1))
+        report = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                      commit=_commit(), gpu=jax.devices()[0].device_kind, jax=jax.__version__, method=METHOD,
+                      results=results)
+        (Path(args.out) / "fa4jax.json").write_text(json.dumps(report, indent=1))  # after each shape
     print(table(results))
     return 0
 

@@ -12,7 +12,8 @@ alone (``jax.jit`` of the function ``jax.vjp`` returns, its residuals passed as 
 Device time from the GPU timeline (jax.profiler): a step's time is the sum of the durations of its GPU activities
 (kernels and memsets), the postprocess share that of the kernels whose name contains ``Postprocess``, the rest
 the preprocess, the main kernel and the accumulators' zeroing (the same kernels in both); each is the median over
-the traced steps, the implementations of one shape in turn in one trace (their order reversed every other round).
+the traced steps; fa4-jax and ours in turn in one trace, their order reversed every other round (A B B A ...), so
+that each follows itself and the other equally often; cuDNN in a trace of its own.
 "Bwd ratio" is fa4-jax's step time over ours (above 1: ours is faster). Prints a table and writes
 ``fa4jax.json`` into ``--out``. The gradients of ``fa4jax`` and ``dqpost`` are compared on the way (they agree
 to the atomics' rounding: the backward adds fp32 partial sums in no fixed order).
@@ -34,8 +35,8 @@ from . import harness
 POST = "Postprocess"
 METHOD = ("device time of the backward alone (jax.jit of jax.vjp's function, residuals as arguments): per step, the "
           "sum of the durations of its GPU activities (kernels and memsets) on jax.profiler's timeline; postprocess "
-          "= kernels whose name contains 'Postprocess'; median over the steps, implementations in turn in one trace, "
-          "order reversed every other round")
+          "= kernels whose name contains 'Postprocess'; median over the steps; fa4-jax and ours in turn in one trace, "
+          "order reversed every other round (ABBA); cuDNN in its own trace")
 
 
 def shapes(quick: bool):
@@ -140,7 +141,10 @@ def run_shape(shape, steps: int) -> dict:
         a32, b32 = np.asarray(a, np.float32), np.asarray(b_, np.float32)
         agree[f"d{g}_identical"] = float(np.mean(a32 == b32))
         agree[f"d{g}_max_rel"] = float(np.max(np.abs(a32 - b32)) / max(np.max(np.abs(b32)), 1e-30))
-    result = dict(shape, **measure(runs, steps), skipped=skipped, agreement=agree)
+    # fa4-jax and ours in turn (ABBA: each follows itself and the other equally often), cuDNN's slower kernels apart
+    pair = {name: runs[name] for name in ("fa4jax", "dqpost")}
+    timed = measure(pair, steps) | (measure({"cudnn": runs["cudnn"]}, steps) if "cudnn" in runs else {})
+    result = dict(shape, **timed, skipped=skipped, agreement=agree)
     return result
 
 
@@ -162,7 +166,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m jax_dqpost.bench.fa4jax", description=__doc__.splitlines()[0])
     p.add_argument("--out", default=".", help="folder for fa4jax.json")
     p.add_argument("--quick", action="store_true", help="hd 128, H_kv 8 only")
-    p.add_argument("--steps", type=int, default=20, help="traced steps per implementation and shape")
+    p.add_argument("--steps", type=int, default=30, help="traced steps per implementation and shape")
     args = p.parse_args(argv)
     import jax
 

@@ -230,3 +230,34 @@ def test_shard_map_over_devices_equals_fa4jax(rng, axis):
     got = sharded(q, k, v, w)
     assert len(got[0].sharding.device_set) == n
     _assert_same(got, _grads(_fa4_own, True)(q, k, v, w))
+
+
+@needs_fa4jax_gpu
+@pytest.mark.parametrize("defined_padding", [False, True])
+@pytest.mark.parametrize("heads_kv", [4, 2], ids=["mha", "gqa"])
+def test_varlen_grad_equals_fa4jax(rng, heads_kv, defined_padding):
+    """Packed sequences of at most 64 rows (at most two terms per accumulator element), some rows unused: the
+    gradients of ``flash_attn_varlen`` equal fa4-jax's on every row it defines (all rows with ``defined_padding``:
+    zeros past the used lengths), and ours are 0 on dq's unused rows either way."""
+    import fa4_jax
+
+    lengths = np.array([64, 17, 50], np.int32)
+    used = np.array([64, 9, 31], np.int32)
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
+    total = int(lengths.sum())
+    q, k, v, w = _inputs(rng, jnp.bfloat16, (total, 4, 64), (total, heads_kv, 64), (total, heads_kv, 64))
+    kw = dict(seqused_q=jnp.asarray(used), seqused_k=jnp.asarray(used), causal=True, defined_padding=defined_padding)
+
+    def grads(attention):
+        def loss(q, k, v):
+            return jnp.sum(attention(q, k, v, cu, cu, **kw).astype(jnp.float32) * w.astype(jnp.float32))
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+
+    ours = grads(fa4jax.flash_attn_varlen)
+    theirs = grads(lambda *a, **k: fa4_jax.flash_attn_varlen(*a, backend="cute", **k))
+    rows = _rows(np.asarray(cu), used, total)
+    for name, got, want in zip(("dq", "dk", "dv"), ours, theirs):
+        where = slice(None) if defined_padding else rows
+        np.testing.assert_array_equal(_bits(got)[where], _bits(want)[where], err_msg=name)
+        assert np.count_nonzero(_bits(got)[rows]) > _bits(got)[rows].size // 2, name
+    assert not np.asarray(ours[0])[~rows].any()

@@ -14,6 +14,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import jax
+import jax.numpy as jnp
+
 FA4JAX_VERSION = "0.1.0"
 INSTALL_HINT = "pip install 'jax-dqpost[fa4-jax]' (fa4-jax 0.1.0 needs Python >= 3.12 and a CUDA GPU)"
 
@@ -93,17 +96,13 @@ def accumulators(cfg, q, k, v, out, lse, d_out, d_lse, aux, seqlens) -> Accumula
     plan = K._bwd_plan(dtype, hd, hdv, ratio, cfg.causal, cfg.local, arch)
     static = K._get_static(cfg, dtype, hd, hdv, ratio, arch, "bwd")
     pre = K._aux_static("pre", static["pre"], static["scale"])
-    f32 = "float32"
     orders = (K._bwd_post_params(plan, arch, "dq"), K._bwd_post_params(plan, arch, "dkv"))
 
-    def struct(shape, dt=f32):
-        import jax
-        return jax.ShapeDtypeStruct(shape, dt)
+    def struct(shape, dtype=jnp.float32):
+        return jax.ShapeDtypeStruct(shape, dtype)
 
     def pad(x, to):
         return -(-x // to) * to
-
-    import jax.numpy as jnp
 
     packed = seqlens is not None
     qkv_spec = K._QKV3_SPEC if packed else K._QKV_SPEC
@@ -172,7 +171,6 @@ def fa4_postprocess(cfg, q, k, v, acc: Accumulators, seqlens):
     static = K._get_static(cfg, dtype, hd, hdv, ratio, arch, "bwd")
     packed = seqlens is not None
     spec = K._QKV3_SPEC if packed else K._QKV_SPEC
-    import jax
 
     def post(name, key, scale, accum, like, side):
         args = (accum, *(seqlens[side::2] if packed else ()))

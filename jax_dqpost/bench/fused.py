@@ -187,7 +187,7 @@ class FusedCase:
             return [flash_attention_postprocess(*accs, self.scale, **kw) for accs in sets]
 
         out = {}
-        for name, fn, kernel in (("xla_same_bytes", xla, ""), ("fused_jax", ours, "FusedPostprocess")):
+        for name, fn, kernel in (("xla_same_bytes", xla, ""), ("fused_jax", ours, harness.OUR_KERNEL)):
             t = harness.device_time_per_call(jax.jit(fn), (sets,), kernel, self.copies, max(3, samples // 5))
             if t:
                 out[name] = t

@@ -1,7 +1,7 @@
 """A jitted training step whose attention backward is finished by jax-dqpost.
 
 The producer of the fp32 accumulators is real where it can run: on a CUDA GPU with fa4-jax installed
-(``pip install ".[fa4-jax]"``, Python >= 3.12), the attention is ``jax_dqpost.fa4jax.flash_attn``, whose backward
+(``pip install fa4-jax==0.1.0``, Python >= 3.12, an sm_80 or newer GPU), the attention is ``jax_dqpost.fa4jax.flash_attn``, whose backward
 is FlashAttention-4's kernels (fa4-jax) writing dQ (and, with grouped-query attention as here, dK and dV) in fp32,
 then one ``flash_attention_postprocess`` launch. Everywhere else a **stand-in producer** takes its place: plain
 JAX with a custom VJP that computes the unscaled dQ in float32, stores it in FlashAttention's Hopper accumulator
@@ -24,8 +24,13 @@ LAYOUT = AccumLayout.flash_attention(90, D)  # the stand-in's order: (128, 256, 
 
 
 def _real_producer():
-    """``jax_dqpost.fa4jax`` where fa4-jax's kernels can run (a CUDA GPU and fa4-jax), else None (one line why)."""
+    """``jax_dqpost.fa4jax`` where fa4-jax's kernels can run (a CUDA GPU of sm_80 or newer, and fa4-jax), else None
+    (one line why)."""
     if jax.default_backend() != "gpu":
+        return None
+    capability = float(getattr(jax.devices()[0], "compute_capability", 0) or 0)
+    if capability < 8.0:
+        print(f"no real producer: fa4-jax's kernels need sm_80 or newer, this GPU is sm_{capability * 10:.0f}")
         return None
     try:
         from jax_dqpost import fa4jax

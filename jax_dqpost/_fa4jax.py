@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 
 FA4JAX_VERSION = "0.1.0"
-INSTALL_HINT = "pip install 'jax-dqpost[fa4-jax]' (fa4-jax 0.1.0 needs Python >= 3.12 and a CUDA GPU)"
+INSTALL_HINT = ("pip install fa4-jax==0.1.0 (Python >= 3.12 and a CUDA GPU; from this package's source tree: pip "
+                "install '.[fa4-jax]')")
 
 
 @functools.cache
@@ -83,20 +84,28 @@ class Accumulators:
 HDIM_MULTIPLE_OF = 32
 
 
+def orders(cfg, q, k, v) -> tuple[tuple, tuple]:
+    """The postprocess configurations fa4-jax derives from its tile plan for this call, ``(dq_order, dkv_order)``
+    (``_bwd_post_params``)."""
+    K = modules()[2]
+    dtype, hd, hdv, ratio, arch = K._validate(as_cute(cfg), "bwd", q, k, v)
+    plan = K._bwd_plan(dtype, hd, hdv, ratio, cfg.causal, cfg.local, arch)
+    return K._bwd_post_params(plan, arch, "dq"), K._bwd_post_params(plan, arch, "dkv")
+
+
 def accumulators(cfg, q, k, v, out, lse, d_out, d_lse, aux, seqlens) -> Accumulators:
     """fa4-jax's preprocess and main backward kernel for ``(cfg, q, k, v, out, lse, d_out)``: the same calls,
     shapes, specs and buffer aliases as its ``CuteBackend.vjp``, without the postprocess."""
     _, _, K, cutejax = modules()
     if d_lse is not None:
-        raise NotImplementedError("fa4-jax's backward takes no cotangent of the lse output; use "
-                                  "backend='reference' for that")
+        raise NotImplementedError("fa4-jax's backward takes no cotangent of the lse output; "
+                                  "fa4_jax.flash_attn(..., backend='reference') does")
     d_out = d_out.astype(q.dtype)
     cfg = as_cute(cfg)
     dtype, hd, hdv, ratio, arch = K._validate(cfg, "bwd", q, k, v)
     plan = K._bwd_plan(dtype, hd, hdv, ratio, cfg.causal, cfg.local, arch)
     static = K._get_static(cfg, dtype, hd, hdv, ratio, arch, "bwd")
     pre = K._aux_static("pre", static["pre"], static["scale"])
-    orders = (K._bwd_post_params(plan, arch, "dq"), K._bwd_post_params(plan, arch, "dkv"))
 
     def struct(shape, dtype=jnp.float32):
         return jax.ShapeDtypeStruct(shape, dtype)
@@ -149,7 +158,7 @@ def accumulators(cfg, q, k, v, out, lse, d_out, d_lse, aux, seqlens) -> Accumula
             static, q, k, v, d_out, lse_log2, dpsum, dq_accum, *given, *tail,
             in_specs=[qkv_spec] * 4 + [K._F32_SPEC] * 3 + given_specs + tail_specs,
             out_specs=[K._F32_SPEC, qkv_spec, qkv_spec], input_output_aliases=aliases, name=name)
-        return Accumulators(dq_accum, dk, dv, None, None, *orders)
+        return Accumulators(dq_accum, dk, dv, None, None, *orders(cfg, q, k, v))
     dk_accum = jnp.zeros((*lead_k, rows_k * dr), jnp.float32)
     dv_accum = jnp.zeros((*lead_k, rows_k * dvr), jnp.float32)
     dq_accum, dk_accum, dv_accum = cutejax.call(
@@ -158,7 +167,7 @@ def accumulators(cfg, q, k, v, out, lse, d_out, d_lse, aux, seqlens) -> Accumula
         static, q, k, v, d_out, lse_log2, dpsum, dq_accum, dk_accum, dv_accum, *tail,
         in_specs=[qkv_spec] * 4 + [K._F32_SPEC] * 5 + tail_specs, out_specs=[K._F32_SPEC] * 3,
         input_output_aliases={6: 0, 7: 1, 8: 2}, name="fa4_bwd_gqa" + suffix)
-    return Accumulators(dq_accum, None, None, dk_accum, dv_accum, *orders)
+    return Accumulators(dq_accum, None, None, dk_accum, dv_accum, *orders(cfg, q, k, v))
 
 
 def fa4_postprocess(cfg, q, k, v, acc: Accumulators, seqlens):

@@ -8,7 +8,7 @@ accumulator. The accumulator orders are fa4-jax's, read from its tile plan for t
 grouped-query ratio and GPU (:func:`accum_layout`). Forward, forward mode, masks, windows, vmap and varlen are
 fa4-jax's.
 
-Usage (a CUDA GPU, and ``pip install 'jax-dqpost[fa4-jax]'``; fa4-jax needs Python >= 3.12)::
+Usage (a CUDA GPU, and fa4-jax: ``pip install fa4-jax==0.1.0``, or the ``[fa4-jax]`` extra; Python >= 3.12)::
 
     from jax_dqpost import fa4jax
     out = fa4jax.flash_attn(q, k, v, causal=True)          # (B, S, H, D) bf16/fp16, as fa4_jax.flash_attn
@@ -16,8 +16,10 @@ Usage (a CUDA GPU, and ``pip install 'jax-dqpost[fa4-jax]'``; fa4-jax needs Pyth
 
 or ``fa4_jax.flash_attn(..., backend=fa4jax.BACKEND)`` once :func:`register` has run. What fa4-jax does not take
 (no cotangent through ``return_lse``; vmap over varlen; the head dims and GPUs its kernels refuse) this backend
-does not take either, with fa4-jax's errors. Without fa4-jax, or without a GPU, each call raises one line that says
-so.
+does not take either, with fa4-jax's errors. Where fa4-jax writes an accumulator in an order our kernel does not
+take (on sm90, dK/dV under grouped-query attention at head dims 136..160: a 64-row WGMMA atom over a head dim padded
+to 160), the backward raises ValueError naming the head dims. Without fa4-jax, or without a GPU, each call raises one
+line that says so.
 """
 
 from __future__ import annotations
@@ -51,22 +53,41 @@ def accum_layout(order: tuple) -> AccumLayout:
     return AccumLayout(family, rows, threads, atom_layout, bool(swap_ab), _fa4jax.HDIM_MULTIPLE_OF)
 
 
+def _layouts(cfg, q, k, v, acc):
+    """``(dq_layout, dkv_layout or None)`` of ``acc``, each checked against the head dims it holds."""
+    gqa = acc.dk_accum is not None
+    dq_layout, dkv_layout = accum_layout(acc.dq_order), (accum_layout(acc.dkv_order) if gqa else None)
+    d, d_v = q.shape[-1], v.shape[-1]
+    for what, layout, head_dim in (("dQ", dq_layout, d), ("dK", dkv_layout, d), ("dV", dkv_layout, d_v)):
+        try:
+            if layout is not None:
+                layout.check_head_dim(head_dim)
+        except ValueError as e:
+            raise ValueError(
+                f"jax_dqpost.fa4jax cannot finish fa4-jax's {what} accumulator for head_dim={d}, head_dim_v={d_v} on "
+                f"this GPU, written in an order jax-dqpost's kernel does not take: {e}; "
+                "fa4_jax.flash_attn(..., backend='cute') runs this configuration with fa4-jax's own postprocess"
+            ) from None
+    return dq_layout, dkv_layout
+
+
 def postprocess(cfg, q, k, v, acc, seqlens):
     """One :func:`~jax_dqpost.flash_attention_postprocess` launch for what fa4-jax's backward left (``acc``):
     ``(dq, dk, dv)``. Under grouped-query attention it converts all three; otherwise dQ alone, and dK, dV are the
-    main kernel's."""
+    main kernel's. ValueError where fa4-jax wrote an accumulator in an order our kernel does not take."""
+    dq_layout, dkv_layout = _layouts(cfg, q, k, v, acc)
     if seqlens is None:
         q_side, k_side = dict(seqlen_q=q.shape[1]), dict(seqlen_k=k.shape[1])
     else:
         cu_q, cu_k, used_q, used_k = seqlens
         q_side = dict(total_q=q.shape[0], cu_seqlens_q=cu_q, seqused_q=used_q)
         k_side = dict(total_k=k.shape[0], cu_seqlens_k=cu_k, seqused_k=used_k)
-    common = dict(head_dim=q.shape[-1], dtype=q.dtype, dq_layout=accum_layout(acc.dq_order), **q_side)
-    if acc.dk_accum is None:
+    common = dict(head_dim=q.shape[-1], dtype=q.dtype, dq_layout=dq_layout, **q_side)
+    if dkv_layout is None:  # the main kernel wrote dK and dV itself
         dq, _, _ = flash_attention_postprocess(acc.dq_accum, None, None, cfg.scale, **common)
         return dq, acc.dk, acc.dv
     return flash_attention_postprocess(acc.dq_accum, acc.dk_accum, acc.dv_accum, cfg.scale, **common, **k_side,
-                                       head_dim_v=v.shape[-1], dkv_layout=accum_layout(acc.dkv_order))
+                                       head_dim_v=v.shape[-1], dkv_layout=dkv_layout)
 
 
 @functools.cache

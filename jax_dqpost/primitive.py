@@ -173,10 +173,11 @@ def _unpartitioned_impl(*args, plan: Plan):
 
 def _lowering(ctx, *args, plan: Plan):
     """Through ``custom_partitioning``, which needs the program's devices. jax hands a lowering the devices only when
-    the program's jaxpr holds a primitive that asks for them, as ours does; bound inside another primitive's own
-    lowering (fa4-jax's backward, lowered with ``mlir.lower_fun``), the op finds none, and lowers unpartitioned:
-    one device's program, or inside ``shard_map``, as is; in an automatically partitioned program XLA gathers its
-    operands, as it does for the custom calls around it."""
+    the program's jaxpr holds a primitive that asks for them, as ours does (so a top-level jit, export or
+    ``shard_map`` never takes the other branch); bound inside another primitive's own lowering (fa4-jax's backward,
+    lowered with ``mlir.lower_fun``), the op finds none, and lowers unpartitioned: one device's program as is; in an
+    automatically partitioned program XLA treats it as it treats the custom calls around it (not measured on
+    several GPUs)."""
     nested = getattr(ctx.module_context.axis_context, "device_assignment", ()) is None
     impl = _unpartitioned_impl if nested else _partitioned_impl
     return mlir.lower_fun(impl, multiple_results=True)(ctx, *args, plan=plan)

@@ -1,11 +1,10 @@
 """The examples the README points to run and check their own results (on CPU here)."""
 
+import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
-
-import importlib.util
 
 import pytest
 

@@ -24,10 +24,8 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import shutil
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 from . import harness
@@ -72,18 +70,16 @@ def backward_step(name, q, k, v, causal):
 
 
 def _trace(calls) -> list[tuple[str, int]]:
-    """``(name, duration ns)`` of the GPU activities (no copies) of running each ``(step, args)`` once, in order."""
+    """``(name, duration ns)`` of the GPU activities (no copies) of running each ``(step, args)`` once, in order
+    (:func:`harness.traced_activities`: one untraced run first)."""
     import jax
 
-    trace_dir = tempfile.mkdtemp(prefix="jax_dqpost_fa4jax_")
-    try:
-        with jax.profiler.trace(trace_dir):
-            for step, args in calls:
-                jax.block_until_ready(step(*args))
-        activities = sorted(harness.gpu_activities(trace_dir), key=lambda a: a[2])
-    finally:
-        shutil.rmtree(trace_dir, ignore_errors=True)
-    return [(ev, dur) for _, ev, _, dur in activities if not ev.lower().startswith("memcpy")]
+    def run():
+        for step, args in calls:
+            jax.block_until_ready(step(*args))
+
+    activities = sorted(harness.traced_activities(run, ()), key=lambda a: a[3])
+    return [(ev, dur) for _, _, ev, _, dur in activities if not ev.lower().startswith("memcpy")]
 
 
 def measure(runs: dict, steps: int) -> dict:

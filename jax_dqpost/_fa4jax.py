@@ -17,6 +17,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from .varlen import padded_total
+
 FA4JAX_VERSION = "0.1.0"
 INSTALL_HINT = ("pip install fa4-jax==0.1.0 (Python >= 3.12 and a CUDA GPU; from this package's source tree: pip "
                 "install '.[fa4-jax]')")
@@ -119,8 +121,7 @@ def accumulators(cfg, q, k, v, out, lse, d_out, d_lse, aux, seqlens) -> Accumula
         total_q, h, d = q.shape
         total_k, h_kv, _ = k.shape
         batch = seqlens[0].shape[0] - 1
-        rows_q = pad(total_q, plan.tile_m) + batch * plan.tile_m
-        rows_k = pad(total_k, plan.tile_n) + batch * plan.tile_n
+        rows_q, rows_k = padded_total(total_q, batch, plan.tile_m), padded_total(total_k, batch, plan.tile_n)
         lead_q, lead_k = (h,), (h_kv,)
     else:
         b, s_q, h, d = q.shape

@@ -21,6 +21,7 @@ import pytest
 
 from conftest import HAS_GPU
 from jax_dqpost import AccumLayout, _fa4jax, fa4jax
+import oracle
 
 HAS_FA4JAX = importlib.util.find_spec("fa4_jax") is not None
 needs_fa4jax_gpu = pytest.mark.skipif(not (HAS_GPU and HAS_FA4JAX),
@@ -113,7 +114,7 @@ def _varlen_offsets(rng, batch, most):
 def _rows(cu, used, total):
     """Boolean (total,): the packed rows some sequence uses."""
     mask = np.zeros(total, bool)
-    for start, n in zip(cu[:-1], used):
+    for start, _, n in oracle.sequence_rows(cu, used, total, 1):
         mask[start:start + n] = True
     return mask
 

@@ -20,7 +20,8 @@ import numpy as np
 from jax_dqpost import AccumLayout, dq_accum_from_dq, dq_postprocess
 
 B, S, H, H_KV, D = 2, 96, 4, 2, 64
-LAYOUT = AccumLayout.flash_attention(90, D)  # the stand-in's order: (128, 256, 2, False, 32), hd 64 on Hopper
+# the stand-in's order: (128, 256, 2, False, 32), hd 64 on Hopper
+LAYOUT = AccumLayout.flash_attention(90, D, causal=False, tensor="dq")
 
 
 def _real_producer():

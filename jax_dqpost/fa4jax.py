@@ -50,7 +50,8 @@ def accum_layout(order: tuple) -> AccumLayout:
     family = _ORDER_OF_FAMILY.get(int(order_arch) // 10)
     if family is None:
         raise ValueError(f"fa4-jax postprocess configuration {order!r}: no accumulator order for arch {order_arch}")
-    return AccumLayout(family, rows, threads, atom_layout, bool(swap_ab), _fa4jax.HDIM_MULTIPLE_OF)
+    return AccumLayout(family, rows, threads, atom_layout, bool(swap_ab), _fa4jax.HDIM_MULTIPLE_OF, two_cta=False,
+                       cluster_size=1)
 
 
 def _layouts(cfg, q, k, v, acc):

@@ -28,6 +28,7 @@ import numpy as np
 
 from . import _checks
 from ._checks import MAX_HEAD_DIM
+from .arch import SUPPORTED_ARCHS, sm_version
 from .varlen import padded_total
 
 __all__ = ["AccumLayout"]
@@ -55,39 +56,54 @@ def _check_bool(name: str, value) -> bool:
     return _checks.static_bool(f"AccumLayout.{name}", value)
 
 
+CONSTRUCTORS = ("AccumLayout.flash_attention(arch, head_dim, causal=..., tensor='dq' or 'dkv') gives the order "
+                "FlashAttention-4's backward writes, AccumLayout.row_major() the order of an accumulator made in JAX "
+                "(dq_accum_from_dq)")
+"""How to get a layout: the errors for a missing one say this."""
+NO_DEFAULT = "no default: an accumulator read in another order gives wrong values, not an error"
+"""Why no argument that picks an order has a default."""
+
+
 @dataclasses.dataclass(frozen=True)
 class AccumLayout:
-    """The order in which a producer (FlashAttention's backward) wrote the fp32 dQ accumulator.
+    """The order in which a producer (FlashAttention's backward) wrote an fp32 accumulator (dQ, or dK/dV).
+
+    Most users need not spell the fields: :meth:`flash_attention` gives the order FlashAttention-4's backward writes,
+    :meth:`row_major` the one for an accumulator made in JAX, ``jax_dqpost.fa4jax.accum_layout`` fa4-jax's. No field
+    has a default (an accumulator read in another order gives wrong values, not an error).
 
     Attributes:
       arch: the producer's accumulator order: ``90`` Hopper WGMMA, ``80`` Ampere ``mma.sync`` (also
         FlashAttention's sm120 path), ``100`` Blackwell tcgen05, ``None`` row-major. Data order only,
         independent of the GPU the postprocess runs on.
-      tile_m: rows of dQ per accumulator tile (FlashAttention's ``m_block_size`` / kBlockM).
-      num_threads: threads of the producer's dQ MMA (128 per warpgroup on Hopper, 32 per warp on Ampere,
+      tile_m: rows per accumulator tile (FlashAttention's ``m_block_size`` / kBlockM; for dK/dV its
+        ``n_block_size``).
+      num_threads: threads of the producer's MMA (128 per warpgroup on Hopper, 32 per warp on Ampere,
         128 on Blackwell); for ``arch=None``, the CTA size of the postprocess.
       atom_layout: FlashAttention's ``AtomLayoutMdQ``: warpgroups (90) or warps (80) along the row mode.
       swap_ab: FlashAttention's ``dQ_swapAB``: the MMA computed dQ transposed (80 and 90).
       hdim_multiple_of: the head dimension is padded to a multiple of this in the accumulator
         (32 in FlashAttention's CuTe DSL, 64 for its Hopper configurations with head dim > 128).
-      two_cta: ``arch=100`` only: the accumulator was written by the 2-CTA (``cta_group::2``) MMA.
-      cluster_size: CTAs of the producer's cluster along the rows (FlashAttention-4's ``cluster_size``: 2 for
-        Blackwell's 2-CTA dK/dV). Rows are padded in units of ``tile_m * cluster_size`` (:attr:`pad_rows`):
-        the dense ``Sr`` and the varlen padded offsets and ``Tp``; tiles stay ``tile_m`` rows.
+      two_cta: keyword-only; required for ``arch=100``, where it picks the 2-CTA (``cta_group::2``) MMA's order over
+        the 1-CTA one (the two have the same shape); False (the only value) for the other orders when left out.
+      cluster_size: keyword-only; CTAs of the producer's cluster along the rows (FlashAttention-4's
+        ``cluster_size``: 2 for Blackwell's 2-CTA dK/dV). Required for ``arch=100``; 1 for the other orders when
+        left out. Rows are padded in units of ``tile_m * cluster_size`` (:attr:`pad_rows`): the dense ``Sr`` and the
+        varlen padded offsets and ``Tp``; tiles stay ``tile_m`` rows.
 
-    Instances are frozen and hashable; invalid fields raise ``TypeError``/``ValueError`` on
-    construction. Whether a head dimension fits the layout is checked by :meth:`check_head_dim`.
-    :meth:`flash_attention` gives the layout FlashAttention uses for a GPU architecture and head dim.
+    Instances are frozen and hashable; invalid fields raise ``TypeError``/``ValueError`` on construction, a
+    missing one ``TypeError`` naming it. Whether a head dimension fits the layout is checked by
+    :meth:`check_head_dim`.
     """
 
-    arch: int | None = 90
-    tile_m: int = 64
-    num_threads: int = 256
-    atom_layout: int = 1
-    swap_ab: bool = False
-    hdim_multiple_of: int = 32
-    two_cta: bool = False
-    cluster_size: int = 1
+    arch: int | None
+    tile_m: int
+    num_threads: int
+    atom_layout: int
+    swap_ab: bool
+    hdim_multiple_of: int
+    two_cta: bool = dataclasses.field(default=None, kw_only=True)
+    cluster_size: int = dataclasses.field(default=None, kw_only=True)
 
     def __post_init__(self):
         arch = None if self.arch is None else _check_int("arch", self.arch)
@@ -95,18 +111,24 @@ class AccumLayout:
             hint = ""
             if arch in _ORDER_OF_GPU:
                 hint = (f"; FlashAttention's sm{arch} backward writes the arch={_ORDER_OF_GPU[arch]} order "
-                        f"(AccumLayout.flash_attention({arch}, head_dim) gives its layout)")
+                        f"(AccumLayout.flash_attention({arch}, head_dim, causal=..., tensor=...) gives its "
+                        "layouts)")
             raise ValueError(f"AccumLayout.arch={arch} is not an accumulator order; the orders are "
                              f"{_SUPPORTED_ARCHS} (90 Hopper wgmma, 80 mma.sync, 100 Blackwell tcgen05, None "
                              f"row-major){hint}")
+        if arch == 100 and (self.two_cta is None or self.cluster_size is None):
+            raise TypeError("AccumLayout(arch=100) needs two_cta= and cluster_size=: the tcgen05 orders of the 1-CTA "
+                            "and the 2-CTA MMA have the same shape (FlashAttention-4 writes dQ with two_cta=True and "
+                            "dK/dV with cluster_size=2 at head dims 128..192; AccumLayout.flash_attention(100, "
+                            "head_dim, causal=..., tensor=...) gives them)")
         tile_m = _check_int("tile_m", self.tile_m)
         if tile_m % 8:
             raise ValueError(f"AccumLayout.tile_m must be a multiple of 8, got {tile_m}")
         num_threads = _check_int("num_threads", self.num_threads)
         atom_layout = _check_int("atom_layout", self.atom_layout)
         swap_ab = _check_bool("swap_ab", self.swap_ab)
-        two_cta = _check_bool("two_cta", self.two_cta)
-        cluster_size = _check_int("cluster_size", self.cluster_size)
+        two_cta = _check_bool("two_cta", False if self.two_cta is None else self.two_cta)
+        cluster_size = _check_int("cluster_size", 1 if self.cluster_size is None else self.cluster_size)
         if cluster_size > _MAX_CLUSTER:
             raise ValueError(f"AccumLayout.cluster_size must be at most {_MAX_CLUSTER} (CUDA's portable cluster "
                              f"size), got {cluster_size}")
@@ -151,48 +173,49 @@ class AccumLayout:
 
     # ----------------------------------------------------------------------------------------------
     @classmethod
-    def flash_attention(cls, arch: int, head_dim: int, causal: bool = False, *, tensor: str = "dq",
+    @_checks.required_arguments(causal=lambda: _causal_hint(), tensor=lambda: _tensor_hint())
+    def flash_attention(cls, arch: int, head_dim: int, *, causal: bool, tensor: str,
                         head_dim_v: int | None = None) -> "AccumLayout":
-        """The layout FlashAttention-4's backward uses on GPU architecture ``arch`` (e.g. 90, 100, 120) for the
-        accumulator of ``tensor``: ``"dq"``, or ``"dkv"`` (dK and dV, accumulated in fp32 for grouped-query
-        attention, where several query heads add into one key/value head). ``causal`` also stands for local
-        attention; ``head_dim_v`` (default ``head_dim``) only matters for the head dims with no postprocess.
+        """The layout FlashAttention-4's backward uses on GPU architecture ``arch`` (90, 100, 101, 103, 110, 120 or
+        121) for the accumulator of ``tensor``: ``"dq"``, or ``"dkv"`` (dK and dV, accumulated in fp32 for
+        grouped-query attention, where several query heads add into one key/value head).
 
-        dQ (tile_m, num_threads, atom_layout, swap_ab, hdim_multiple_of):
+        ``causal`` (True also for local attention) and ``tensor`` have no default: for some GPUs and head dims (the
+        tables below; the error for a missing ``causal`` lists them) the causal order differs from the non-causal
+        one, and dQ's from dK/dV's, with shapes that agree wherever both tiles divide the sequence, so a wrong guess
+        gives wrong gradients, not an error. ``causal`` is required on every GPU, so that a call is portable.
+        ``head_dim_v`` (default ``head_dim``) only matters for the head dims with no postprocess.
 
-        ====================  ==========================  =========================================
-        arch                  head dim                    dQ layout
-        ====================  ==========================  =========================================
-        sm90 (9x)             <= 64                       (128, 256, 2, F, 32)
-        sm90                  <= 96                       (64, 128, 1, F, 32)  one warpgroup for dQ
-        sm90                  <= 128                      causal (64, 256, 1, F, 32), else (80, 256, 1, T, 32)
-        sm90                  <= 256                      (64, 256, 1, F, 64)  dKV_swapAB: 64-multiple
-        sm100 / sm110         < 128                       arch=100, (128, 128, 1, F, 32), 1-CTA
-        sm100 / sm110         128 .. 192                  arch=100, (128, 128, 1, F, 32), two_cta
-        sm120 (12x)           any                         arch=80, (64, 128, 4, F, 32)
-        ====================  ==========================  =========================================
+        The presets, as ``AccumLayout(...)``'s positional fields (dK/dV's rows are key rows: ``tile_m`` is
+        FlashAttention's ``n_block_size``)::
 
-        dK/dV (the rows are key/value rows, ``tile_m`` is FlashAttention's ``n_block_size``):
+            | arch | head dim | causal | dQ (`tensor="dq"`) | dK/dV (`tensor="dkv"`) |
+            |---|---|---|---|---|
+            | 90 | 8..64 | either | `(90, 128, 256, 2, False, 32)` | the same |
+            | 90 | 72..96 | either | `(90, 64, 128, 1, False, 32)` | `(90, 128, 256, 2, False, 32)` |
+            | 90 | 104..128 | no | `(90, 80, 256, 1, True, 32)` | `(90, 128, 256, 2, False, 32)` |
+            | 90 | 104..128 | yes | `(90, 64, 256, 1, False, 32)` | `(90, 128, 256, 2, False, 32)` |
+            | 90 | 136..192 | either | `(90, 64, 256, 1, False, 64)` | `(90, 96, 256, 2, True, 64)` |
+            | 90 | 200..256 | either | `(90, 64, 256, 1, False, 64)` | `(90, 48, 256, 1, True, 64)` |
+            | 100, 101, 103, 110 | 8..120 | either | `(100, 128, 128, 1, False, 32, two_cta=False, cluster_size=1)` | the same |
+            | 100, 101, 103, 110 | 128..192 | either | `(100, 128, 128, 1, False, 32, two_cta=True, cluster_size=1)` | `(100, 128, 128, 1, False, 32, two_cta=False, cluster_size=2)` |
+            | 100, 101, 103, 110 | 200..256 | either | `ValueError`: a dedicated kernel finishes dQ, dK, dV | the same |
+            | 120, 121 | 8..256 | either | `(80, 64, 128, 4, False, 32)` | the same |
 
-        ====================  ==========================  =========================================
-        arch                  head dim                    dK/dV layout
-        ====================  ==========================  =========================================
-        sm90                  <= 128                      (128, 256, 2, F, 32)
-        sm90                  <= 192                      (96, 256, 2, T, 64)
-        sm90                  <= 256                      (48, 256, 1, T, 64)
-        sm100 / sm110         < 128                       arch=100, (128, 128, 1, F, 32), 1-CTA order
-        sm100 / sm110         128 .. 192                  the same order, ``cluster_size=2`` (2-CTA MMA)
-        sm120                 any                         arch=80, (64, 128, 4, F, 32)
-        ====================  ==========================  =========================================
+        (sm90's hd96 dQ takes one warpgroup; sm120's backward uses the sm80 ``mma.sync`` MMA with 4 warps.)
 
         From flash_attn/cute/interface.py (flash-attn 4.0.0b36): ``_tile_size_bwd_sm90`` and the postprocess
         calls of ``_flash_attn_bwd`` (``num_threads_post_dQ``/``num_threads_post_dKV``, ``hdim_multiple_of = 64
         if sm90 and dKV_swapAB``, dK/dV with ``n_block_size``, ``AtomLayoutNdKV``, ``dKV_swapAB`` and
         ``cluster_size``), the sm100 branch (``use_2cta_instrs = head_dim >= 128``, ``cluster_size = 2`` with it;
         ``FlashAttentionBackwardSm100.accum_tile_orders``: dQ in the 1- or 2-CTA fragment order, dK/dV in the
-        1-CTA one) and the sm120 branch (sm80 MMA, 4 warps). On sm100/sm110, head dim 256 uses a dedicated
-        kernel that finishes dQ, dK and dV itself; FlashAttention-4 has no sm80 backward: both raise
-        ``ValueError``.
+        1-CTA one) and the sm120 branch (sm80 MMA, 4 warps).
+
+        Raises:
+          TypeError: ``causal`` or ``tensor`` left out, or an argument of the wrong type.
+          ValueError: ``arch`` is not a GPU architecture (the message lists them) or has no FlashAttention-4
+            backward (sm80..sm89); on sm100/sm110, head dims above 192 (a dedicated kernel finishes dQ, dK and dV
+            itself, with no separate postprocess); a head dim that is not a positive multiple of 8 up to 256.
         """
         arch = _checks.static_int("arch", arch, minimum=1)
         head_dim = _checks.head_dim(head_dim)
@@ -200,34 +223,30 @@ class AccumLayout:
         causal = _checks.static_bool("causal", causal)
         if tensor not in ("dq", "dkv"):
             raise ValueError(f"tensor must be 'dq' or 'dkv', got {_checks.describe(tensor)}")
-        dkv = tensor == "dkv"
-        family = arch // 10
-        if family == 9:
-            if dkv:
-                if head_dim <= 128:
-                    return cls(90, 128, 256, 2, False, 32)
-                return cls(90, 96, 256, 2, True, 64) if head_dim <= 192 else cls(90, 48, 256, 1, True, 64)
-            if head_dim <= 64:
-                return cls(90, 128, 256, 2, False, 32)
-            if head_dim <= 96:
-                return cls(90, 64, 128, 1, False, 32)
-            if head_dim <= 128:
-                return cls(90, 64, 256, 1, False, 32) if causal else cls(90, 80, 256, 1, True, 32)
-            return cls(90, 64, 256, 1, False, 64)
-        if family in (10, 11):
-            if head_dim > 192:
-                raise ValueError(f"FlashAttention's sm{arch} backward for head_dim={head_dim}, head_dim_v={head_dim_v} "
-                                 "uses its dedicated hd256 kernel, which finishes dQ, dK and dV itself (no separate "
-                                 "postprocess)")
-            two_cta = head_dim >= 128
-            if dkv:
-                return cls(100, 128, 128, 1, False, 32, cluster_size=2 if two_cta else 1)
-            return cls(100, 128, 128, 1, False, 32, two_cta=two_cta)
-        if family == 12:
-            return cls(80, 64, 128, 4, False, 32)
-        what = "dQ" if tensor == "dq" else "dK/dV"
-        raise ValueError(f"FlashAttention-4 has no {what} postprocess configuration for arch={arch} "
-                         "(its backward runs on sm90, sm100, sm110 and sm120); pass an AccumLayout explicitly")
+        if arch not in _GPU_ARCHS:
+            raise ValueError(f"arch={arch} is not a GPU architecture; the known ones are "
+                             f"{', '.join(map(str, _GPU_ARCHS))} (FlashAttention-4's backward runs on "
+                             f"{', '.join(map(str, _FLASH_ATTENTION_ARCHS))})")
+        if arch not in _FLASH_ATTENTION_ARCHS:
+            what = "dQ" if tensor == "dq" else "dK/dV"
+            raise ValueError(f"FlashAttention-4 has no {what} postprocess configuration for arch={arch} (its "
+                             f"backward runs on {', '.join(map(str, _FLASH_ATTENTION_ARCHS))}); pass an AccumLayout "
+                             "with the producer's fields")
+        if arch // 10 in (10, 11) and head_dim > 192:
+            raise ValueError(f"FlashAttention's sm{arch} backward for head_dim={head_dim}, head_dim_v={head_dim_v} "
+                             "uses its dedicated hd256 kernel, which finishes dQ, dK and dV itself (no separate "
+                             "postprocess)")
+        return _preset(arch, head_dim, causal, tensor == "dkv")
+
+    @classmethod
+    def row_major(cls, *, tile_m: int = 64, num_threads: int = 256, hdim_multiple_of: int = 32,
+                  cluster_size: int = 1) -> "AccumLayout":
+        """The row-major order (``arch=None``): ``(Sr, Dr)`` per (batch, head), for an accumulator made by ordinary
+        JAX code (``dq_accum_from_dq``, or a backward written in jax.numpy). The element order is fixed; the
+        arguments set the padding (rows in units of ``tile_m * cluster_size``, the head dim to a multiple of
+        ``hdim_multiple_of``: build the accumulator and postprocess it with the same layout) and the postprocess's
+        tile and CTA size (``num_threads``)."""
+        return cls(None, tile_m, num_threads, 1, False, hdim_multiple_of, two_cta=False, cluster_size=cluster_size)
 
     # ----------------------------------------------------------------------------------------------
     # Derived geometry
@@ -441,5 +460,79 @@ class AccumLayout:
     def __repr__(self) -> str:
         return (f"AccumLayout(arch={self.arch}, tile_m={self.tile_m}, num_threads={self.num_threads}, "
                 f"atom_layout={self.atom_layout}, swap_ab={self.swap_ab}, "
-                f"hdim_multiple_of={self.hdim_multiple_of}{', two_cta=True' if self.two_cta else ''}"
-                f"{f', cluster_size={self.cluster_size}' if self.cluster_size != 1 else ''})")
+                f"hdim_multiple_of={self.hdim_multiple_of}"
+                + (f", two_cta={self.two_cta}" if self.two_cta or self.arch == 100 else "")
+                + (f", cluster_size={self.cluster_size}" if self.cluster_size != 1 or self.arch == 100 else "") + ")")
+
+
+AccumLayout.__init__ = _checks.required_arguments(
+    **{f.name: f"the fields of the producer's order ({NO_DEFAULT}); {CONSTRUCTORS}"
+       for f in dataclasses.fields(AccumLayout) if not f.kw_only})(AccumLayout.__init__)
+
+_GPU_ARCHS = tuple(sorted({sm_version(a) for a in SUPPORTED_ARCHS}))
+"""The GPU architectures the kernel knows, as numbers (``arch.SUPPORTED_ARCHS``)."""
+_FLASH_ATTENTION_ARCHS = tuple(a for a in _GPU_ARCHS if a // 10 in (9, 10, 11, 12))
+"""Those FlashAttention-4's backward runs on."""
+
+
+def _preset(arch: int, head_dim: int, causal: bool, dkv: bool) -> AccumLayout:
+    """FlashAttention-4's order (``AccumLayout.flash_attention``, whose arguments are checked)."""
+    family = arch // 10
+    if family == 9:
+        if dkv:
+            if head_dim <= 128:
+                return AccumLayout(90, 128, 256, 2, False, 32)
+            return AccumLayout(90, 96, 256, 2, True, 64) if head_dim <= 192 else AccumLayout(90, 48, 256, 1, True, 64)
+        if head_dim <= 64:
+            return AccumLayout(90, 128, 256, 2, False, 32)
+        if head_dim <= 96:
+            return AccumLayout(90, 64, 128, 1, False, 32)
+        if head_dim <= 128:
+            return AccumLayout(90, 64, 256, 1, False, 32) if causal else AccumLayout(90, 80, 256, 1, True, 32)
+        return AccumLayout(90, 64, 256, 1, False, 64)
+    if family in (10, 11):
+        two_cta = head_dim >= 128
+        return AccumLayout(100, 128, 128, 1, False, 32, two_cta=two_cta and not dkv,
+                           cluster_size=2 if two_cta and dkv else 1)
+    return AccumLayout(80, 64, 128, 4, False, 32)
+
+
+def _head_dim_ranges(head_dims) -> str:
+    """``[104, 112, 120, 128, 200]`` -> ``'104..128, 200'``."""
+    runs = []
+    for d in head_dims:
+        if runs and d == runs[-1][1] + 8:
+            runs[-1][1] = d
+        else:
+            runs.append([d, d])
+    return ", ".join(f"{a}..{b}" if a != b else f"{a}" for a, b in runs)
+
+
+def _differing(choice_a, choice_b) -> str:
+    """Where FlashAttention-4's presets differ between two choices of ``(causal, dkv)``, each a function of ``dkv``
+    (so that one of them may be the tensor): e.g. ``'sm90 dQ at head dims 104..128'``."""
+    out = []
+    for families in ((9,), (10, 11), (12,)):
+        archs = [a for a in _FLASH_ATTENTION_ARCHS if a // 10 in families]
+        for dkv in (False, True):
+            a, b = choice_a(dkv), choice_b(dkv)
+            dims = [d for d in range(8, MAX_HEAD_DIM + 1, 8) if (families != (10, 11) or d <= 192)
+                    and _preset(archs[0], d, *a) != _preset(archs[0], d, *b)]
+            if dims:
+                tensor = "" if a[1] != b[1] else " dK/dV" if dkv else " dQ"
+                where = ", ".join(f"sm{x}" for x in dict.fromkeys(x // 10 * 10 for x in archs))
+                out.append(f"{where}{tensor} at head dims {_head_dim_ranges(dims)}")
+    return "; ".join(dict.fromkeys(out))
+
+
+def _causal_hint() -> str:
+    return (f"True or False (True also for local attention); FlashAttention-4's causal and non-causal orders differ "
+            f"for {_differing(lambda dkv: (True, dkv), lambda dkv: (False, dkv))}, with the same shape wherever "
+            "both tiles divide the sequence, so a wrong guess gives wrong values, not an error. Pass it for every GPU, "
+            "so that the call is portable")
+
+
+def _tensor_hint() -> str:
+    return (f"'dq' or 'dkv'; FlashAttention-4's dQ and dK/dV orders differ (e.g. non-causal, for "
+            f"{_differing(lambda dkv: (False, False), lambda dkv: (False, True))}), so a wrong guess gives wrong "
+            "values, not an error")

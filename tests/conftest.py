@@ -137,8 +137,8 @@ OTHER_ORDERS = {
     "sm120": (AccumLayout(80, 64, 128, 4, False, 32), (64, 128, 96, 256)),
     "sm80-swap": (AccumLayout(80, 64, 256, 2, True, 32), (128, 256)),
     "sm80-cxx-hd64": (AccumLayout(80, 128, 256, 4, False, 64), (64, 40)),
-    "sm100-1cta": (AccumLayout(100, 128, 128, 1, False, 32), (64, 96, 120)),
-    "sm100-2cta": (AccumLayout(100, 128, 128, 1, False, 32, two_cta=True), (128, 192, 160)),
+    "sm100-1cta": (AccumLayout(100, 128, 128, 1, False, 32, two_cta=False, cluster_size=1), (64, 96, 120)),
+    "sm100-2cta": (AccumLayout(100, 128, 128, 1, False, 32, two_cta=True, cluster_size=1), (128, 192, 160)),
     "row-major": (AccumLayout(None, 64, 256, 1, False, 32), (40, 128, 256)),
 }
 
@@ -146,5 +146,5 @@ OTHER_ORDERS = {
 def fa_cute_hopper_config(head_dim: int, causal: bool = False):
     """The layout FlashAttention's CuTe DSL backward uses for dQ on Hopper, as a (tile_m, threads, atom,
     swap, mult) tuple, from the package's preset (itself checked against the table in test_layout.py)."""
-    p = AccumLayout.flash_attention(90, head_dim, causal=causal)
+    p = AccumLayout.flash_attention(90, head_dim, causal=causal, tensor="dq")
     return (p.tile_m, p.num_threads, p.atom_layout, p.swap_ab, p.hdim_multiple_of)

@@ -23,14 +23,16 @@ ARCHS = ("sm_80", "sm_90a", "sm_100a")
 
 # The edges: FlashAttention's presets, the largest tiles that fit, the most registers per thread, the smallest.
 EDGES = [
-    (AccumLayout.flash_attention(90, 64), 64), (AccumLayout.flash_attention(90, 128), 128),
-    (AccumLayout.flash_attention(90, 256), 256), (AccumLayout.flash_attention(100, 192), 192),
-    (AccumLayout.flash_attention(120, 96), 96),
+    (AccumLayout.flash_attention(90, 64, causal=False, tensor="dq"), 64),
+    (AccumLayout.flash_attention(90, 128, causal=False, tensor="dq"), 128),
+    (AccumLayout.flash_attention(90, 256, causal=False, tensor="dq"), 256),
+    (AccumLayout.flash_attention(100, 192, causal=False, tensor="dq"), 192),
+    (AccumLayout.flash_attention(120, 96, causal=False, tensor="dq"), 96),
     (AccumLayout(None, 192, 256, 1, False, 32), 256),  # 96 KiB of shared memory
     (AccumLayout(90, 128, 128, 1, False, 32), 256),  # 256 fp32 registers per thread
     (AccumLayout(90, 192, 128, 1, True, 64), 128),
     (AccumLayout(80, 128, 32, 1, False, 32), 192),
-    (AccumLayout(100, 128, 128, 1, False, 32, two_cta=True), 256),
+    (AccumLayout(100, 128, 128, 1, False, 32, two_cta=True, cluster_size=1), 256),
     (AccumLayout(None, 32, 32, 1, False, 8), 8), (AccumLayout(None, 128, 32, 1, False, 256), 256),
 ]
 
@@ -41,15 +43,14 @@ def _random_accepted(rng, count):
     while len(out) < count:
         arch = [90, 80, 100, None][rng.integers(4)]
         kw = dict(hdim_multiple_of=int(rng.choice([8, 16, 32, 64, 128])))
-        if arch == 100:
-            kw["two_cta"] = bool(rng.integers(2))
+        if arch == 100:  # tcgen05: 128 rows, one thread per TMEM lane
+            kw.update(tile_m=128, num_threads=128, atom_layout=1, swap_ab=False, two_cta=bool(rng.integers(2)),
+                      cluster_size=int(rng.choice([1, 2])))
         else:
             threads = int(rng.choice([32, 64, 128, 256, 384, 512]))
             atom = int(rng.choice([1, 2, 3, 4]))
             kw.update(tile_m=8 * int(rng.integers(1, 25)), num_threads=threads,
                       atom_layout=atom if arch in (80, 90) else 1, swap_ab=bool(rng.integers(2)) and arch in (80, 90))
-            if arch == 100 or arch is None:
-                kw.pop("swap_ab", None)
         try:
             layout = AccumLayout(arch, **kw)
             head_dim = 8 * int(rng.integers(1, 33))
@@ -96,8 +97,10 @@ def test_short_tile_vectors_follow_the_index_map(rng):
 
     from jax_dqpost.tile import TileConverter
 
-    presets = [(AccumLayout.flash_attention(90, 128), 128), (AccumLayout.flash_attention(90, 192, tensor="dkv"), 192),
-               (AccumLayout.flash_attention(90, 256, tensor="dkv"), 256), (AccumLayout(90, 192, 128, 1, True, 64), 128)]
+    presets = [(AccumLayout.flash_attention(90, 128, causal=False, tensor="dq"), 128),
+               (AccumLayout.flash_attention(90, 192, causal=False, tensor="dkv"), 192),
+               (AccumLayout.flash_attention(90, 256, causal=False, tensor="dkv"), 256),
+               (AccumLayout(90, 192, 128, 1, True, 64), 128)]
     swapped = [c for c in _random_accepted(rng, 400) if varlen.short_rows(c[0])][:12]
     assert len(swapped) >= 4, "too few random swapped layouts"
     for layout, head_dim in presets + swapped:
@@ -129,7 +132,7 @@ def test_what_the_kernel_cannot_run_is_refused_at_trace_time(layout, head_dim, r
 
 def test_a_padding_wider_than_any_head_dim_is_refused_on_construction():
     with pytest.raises(ValueError, match="hdim_multiple_of must be a multiple of 8 and at most 256, got 512"):
-        AccumLayout(hdim_multiple_of=512)
+        AccumLayout(None, 64, 256, 1, False, 512)
 
 
 def test_the_index_map_is_defined_where_only_the_kernel_refuses():

@@ -100,7 +100,7 @@ def test_devices_mode_programs_shard_without_collectives():
     cpus = jax.devices("cpu")
     if len(cpus) < 2:
         pytest.skip("needs several CPU devices")
-    layout = cases.AccumLayout.flash_attention(90, 128)
+    layout = cases.AccumLayout.flash_attention(90, 128, causal=False, tensor="dq")
     B, H, S = 2, 4, 200
     acc = jax.ShapeDtypeStruct(layout.accum_shape(B, H, S, 128), np.float32)
     mesh = Mesh(np.array(cpus[:2]), ("d",))

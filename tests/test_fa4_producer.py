@@ -135,7 +135,7 @@ def test_fused_postprocess_of_flash_attention_4_backward(rng, head_dim, causal, 
                               None if sink is None else getattr(torch, sink))
     assert len(calls) == 3, f"FlashAttention-4 made {len(calls)} postprocess calls, expected dQ, dK, dV"
     cq, ck, cv = calls
-    dq_layout = AccumLayout.flash_attention(90, head_dim, causal=causal)
+    dq_layout = AccumLayout.flash_attention(90, head_dim, causal=causal, tensor="dq")
     dkv_layout = AccumLayout.flash_attention(90, head_dim, causal=causal, tensor="dkv")
     for call, layout, what in ((cq, dq_layout, "dQ"), (ck, dkv_layout, "dK"), (cv, dkv_layout, "dV")):
         want = (layout.tile_m, layout.num_threads, layout.atom_layout, layout.swap_ab, layout.hdim_multiple_of,

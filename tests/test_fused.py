@@ -19,7 +19,8 @@ H, H_KV = 4, 2
 
 def _layouts(name):
     arch, d, dv, causal = PAIRS[name]
-    return (AccumLayout.flash_attention(arch, d, causal), AccumLayout.flash_attention(arch, d, causal, tensor="dkv"),
+    return (AccumLayout.flash_attention(arch, d, causal=causal, tensor="dq"),
+            AccumLayout.flash_attention(arch, d, causal=causal, tensor="dkv"),
             d, dv)
 
 

@@ -13,7 +13,8 @@ import oracle
 
 def test_frozen_hashable_and_normalised():
     a = AccumLayout(90, 64, 256, 1, False, 32)
-    b = AccumLayout(arch=np.int64(90), tile_m=np.int32(64), num_threads=256, atom_layout=1, swap_ab=np.bool_(False))
+    b = AccumLayout(arch=np.int64(90), tile_m=np.int32(64), num_threads=256, atom_layout=1, swap_ab=np.bool_(False),
+                    hdim_multiple_of=np.int16(32))
     assert a == b and hash(a) == hash(b) and type(b.tile_m) is int and type(b.swap_ab) is bool
     with pytest.raises(Exception):
         a.tile_m = 128
@@ -22,8 +23,12 @@ def test_frozen_hashable_and_normalised():
 
 @pytest.mark.parametrize("kwargs, exc, pattern", [
     (dict(arch=70), ValueError, r"AccumLayout.arch=70 is not an accumulator order"),
-    (dict(arch=100, tile_m=64, num_threads=128), ValueError, r"AccumLayout.tile_m must be 128 for arch=100, got 64"),
-    (dict(arch=100, tile_m=128, num_threads=128, swap_ab=True), ValueError, r"swap_ab must be False for arch=100"),
+    (dict(arch=100, tile_m=64, num_threads=128, two_cta=False, cluster_size=1), ValueError,
+     r"AccumLayout.tile_m must be 128 for arch=100, got 64"),
+    (dict(arch=100, tile_m=128, num_threads=128, swap_ab=True, two_cta=False, cluster_size=1), ValueError,
+     r"swap_ab must be False for arch=100"),
+    (dict(arch=100, tile_m=128, num_threads=128), TypeError, r"AccumLayout\(arch=100\) needs two_cta= and cluster_size="),
+    (dict(arch=100, tile_m=128, num_threads=128, two_cta=True), TypeError, r"needs two_cta= and cluster_size="),
     (dict(arch=90, two_cta=True), ValueError, r"two_cta=True is a Blackwell \(arch=100\) order, got arch=90"),
     (dict(arch=80, num_threads=100), ValueError, r"multiple of 32 \(whole warps\), at most 1024, for arch=80, got 100"),
     (dict(arch=80, tile_m=40, num_threads=128, atom_layout=4), ValueError, r"tile_m=40 must be a multiple of 64"),
@@ -44,7 +49,34 @@ def test_frozen_hashable_and_normalised():
 ])
 def test_invalid_fields_are_named(kwargs, exc, pattern):
     with pytest.raises(exc, match=pattern):
-        AccumLayout(**{**dict(arch=90, tile_m=64, num_threads=256, atom_layout=1), **kwargs})
+        AccumLayout(**{**dict(arch=90, tile_m=64, num_threads=256, atom_layout=1, swap_ab=False, hdim_multiple_of=32),
+                       **kwargs})
+
+
+def test_no_field_that_picks_an_order_has_a_default():
+    """``AccumLayout()`` or ``AccumLayout(90)`` would be some Hopper order chosen silently: every field is required
+    (``two_cta`` and ``cluster_size`` where they pick among orders of one shape, arch=100), and the error names the
+    missing fields and the two constructors."""
+    import inspect
+
+    params = inspect.signature(AccumLayout).parameters
+    fields = ("arch", "tile_m", "num_threads", "atom_layout", "swap_ab", "hdim_multiple_of")
+    assert all(params[f].default is inspect.Parameter.empty for f in fields), params
+    constructors = r"AccumLayout.flash_attention\(arch, head_dim, causal=\.\.\., tensor=.*AccumLayout.row_major\(\)"
+    for args, missing in (((), "arch=, tile_m=, num_threads=, atom_layout=, swap_ab= and hdim_multiple_of="),
+                          ((90,), "tile_m=, num_threads=, atom_layout=, swap_ab= and hdim_multiple_of="),
+                          ((90, 64, 256, 1, False), "hdim_multiple_of=")):
+        with pytest.raises(TypeError, match=rf"^AccumLayout\(\) needs {missing}: .*{constructors}"):
+            AccumLayout(*args)
+    with pytest.raises(TypeError, match=r"AccumLayout\(\): too many positional arguments; the signature is "
+                                        r"AccumLayout\(arch, tile_m, .* \*, two_cta=None, cluster_size=None\)"):
+        AccumLayout(90, 64, 256, 1, False, 32, False)
+    # Where two_cta and cluster_size cannot change the order they may be left out.
+    assert AccumLayout(90, 64, 256, 1, False, 32) == AccumLayout(90, 64, 256, 1, False, 32, two_cta=False,
+                                                                 cluster_size=1)
+    assert AccumLayout.row_major() == AccumLayout(None, 64, 256, 1, False, 32)
+    assert AccumLayout.row_major(tile_m=128, cluster_size=2) == AccumLayout(None, 128, 256, 1, False, 32,
+                                                                            cluster_size=2)
 
 
 def test_spec_worked_examples():
@@ -94,7 +126,7 @@ ALL_ORDERS = [
 def test_every_order_matches_the_producer_emulation(arch, tile_m, threads, atom, swap, two_cta):
     for mult in (32, 64):
         for head_dim in range(8, 257, 8):
-            layout = AccumLayout(arch, tile_m, threads, atom, swap, mult, two_cta=two_cta)
+            layout = AccumLayout(arch, tile_m, threads, atom, swap, mult, two_cta=two_cta, cluster_size=1)
             dr = layout.padded_head_dim(head_dim)
             want = oracle.tile_positions(arch, tile_m, dr, threads, atom, swap, two_cta)
             try:
@@ -111,10 +143,10 @@ def test_closed_form_samples_for_other_orders():
     d = AccumLayout(80, 64, 128, 4, False, 32).tile_index_map(128)  # FlashAttention-4 sm120: 4 warps along the rows
     np.testing.assert_array_equal(d, 32 * (i // 16) + 4 * (i % 8) + (j % 8) // 2
                                   + 128 * ((j % 2) + 2 * ((i % 16) // 8) + 4 * (j // 8)))
-    one = AccumLayout(100, 128, 128, 1, False, 32).tile_index_map(128)
+    one = AccumLayout(100, 128, 128, 1, False, 32, two_cta=False, cluster_size=1).tile_index_map(128)
     assert [one[0, 0], one[0, 3], one[0, 4], one[0, 31], one[0, 32], one[1, 0], one[63, 0], one[127, 127]] == \
         [0, 3, 512, 3587, 4096, 4, 252, 16383]
-    two = AccumLayout(100, 128, 128, 1, False, 32, two_cta=True).tile_index_map(128)
+    two = AccumLayout(100, 128, 128, 1, False, 32, two_cta=True, cluster_size=1).tile_index_map(128)
     assert [two[0, 63], two[0, 64], two[0, 127], two[1, 64], two[64, 0]] == [7683, 256, 7939, 260, 8192]
     # The tcgen05 layouts do not depend on how many columns the producer reduced at a time.
     for two_cta in (False, True):
@@ -122,60 +154,135 @@ def test_closed_form_samples_for_other_orders():
                                       oracle.tcgen05_tile_positions(128, two_cta, 32))
 
 
+def _dq(arch, head_dim, causal=False):
+    return AccumLayout.flash_attention(arch, head_dim, causal=causal, tensor="dq")
+
+
+def _dkv(arch, head_dim, causal=False):
+    return AccumLayout.flash_attention(arch, head_dim, causal=causal, tensor="dkv")
+
+
 def test_flash_attention_presets():
-    fa = AccumLayout.flash_attention
-    assert fa(90, 64) == AccumLayout(90, 128, 256, 2, False, 32)
-    assert fa(90, 96) == AccumLayout(90, 64, 128, 1, False, 32)
-    assert fa(90, 128) == AccumLayout(90, 80, 256, 1, True, 32)
-    assert fa(90, 128, causal=True) == AccumLayout(90, 64, 256, 1, False, 32)
-    assert fa(90, 192) == fa(90, 136) == fa(90, 256) == AccumLayout(90, 64, 256, 1, False, 64)
-    assert fa(90, 136).padded_head_dim(136) == 192
-    assert fa(100, 64) == AccumLayout(100, 128, 128, 1, False, 32)
-    assert fa(100, 128) == fa(103, 192) == AccumLayout(100, 128, 128, 1, False, 32, two_cta=True)
-    assert fa(120, 256) == AccumLayout(80, 64, 128, 4, False, 32)
+    assert _dq(90, 64) == AccumLayout(90, 128, 256, 2, False, 32)
+    assert _dq(90, 96) == AccumLayout(90, 64, 128, 1, False, 32)
+    assert _dq(90, 128) == AccumLayout(90, 80, 256, 1, True, 32)
+    assert _dq(90, 128, causal=True) == AccumLayout(90, 64, 256, 1, False, 32)
+    assert _dq(90, 192) == _dq(90, 136) == _dq(90, 256) == AccumLayout(90, 64, 256, 1, False, 64)
+    assert _dq(90, 136).padded_head_dim(136) == 192
+    assert _dq(100, 64) == AccumLayout(100, 128, 128, 1, False, 32, two_cta=False, cluster_size=1)
+    assert _dq(100, 128) == _dq(103, 192) == AccumLayout(100, 128, 128, 1, False, 32, two_cta=True, cluster_size=1)
+    assert _dq(120, 256) == AccumLayout(80, 64, 128, 4, False, 32)
     with pytest.raises(ValueError, match="dedicated hd256 kernel"):
-        fa(100, 256)
+        _dq(100, 256)
     with pytest.raises(ValueError, match="no dQ postprocess configuration for arch=80"):
-        fa(80, 128)
+        _dq(80, 128)
     with pytest.raises(ValueError, match="head_dim must be a positive multiple of 8"):
-        fa(90, 100)
+        _dq(90, 100)
     for arch in (90, 100, 120):  # every preset accepts every head dim it is defined for
         for head_dim in range(8, 257, 8):
             if arch == 100 and head_dim > 192:
                 continue
             for causal in (False, True):
-                fa(arch, head_dim, causal=causal).check_head_dim(head_dim)
+                _dq(arch, head_dim, causal).check_head_dim(head_dim)
 
 
 def test_presets_match_flash_attention_4():
     """FlashAttention-4 b36's dK/dV configurations (interface.py: _tile_size_bwd_sm90 and the postprocess calls);
     the sm90 entries were also observed in its backward on the H200 (test_fa4_producer.py)."""
-    fa = AccumLayout.flash_attention
     sm90 = {64: (128, 256, 2, False, 32), 96: (128, 256, 2, False, 32), 128: (128, 256, 2, False, 32),
             192: (96, 256, 2, True, 64), 256: (48, 256, 1, True, 64)}
     for d, want in sm90.items():
         for causal in (False, True):
-            assert fa(90, d, causal, tensor="dkv") == AccumLayout(90, *want)
+            assert _dkv(90, d, causal) == AccumLayout(90, *want)
     for d in (64, 96):
-        assert fa(100, d, tensor="dkv") == AccumLayout(100, 128, 128, 1, False, 32)
+        assert _dkv(100, d) == AccumLayout(100, 128, 128, 1, False, 32, two_cta=False, cluster_size=1)
     for d in (128, 192):
-        assert fa(100, d, tensor="dkv") == AccumLayout(100, 128, 128, 1, False, 32, cluster_size=2)
-        assert fa(110, d, tensor="dkv").cluster_size == 2
-        assert fa(100, d).cluster_size == 1 and fa(100, d).two_cta
-    assert fa(120, 256, tensor="dkv") == AccumLayout(80, 64, 128, 4, False, 32)
+        assert _dkv(100, d) == AccumLayout(100, 128, 128, 1, False, 32, two_cta=False, cluster_size=2)
+        assert _dkv(110, d).cluster_size == 2
+        assert _dq(100, d).cluster_size == 1 and _dq(100, d).two_cta
+    assert _dkv(120, 256) == AccumLayout(80, 64, 128, 4, False, 32)
     with pytest.raises(ValueError, match="dedicated hd256 kernel"):
-        fa(100, 256, tensor="dkv")
+        _dkv(100, 256)
     with pytest.raises(ValueError, match="tensor must be 'dq' or 'dkv', got 'dk'"):
-        fa(90, 128, tensor="dk")
+        AccumLayout.flash_attention(90, 128, causal=False, tensor="dk")
     with pytest.raises(ValueError, match="no dK/dV postprocess configuration for arch=80"):
-        fa(80, 128, tensor="dkv")
+        _dkv(80, 128)
+
+
+FLASH_ATTENTION_GPUS = (90, 100, 101, 103, 110, 120, 121)
+
+
+def _differing_head_dims(arch, pick_a, pick_b):
+    """Head dims at which two choices of the presets' arguments give different orders, by brute force."""
+    dims = []
+    for d in range(8, 257, 8):
+        try:
+            if AccumLayout.flash_attention(arch, d, **pick_a) != AccumLayout.flash_attention(arch, d, **pick_b):
+                dims.append(d)
+        except ValueError:  # no postprocess at this head dim
+            pass
+    return dims
+
+
+def test_causal_and_tensor_have_no_default_and_the_error_says_where_they_matter():
+    """An accumulator in FlashAttention-4's causal hd128 order read with the non-causal one has the same shape at
+    S=1280 (both tiles divide it) and comes out wrong: ``causal`` and ``tensor`` are required on every GPU, and the
+    error lists the presets that differ (checked here against the presets themselves)."""
+    import inspect
+
+    params = inspect.signature(AccumLayout.flash_attention).parameters
+    assert params["causal"].default is params["tensor"].default is inspect.Parameter.empty
+    causal_dq = AccumLayout.flash_attention(90, 128, causal=True, tensor="dq")
+    plain_dq = AccumLayout.flash_attention(90, 128, causal=False, tensor="dq")
+    assert causal_dq != plain_dq and causal_dq.accum_shape(1, 1, 1280, 128) == plain_dq.accum_shape(1, 1, 1280, 128)
+    differs = {arch: _differing_head_dims(arch, dict(causal=True, tensor=t), dict(causal=False, tensor=t))
+               for arch in FLASH_ATTENTION_GPUS for t in ("dq",)}
+    assert differs[90] == [104, 112, 120, 128] and not any(differs[a] for a in FLASH_ATTENTION_GPUS if a != 90)
+    for arch in FLASH_ATTENTION_GPUS:
+        assert not _differing_head_dims(arch, dict(causal=True, tensor="dkv"), dict(causal=False, tensor="dkv"))
+        for tensor in ("dq", "dkv"):
+            with pytest.raises(TypeError, match=r"^AccumLayout.flash_attention\(\) needs causal=: True or False .*"
+                                                r"differ for sm90 dQ at head dims 104\.\.128, with the same shape"):
+                AccumLayout.flash_attention(arch, 64, tensor=tensor)
+        with pytest.raises(TypeError, match=r"needs tensor=: 'dq' or 'dkv'; .* sm90 at head dims 72\.\.256; sm100, "
+                                            r"sm110 at head dims 128\.\.192\)"):
+            AccumLayout.flash_attention(arch, 64, causal=False)
+    assert _differing_head_dims(90, dict(causal=False, tensor="dq"), dict(causal=False, tensor="dkv")) == list(
+        range(72, 257, 8))
+    assert _differing_head_dims(100, dict(causal=False, tensor="dq"), dict(causal=False, tensor="dkv")) == list(
+        range(128, 193, 8))
+    with pytest.raises(TypeError, match=r"needs causal= and tensor=\. causal: True or False .* tensor: 'dq' or 'dkv'"):
+        AccumLayout.flash_attention(90, 128)
+    with pytest.raises(TypeError, match=r"flash_attention\(\): too many positional arguments; the signature is "
+                                        r"AccumLayout.flash_attention\(arch, head_dim, \*, causal, tensor, "):
+        AccumLayout.flash_attention(90, 128, True)
+
+
+@pytest.mark.parametrize("arch", [0, 7, 75, 91, 99, 102, 130, 1000])
+def test_an_unknown_gpu_architecture_is_refused_naming_the_known_ones(arch):
+    """An unknown architecture is refused, never given a neighbour's preset."""
+    match = r"arch must be >= 1, got 0" if arch == 0 else (
+        rf"^arch={arch} is not a GPU architecture; the known ones are 80, 86, 87, 89, 90, 100, 101, 103, 110, 120, "
+        r"121 \(FlashAttention-4's backward runs on 90, 100, 101, 103, 110, 120, 121\)")
+    with pytest.raises(ValueError, match=match):
+        AccumLayout.flash_attention(arch, 128, causal=False, tensor="dq")
+    for known in FLASH_ATTENTION_GPUS:
+        AccumLayout.flash_attention(known, 128, causal=False, tensor="dq")
 
 
 def test_cluster_size_pads_rows_in_clusters():
-    layout = AccumLayout(100, 128, 128, cluster_size=2)
+    layout = AccumLayout(100, 128, 128, 1, False, 32, two_cta=False, cluster_size=2)
     assert layout.pad_rows == 256 and layout.padded_seqlen(300) == 512 and layout.num_tiles(300) == 3
     assert layout.varlen_accum_shape(2, 1, 100, 64) == (1, 768 * 64)  # round_up(100 + 2*256, 256)
-    assert "cluster_size=2" in repr(layout) and "cluster_size" not in repr(AccumLayout())
+    assert "cluster_size=2" in repr(layout) and "cluster_size" not in repr(AccumLayout.row_major())
     for bad, err in ((0, ValueError), (16, ValueError), (1.5, TypeError), (True, TypeError)):
         with pytest.raises(err, match="AccumLayout.cluster_size"):
-            AccumLayout(cluster_size=bad)
+            AccumLayout(90, 64, 256, 1, False, 32, cluster_size=bad)
+
+
+def test_repr_round_trips():
+    layouts = [AccumLayout(90, 80, 256, 1, True, 32), AccumLayout.row_major(cluster_size=2),
+               AccumLayout(100, 128, 128, 1, False, 32, two_cta=True, cluster_size=1),
+               AccumLayout(100, 128, 128, 1, False, 32, two_cta=False, cluster_size=2)]
+    for layout in layouts:
+        assert eval(repr(layout), {"AccumLayout": AccumLayout}) == layout

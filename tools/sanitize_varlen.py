@@ -50,7 +50,7 @@ def main():
     g(jnp.zeros(dense.accum_shape(3, 2, 100, 64), jnp.float32), jnp.asarray([-7, 2**31 - 1, 50], jnp.int32))
     print("dense seqused_q [-7, 2**31-1, 50]: ran")
     # The fused kernel (dQ, dK, dV, dsink) on the same corrupt offsets, q side and k side, and a 2-CTA cluster layout.
-    kv = AccumLayout(100, 128, 128, 1, False, 32, cluster_size=2)
+    kv = AccumLayout(100, 128, 128, 1, False, 32, two_cta=False, cluster_size=2)
     sink = jnp.asarray(rng.standard_normal(heads).astype(np.float32))
     h = jax.jit(lambda a, k, c, u, lse, dp: flash_attention_postprocess(
         a, k, k, 0.5, head_dim=128, dq_layout=layout, dkv_layout=kv, total_q=total_q, total_k=total_q, cu_seqlens_q=c,

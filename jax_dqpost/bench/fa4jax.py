@@ -1,4 +1,6 @@
-"""The backward of FlashAttention-4 in JAX, fa4-jax alone against fa4-jax finished by jax-dqpost, in one run:
+"""Times the backward of FlashAttention-4 in JAX: fa4-jax alone against fa4-jax finished by jax-dqpost.
+
+In one run:
 
     python -m jax_dqpost.bench.fa4jax [--out DIR] [--quick]     (needs a CUDA GPU and fa4-jax 0.1.0)
 

@@ -36,8 +36,8 @@ class FusedCase:
         B, H, G, S = GQA_SHAPE
         self.torch, self.fa4, self.D, self.packing, self.sink = torch, fa4, head_dim, packing, sink
         self.name = f"hd{head_dim}-{packing}" + ("-sink" if sink else "")
-        self.ql = AccumLayout.flash_attention(90, head_dim)
-        self.kl = AccumLayout.flash_attention(90, head_dim, tensor="dkv")
+        self.ql = AccumLayout.flash_attention(90, head_dim, causal=False, tensor="dq")
+        self.kl = AccumLayout.flash_attention(90, head_dim, causal=False, tensor="dkv")
         bf16 = np.dtype(jnp.bfloat16)
         self.T = B * S
         if packing == "dense":

@@ -28,7 +28,7 @@ def chain_cost(samples: int, n: int = 200) -> dict:
 
     from .. import AccumLayout, _ffi, dq_postprocess
 
-    layout = AccumLayout.flash_attention(90, 128)
+    layout = AccumLayout.flash_attention(90, 128, causal=False, tensor="dq")
     S, D = layout.tile_m, 128
     acc = jax.random.normal(jax.random.PRNGKey(1), layout.accum_shape(1, 1, S, D), np.float32)
 
@@ -87,7 +87,7 @@ jnp.zeros(1).block_until_ready()
 jax.jit(lambda x: jnp.sin(x) * 2)(jnp.ones(8)).block_until_ready()  # XLA's compiler warmed up, not ours
 res = {"import_jax": t1 - t0, "import_jax_dqpost": t2 - t1, "configs": []}
 for D in map(int, sys.argv[1].split(",")):
-    layout = AccumLayout.flash_attention(90, D)
+    layout = AccumLayout.flash_attention(90, D, causal=False, tensor="dq")
     acc = jnp.ones(layout.accum_shape(1, 2, 256, D), jnp.float32).block_until_ready()
     s = time.perf_counter()
     kernel_cache.get_kernel(('bf16', ((layout, layout.padded_head_dim(D), 0),), None))

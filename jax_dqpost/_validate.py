@@ -11,13 +11,12 @@ import numpy as np
 
 from . import abi
 from ._checks import describe, static_int
-from .layout import AccumLayout
+from .layout import CONSTRUCTORS, NO_DEFAULT, AccumLayout
 from .plan import ARG_NAMES, ArgNames, Part
-from .varlen import INT32_MAX, WorkList, check_static
+from .varlen import INT32_MAX, WorkList, check_static, padded_total
 
-LAYOUT_HINT = ("AccumLayout.flash_attention(arch, head_dim) gives FlashAttention-4's dQ order, "
-               "AccumLayout.flash_attention(arch, head_dim, tensor='dkv') its dK/dV order, AccumLayout(arch=None) a "
-               "row-major one")
+LAYOUT_HINT = f"the AccumLayout of the producer's accumulator ({NO_DEFAULT}); {CONSTRUCTORS}"
+"""What a missing layout argument's error says."""
 
 
 def part(layout, head_dim, dtype, seqlen, total, cu_seqlens, seqused,
@@ -30,8 +29,9 @@ def part(layout, head_dim, dtype, seqlen, total, cu_seqlens, seqused,
             raise ValueError(f"{total_n}={total!r} is only for variable-length batches (with {cu_n})")
         if seqlen is None:
             raise ValueError(f"{seqlen_n} is required for dense batches (or pass {cu_n} and {total_n})")
-        plan = Part(layout, head_dim, dtype, seqlen=static_int(seqlen_n, seqlen, minimum=0),
-                    seqused=seqused is not None)
+        seqlen = static_int(seqlen_n, seqlen, minimum=0)
+        _check_rows_fit_int32(seqlen_n, seqlen, layout.padded_seqlen(seqlen))
+        plan = Part(layout, head_dim, dtype, seqlen=seqlen, seqused=seqused is not None)
         if seqused is None:
             return plan, jnp.zeros((0,), jnp.int32)
         if _is_static(seqused):
@@ -52,7 +52,7 @@ def part(layout, head_dim, dtype, seqlen, total, cu_seqlens, seqused,
         cu = _static_ints(cu_n, cu_seqlens)
         used = None if seqused is None else _static_ints(used_n, seqused)
         check_static(cu, used, total, names)
-        _check_int32_range(total, len(cu) - 1, layout.pad_rows, total_n)
+        _check_rows_fit_int32(total_n, total, _varlen_rows(total, len(cu) - 1, layout))
         work, meta = WorkList.build(np, np.asarray(cu), None if used is None else np.asarray(used),
                                     total=total, layout=layout)
         return Part(layout, head_dim, dtype, work=work), jnp.asarray(meta)
@@ -66,12 +66,12 @@ def part(layout, head_dim, dtype, seqlen, total, cu_seqlens, seqused,
         bad = [(b, u) for b, u in enumerate(used_values) if u < 0]
         if bad:
             raise ValueError(f"{used_n}[{bad[0][0]}]={bad[0][1]} must be >= 0")
-    if cu.shape[0] < 2:
-        raise ValueError(f"{cu_n} must have at least 2 entries (batch + 1), got shape {cu.shape}")
+    if cu.shape[0] < 1:
+        raise ValueError(f"{cu_n} must have batch + 1 entries (at least 1), got shape {cu.shape}")
     batch = cu.shape[0] - 1
     if used is not None and used.shape != (batch,):
         raise ValueError(f"{used_n} must have shape ({batch},) to match {cu_n}, got {used.shape}")
-    _check_int32_range(total, batch, layout.pad_rows, total_n)
+    _check_rows_fit_int32(total_n, total, _varlen_rows(total, batch, layout))
     work, meta = WorkList.build(jnp, cu, used, total=total, layout=layout,
                                 num_tiles=WorkList.max_tiles(total, batch, layout))
     return Part(layout, head_dim, dtype, work=work), meta
@@ -79,7 +79,7 @@ def part(layout, head_dim, dtype, seqlen, total, cu_seqlens, seqused,
 
 def check_layout(layout, name: str = "layout") -> None:
     if not isinstance(layout, AccumLayout):
-        raise TypeError(f"{name} must be an AccumLayout, got {describe(layout)} ({LAYOUT_HINT})")
+        raise TypeError(f"{name} must be an AccumLayout, got {describe(layout)}; {CONSTRUCTORS}")
 
 
 def accumulator(name: str, x):
@@ -109,15 +109,22 @@ def sink_operands(learnable_sink, lse, dpsum):
 
 
 def out_dtype(dtype) -> np.dtype:
-    """dQ's dtype: bfloat16 or float16 (``None`` is not float64 here)."""
-    try:
-        out = None if dtype is None else np.dtype(dtype)
-    except TypeError:
-        out = None
-    if out is None:
-        raise TypeError(f"dtype must be jnp.bfloat16 or jnp.float16, got {describe(dtype)}")
+    """dQ's dtype: bfloat16 or float16, as a dtype or a name in either spelling (``"bf16"``, ``"bfloat16"``, ``"f16"``,
+    ``"float16"``); ``None`` is not float64 here."""
+    want = "dtype must be jnp.bfloat16 or jnp.float16 (or 'bf16', 'bfloat16', 'f16', 'float16')"
+    if isinstance(dtype, str):
+        out = abi.dtype_named(dtype)
+        if out is None:
+            raise TypeError(f"{want}, got {describe(dtype)}")
+    else:
+        try:
+            out = None if dtype is None else np.dtype(dtype)
+        except TypeError:
+            out = None
+        if out is None:
+            raise TypeError(f"{want}, got {describe(dtype)}")
     if out not in abi.OUT_DTYPES:
-        raise ValueError(f"dtype must be jnp.bfloat16 or jnp.float16, got {out.name}")
+        raise ValueError(f"{want}, got {out.name}")
     return out
 
 
@@ -129,8 +136,15 @@ def _is_static(x) -> bool:
 def _visible_ints(name: str, x) -> list[int] | None:
     """The values of offsets or lengths if this host can read them now: static ones, or a jax array that is not a
     tracer (outside jit, or a constant inside it); None for traced values."""
-    concrete = isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.is_fully_addressable
-    return _static_ints(name, x) if concrete or _is_static(x) else None
+    return _static_ints(name, x) if _host_visible(x) else None
+
+
+def _host_visible(x) -> bool:
+    """Whether this host can read ``x``'s values now: static values, numpy, or a jax array that is not a tracer
+    (outside jit, or a constant inside it) and whose shards are all this process's."""
+    if isinstance(x, jax.Array):
+        return not isinstance(x, jax.core.Tracer) and x.is_fully_addressable
+    return _is_static(x) or isinstance(x, np.generic)
 
 
 def _check_dense_seqused(used: list[int], seqlen: int, names: ArgNames) -> None:
@@ -160,14 +174,26 @@ def _int_array(name: str, x):
     return jnp.asarray(x).astype(jnp.int32)
 
 
-def _check_int32_range(total: int, batch: int, pad_rows: int, name: str) -> None:
-    if total + (batch + 2) * pad_rows > INT32_MAX:
-        raise ValueError(f"{name}={total} with batch={batch} overflows the int32 row offsets")
+def _varlen_rows(total: int, batch: int, layout) -> int:
+    """The rows a packed side's kernel indexes: the padded total ``Tp`` and one more cluster of tiles, the furthest
+    a tile may start past a sequence's padded offset."""
+    return padded_total(total, batch, layout.pad_rows) + layout.pad_rows
+
+
+def _check_rows_fit_int32(name: str, value: int, rows: int) -> None:
+    """The one check that a side's rows fit the kernel's int32 row offsets, for dense and packed sides alike:
+    ``rows`` is what the accumulator holds with its padding."""
+    if rows > INT32_MAX:
+        raise ValueError(f"{name}={value} is too large: the accumulator's {rows} rows (with padding) do not fit the "
+                         f"kernel's int32 row offsets (at most {INT32_MAX})")
 
 
 def scale_operand(scale, name: str = "scale"):
-    """scale as a float32 scalar operand: a Python real or a floating-point scalar array (traced or not)."""
+    """``scale`` as a float32 scalar operand: a Python real or a floating-point scalar array, traced or not. A value
+    this host can see (a Python or numpy scalar, a concrete array) must be finite in float32: ``ValueError`` naming
+    ``name`` and the value otherwise. A traced scale is used as it is (a NaN or an infinity gives such gradients)."""
     if isinstance(scale, numbers.Real) and not isinstance(scale, (bool, np.bool_)):
+        _check_finite_f32(name, scale)
         return jnp.float32(scale)
     dtype = getattr(scale, "dtype", None)
     if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
@@ -175,4 +201,19 @@ def scale_operand(scale, name: str = "scale"):
                         + ("" if dtype is None else f" of dtype {dtype}"))
     if np.shape(scale) != ():
         raise ValueError(f"{name} must be a scalar, got shape {np.shape(scale)}")
+    if _host_visible(scale):  # numpy, or a concrete jax array (read back from its device)
+        _check_finite_f32(name, np.asarray(scale).item())
     return jnp.asarray(scale).astype(jnp.float32)
+
+
+def _check_finite_f32(name: str, value) -> None:
+    """``ValueError`` unless ``value`` (a Python real) rounds to a finite float32."""
+    try:
+        as_float = float(value)
+    except OverflowError:  # an int beyond float64
+        as_float = float("inf")
+    with np.errstate(over="ignore", invalid="ignore"):
+        finite = bool(np.isfinite(np.float32(as_float)))
+    if not finite:
+        shown = repr(value) if len(repr(value)) <= 40 else f"an integer of {len(str(abs(value)))} digits"
+        raise ValueError(f"{name} must be finite in float32, got {shown}")

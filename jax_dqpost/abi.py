@@ -35,6 +35,15 @@ DTYPE_NAMES = {np.dtype(np.float32): "f32", np.dtype(jnp.bfloat16): "bf16", np.d
 OUT_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 """Types of dq, dk and dv."""
 
+
+def dtype_named(name: str) -> np.dtype | None:
+    """The dtype a string names, in either spelling: the short one of :data:`DTYPE_NAMES` (``"bf16"``) or numpy's
+    (``"bfloat16"``); None if it names none of them."""
+    for dtype, short in DTYPE_NAMES.items():
+        if name in (short, dtype.name):
+            return dtype
+    return None
+
 SINK_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 """Types of ``learnable_sink`` and ``dsink``."""
 

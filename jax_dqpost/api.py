@@ -4,9 +4,9 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax.numpy as jnp
+import numpy as np
 
 from . import _checks, _validate
 from .layout import AccumLayout
@@ -15,21 +15,7 @@ from .primitive import postprocess_p
 from .reference import accum_from_dq_reference
 
 
-def _layout_required(name: str):
-    """The decorated function's keyword-only ``name`` (no default: an accumulator read in another order gives wrong
-    values, not an error) raises, when missing, a ``TypeError`` that says how to get a layout."""
-    def wrap(fn):
-        @functools.wraps(fn)
-        def checked(*args, **kwargs):
-            if name not in kwargs:
-                raise TypeError(f"{fn.__name__}() needs {name}=, the AccumLayout of the producer's accumulator: "
-                                f"{_validate.LAYOUT_HINT}")
-            return fn(*args, **kwargs)
-        return checked
-    return wrap
-
-
-@_layout_required("layout")
+@_checks.required_arguments(layout=_validate.LAYOUT_HINT)
 def dq_postprocess(dq_accum, scale, *, head_dim: int, seqlen_q: int | None = None, total_q: int | None = None,
                    cu_seqlens_q=None, seqused_q=None, dtype=jnp.bfloat16, layout: AccumLayout,
                    learnable_sink=None, lse=None, dpsum=None):
@@ -55,7 +41,8 @@ def dq_postprocess(dq_accum, scale, *, head_dim: int, seqlen_q: int | None = Non
     Args:
       dq_accum: the accumulator as the producer described by ``layout`` wrote it (shapes above).
       scale: the softmax scale: a Python float or a floating-point scalar, traced or not; converted to
-        float32 (round-to-nearest) first. Changing it never recompiles the kernel.
+        float32 (round-to-nearest) first. Changing it never recompiles the kernel. A value this host can see (a
+        Python or numpy scalar, a concrete array) must be finite in float32; a traced one is used as it is.
       head_dim: ``D``, a multiple of 8, at most 256.
       seqlen_q: ``S`` (dense).
       total_q: ``T``, rows of the packed output (varlen).
@@ -65,16 +52,26 @@ def dq_postprocess(dq_accum, scale, *, head_dim: int, seqlen_q: int | None = Non
         against traced offsets: only their sign); traced values are not: corrupt ones are clamped into a partition
         of the rows, never read or written out of bounds.
       seqused_q: lengths actually used, ``(B,)``: static ints or an int32 array, like ``cu_seqlens_q``.
-      dtype: ``jnp.bfloat16`` or ``jnp.float16``, the type of dQ.
-      layout: :class:`AccumLayout` of the producer (required: an accumulator read in another order gives wrong
-        values, not an error). ``AccumLayout.flash_attention(arch, head_dim)`` gives FlashAttention-4's dQ order,
-        ``AccumLayout(arch=None)`` a row-major one.
+      dtype: ``jnp.bfloat16`` or ``jnp.float16`` (or their names, ``"bf16"``/``"bfloat16"``,
+        ``"f16"``/``"float16"``), the type of dQ.
+      layout: the :class:`AccumLayout` of the producer, required (an accumulator read in another order gives wrong
+        values, not an error): ``AccumLayout.flash_attention(arch, head_dim, causal=..., tensor="dq")`` for
+        FlashAttention-4's, ``AccumLayout.row_major()`` for an accumulator made in JAX.
       learnable_sink, lse, dpsum: with a learnable sink, also return its gradient (see
         :func:`flash_attention_postprocess`), computed in the same launch.
 
     Returns:
       dq of ``dtype``, every element defined: ``round_to_nearest_even(float32(scale) * acc[F(i, j)])`` for
       covered rows, 0 elsewhere; ``(dq, dsink)`` with a sink.
+
+    Raises:
+      TypeError: a missing ``layout``, or an argument of the wrong type (a non-float32 accumulator, a non-integer
+        offset), naming it.
+      ValueError: at trace time, on every platform, naming the argument and the value: a shape that does not fit
+        the layout and the sizes; ``head_dim`` the layout cannot hold (``AccumLayout.check_head_dim``); static or
+        host-visible offsets that are not non-decreasing within ``[0, total_q]``, lengths outside their sequence;
+        a non-finite concrete scale; a side whose padded rows overflow int32; a launch larger than CUDA's grid
+        (batch above 65535, 2^31 tiles).
     """
     _validate.check_layout(layout, "layout")
     head_dim = _checks.head_dim(head_dim)
@@ -86,11 +83,11 @@ def dq_postprocess(dq_accum, scale, *, head_dim: int, seqlen_q: int | None = Non
     sink = _validate.sink_operands(learnable_sink, lse, dpsum)
     sink_dtype = None if sink is None else sink[0].dtype
     plan = Plan((part,), sink_dtype=sink_dtype, dsink_dtype=sink_dtype)
-    outs = postprocess_p.bind(*plan.join((dq_accum,), (aux,), scale.reshape(1), *(sink or ())), plan=plan)
+    outs = _bind(plan, plan.join((dq_accum,), (aux,), scale.reshape(1), *(sink or ())))
     return outs[0] if sink is None else (outs[0], outs[1])
 
 
-@_layout_required("dq_layout")
+@_checks.required_arguments(dq_layout=_validate.LAYOUT_HINT)
 def flash_attention_postprocess(dq_accum, dk_accum, dv_accum, softmax_scale, *, head_dim: int,
                                 head_dim_v: int | None = None, dtype=jnp.bfloat16, dq_layout: AccumLayout,
                                 dkv_layout: AccumLayout | None = None, dk_scale=None, seqlen_q: int | None = None,
@@ -127,15 +124,25 @@ def flash_attention_postprocess(dq_accum, dk_accum, dv_accum, softmax_scale, *, 
 
     Args:
       dq_accum, dk_accum, dv_accum: the float32 accumulators (shapes above).
-      softmax_scale: dQ's scale (a Python float or a floating-point scalar, traced or not).
+      softmax_scale: dQ's scale, as :func:`dq_postprocess`'s ``scale``.
       head_dim, head_dim_v: ``D`` and ``Dv`` (default ``D``).
-      dtype: ``jnp.bfloat16`` or ``jnp.float16``, the type of dq, dk, dv.
-      dq_layout, dkv_layout: the producer's :class:`AccumLayout` of dQ and of dK/dV
-        (``AccumLayout.flash_attention(arch, head_dim, tensor="dq" | "dkv")``).
+      dtype: the type of dq, dk, dv, as in :func:`dq_postprocess`.
+      dq_layout, dkv_layout: the producer's :class:`AccumLayout` of dQ (required) and of dK/dV (required with
+        ``dk_accum``): ``AccumLayout.flash_attention(arch, head_dim, causal=..., tensor="dq")`` and
+        ``tensor="dkv"`` for FlashAttention-4's.
       dk_scale: dK's scale; default ``softmax_scale`` (FlashAttention-4; FlashAttention-3 passes 1.0).
+      seqlen_q, total_q, cu_seqlens_q, seqused_q: the q side, as in :func:`dq_postprocess`.
+      seqlen_k, total_k, cu_seqlens_k, seqused_k: the k side, likewise (only with ``dk_accum``).
+      learnable_sink, lse, dpsum: the sink operands (above), all three or none.
 
     Returns:
       ``(dq, dk, dv)``, or ``(dq, dk, dv, dsink)`` with a sink.
+
+    Raises:
+      TypeError, ValueError: as :func:`dq_postprocess`, for each side and tensor, naming its own arguments; also
+        ``dk_accum`` without ``dv_accum`` or ``dkv_layout``, k-side arguments without ``dk_accum``, sides with
+        different batches, key/value heads that do not divide the query heads, sink operands of the wrong
+        shapes or only some of them.
     """
     _validate.check_layout(dq_layout, "dq_layout")
     head_dim = _checks.head_dim(head_dim)
@@ -158,13 +165,15 @@ def flash_attention_postprocess(dq_accum, dk_accum, dv_accum, softmax_scale, *, 
                                           ("dk_scale", dk_scale), ("seqlen_k", seqlen_k), ("total_k", total_k),
                                           ("cu_seqlens_k", cu_seqlens_k), ("seqused_k", seqused_k)) if v is not None}
         if unused:
-            raise ValueError(f"{', '.join(unused)} only apply with dk_accum and dv_accum")
+            raise ValueError(f"{' and '.join(', '.join(unused).rsplit(', ', 1))} "
+                             f"{'applies' if len(unused) == 1 else 'apply'} only with dk_accum and dv_accum "
+                             "(grouped-query attention)")
         plan = Plan((q_part,), sink_dtype=sink_dtype, dsink_dtype=sink_dtype)
-        outs = postprocess_p.bind(*plan.join((dq_accum,), (q_aux,), scale.reshape(1), *(sink or ())), plan=plan)
+        outs = _bind(plan, plan.join((dq_accum,), (q_aux,), scale.reshape(1), *(sink or ())))
         return (outs[0], None, None) + ((outs[1],) if sink is not None else ())
     if dkv_layout is None:
         raise ValueError("dkv_layout is required with dk_accum and dv_accum (AccumLayout.flash_attention(arch, "
-                         "head_dim, tensor='dkv') gives FlashAttention-4's)")
+                         "head_dim, causal=False, tensor='dkv') gives FlashAttention-4's)")
     _validate.check_layout(dkv_layout, "dkv_layout")
     dkv_layout.check_head_dim(head_dim)
     dkv_layout.check_head_dim(head_dim_v, "head_dim_v")
@@ -177,10 +186,19 @@ def flash_attention_postprocess(dq_accum, dk_accum, dv_accum, softmax_scale, *, 
     plan.check_batch((dq_accum.shape, dk_accum.shape))
     args = plan.join((dq_accum, dk_accum, dv_accum), (q_aux, k_aux), jnp.stack([scale, k_scale, jnp.float32(1)]),
                      *(sink or ()))
-    return tuple(postprocess_p.bind(*args, plan=plan))
+    return tuple(_bind(plan, args))
 
 
-@_layout_required("layout")
+def _bind(plan: Plan, args) -> list:
+    """The primitive on the API's operands, after the checks that need their shapes: the shapes themselves (errors
+    naming the arguments), then CUDA's launch limits, at trace time and on every platform."""
+    shapes = [np.shape(a) for a in args]
+    plan.result_shapes(shapes)
+    plan.launch(plan.split(shapes)["acc"])
+    return postprocess_p.bind(*args, plan=plan)
+
+
+@_checks.required_arguments(layout=_validate.LAYOUT_HINT)
 def dq_accum_from_dq(dq, scale, *, layout: AccumLayout, cu_seqlens_q=None, seqused_q=None):
     """The transpose of :func:`dq_postprocess`: build the float32 accumulator a producer would have written.
 
@@ -189,7 +207,19 @@ def dq_accum_from_dq(dq, scale, *, layout: AccumLayout, cu_seqlens_q=None, sequs
     ``float32(scale) * float32(dq[i, j])`` (one fp32 multiply); every other entry (padding rows and columns,
     rows past ``seqused_q``, rows no sequence covers) is 0. With ``scale = 1`` it inverts
     ``dq_postprocess`` on bf16/fp16 values; it is also how to build an accumulator in a given order.
-    ``layout`` (required), ``cu_seqlens_q`` / ``seqused_q``: as in :func:`dq_postprocess`.
+
+    Args:
+      dq: a floating-point array, ``(B, S, H, D)`` or, with ``cu_seqlens_q``, ``(T, H, D)``.
+      scale: as :func:`dq_postprocess`'s.
+      layout: the :class:`AccumLayout` to write in, required (``AccumLayout.row_major()`` for an accumulator made
+        in JAX).
+      cu_seqlens_q, seqused_q: as in :func:`dq_postprocess`.
+
+    Returns:
+      The float32 accumulator, shaped as ``layout.accum_shape`` or ``layout.varlen_accum_shape`` say.
+
+    Raises:
+      TypeError, ValueError: as :func:`dq_postprocess`, naming the argument; a ``dq`` of the wrong rank.
     """
     _validate.check_layout(layout)
     dq = jnp.asarray(dq)

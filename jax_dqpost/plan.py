@@ -138,7 +138,8 @@ class Part:
     def launch_extents(self, acc_shape) -> tuple[int, int, int, int, int]:
         """The part's int32 extents (``abi.EXTENTS``): ``(batch, heads, S, D, ceil(S / tile_m))`` for dense
         tilings, ``(K, heads, T, D, num_tiles)`` for varlen (``K = batch + 2`` spans). ``ValueError`` if CUDA
-        cannot launch it (``gridDim.x < 2^31``, ``gridDim.z <= 65535``)."""
+        cannot launch it (``gridDim.x < 2^31``, ``gridDim.z <= 65535``): the API asks at trace time, on every
+        platform, so that what runs on one runs on all."""
         if self.work is not None:
             heads, batch, rows = acc_shape[0], 1, self.work.total
             extents = (self.work.num_spans, heads, rows, self.head_dim, self.work.num_tiles)
@@ -146,11 +147,11 @@ class Part:
             batch, heads, rows = acc_shape[0], acc_shape[1], self.seqlen
             extents = (batch, heads, rows, self.head_dim, self.layout.num_tiles(rows))
         if batch > MAX_GRID_Z:
-            raise ValueError(f"jax_dqpost on CUDA: batch (with any vmapped axes folded in) must be <= {MAX_GRID_Z}, "
-                             f"got {batch}")
+            raise ValueError(f"jax_dqpost: the batch (with any vmapped axes folded in) must be at most {MAX_GRID_Z}, "
+                             f"CUDA's grid limit, got {batch}")
         if heads * extents[4] > INT32_MAX or rows > INT32_MAX:
-            raise ValueError(f"jax_dqpost on CUDA: heads * ceil(rows / tile_m) must be < 2^31, got heads={heads}, "
-                             f"{extents[4]} tiles per head ({rows} rows)")
+            raise ValueError(f"jax_dqpost: heads * ceil(rows / tile_m) must be below 2^31, CUDA's grid limit, got "
+                             f"heads={heads} and {extents[4]} tiles per head ({rows} rows)")
         return extents
 
     def ctas(self, acc_shape) -> int:
@@ -307,5 +308,5 @@ class Plan:
             ctas += p.ctas(shape) * (1 if p.work is not None else ext[0])
         grid_x = ctas // extents[0] if self.batch_on_grid_z and extents[0] else ctas
         if grid_x > INT32_MAX:
-            raise ValueError(f"jax_dqpost on CUDA: {grid_x} CTAs along x, more than CUDA launches (2^31 - 1)")
+            raise ValueError(f"jax_dqpost: {grid_x} CTAs along the grid's x, more than CUDA launches (2^31 - 1)")
         return tuple(extents), ctas

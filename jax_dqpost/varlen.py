@@ -204,8 +204,8 @@ def check_static(cu_seqlens, seqused, total: int, names) -> None:
     arguments' names, a ``plan.ArgNames``)."""
     cu_n, used_n, total_n = names.cu_seqlens, names.seqused, names.total
     cu = list(cu_seqlens)
-    if len(cu) < 2:
-        raise ValueError(f"{cu_n} must have at least 2 entries (batch + 1), got {cu}")
+    if not cu:
+        raise ValueError(f"{cu_n} must have batch + 1 entries (at least 1), got {cu}")
     if cu[0] < 0:
         raise ValueError(f"{cu_n}[0] must be >= 0, got {cu[0]}")
     for b in range(len(cu) - 1):

@@ -5,13 +5,14 @@ are validated, traced ones are not (clamped, tests/test_postprocess.py)."""
 from __future__ import annotations
 
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_dqpost import AccumLayout, dq_postprocess, flash_attention_postprocess
+from jax_dqpost import AccumLayout, dq_accum_from_dq, dq_postprocess, flash_attention_postprocess
 from oracle import assert_same_bits, random_offsets
 
 H, H_KV = 4, 2
@@ -20,7 +21,8 @@ H, H_KV = 4, 2
 def _layouts(name):
     """FlashAttention-4's (dQ, dK/dV) presets, head_dim, head_dim_v."""
     arch, d, dv, causal = {"sm90-hd128": (90, 128, 128, False)}[name]
-    return (AccumLayout.flash_attention(arch, d, causal), AccumLayout.flash_attention(arch, d, causal, tensor="dkv"),
+    return (AccumLayout.flash_attention(arch, d, causal=causal, tensor="dq"),
+            AccumLayout.flash_attention(arch, d, causal=causal, tensor="dkv"),
             d, dv)
 
 
@@ -38,8 +40,10 @@ def test_errors_name_argument_and_value():
         (dict(seqlen_q=65), ValueError, r"dq_accum.shape\[2\] must be Sr\*Dr = 128\*128"),
         (dict(dq_accum=acc.astype(jnp.bfloat16)), TypeError, "dq_accum must be float32, got bfloat16"),
         (dict(dq_accum=acc[0]), ValueError, r"dq_accum must have shape \(batch, heads, Sr\*Dr\), got shape"),
-        (dict(dtype=jnp.float32), ValueError, "dtype must be jnp.bfloat16 or jnp.float16, got float32"),
-        (dict(dtype=None), TypeError, r"dtype must be jnp.bfloat16 or jnp.float16, got None \(NoneType\)"),
+        (dict(dtype=jnp.float32), ValueError, r"dtype must be jnp.bfloat16 or jnp.float16 \(or 'bf16', 'bfloat16', "
+         r"'f16', 'float16'\), got float32"),
+        (dict(dtype="f32"), ValueError, r"dtype must be jnp.bfloat16 .* got float32"),
+        (dict(dtype=None), TypeError, r"dtype must be jnp.bfloat16 or jnp.float16 .*, got None \(NoneType\)"),
         (dict(dtype="bfloat17"), TypeError, r"dtype must be .* got 'bfloat17' \(str\)"),
         (dict(scale=jnp.ones(2)), ValueError, r"scale must be a scalar, got shape \(2,\)"),
         (dict(scale=jnp.int32(1)), TypeError, "scale must be a Python float or a floating-point scalar, got .* int32"),
@@ -64,22 +68,23 @@ def test_layout_is_required_and_the_error_says_how_to_get_one():
 
     from jax_dqpost import dq_accum_from_dq
 
-    hint = r"AccumLayout.flash_attention\(arch, head_dim\) .*tensor='dkv'.*AccumLayout\(arch=None\) a row-major"
-    acc = jnp.zeros(AccumLayout.flash_attention(90, 128).accum_shape(1, 1, 64, 128), jnp.float32)
+    hint = r"AccumLayout.flash_attention\(arch, head_dim, causal=\.\.\., tensor='dq' or 'dkv'\) .*AccumLayout.row_major\(\)"
+    layout = AccumLayout.flash_attention(90, 128, causal=False, tensor="dq")
+    acc = jnp.zeros(layout.accum_shape(1, 1, 64, 128), jnp.float32)
     dense = dict(seqlen_q=64, head_dim=128)
     calls = [(dq_postprocess, "layout", (acc, 1.0), dense),
              (dq_accum_from_dq, "layout", (jnp.zeros((1, 64, 1, 128), jnp.bfloat16), 1.0), {}),
              (flash_attention_postprocess, "dq_layout", (acc, None, None, 1.0), dense)]
     for fn, name, args, kwargs in calls:
         assert inspect.signature(fn).parameters[name].default is inspect.Parameter.empty, fn.__name__
-        with pytest.raises(TypeError, match=rf"{fn.__name__}\(\) needs {name}=, .*{hint}"):
+        with pytest.raises(TypeError, match=rf"{fn.__name__}\(\) needs {name}=: the AccumLayout .*{hint}"):
             fn(*args, **kwargs)
-        with pytest.raises(TypeError, match=rf"{name} must be an AccumLayout, got None \(NoneType\) \({hint}"):
+        with pytest.raises(TypeError, match=rf"{name} must be an AccumLayout, got None \(NoneType\); {hint}"):
             fn(*args, **kwargs, **{name: None})
 
 
 def test_static_validation_names_argument_and_value():
-    layout = AccumLayout.flash_attention(90, 128)  # FlashAttention-4's hd128 dQ order
+    layout = AccumLayout.flash_attention(90, 128, causal=False, tensor="dq")  # FlashAttention-4's hd128 dQ order
     acc = jnp.zeros((2, 128 * ((100 + 3 * 80 - 1) // 80 * 80)), jnp.float32)
     call = lambda **kw: dq_postprocess(acc, 1.0, **{**dict(head_dim=128, total_q=100, cu_seqlens_q=[0, 50, 100],
                                                            layout=layout), **kw})
@@ -88,7 +93,7 @@ def test_static_validation_names_argument_and_value():
         (dict(cu_seqlens_q=[0, 60, 50]), ValueError, r"non-decreasing, got cu_seqlens_q\[1\]=60 > cu_seqlens_q\[2\]=50"),
         (dict(cu_seqlens_q=[-1, 50, 100]), ValueError, r"cu_seqlens_q\[0\] must be >= 0, got -1"),
         (dict(cu_seqlens_q=[0, 50, 101]), ValueError, r"cu_seqlens_q\[-1\]=101 exceeds total_q=100"),
-        (dict(cu_seqlens_q=[0]), ValueError, r"at least 2 entries"),
+        (dict(cu_seqlens_q=[]), ValueError, r"cu_seqlens_q must have batch \+ 1 entries \(at least 1\), got \[\]"),
         (dict(seqused_q=[10, 51]), ValueError, r"seqused_q\[1\]=51 must be in \[0, 50\]"),
         (dict(seqused_q=[10]), ValueError, r"seqused_q must have batch=2 entries, got 1"),
         (dict(cu_seqlens_q=[0.0, 50.0, 100.0]), TypeError, r"cu_seqlens_q must be a 1-D sequence of ints"),
@@ -138,9 +143,9 @@ def test_errors_name_the_argument():
     k3 = jnp.zeros(dkv_layout.accum_shape(1, 3, 60, d), jnp.float32)
     with pytest.raises(ValueError, match=r"key/value heads \(3\) must divide the query heads \(4\)"):
         flash_attention_postprocess(q, k3, k3, 0.1, **base)
-    with pytest.raises(ValueError, match="dkv_layout, seqlen_k only apply with dk_accum"):
+    with pytest.raises(ValueError, match=r"^dkv_layout and seqlen_k apply only with dk_accum and dv_accum"):
         flash_attention_postprocess(q, None, None, 0.1, **base)
-    with pytest.raises(ValueError, match="head_dim_v, dk_scale only apply with dk_accum"):
+    with pytest.raises(ValueError, match=r"^head_dim_v and dk_scale apply only with dk_accum"):
         flash_attention_postprocess(q, None, None, 0.1, head_dim=d, dq_layout=dq_layout, seqlen_q=80, head_dim_v=64,
                                     dk_scale=1.0)
 
@@ -184,7 +189,8 @@ def test_kv_errors_name_the_arguments_passed():
         if "dv_accum" in message:
             assert "head_dim=" not in message, message
     # The head dim dV's layout cannot hold is head_dim_v.
-    dq_layout, dkv_layout = AccumLayout.flash_attention(90, 256), AccumLayout.flash_attention(90, 256, tensor="dkv")
+    dq_layout = AccumLayout.flash_attention(90, 256, causal=False, tensor="dq")
+    dkv_layout = AccumLayout.flash_attention(90, 256, causal=False, tensor="dkv")
     q = jnp.zeros(dq_layout.accum_shape(1, 4, 80, 256), jnp.float32)
     k = jnp.zeros(dkv_layout.accum_shape(1, 2, 60, 256), jnp.float32)
     with pytest.raises(ValueError, match=r"^head_dim_v=64 \(padded to 64\) with AccumLayout\(arch=90, tile_m=48"):
@@ -259,3 +265,98 @@ def test_q_and_k_sides_must_have_the_same_batch(rng):
             mapped = jax.vmap(g)(np.stack([q, q]), np.stack([k, k]))
             for a, b in zip(one, mapped, strict=True):
                 assert_same_bits(b[0], a, f"vmap q_packed={q_packed} k_packed={k_packed}")
+
+
+def _gqa_call(**kw):
+    """flash_attention_postprocess on zero accumulators (FlashAttention-4's sm90 hd128 orders), keywords changed."""
+    dq_layout, dkv_layout, d, _ = _layouts("sm90-hd128")
+    args = dict(dq_accum=jnp.zeros(dq_layout.accum_shape(1, H, 80, d), jnp.float32),
+                dk_accum=jnp.zeros(dkv_layout.accum_shape(1, H_KV, 60, d), jnp.float32), softmax_scale=0.5,
+                head_dim=d, dq_layout=dq_layout, dkv_layout=dkv_layout, seqlen_q=80, seqlen_k=60)
+    args.update(kw)
+    args.setdefault("dv_accum", args["dk_accum"])
+    return flash_attention_postprocess(args.pop("dq_accum"), args.pop("dk_accum"), args.pop("dv_accum"),
+                                       args.pop("softmax_scale"), **args)
+
+
+NOT_FINITE = [float("nan"), float("inf"), -float("inf"), 1e40, -3.5e38, 10**400, np.float64(1e39), np.float32("nan"),
+              np.array(np.inf), jnp.asarray(jnp.nan), jnp.float32(-jnp.inf)]
+
+
+@pytest.mark.parametrize("value", NOT_FINITE, ids=lambda v: repr(v)[:24])
+def test_a_scale_the_host_sees_must_be_finite_in_float32(value):
+    """nan, infinities and values that overflow float32 (a Python float, a numpy or a concrete jax scalar) are a
+    ValueError naming the argument and the value, before any computation and with no numpy warning."""
+    layout, _, d, _ = _layouts("sm90-hd128")
+    acc = jnp.zeros(layout.accum_shape(1, H, 80, d), jnp.float32)
+    if isinstance(value, (np.ndarray, jax.Array)):
+        value_shown = repr(np.asarray(value).item())  # an array's value, read back
+    else:
+        value_shown = repr(value) if len(repr(value)) <= 40 else "an integer of 401 digits"
+    shown = re.escape(value_shown)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a numpy overflow warning would fail here
+        with pytest.raises(ValueError, match=rf"^scale must be finite in float32, got {shown}$"):
+            dq_postprocess(acc, value, seqlen_q=80, head_dim=d, layout=layout)
+        with pytest.raises(ValueError, match=rf"^softmax_scale must be finite in float32, got {shown}$"):
+            _gqa_call(softmax_scale=value)
+        with pytest.raises(ValueError, match=rf"^dk_scale must be finite in float32, got {shown}$"):
+            _gqa_call(dk_scale=value)
+        with pytest.raises(ValueError, match=rf"^scale must be finite in float32, got {shown}$"):
+            dq_accum_from_dq(jnp.zeros((1, 80, H, d), jnp.bfloat16), value, layout=layout)
+        jax.jit(lambda a: dq_postprocess(a, 3.4028234e38, seqlen_q=80, head_dim=d, layout=layout))(acc)  # finite
+
+
+def test_a_traced_scale_is_used_as_it_is(rng):
+    """The host cannot see a traced scale: a NaN one gives a NaN gradient (documented), no error."""
+    layout, _, d, _ = _layouts("sm90-hd128")
+    acc = jnp.asarray(rng.standard_normal(layout.accum_shape(1, H, 80, d)), jnp.float32)
+    out = jax.jit(lambda a, s: dq_postprocess(a, s, seqlen_q=80, head_dim=d, layout=layout))(acc, jnp.float32(jnp.nan))
+    assert np.isnan(np.asarray(out, np.float32)).all()
+
+
+def test_sizes_past_the_kernels_limits_are_refused_at_trace_time():
+    """Rows that overflow the kernel's int32 offsets, dense or packed, on either side, and launches larger than
+    CUDA's grid: a ValueError naming the argument from jax.eval_shape, on every platform (not at CUDA lowering)."""
+    dq_layout, dkv_layout, d, _ = _layouts("sm90-hd128")
+    f32 = lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
+    big = 2**31
+    too_many = r"is too large: the accumulator's \d+ rows \(with padding\) do not fit the kernel's int32 row offsets"
+    cases = [
+        (lambda a: dq_postprocess(a, 1.0, seqlen_q=big, head_dim=d, layout=dq_layout),
+         f32(dq_layout.accum_shape(1, 1, big, d)), rf"^seqlen_q=2147483648 {too_many}"),
+        (lambda a: dq_postprocess(a, 1.0, total_q=big - 100, cu_seqlens_q=[0, 10], head_dim=d, layout=dq_layout),
+         f32(dq_layout.varlen_accum_shape(1, 1, big - 100, d)), rf"^total_q=2147483548 {too_many}"),
+        (lambda a: dq_postprocess(a, 1.0, total_q=big - 100, cu_seqlens_q=jnp.zeros(3, jnp.int32), head_dim=d,
+                                  layout=dq_layout),
+         f32(dq_layout.varlen_accum_shape(2, 1, big - 100, d)), rf"^total_q=2147483548 {too_many}"),
+        (lambda a: _gqa_call(dk_accum=a, seqlen_k=big), f32(dkv_layout.accum_shape(1, H_KV, big, d)),
+         rf"^seqlen_k=2147483648 {too_many}"),
+        (lambda a: _gqa_call(dk_accum=a, seqlen_k=None, total_k=big, cu_seqlens_k=[0, 5], seqlen_q=None, total_q=80,
+                             cu_seqlens_q=[0, 80], dq_accum=jnp.zeros(dq_layout.varlen_accum_shape(1, H, 80, d))),
+         f32(dkv_layout.varlen_accum_shape(1, H_KV, big, d)), rf"^total_k=2147483648 {too_many}"),
+        (lambda a: dq_postprocess(a, 1.0, seqlen_q=64, head_dim=d, layout=dq_layout),
+         f32(dq_layout.accum_shape(70000, 1, 64, d)), r"^jax_dqpost: the batch .* must be at most 65535, CUDA's grid "
+                                                      r"limit, got 70000"),
+        (lambda a: dq_postprocess(a, 1.0, seqlen_q=2**24, head_dim=d, layout=dq_layout),
+         f32(dq_layout.accum_shape(1, 2**14, 2**24, d)), r"^jax_dqpost: heads \* ceil\(rows / tile_m\) must be below "
+                                                         r"2\^31, CUDA's grid limit, got heads=16384"),
+    ]
+    for fn, acc, match in cases:
+        with pytest.raises(ValueError, match=match):
+            jax.eval_shape(fn, acc)
+    # the largest dense side that fits: its padded rows are 2^31 - 32 (80-row tiles)
+    fits = dq_layout.padded_seqlen(big - 100)
+    assert fits <= big - 1
+    jax.eval_shape(lambda a: dq_postprocess(a, 1.0, seqlen_q=big - 100, head_dim=d, layout=dq_layout),
+                   f32(dq_layout.accum_shape(1, 1, big - 100, d)))
+
+
+@pytest.mark.parametrize("spelling", ["bf16", "bfloat16", "f16", "float16"])
+def test_dtype_names_in_either_spelling(rng, spelling):
+    """The API takes a dtype or its name, short (the kernel cache's and precompile's) or numpy's: the same bits."""
+    layout, _, d, _ = _layouts("sm90-hd128")
+    acc = jnp.asarray(rng.standard_normal(layout.accum_shape(1, H, 80, d)), jnp.float32)
+    dtype = jnp.bfloat16 if spelling.startswith("b") else jnp.float16
+    got = dq_postprocess(acc, 0.3, seqlen_q=80, head_dim=d, layout=layout, dtype=spelling)
+    assert_same_bits(got, dq_postprocess(acc, 0.3, seqlen_q=80, head_dim=d, layout=layout, dtype=dtype), spelling)

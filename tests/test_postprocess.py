@@ -40,8 +40,8 @@ HEADS = {"dq": (3, None), "dq-fused": (3, None), "dqkv": (6, 3)}  # query heads,
 
 
 def _fa(arch, head_dim, causal=False):
-    return (AccumLayout.flash_attention(arch, head_dim, causal),
-            AccumLayout.flash_attention(arch, head_dim, causal, tensor="dkv"))
+    return (AccumLayout.flash_attention(arch, head_dim, causal=causal, tensor="dq"),
+            AccumLayout.flash_attention(arch, head_dim, causal=causal, tensor="dkv"))
 
 
 def _same(layout):
@@ -407,6 +407,21 @@ def test_empty_shapes(platform, part):
         out = jax.jit(lambda q, k: flash_attention_postprocess(q, k, k, 1.0, head_dim=64, dq_layout=q_layout,
                                                                dkv_layout=kv_layout, seqlen_q=s, seqlen_k=s_k))(q, k)
         assert [o.shape for o in out] == [(b, s, h, 64), (b, s_k, h_kv, 64), (b, s_k, h_kv, 64)]
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize("part", PARTS)
+@pytest.mark.parametrize("offsets", ["static", "traced"])
+def test_a_packed_batch_of_no_sequences(rng, platform, part, offsets):
+    """One rule for both packings: a dense batch of 0 gives an empty result (test_empty_shapes), a packed one
+    (``cu_seqlens=[0]``) its ``total`` rows, all zeros (no sequence covers them), and a dsink of 0; with the k side
+    packed the same way."""
+    case = LAYOUTS["sm90-hd128"]
+    given = (([0], None, 77), ([0], None, 50))
+    calls = [make_call(rng, part, sink, "varlen", offsets, dtype, case, 128, given=given, batch=0)
+             for sink, dtype in ((None, "bf16"), ("f32", "f16"))]
+    check(platform, calls)
+    assert all(not np.asarray(w).any() for c in calls for w in c.wants if not isinstance(w, tuple))
 
 
 # Offsets and lengths that break the contract, traced (unchecked): decreasing offsets, offsets past total_q and past

@@ -9,8 +9,9 @@ Two caches: in memory (per process), and on disk (``$JAX_DQPOST_CACHE_DIR``, def
 entry's name hashes the key with the package version, the kernel source and the CuTe DSL version, so a change
 to any of them misses; entries are written to a temporary file and renamed into place, so processes sharing the
 directory never see a partial file. An entry holds a header and the sha256 of the module before the module
-itself, and is verified on every read: a damaged one (truncated, overwritten) is discarded with one warning,
-then compiled again and rewritten. A disk hit does not import cutlass. Kernels are written to the default
+itself, and is verified on every read: a damaged one (truncated, overwritten) is discarded, compiled again and
+rewritten, and only then reported by one ``RuntimeWarning`` at the user's call (the first frame outside
+jax_dqpost, jax and jaxlib), so that a filter turning warnings into errors cannot stop the heal. A disk hit does not import cutlass. Kernels are written to the default
 directory only on a machine with a CUDA GPU (a CPU-only machine that exports for CUDA leaves the user's cache
 alone) or when asked to (``python -m jax_dqpost.precompile``); a configured ``JAX_DQPOST_CACHE_DIR`` is always
 written.
@@ -22,6 +23,7 @@ import contextlib
 import dataclasses
 import hashlib
 import os
+import sys
 import tempfile
 import threading
 import warnings
@@ -49,15 +51,12 @@ _cache: dict[tuple, CompiledKernel] = {}
 
 
 def dtype_name(dtype) -> str:
-    """'bf16' or 'f16' for the output dtype (or that name itself), else ValueError."""
-    names = [abi.DTYPE_NAMES[d] for d in abi.OUT_DTYPES]
-    if isinstance(dtype, str) and dtype in names:
-        return dtype
+    """'bf16' or 'f16' for the output dtype (a dtype, or a name in either spelling), else ValueError."""
     try:
-        name = abi.DTYPE_NAMES.get(np.dtype(dtype))
+        name = abi.DTYPE_NAMES.get(abi.dtype_named(dtype) if isinstance(dtype, str) else np.dtype(dtype))
     except TypeError:
         name = None
-    if name not in names:
+    if name not in [abi.DTYPE_NAMES[d] for d in abi.OUT_DTYPES]:
         raise ValueError(f"dtype must be bfloat16 or float16, got {dtype!r}")
     return name
 
@@ -70,21 +69,37 @@ def get_kernel(key: tuple, *, arch: str | None = None, persist: bool | None = No
     ``arch``: the target GPU (default: :func:`jax_dqpost.arch.target_arch`). ``persist``: write a new module to
     the default on-disk cache even without a local GPU (None: see the module docstring).
     """
-    arch = arch_.check_arch(arch, f"arch={arch!r}") if arch else arch_.target_arch()
-    dtype, parts, sink = key
-    abi.part_names(len(parts))
-    parts = tuple((layout, int(dr), Tiling(tiling)) for layout, dr, tiling in parts)
-    key = (dtype_name(dtype), parts, None if sink is None else tuple(sink), arch)
+    key = _full_key(key, arch)
+    arch = key[-1]
+    damaged = None
     with _lock:
         hit = _cache.get(key)
         if hit is None:
-            hit = _load(key)
+            hit, damaged = _load(key)
         if hit is None:
             module = bytes(compile_executor(*key).dump_to_object(FUNCTION_PREFIX))
             hit = CompiledKernel(module=module, fingerprint=hashlib.sha256(module).hexdigest(), arch=arch)
             _store(key, hit, persist)
         _cache[key] = hit
+    if damaged is not None:  # only now, healed: a warning filter that raises cannot stop the rewrite
+        _warn_at_caller(damaged, RuntimeWarning)
     return hit
+
+
+def on_disk(key: tuple, *, arch: str | None = None) -> bool:
+    """Whether the on-disk cache holds a verified entry for ``key`` (:func:`get_kernel`'s) compiled for ``arch``
+    (a damaged entry is removed: it is not there)."""
+    with _lock:
+        return _load(_full_key(key, arch))[0] is not None
+
+
+def _full_key(key: tuple, arch: str | None) -> tuple:
+    """``(dtype name, parts, sink, arch)``, normalised: :func:`get_kernel`'s key with the target GPU."""
+    arch = arch_.check_arch(arch, f"arch={arch!r}") if arch else arch_.target_arch()
+    dtype, parts, sink = key
+    abi.part_names(len(parts))
+    parts = tuple((layout, int(dr), Tiling(tiling)) for layout, dr, tiling in parts)
+    return dtype_name(dtype), parts, None if sink is None else tuple(sink), arch
 
 
 def cache_dir() -> Path | None:
@@ -122,25 +137,39 @@ def _disk_name(key: tuple) -> str:
     return f"{label}-{arch}-{digest[:40]}.cute"
 
 
-def _load(key: tuple) -> CompiledKernel | None:
-    """The module of a verified disk entry, or None (no entry, no cache, or a damaged entry, which is removed)."""
+def _load(key: tuple) -> tuple[CompiledKernel | None, str | None]:
+    """``(module, None)`` for a verified disk entry; ``(None, None)`` for no entry or no cache; ``(None, warning)``
+    for a damaged entry, which is removed."""
     directory = cache_dir()
     if directory is None:
-        return None
+        return None, None
     path = directory / _disk_name(key)
     try:
         entry = path.read_bytes()
     except OSError:
-        return None
+        return None, None
     head = len(_ENTRY_MAGIC)
     module, digest = entry[head + 32:], entry[head:head + 32]
     if entry[:head] == _ENTRY_MAGIC and module and hashlib.sha256(module).digest() == digest:
-        return CompiledKernel(module=module, fingerprint=digest.hex(), arch=key[-1])
-    warnings.warn(f"jax_dqpost: the kernel cache entry {path} is damaged ({len(entry)} bytes that fail their sha256 "
-                  "check); compiling the kernel again and rewriting the entry", RuntimeWarning, stacklevel=4)
+        return CompiledKernel(module=module, fingerprint=digest.hex(), arch=key[-1]), None
     with contextlib.suppress(OSError):
         path.unlink()
-    return None
+    return None, (f"jax_dqpost: the kernel cache entry {path} was damaged ({len(entry)} bytes that fail their sha256 "
+                  "check); the kernel was compiled again and the entry rewritten")
+
+
+def _warn_at_caller(message: str, category: type[Warning]) -> None:
+    """Warn at the first frame outside jax_dqpost, jax and jaxlib: the user's call that led here (a lowering runs
+    deep inside jax)."""
+    import jax
+    import jaxlib
+
+    inside = tuple(str(Path(m.__file__).parent) + os.sep for m in (jax, jaxlib)) + (str(Path(__file__).parent)
+                                                                                    + os.sep,)
+    frame, level = sys._getframe(), 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(inside):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)
 
 
 def _store(key: tuple, kernel: CompiledKernel, persist: bool | None) -> None:

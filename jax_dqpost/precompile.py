@@ -19,6 +19,7 @@ from .layout import AccumLayout
 from .plan import Tiling
 
 _DTYPE_NAMES = tuple(abi.DTYPE_NAMES[d] for d in abi.OUT_DTYPES)
+_DTYPE_SPELLINGS = tuple(n for d in abi.OUT_DTYPES for n in (abi.DTYPE_NAMES[d], d.name))
 _TILING_NAMES = tuple(t.name.lower() for t in Tiling)
 _SINK_NAMES = ("none", "f32", "bf16", "f16")
 
@@ -30,7 +31,7 @@ def configurations(presets, head_dims):
         for head_dim in head_dims:
             for causal in (False, True):
                 try:
-                    layout = AccumLayout.flash_attention(arch, head_dim, causal=causal)
+                    layout = AccumLayout.flash_attention(arch, head_dim, causal=causal, tensor="dq")
                 except ValueError:
                     continue  # no postprocess for this architecture and head dim
                 seen[(layout, layout.padded_head_dim(head_dim))] = None
@@ -45,8 +46,8 @@ def fused_configurations(presets, head_dims):
         for head_dim in head_dims:
             for causal in (False, True):
                 try:
-                    q = AccumLayout.flash_attention(arch, head_dim, causal)
-                    kv = AccumLayout.flash_attention(arch, head_dim, causal, tensor="dkv")
+                    q = AccumLayout.flash_attention(arch, head_dim, causal=causal, tensor="dq")
+                    kv = AccumLayout.flash_attention(arch, head_dim, causal=causal, tensor="dkv")
                 except ValueError:
                     continue
                 seen[((q, q.padded_head_dim(head_dim)), (kv, kv.padded_head_dim(head_dim)))] = None
@@ -94,6 +95,14 @@ def _arch(text: str) -> str:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _dtype(text: str) -> str:
+    """A dQ type in either spelling (``bf16`` or ``bfloat16``, ``f16`` or ``float16``), as its short name."""
+    dtype = abi.dtype_named(text)
+    if dtype not in abi.OUT_DTYPES:
+        raise ValueError(f"choose from {', '.join(_DTYPE_SPELLINGS)}")
+    return abi.DTYPE_NAMES[dtype]
+
+
 def _choice(names):
     def parse(text: str) -> str:
         if text not in names:
@@ -112,14 +121,14 @@ def _parser() -> argparse.ArgumentParser:
                         "(default: the target's, e.g. 90 for sm_90a)")
     p.add_argument("--head-dims", type=_list_of(_head_dim), default=list(range(8, 257, 8)),
                    help="comma-separated head dimensions (multiples of 8, at most 256; default: all of them)")
-    p.add_argument("--dtypes", type=_list_of(_choice(_DTYPE_NAMES)), default=list(_DTYPE_NAMES),
-                   help=f"comma-separated dQ types, from {', '.join(_DTYPE_NAMES)} (default: both)")
+    p.add_argument("--dtypes", type=_list_of(_dtype), default=list(_DTYPE_NAMES),
+                   help=f"comma-separated dQ types, from {', '.join(_DTYPE_SPELLINGS)} (default: both)")
     p.add_argument("--tilings", type=_list_of(_choice(_TILING_NAMES)), default=list(_TILING_NAMES),
                    help=f"comma-separated kernel tilings, from {', '.join(_TILING_NAMES)} (default: all)")
     p.add_argument("--fused", type=_list_of(_choice(_SINK_NAMES)), default=None,
                    help="also compile flash_attention_postprocess's fused dQ + dK + dV kernels (the same tiling on "
                         "the q and k sides), one per learnable-sink type listed, from "
-                        f"{', '.join(_SINK_NAMES)} (none: without a sink; default: no fused kernels)"),
+                        f"{', '.join(_SINK_NAMES)} (none: without a sink; default: no fused kernels)")
     return p
 
 
@@ -135,34 +144,39 @@ def main(argv=None) -> int:
     presets = args.presets or [arch_.sm_version(arch)]
     configs = configurations(presets, args.head_dims)
     if not configs:
+        fa4 = "FlashAttention-4's backward has a dQ postprocess on sm90, sm100, sm110 and sm120 (head dims up to 192 on " \
+              "sm100/sm110)"
+        if args.presets is None:
+            parser.error(f"--arch {arch} has no FlashAttention-4 presets of its own: {fa4}. Name the GPUs whose "
+                         f"orders to compile for {arch} with --presets (e.g. --presets 120: the mma.sync order)")
         parser.error(f"--presets {','.join(map(str, presets))} with --head-dims {','.join(map(str, args.head_dims))} "
-                     "selects no kernel: FlashAttention-4's backward has a dQ postprocess on sm90, sm100, sm110 and "
-                     "sm120 (head dims up to 192 on sm100/sm110)")
-    if kernel_cache.cache_dir() is None:
+                     f"selects no kernel: {fa4}")
+    directory = kernel_cache.cache_dir()
+    if directory is None:
         print("the on-disk cache is off (JAX_DQPOST_CACHE_DIR=none): nothing would be kept", file=sys.stderr)
         return 1
     tilings = [Tiling[name.upper()] for name in args.tilings]
-    start, n = time.perf_counter(), 0
-    for layout, padded_head_dim in configs:
-        for dtype in args.dtypes:
-            for tiling in tilings:
-                kernel_cache.get_kernel((dtype, ((layout, padded_head_dim, tiling),), None), arch=arch, persist=True)
-                n += 1
-    print(f"{n} kernels for {arch} ({len(configs)} layouts x {len(args.dtypes)} dtypes x {len(tilings)} tilings) in "
-          f"{time.perf_counter() - start:.1f} s, cached in {kernel_cache.cache_dir()}")
+    kinds = [("kernels", [((layout, dr, t),) for layout, dr in configs for t in tilings], [None],
+              f"{len(configs)} layouts x {len(args.dtypes)} dtypes x {len(tilings)} tilings")]
     if args.fused:
         fused = fused_configurations(presets, args.head_dims)
-        start, n = time.perf_counter(), 0
-        for (q, q_dr), (kv, kv_dr) in fused:
-            for dtype in args.dtypes:
-                for tiling in tilings:
-                    for sink in args.fused:
-                        parts = ((q, q_dr, tiling), (kv, kv_dr, tiling), (kv, kv_dr, tiling))
-                        kernel_cache.get_kernel((dtype, parts, None if sink == "none" else (sink, sink)), arch=arch,
-                                                persist=True)
-                        n += 1
-        print(f"{n} fused kernels for {arch} ({len(fused)} layout pairs x {len(args.dtypes)} dtypes x {len(tilings)} "
-              f"tilings x {len(args.fused)} sinks) in {time.perf_counter() - start:.1f} s")
+        sinks = [None if sink == "none" else (sink, sink) for sink in args.fused]
+        kinds.append(("fused kernels", [((q, q_dr, t), (kv, kv_dr, t), (kv, kv_dr, t)) for (q, q_dr), (kv, kv_dr)
+                                        in fused for t in tilings], sinks,
+                      f"{len(fused)} layout pairs x {len(args.dtypes)} dtypes x {len(tilings)} tilings x "
+                      f"{len(sinks)} sinks"))
+    for what, part_sets, sinks, shape in kinds:
+        keys = [(dtype, parts, sink) for parts in part_sets for dtype in args.dtypes for sink in sinks]
+        start, compiled = time.perf_counter(), 0
+        for key in keys:
+            if not kernel_cache.on_disk(key, arch=arch):
+                kernel_cache.get_kernel(key, arch=arch, persist=True)
+                compiled += 1
+        if compiled:
+            print(f"{len(keys)} {what} for {arch} ({shape}): {compiled} compiled in {time.perf_counter() - start:.1f} "
+                  f"s, {len(keys) - compiled} already cached; in {directory}")
+        else:
+            print(f"{len(keys)} {what} for {arch} ({shape}): all already cached in {directory}")
     return 0
 
 

@@ -43,11 +43,16 @@ _registered = False
 @functools.cache
 def command_buffers() -> bool:
     """Whether ``JAX_DQPOST_COMMAND_BUFFERS=1`` asks for the command-buffer compatible handlers (unset, empty or
-    0: no; ``ValueError`` for any other value). Read once per process: the registration and every lowering agree."""
+    0: no; ``ValueError`` for any other value). Read once per process, at import: the registration and every
+    lowering agree."""
     value = os.environ.get(COMMAND_BUFFERS_ENV, "").strip()
     if value not in ("", "0", "1"):
-        raise ValueError(f"{COMMAND_BUFFERS_ENV} must be 0 or 1 (or unset), got {value!r}")
+        raise ValueError(f"{COMMAND_BUFFERS_ENV} must be 0 or 1 (or unset), got {value!r} (1 lets XLA capture the "
+                         "kernel into its command buffers, docs/design.md)")
     return value == "1"
+
+
+command_buffers()  # a bad JAX_DQPOST_COMMAND_BUFFERS fails here, at import, on every platform
 
 
 def call_fingerprint(fingerprint: str) -> str:

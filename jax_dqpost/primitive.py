@@ -171,16 +171,41 @@ def _unpartitioned_impl(*args, plan: Plan):
     return list(_postprocess_shard_p.bind(*args, plan=plan))
 
 
+EXPORT_RECIPE = (
+    "export jax.jit(jax.shard_map(f, mesh=mesh, in_specs=..., out_specs=...)) instead, with the batch and heads axes "
+    "sharded: each device then runs the op on its own shards, and the artifact serializes (README, \"Sharding\")")
+"""How to export a sharded program that calls the op (``jax.export`` cannot serialize ``custom_partitioning``)."""
+
+
 def _lowering(ctx, *args, plan: Plan):
     """Through ``custom_partitioning``, which needs the program's devices. jax hands a lowering the devices only when
     the program's jaxpr holds a primitive that asks for them, as ours does (so a top-level jit, export or
     ``shard_map`` never takes the other branch); bound inside another primitive's own lowering (fa4-jax's backward,
     lowered with ``mlir.lower_fun``), the op finds none, and lowers unpartitioned: one device's program as is; in an
     automatically partitioned program XLA treats it as it treats the custom calls around it (not measured on
-    several GPUs)."""
-    nested = getattr(ctx.module_context.axis_context, "device_assignment", ()) is None
+    several GPUs). ``jax.export`` of a program partitioned over several devices would carry custom_partitioning's
+    host callback, which it cannot serialize: that raises here, with the recipe that works."""
+    context = ctx.module_context.axis_context
+    nested = getattr(context, "device_assignment", ()) is None
+    if not nested and ctx.module_context.lowering_parameters.for_export and _partitioned_over(context) > 1:
+        raise ValueError(f"jax_dqpost: jax.export cannot serialize a program that partitions the op over "
+                         f"{_partitioned_over(context)} devices (jax's custom_partitioning is a host callback); "
+                         f"{EXPORT_RECIPE}")
     impl = _unpartitioned_impl if nested else _partitioned_impl
     return mlir.lower_fun(impl, multiple_results=True)(ctx, *args, plan=plan)
+
+
+def _partitioned_over(context) -> int:
+    """The devices XLA's partitioner spreads the op over (what makes custom_partitioning emit its callback): those
+    of a jit's device assignment, or of a ``shard_map`` with axes left automatic; 1 inside a ``shard_map`` whose
+    axes are all manual."""
+    from jax._src import sharding_impls  # the lowering's axis contexts: no public API
+
+    if isinstance(context, sharding_impls.SPMDAxisContext):
+        if set(context.manual_axes) == set(context.mesh.axis_names):
+            return 1
+        return len(context.mesh._flat_devices_tuple)
+    return len(getattr(context, "device_assignment", None) or ())
 
 
 # ---- autodiff --------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import re
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -94,7 +95,8 @@ def test_disabled_checks_cover_every_target_the_package_emits(rng):
     pytest.importorskip("flatbuffers", reason="Exported.serialize needs flatbuffers (in the package's [test] extra)")
     from jax_dqpost import cuda_arch, flash_attention_postprocess
 
-    q_layout, kv_layout = AccumLayout.flash_attention(90, 64), AccumLayout.flash_attention(90, 64, tensor="dkv")
+    q_layout = AccumLayout.flash_attention(90, 64, causal=False, tensor="dq")
+    kv_layout = AccumLayout.flash_attention(90, 64, causal=False, tensor="dkv")
     B, H, H_KV, S, S_K, D = 2, 4, 2, 100, 70, 64
 
     def f(q, k, v, sink, lse, dpsum):
@@ -137,8 +139,17 @@ def test_cuda_kernel_compiles_for_sm90a_for_every_fa_head_dim():
 
 
 def test_ffi_library_is_built_and_exports_its_handlers():
+    """The handler library is the installed package's: beside the imported package (``pytest tests``), or, where the
+    source tree is imported (``python -m pytest tests`` from the repository root), the installed distribution's,
+    built from this tree."""
+    from importlib import metadata
+
     path = _ffi.library_path()
-    assert path.parent == Path(jax_dqpost.__file__).parent
+    installed = [Path(f.locate()).resolve() for f in metadata.distribution("jax-dqpost").files or ()
+                 if f.name == path.name]
+    assert path.resolve() in installed, (path, installed)
+    if (Path(jax_dqpost.__file__).parent / path.name).is_file():
+        assert path.parent == Path(jax_dqpost.__file__).parent
     lib = ctypes.CDLL(str(path))
     handlers = ["JaxDqpostExecute"] + list(_ffi.LEGACY_TARGETS.values())
     for symbol in handlers + [h + "Capturable" for h in handlers] + [
@@ -157,7 +168,7 @@ def test_every_order_and_mode_compiles_for(arch):
     """Every accumulator order is data order: each compiles for Ampere, Hopper and Blackwell targets."""
     layouts = [AccumLayout(90, 80, 256, 1, True, 32), AccumLayout(90, 128, 256, 2, False, 32),
                AccumLayout(80, 64, 128, 4, False, 32), AccumLayout(80, 64, 256, 2, True, 32),
-               AccumLayout(100, 128, 128, 1, False, 32), AccumLayout(100, 128, 128, 1, False, 32, two_cta=True),
+               AccumLayout(100, 128, 128, 1, False, 32, two_cta=False, cluster_size=1), AccumLayout(100, 128, 128, 1, False, 32, two_cta=True, cluster_size=1),
                AccumLayout(None, 64, 256, 1, False, 32)]
     for layout in layouts:
         for tiling in Tiling:
@@ -197,7 +208,7 @@ def test_ffi_handler_reads_the_work_list_as_python_writes_it(rng):
     for _ in range(200):
         batch, total, tile_m = int(rng.integers(1, 5000)), int(rng.integers(0, 10**6)), 16 * int(rng.integers(1, 17))
         # with short tiles (a swapped Hopper order) and without (row-major)
-        layout = AccumLayout(90, tile_m, 256, 1, True, 64) if rng.integers(2) else AccumLayout(None, tile_m, 128)
+        layout = AccumLayout(90, tile_m, 256, 1, True, 64) if rng.integers(2) else AccumLayout.row_major(tile_m=tile_m, num_threads=128)
         num_tiles = WorkList.max_tiles(total, batch, layout)
         work = WorkList(total, batch, tile_m, num_tiles, tile_m, short_rows(layout))
         assert size(batch, num_tiles) == work.size
@@ -251,3 +262,15 @@ def test_command_buffers_mode_is_in_the_lowered_call(command_buffers_env):
     with pytest.raises(ValueError, match=r"JAX_DQPOST_COMMAND_BUFFERS must be 0 or 1 \(or unset\), got 'yes'"):
         _export(["cuda"])
 
+
+
+def test_a_bad_command_buffers_value_fails_at_import_on_every_platform():
+    """JAX_DQPOST_COMMAND_BUFFERS is read once, at import: a value other than 0/1 is one clear error there, also on a
+    machine that never lowers for CUDA."""
+    env = {**os.environ, _ffi.COMMAND_BUFFERS_ENV: "2", "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-c", "import jax_dqpost"], cwd="/", env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines()[-1] == (
+        "ValueError: JAX_DQPOST_COMMAND_BUFFERS must be 0 or 1 (or unset), got '2' (1 lets XLA capture the kernel into "
+        "its command buffers, docs/design.md)"), out.stderr[-2000:]

@@ -31,7 +31,8 @@ from oracle import assert_same_bits
 
 PARTS = ("dq", "dqkv")
 D = 128
-QL, KL = AccumLayout.flash_attention(90, D), AccumLayout.flash_attention(90, D, tensor="dkv")
+QL = AccumLayout.flash_attention(90, D, causal=False, tensor="dq")
+KL = AccumLayout.flash_attention(90, D, causal=False, tensor="dkv")
 HEADS = {"dq": (2, None), "dqkv": (4, 2)}  # query heads, key/value heads (sharded over heads: twice as many)
 COLLECTIVES = re.compile(r"all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter")
 ARG_NAMES = {"used_q": "seqused_q", "used_k": "seqused_k", "cu_q": "cu_seqlens_q", "cu_k": "cu_seqlens_k",
@@ -396,6 +397,38 @@ def test_varlen_heads_shard_without_collectives(rng, devices, part, offsets):
     assert not COLLECTIVES.search(text), f"collective in the heads-sharded varlen program ({offsets} offsets)"
     for j in range(len(got)):
         assert_same_bits(got[j], want[j], f"varlen sharded over heads ({offsets} offsets), output {j}")
+
+
+@pytest.mark.skipif(len(CPUS) < 8, reason="needs --xla_force_host_platform_device_count=8")
+@pytest.mark.parametrize("part, sink", [("dq", False), ("dqkv", True)])
+def test_sharded_export_through_shard_map(rng, part, sink):
+    """jax.export cannot serialize custom_partitioning's callback: a plain jit over 8 devices raises one error naming
+    jax_dqpost and the recipe; the recipe (jit of shard_map over batch and heads, dsink summed over the batch axis
+    by the caller) exports for CPU and CUDA at once, serializes, and its round trip on 8 CPU devices gives the bits
+    of the op's own sharded program."""
+    from jax_dqpost import DISABLED_CHECKS
+
+    x, static = problem(rng, part, "dense-seqused", sink=sink, batch=2, seqlens=(150, 100),
+                        heads=tuple(h and 2 * h for h in HEADS[part]))
+    op = make_op(part, static)
+    mesh = Mesh(np.array(CPUS[:8]).reshape(2, 4), ("b", "h"))
+    shardings = {name: NamedSharding(mesh, SPECS[name]) for name in x}
+    placed = {name: jax.device_put(v, shardings[name]) for name, v in x.items()}
+    with pytest.raises(ValueError, match=r"^jax_dqpost: jax.export cannot serialize a program that partitions the op "
+                                         r"over 8 devices .* export jax.jit\(jax.shard_map\(f, mesh=mesh"):
+        jax.export.export(jax.jit(op), platforms=["cpu", "cuda"], disabled_checks=DISABLED_CHECKS)(placed)
+
+    def per_shard(x):
+        outs = op(x)
+        return (*outs[:-1], jax.lax.psum(outs[-1], "b")) if sink else outs
+
+    out_specs = (P("b", None, "h", None),) * (1 if part == "dq" else 3) + ((P("h"),) if sink else ())
+    recipe = jax.jit(jax.shard_map(per_shard, mesh=mesh, in_specs=({n: SPECS[n] for n in x},), out_specs=out_specs))
+    exported = jax.export.export(recipe, platforms=["cpu", "cuda"], disabled_checks=DISABLED_CHECKS)(placed)
+    restored = jax.export.deserialize(exported.serialize())
+    got, want = restored.call(placed), jax.jit(op)(placed)
+    for j in range(len(want)):
+        assert_same_bits(got[j], want[j], f"exported shard_map, output {j}")
 
 
 # ---- bound inside another primitive's own lowering (as fa4-jax's backward binds it)

@@ -3,16 +3,22 @@
 ``nnx.MultiHeadAttention`` takes an ``attention_fn``; ours is ``train_step.attention``: on a CUDA GPU with fa4-jax,
 FlashAttention-4's backward kernels (fa4-jax) finished by one jax-dqpost launch; elsewhere the stand-in producer
 (jax.numpy storing dQ in FlashAttention's accumulator order, then ``dq_postprocess``). The gradient must match
-flax's default attention, and the loss must go down.
+flax's default attention, and the loss must go down. Needs flax (and the optax it brings):
 
-    python examples/flax_attention.py
+    python -m pip install ".[examples]" && python examples/flax_attention.py
 """
+
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
-from flax import nnx
+
+try:
+    import optax
+    from flax import nnx
+except ModuleNotFoundError as missing:
+    sys.exit(f"examples/flax_attention.py needs flax ({missing}): python -m pip install \".[examples]\"")
 
 from train_step import PRODUCER, attention  # examples/ is on sys.path when run as a script
 

@@ -36,8 +36,37 @@ def test_gqa_postprocess():
     assert "dq, dk, dv bit-exact: True" in out.stdout and "dsink vs float64: True" in out.stdout
 
 
+def test_every_example_runs_after_the_install_the_readme_gives_for_it(tmp_path):
+    """The README's plain install brings what every example imports but flax_attention.py, whose extra
+    (``[examples]``, named by the README and the example) brings flax; without flax the example says so in one
+    line."""
+    import ast
+    import tomllib
+
+    root = EXAMPLES.parent
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert extras["examples"] == ["flax>=0.10"] and "jax-dqpost[examples]" in extras["test"], extras
+    assert '`[examples]` for `examples/flax_attention.py`' in (root / "README.md").read_text()
+    plain = {"jax", "numpy", "jax_dqpost", "train_step", "sys", "os", "functools", "dataclasses"}
+    for example in sorted(EXAMPLES.glob("*.py")):
+        tree = ast.parse(example.read_text())
+        top = {(n.module if isinstance(n, ast.ImportFrom) else a.name).split(".")[0]
+               for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
+               for a in (n.names if isinstance(n, ast.Import) else [n])}
+        assert top - plain <= ({"flax", "optax"} if example.name == "flax_attention.py" else set()), (example, top)
+    # Without flax (a site directory where importing it fails): one line naming the extra, exit status 1.
+    (tmp_path / "flax").mkdir()
+    (tmp_path / "flax" / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'flax'\")\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, str(EXAMPLES / "flax_attention.py")], capture_output=True, text=True,
+                         cwd="/", timeout=600, env=env)
+    assert out.returncode == 1 and out.stderr.strip() == (
+        "examples/flax_attention.py needs flax (No module named 'flax'): python -m pip install \".[examples]\""), \
+        out.stderr[-2000:]
+
+
 def test_flax_attention():
-    pytest.importorskip("flax", reason="flax is in the package's test extras")
+    pytest.importorskip("flax", reason="flax is in the package's examples and test extras")
     out = subprocess.run([sys.executable, str(EXAMPLES / "flax_attention.py")], capture_output=True, text=True,
                          cwd="/", timeout=600)
     assert out.returncode == 0, out.stderr[-2000:] + out.stdout[-2000:]

@@ -31,11 +31,18 @@ def _readme_commands() -> list[str]:
 
 
 def test_ci_runs_the_readme_commands_verbatim():
+    """.ci/run runs the README's two commands as written, on the oldest supported pair (Python 3.11 and the jax
+    pyproject names as the minimum, pinned) and on the newest (Python 3.12, the jax pip picks)."""
     commands = _readme_commands()
     assert len(commands) == 2, commands
-    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
     for command in commands:
         assert command in ci, f"{command!r} is not in .ci/run"
+    assert ci[-2:] == ["check 3.11 .ci/oldest.txt", "check 3.12"], ci[-2:]
+    minimum = next(r for r in _pyproject()["project"]["dependencies"] if r.startswith("jax>="))[len("jax>="):]
+    pins = (ROOT / ".ci" / "oldest.txt").read_text().split()
+    assert f"jax=={minimum}.0" in pins and f"jaxlib=={minimum}.0" in pins, (minimum, pins)
+    assert _pyproject()["project"]["requires-python"] == ">=3.11"
 
 
 def _pyproject() -> dict:
@@ -97,9 +104,12 @@ def test_readme_python_blocks_run(tmp_path):
 
 
 def _preset_rows() -> list[list[str]]:
-    """The rows of the README's preset table: those whose first cell lists GPU architectures."""
-    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in README.splitlines()
-            if line.startswith("|")]
+    """The rows of the preset table (``AccumLayout.flash_attention``'s docstring, its one home): those whose first
+    cell lists GPU architectures."""
+    from jax_dqpost import AccumLayout
+
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")]
+            for line in AccumLayout.flash_attention.__doc__.splitlines() if line.strip().startswith("|")]
     return [row for row in rows if re.fullmatch(r"\d+(, \d+)*", row[0])]
 
 
@@ -117,14 +127,15 @@ def _preset(arch, head_dim, causal, tensor):
     from jax_dqpost import AccumLayout
 
     try:
-        return AccumLayout.flash_attention(arch, head_dim, causal, tensor=tensor)
+        return AccumLayout.flash_attention(arch, head_dim, causal=causal, tensor=tensor)
     except ValueError:
         return ValueError
 
 
-def test_readme_preset_table_is_what_the_code_returns():
+def test_preset_table_is_what_the_code_returns():
     """Every row of the table holds AccumLayout.flash_attention's dQ and dK/dV layout for every head dim (multiples
-    of 8) in its range, and the rows cover each listed architecture's head dims 8..256, causal or not, once."""
+    of 8) in its range, and the rows cover every architecture FlashAttention-4's backward runs on, its head dims
+    8..256, causal or not, once."""
     rows = _preset_rows()
     assert len(rows) >= 8, rows
     covered = []
@@ -138,8 +149,8 @@ def test_readme_preset_table_is_what_the_code_returns():
                     covered.append((arch, head_dim, flag))
                     assert _preset(arch, head_dim, flag, "dq") == dq, (arch, head_dim, flag, "dq")
                     assert _preset(arch, head_dim, flag, "dkv") == dkv, (arch, head_dim, flag, "dkv")
-    archs = {arch for arch, _, _ in covered}
-    assert sorted(covered) == [(a, d, c) for a in sorted(archs) for d in range(8, 257, 8) for c in (False, True)]
+    archs = (90, 100, 101, 103, 110, 120, 121)
+    assert sorted(covered) == [(a, d, c) for a in archs for d in range(8, 257, 8) for c in (False, True)]
 
 
 def _numbers(text: str) -> set[str]:
@@ -186,13 +197,13 @@ def test_anchor_links_resolve(doc):
         assert anchor in _anchors(linked.read_text()), f"{doc} links to a missing heading {target}#{anchor}"
 
 
-def test_bench_help_description_is_a_sentence(capsys):
-    from jax_dqpost.bench import __main__ as bench
-
-    with pytest.raises(SystemExit):
-        bench.main(["--help"])
-    description = capsys.readouterr().out.split("\n\n")[1]  # usage, description, options
-    assert description.rstrip().endswith("."), description
+@pytest.mark.parametrize("module", ["jax_dqpost.precompile", "jax_dqpost.bench", "jax_dqpost.bench.fa4jax"])
+def test_command_help_description_is_a_sentence(module):
+    out = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120,
+                         cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    description = out.stdout.split("\n\n")[1]  # usage, description, options
+    assert description.rstrip().endswith(".") and len(description) > 20, description
 
 
 def _tracked(*patterns):
@@ -216,3 +227,24 @@ def test_relative_links_resolve(doc):
     for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", text):
         if "://" not in target:
             assert (ROOT / doc).parent.joinpath(target).exists(), f"{doc} links to a missing {target}"
+
+
+def test_api_reference_is_what_the_docstrings_give():
+    """docs/api.md is generated from the docstrings (docs/make_api.py): every public name of jax_dqpost and
+    jax_dqpost.fa4jax, and nothing else; it cannot drift from them."""
+    import importlib.util
+
+    import jax_dqpost
+    from jax_dqpost import fa4jax
+
+    spec = importlib.util.spec_from_file_location("make_api", ROOT / "docs" / "make_api.py")
+    make_api = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_api)
+    page = (ROOT / "docs" / "api.md").read_text()
+    assert page == make_api.render(), "docs/api.md is stale: run python docs/make_api.py"
+    documented = re.findall(r"^### `([\w.]+)`$", page, re.M)
+    assert documented == [f"jax_dqpost.{n}" for n in jax_dqpost.__all__] + [
+        f"jax_dqpost.fa4jax.{n}" for n in fa4jax.__all__], documented
+    for name in ("dq_postprocess", "flash_attention_postprocess", "dq_accum_from_dq"):
+        section = page.split(f"### `jax_dqpost.{name}`", 1)[1].split("\n### ", 1)[0]
+        assert all(s in section for s in ("**Args**", "**Returns**", "**Raises**")), name

@@ -34,6 +34,7 @@ def main():
         ([2**30, 2**31 - 1, 0, 10], [5, 5, 5]),
         ([-2**31, 2**31 - 1, -2**31, 2**31 - 1], [2**31 - 1, -2**31, 7]),
         ([400, 0, 0, 0], [0, 0, 0]),
+        ([0], []),  # no sequences: every row is zero
     ]
     for cu, used in cases:
         acc, want = oracle.build_varlen(rng, cu, used, total_q, heads, 128, (80, 256, 1, True), hdim_multiple_of=32,

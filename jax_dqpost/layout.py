@@ -102,8 +102,8 @@ class AccumLayout:
     atom_layout: int
     swap_ab: bool
     hdim_multiple_of: int
-    two_cta: bool = dataclasses.field(default=None, kw_only=True)
-    cluster_size: int = dataclasses.field(default=None, kw_only=True)
+    two_cta: bool | None = dataclasses.field(default=None, kw_only=True)
+    cluster_size: int | None = dataclasses.field(default=None, kw_only=True)
 
     def __post_init__(self):
         arch = None if self.arch is None else _check_int("arch", self.arch)

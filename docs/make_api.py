@@ -91,15 +91,16 @@ def markdown(doc: str) -> str:
     return re.sub(r"\n{3,}", "\n\n", text).strip()
 
 
-def _attribute_doc(module, name: str) -> str:
-    """The docstring of a module-level constant: the string literal right after its assignment, in the module
-    that defines it."""
-    tree = ast.parse(inspect.getsource(module))
+def _constant(module, name: str) -> tuple[str, str]:
+    """``(source, docstring)`` of a module-level constant: the expression assigned to it and the string literal
+    right after the assignment, in the module that defines it (its source, not its repr, which jax may change)."""
+    source = inspect.getsource(module)
+    tree = ast.parse(source)
     for a, b in zip(tree.body, tree.body[1:]):
         targets = a.targets if isinstance(a, ast.Assign) else [a.target] if isinstance(a, ast.AnnAssign) else []
         if any(getattr(t, "id", None) == name for t in targets) and isinstance(b, ast.Expr) \
                 and isinstance(b.value, ast.Constant) and isinstance(b.value.value, str):
-            return b.value.value
+            return ast.get_source_segment(source, a.value), b.value.value
     raise ValueError(f"{module.__name__}.{name} has no docstring")
 
 
@@ -128,16 +129,16 @@ def _entry(module, qualified: str, name: str) -> list[str]:
         return parts
     if callable(obj):
         return [f"### `{qualified}`", "", "```python", signature(obj, qualified), "```", "", markdown(obj.__doc__)]
-    home = sys.modules[getattr(module, "__name__")]
-    for candidate in (home, *[sys.modules[m] for m in list(sys.modules) if m.startswith(home.__name__ + ".")]):
+    package = module.__name__.split(".")[0]
+    for candidate in (module, *[sys.modules[m] for m in sorted(sys.modules) if m.startswith(package + ".")]):
         try:
-            doc = _attribute_doc(candidate, name)
+            expression, doc = _constant(candidate, name)
             break
         except (ValueError, OSError, TypeError):
             continue
     else:
         raise ValueError(f"{qualified} has no docstring")
-    return [f"### `{qualified}`", "", "```python", f"{qualified} = {obj!r}", "```", "", markdown(doc)]
+    return [f"### `{qualified}`", "", "```python", f"{qualified} = {expression}", "```", "", markdown(doc)]
 
 
 def render() -> str:

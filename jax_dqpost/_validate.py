@@ -112,17 +112,13 @@ def out_dtype(dtype) -> np.dtype:
     """dQ's dtype: bfloat16 or float16, as a dtype or a name in either spelling (``"bf16"``, ``"bfloat16"``, ``"f16"``,
     ``"float16"``); ``None`` is not float64 here."""
     want = "dtype must be jnp.bfloat16 or jnp.float16 (or 'bf16', 'bfloat16', 'f16', 'float16')"
-    if isinstance(dtype, str):
-        out = abi.dtype_named(dtype)
-        if out is None:
-            raise TypeError(f"{want}, got {describe(dtype)}")
-    else:
-        try:
-            out = None if dtype is None else np.dtype(dtype)
-        except TypeError:
-            out = None
-        if out is None:
-            raise TypeError(f"{want}, got {describe(dtype)}")
+    try:  # a name in the package's spelling, else whatever numpy calls a dtype
+        out = abi.dtype_named(dtype) if isinstance(dtype, str) else None
+        out = np.dtype(dtype) if out is None and dtype is not None else out
+    except TypeError:
+        out = None
+    if out is None:
+        raise TypeError(f"{want}, got {describe(dtype)}")
     if out not in abi.OUT_DTYPES:
         raise ValueError(f"{want}, got {out.name}")
     return out
@@ -215,5 +211,5 @@ def _check_finite_f32(name: str, value) -> None:
     with np.errstate(over="ignore", invalid="ignore"):
         finite = bool(np.isfinite(np.float32(as_float)))
     if not finite:
-        shown = repr(value) if len(repr(value)) <= 40 else f"an integer of {len(str(abs(value)))} digits"
-        raise ValueError(f"{name} must be finite in float32, got {shown}")
+        shown = repr(value)
+        raise ValueError(f"{name} must be finite in float32, got {shown if len(shown) <= 40 else shown[:37] + '...'}")

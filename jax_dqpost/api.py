@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax.numpy as jnp
-import numpy as np
 
 from . import _checks, _validate
 from .layout import AccumLayout
@@ -172,8 +171,8 @@ def flash_attention_postprocess(dq_accum, dk_accum, dv_accum, softmax_scale, *, 
         outs = _bind(plan, plan.join((dq_accum,), (q_aux,), scale.reshape(1), *(sink or ())))
         return (outs[0], None, None) + ((outs[1],) if sink is not None else ())
     if dkv_layout is None:
-        raise ValueError("dkv_layout is required with dk_accum and dv_accum (AccumLayout.flash_attention(arch, "
-                         "head_dim, causal=False, tensor='dkv') gives FlashAttention-4's)")
+        raise TypeError(f"flash_attention_postprocess() needs dkv_layout= with dk_accum and dv_accum: "
+                        f"{_validate.LAYOUT_HINT}")
     _validate.check_layout(dkv_layout, "dkv_layout")
     dkv_layout.check_head_dim(head_dim)
     dkv_layout.check_head_dim(head_dim_v, "head_dim_v")
@@ -190,11 +189,8 @@ def flash_attention_postprocess(dq_accum, dk_accum, dv_accum, softmax_scale, *, 
 
 
 def _bind(plan: Plan, args) -> list:
-    """The primitive on the API's operands, after the checks that need their shapes: the shapes themselves (errors
-    naming the arguments), then CUDA's launch limits, at trace time and on every platform."""
-    shapes = [np.shape(a) for a in args]
-    plan.result_shapes(shapes)
-    plan.launch(plan.split(shapes)["acc"])
+    """The primitive on the API's operands (``Plan.join``'s order); its abstract evaluation checks their shapes,
+    naming the arguments, and CUDA's launch limits, at trace time and on every platform."""
     return postprocess_p.bind(*args, plan=plan)
 
 

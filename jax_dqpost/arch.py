@@ -46,7 +46,8 @@ def cuda_arch(arch: str):
     GPU (if any) this machine has: for ``jax.export`` on a machine without a GPU, or for another GPU.
 
     Precedence: this context, then the ``CUTE_DSL_ARCH`` environment variable, then the first CUDA device.
-    ``arch`` must be one of :data:`SUPPORTED_ARCHS` (``"sm_90"`` means ``"sm_90a"``); ``ValueError`` otherwise.
+    ``arch`` must be a name the kernel compiles for: ``"sm_80"``, ``"sm_86"``..., ``"sm_90a"`` (``"sm_90"`` means
+    it), ``"sm_100a"``... (``jax_dqpost.arch.SUPPORTED_ARCHS``); ``ValueError`` otherwise, listing them.
     """
     token = _override.set(check_arch(arch, f"arch={arch!r}"))
     try:

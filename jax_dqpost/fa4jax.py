@@ -93,7 +93,8 @@ def postprocess(cfg, q, k, v, acc, seqlens):
 
 @functools.cache
 def register():
-    """Register :data:`BACKEND` with fa4-jax (once; the functions below do it themselves). Returns ``fa4_jax``.
+    """Register :data:`BACKEND` with fa4-jax (once; :func:`flash_attn` and :func:`flash_attn_varlen` do it
+    themselves). Returns ``fa4_jax``.
     Raises ImportError when fa4-jax 0.1.0 is not installed."""
     fa4_jax = _fa4jax.modules()[0]
 

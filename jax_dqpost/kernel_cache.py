@@ -11,7 +11,8 @@ to any of them misses; entries are written to a temporary file and renamed into 
 directory never see a partial file. An entry holds a header and the sha256 of the module before the module
 itself, and is verified on every read: a damaged one (truncated, overwritten) is discarded, compiled again and
 rewritten, and only then reported by one ``RuntimeWarning`` at the user's call (the first frame outside
-jax_dqpost, jax and jaxlib), so that a filter turning warnings into errors cannot stop the heal. A disk hit does not import cutlass. Kernels are written to the default
+jax_dqpost, jax and jaxlib), so that a filter turning warnings into errors cannot stop the heal. A disk hit does
+not import cutlass. Kernels are written to the default
 directory only on a machine with a CUDA GPU (a CPU-only machine that exports for CUDA leaves the user's cache
 alone) or when asked to (``python -m jax_dqpost.precompile``); a configured ``JAX_DQPOST_CACHE_DIR`` is always
 written.
@@ -87,10 +88,10 @@ def get_kernel(key: tuple, *, arch: str | None = None, persist: bool | None = No
 
 
 def on_disk(key: tuple, *, arch: str | None = None) -> bool:
-    """Whether the on-disk cache holds a verified entry for ``key`` (:func:`get_kernel`'s) compiled for ``arch``
-    (a damaged entry is removed: it is not there)."""
-    with _lock:
-        return _load(_full_key(key, arch))[0] is not None
+    """Whether the on-disk cache holds a verified entry for ``key`` (:func:`get_kernel`'s) compiled for ``arch``; a
+    damaged entry is not one (:func:`get_kernel` heals it, with its warning)."""
+    directory, full = cache_dir(), _full_key(key, arch)
+    return directory is not None and _read(directory / _disk_name(full), full[-1])[0] is not None
 
 
 def _full_key(key: tuple, arch: str | None) -> tuple:
@@ -144,6 +145,16 @@ def _load(key: tuple) -> tuple[CompiledKernel | None, str | None]:
     if directory is None:
         return None, None
     path = directory / _disk_name(key)
+    kernel, damaged = _read(path, key[-1])
+    if damaged is not None:
+        with contextlib.suppress(OSError):
+            path.unlink()
+    return kernel, damaged
+
+
+def _read(path: Path, arch: str) -> tuple[CompiledKernel | None, str | None]:
+    """The entry at ``path``, verified against its sha256: ``(module, None)``, ``(None, None)`` if there is none,
+    ``(None, warning)`` if it is damaged."""
     try:
         entry = path.read_bytes()
     except OSError:
@@ -151,9 +162,7 @@ def _load(key: tuple) -> tuple[CompiledKernel | None, str | None]:
     head = len(_ENTRY_MAGIC)
     module, digest = entry[head + 32:], entry[head:head + 32]
     if entry[:head] == _ENTRY_MAGIC and module and hashlib.sha256(module).digest() == digest:
-        return CompiledKernel(module=module, fingerprint=digest.hex(), arch=key[-1]), None
-    with contextlib.suppress(OSError):
-        path.unlink()
+        return CompiledKernel(module=module, fingerprint=digest.hex(), arch=arch), None
     return None, (f"jax_dqpost: the kernel cache entry {path} was damaged ({len(entry)} bytes that fail their sha256 "
                   "check); the kernel was compiled again and the entry rewritten")
 

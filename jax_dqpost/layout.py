@@ -35,7 +35,7 @@ __all__ = ["AccumLayout"]
 
 _SUPPORTED_ARCHS = (80, 90, 100, None)
 # GPU generations whose FlashAttention backward writes one of the orders above.
-_ORDER_OF_GPU = {103: 100, 110: 100, 120: 80, 121: 80}
+_ORDER_OF_GPU = {101: 100, 103: 100, 110: 100, 120: 80, 121: 80}
 _WARPGROUP = 128
 _WGMMA_M = 64
 _MMA_SYNC_TILE = 16  # m16n8k16 atoms, 16 x 16 permutation tile per warp
@@ -70,7 +70,8 @@ class AccumLayout:
 
     Most users need not spell the fields: :meth:`flash_attention` gives the order FlashAttention-4's backward writes,
     :meth:`row_major` the one for an accumulator made in JAX, ``jax_dqpost.fa4jax.accum_layout`` fa4-jax's. No field
-    has a default (an accumulator read in another order gives wrong values, not an error).
+    that picks an order has a default (an accumulator read in another order gives wrong values, not an error);
+    ``dataclasses.replace`` keeps ``two_cta`` and ``cluster_size``, so pass them when it changes ``arch`` to 100.
 
     Attributes:
       arch: the producer's accumulator order: ``90`` Hopper WGMMA, ``80`` Ampere ``mma.sync`` (also
@@ -116,8 +117,9 @@ class AccumLayout:
             raise ValueError(f"AccumLayout.arch={arch} is not an accumulator order; the orders are "
                              f"{_SUPPORTED_ARCHS} (90 Hopper wgmma, 80 mma.sync, 100 Blackwell tcgen05, None "
                              f"row-major){hint}")
-        if arch == 100 and (self.two_cta is None or self.cluster_size is None):
-            raise TypeError("AccumLayout(arch=100) needs two_cta= and cluster_size=: the tcgen05 orders of the 1-CTA "
+        missing = [f"{name}=" for name in ("two_cta", "cluster_size") if getattr(self, name) is None]
+        if arch == 100 and missing:
+            raise TypeError(f"AccumLayout(arch=100) needs {' and '.join(missing)}: the tcgen05 orders of the 1-CTA "
                             "and the 2-CTA MMA have the same shape (FlashAttention-4 writes dQ with two_cta=True and "
                             "dK/dV with cluster_size=2 at head dims 128..192; AccumLayout.flash_attention(100, "
                             "head_dim, causal=..., tensor=...) gives them)")
@@ -181,7 +183,7 @@ class AccumLayout:
         grouped-query attention, where several query heads add into one key/value head).
 
         ``causal`` (True also for local attention) and ``tensor`` have no default: for some GPUs and head dims (the
-        tables below; the error for a missing ``causal`` lists them) the causal order differs from the non-causal
+        table below; the error for a missing ``causal`` lists them) the causal order differs from the non-causal
         one, and dQ's from dK/dV's, with shapes that agree wherever both tiles divide the sequence, so a wrong guess
         gives wrong gradients, not an error. ``causal`` is required on every GPU, so that a call is portable.
         ``head_dim_v`` (default ``head_dim``) only matters for the head dims with no postprocess.
@@ -223,16 +225,16 @@ class AccumLayout:
         causal = _checks.static_bool("causal", causal)
         if tensor not in ("dq", "dkv"):
             raise ValueError(f"tensor must be 'dq' or 'dkv', got {_checks.describe(tensor)}")
-        if arch not in _GPU_ARCHS:
+        if arch not in GPU_ARCHS:
             raise ValueError(f"arch={arch} is not a GPU architecture; the known ones are "
-                             f"{', '.join(map(str, _GPU_ARCHS))} (FlashAttention-4's backward runs on "
-                             f"{', '.join(map(str, _FLASH_ATTENTION_ARCHS))})")
-        if arch not in _FLASH_ATTENTION_ARCHS:
+                             f"{', '.join(map(str, GPU_ARCHS))} (FlashAttention-4's backward runs on "
+                             f"{', '.join(map(str, FLASH_ATTENTION_ARCHS))})")
+        if arch not in FLASH_ATTENTION_ARCHS:
             what = "dQ" if tensor == "dq" else "dK/dV"
             raise ValueError(f"FlashAttention-4 has no {what} postprocess configuration for arch={arch} (its "
-                             f"backward runs on {', '.join(map(str, _FLASH_ATTENTION_ARCHS))}); pass an AccumLayout "
+                             f"backward runs on {', '.join(map(str, FLASH_ATTENTION_ARCHS))}); pass an AccumLayout "
                              "with the producer's fields")
-        if arch // 10 in (10, 11) and head_dim > 192:
+        if not has_postprocess(arch, head_dim):
             raise ValueError(f"FlashAttention's sm{arch} backward for head_dim={head_dim}, head_dim_v={head_dim_v} "
                              "uses its dedicated hd256 kernel, which finishes dQ, dK and dV itself (no separate "
                              "postprocess)")
@@ -469,10 +471,16 @@ AccumLayout.__init__ = _checks.required_arguments(
     **{f.name: f"the fields of the producer's order ({NO_DEFAULT}); {CONSTRUCTORS}"
        for f in dataclasses.fields(AccumLayout) if not f.kw_only})(AccumLayout.__init__)
 
-_GPU_ARCHS = tuple(sorted({sm_version(a) for a in SUPPORTED_ARCHS}))
+GPU_ARCHS = tuple(sorted({sm_version(a) for a in SUPPORTED_ARCHS}))
 """The GPU architectures the kernel knows, as numbers (``arch.SUPPORTED_ARCHS``)."""
-_FLASH_ATTENTION_ARCHS = tuple(a for a in _GPU_ARCHS if a // 10 in (9, 10, 11, 12))
+FLASH_ATTENTION_ARCHS = tuple(a for a in GPU_ARCHS if a // 10 in (9, 10, 11, 12))
 """Those FlashAttention-4's backward runs on."""
+
+
+def has_postprocess(arch: int, head_dim: int) -> bool:
+    """Whether FlashAttention-4's backward on GPU ``arch`` ends with a postprocess at ``head_dim``: on the GPUs it runs
+    on (:data:`FLASH_ATTENTION_ARCHS`) but sm100/sm110 above head dim 192 (a dedicated kernel finishes dQ, dK, dV)."""
+    return arch in FLASH_ATTENTION_ARCHS and not (arch // 10 in (10, 11) and head_dim > 192)
 
 
 def _preset(arch: int, head_dim: int, causal: bool, dkv: bool) -> AccumLayout:
@@ -513,10 +521,10 @@ def _differing(choice_a, choice_b) -> str:
     (so that one of them may be the tensor): e.g. ``'sm90 dQ at head dims 104..128'``."""
     out = []
     for families in ((9,), (10, 11), (12,)):
-        archs = [a for a in _FLASH_ATTENTION_ARCHS if a // 10 in families]
+        archs = [a for a in FLASH_ATTENTION_ARCHS if a // 10 in families]
         for dkv in (False, True):
             a, b = choice_a(dkv), choice_b(dkv)
-            dims = [d for d in range(8, MAX_HEAD_DIM + 1, 8) if (families != (10, 11) or d <= 192)
+            dims = [d for d in range(8, MAX_HEAD_DIM + 1, 8) if has_postprocess(archs[0], d)
                     and _preset(archs[0], d, *a) != _preset(archs[0], d, *b)]
             if dims:
                 tensor = "" if a[1] != b[1] else " dK/dV" if dkv else " dQ"

@@ -149,7 +149,7 @@ class Part:
         if batch > MAX_GRID_Z:
             raise ValueError(f"jax_dqpost: the batch (with any vmapped axes folded in) must be at most {MAX_GRID_Z}, "
                              f"CUDA's grid limit, got {batch}")
-        if heads * extents[4] > INT32_MAX or rows > INT32_MAX:
+        if heads * extents[4] > INT32_MAX:
             raise ValueError(f"jax_dqpost: heads * ceil(rows / tile_m) must be below 2^31, CUDA's grid limit, got "
                              f"heads={heads} and {extents[4]} tiles per head ({rows} rows)")
         return extents

@@ -11,11 +11,12 @@ arguments, and requests that select no kernel, exit with status 2 and a message 
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import time
 
 from . import _checks, abi, arch as arch_, kernel_cache
-from .layout import AccumLayout
+from .layout import FLASH_ATTENTION_ARCHS, GPU_ARCHS, AccumLayout, has_postprocess
 from .plan import Tiling
 
 _DTYPE_NAMES = tuple(abi.DTYPE_NAMES[d] for d in abi.OUT_DTYPES)
@@ -25,15 +26,13 @@ _SINK_NAMES = ("none", "f32", "bf16", "f16")
 
 
 def configurations(presets, head_dims):
-    """Distinct (layout, padded head dim) pairs of the presets of these GPU architectures."""
+    """Distinct (layout, padded head dim) pairs of the presets of these GPU architectures (FlashAttention-4's: where
+    its backward has a postprocess)."""
     seen = {}
-    for arch in presets:
-        for head_dim in head_dims:
+    for arch, head_dim in itertools.product(presets, head_dims):
+        if has_postprocess(arch, head_dim):
             for causal in (False, True):
-                try:
-                    layout = AccumLayout.flash_attention(arch, head_dim, causal=causal, tensor="dq")
-                except ValueError:
-                    continue  # no postprocess for this architecture and head dim
+                layout = AccumLayout.flash_attention(arch, head_dim, causal=causal, tensor="dq")
                 seen[(layout, layout.padded_head_dim(head_dim))] = None
     return list(seen)
 
@@ -42,14 +41,11 @@ def fused_configurations(presets, head_dims):
     """Distinct fused kernels' parts ``((dQ layout, Dr), (dK/dV layout, Dr))`` of the presets (``head_dim_v =
     head_dim``)."""
     seen = {}
-    for arch in presets:
-        for head_dim in head_dims:
+    for arch, head_dim in itertools.product(presets, head_dims):
+        if has_postprocess(arch, head_dim):
             for causal in (False, True):
-                try:
-                    q = AccumLayout.flash_attention(arch, head_dim, causal=causal, tensor="dq")
-                    kv = AccumLayout.flash_attention(arch, head_dim, causal=causal, tensor="dkv")
-                except ValueError:
-                    continue
+                q = AccumLayout.flash_attention(arch, head_dim, causal=causal, tensor="dq")
+                kv = AccumLayout.flash_attention(arch, head_dim, causal=causal, tensor="dkv")
                 seen[((q, q.padded_head_dim(head_dim)), (kv, kv.padded_head_dim(head_dim)))] = None
     return list(seen)
 
@@ -57,7 +53,7 @@ def fused_configurations(presets, head_dims):
 def _list_of(parse):
     """An argparse type: a comma-separated list, each item through ``parse`` (ValueError/TypeError -> usage)."""
     def convert(text: str):
-        items = [x.strip() for x in text.split(",") if x.strip()]
+        items = list(dict.fromkeys(x.strip() for x in text.split(",") if x.strip()))
         if not items:
             raise argparse.ArgumentTypeError("empty list")
         out = []
@@ -66,7 +62,7 @@ def _list_of(parse):
                 out.append(parse(item))
             except (TypeError, ValueError) as e:
                 raise argparse.ArgumentTypeError(f"{item!r}: {e}") from None
-        return out
+        return list(dict.fromkeys(out))  # once each, whichever spelling named it
     return convert
 
 
@@ -78,9 +74,13 @@ def _int(text: str) -> int:
 
 
 def _preset_arch(text: str) -> int:
+    """A GPU architecture FlashAttention-4's backward runs on, as a number (90, 100, 120...)."""
     value = _int(text)
-    if value <= 0:
-        raise ValueError("a GPU architecture is a positive number such as 90, 100 or 120")
+    if value not in GPU_ARCHS:
+        raise ValueError(f"not a GPU architecture; the known ones are {', '.join(map(str, GPU_ARCHS))}")
+    if value not in FLASH_ATTENTION_ARCHS:
+        raise ValueError(f"FlashAttention-4's backward does not run on sm{value}; it runs on "
+                         f"{', '.join(map(str, FLASH_ATTENTION_ARCHS))}")
     return value
 
 
@@ -144,13 +144,13 @@ def main(argv=None) -> int:
     presets = args.presets or [arch_.sm_version(arch)]
     configs = configurations(presets, args.head_dims)
     if not configs:
-        fa4 = "FlashAttention-4's backward has a dQ postprocess on sm90, sm100, sm110 and sm120 (head dims up to 192 on " \
-              "sm100/sm110)"
-        if args.presets is None:
+        fa4 = (f"FlashAttention-4's backward has a dQ postprocess on {', '.join(map(str, FLASH_ATTENTION_ARCHS))} "
+               "(head dims up to 192 on sm100/sm110)")
+        if args.presets is None and presets[0] not in FLASH_ATTENTION_ARCHS:
             parser.error(f"--arch {arch} has no FlashAttention-4 presets of its own: {fa4}. Name the GPUs whose "
                          f"orders to compile for {arch} with --presets (e.g. --presets 120: the mma.sync order)")
-        parser.error(f"--presets {','.join(map(str, presets))} with --head-dims {','.join(map(str, args.head_dims))} "
-                     f"selects no kernel: {fa4}")
+        which = f"--presets {','.join(map(str, presets))}" if args.presets else f"--arch {arch} (its presets)"
+        parser.error(f"{which} with --head-dims {','.join(map(str, args.head_dims))} selects no kernel: {fa4}")
     directory = kernel_cache.cache_dir()
     if directory is None:
         print("the on-disk cache is off (JAX_DQPOST_CACHE_DIR=none): nothing would be kept", file=sys.stderr)

@@ -66,7 +66,10 @@ def _abstract_eval(*args, plan: Plan):
         for name in ("lse", "dpsum"):
             if ops[name].dtype != np.float32:
                 raise TypeError(f"{name} must be float32, got {ops[name].dtype}")
-    return [jax.core.ShapedArray(shape, dtype) for shape, dtype in plan.result_shapes([a.shape for a in args])]
+    shapes = [a.shape for a in args]
+    results = plan.result_shapes(shapes)
+    plan.launch(plan.split(shapes)["acc"])  # CUDA's grid limits, on every platform (vmap folds into the batch)
+    return [jax.core.ShapedArray(shape, dtype) for shape, dtype in results]
 
 
 # ---- sharding: batch and heads shard without any collective (a batch-sharded dsink: one psum) --------
@@ -202,9 +205,7 @@ def _partitioned_over(context) -> int:
     from jax._src import sharding_impls  # the lowering's axis contexts: no public API
 
     if isinstance(context, sharding_impls.SPMDAxisContext):
-        if set(context.manual_axes) == set(context.mesh.axis_names):
-            return 1
-        return len(context.mesh._flat_devices_tuple)
+        return 1 if set(context.manual_axes) == set(context.mesh.axis_names) else context.mesh.size
     return len(getattr(context, "device_assignment", None) or ())
 
 

@@ -88,6 +88,8 @@ def accum_from_dq_reference(dq, scale, aux, plan: Part):
     inverse = jnp.asarray(np.argsort(layout.tile_index_map(plan.head_dim).ravel()).astype(np.int32))
     if plan.work is not None:
         heads, w = dq.shape[1], plan.work
+        if w.batch == 0:  # no sequence: no row is read
+            return jnp.zeros((heads, w.padded_total * dr), jnp.float32)
         s = w.decode(aux)
         row_start, span_rows, conv_rows, acc_row = (f[1:-1] for f in (s.row_start, s.span_rows, s.conv_rows,
                                                                       s.acc_row))  # the sequences' spans

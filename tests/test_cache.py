@@ -178,6 +178,11 @@ def test_cache_off_and_precompile_cli(tmp_path):
     assert again.returncode == 0, again.stderr[-2000:]  # either spelling of the dtype; nothing left to compile
     assert again.stdout.strip() == (f"6 kernels for sm_90a (3 layouts x 1 dtypes x 2 tilings): all already cached "
                                     f"in {tmp_path}"), again.stdout
+    damaged = sorted(tmp_path.glob("*.cute"))[0]
+    damaged.write_bytes(damaged.read_bytes()[:100])
+    healed = subprocess.run(again.args, cwd="/", env=env, capture_output=True, text=True, timeout=600)
+    assert healed.returncode == 0 and ": 1 compiled in " in healed.stdout and "5 already cached" in healed.stdout
+    assert healed.stderr.count(f"the kernel cache entry {damaged} was damaged") == 1, healed.stderr[-2000:]
     # The fused kernels too: hd64 has one (dQ, dK/dV) preset pair, hd128 two (causal or not).
     fused = subprocess.run([sys.executable, "-m", "jax_dqpost.precompile", "--arch", "sm_90a", "--presets", "90",
                             "--head-dims", "64,128", "--dtypes", "bf16", "--tilings", "dense", "--fused", "none,f32"],
@@ -194,7 +199,12 @@ def test_cache_off_and_precompile_cli(tmp_path):
     (["--dtypes", "fp32"], "--dtypes: 'fp32': choose from bf16, bfloat16, f16, float16"),
     (["--dtypes", "float32"], "--dtypes: 'float32': choose from bf16, bfloat16, f16, float16"),
     (["--presets", "sm90"], "--presets: 'sm90': not an integer"),
-    (["--presets", "75"], "--presets 75 .* selects no kernel"),
+    (["--presets", "75"], "--presets: '75': not a GPU architecture; the known ones are 80, 86, 87, 89, 90, 100"),
+    (["--presets", "90,99"], "--presets: '99': not a GPU architecture"),
+    (["--presets", "86"], "--presets: '86': FlashAttention-4's backward does not run on sm86; it runs on 90, 100"),
+    (["--presets", "100", "--head-dims", "200,256"], "--presets 100 with --head-dims 200,256 selects no kernel"),
+    (["--arch", "sm_100a", "--head-dims", "256"], r"--arch sm_100a \(its presets\) with --head-dims 256 selects no "
+                                                  "kernel"),
     (["--arch", "sm_80"], r"--arch sm_80 has no FlashAttention-4 presets of its own: .* Name the GPUs whose orders "
                           r"to compile for sm_80 with --presets \(e.g. --presets 120"),
     (["--head-dims", "60"], "--head-dims: '60': head_dim must be a positive multiple of 8 and at most 256, got 60"),

@@ -168,7 +168,8 @@ def test_every_order_and_mode_compiles_for(arch):
     """Every accumulator order is data order: each compiles for Ampere, Hopper and Blackwell targets."""
     layouts = [AccumLayout(90, 80, 256, 1, True, 32), AccumLayout(90, 128, 256, 2, False, 32),
                AccumLayout(80, 64, 128, 4, False, 32), AccumLayout(80, 64, 256, 2, True, 32),
-               AccumLayout(100, 128, 128, 1, False, 32, two_cta=False, cluster_size=1), AccumLayout(100, 128, 128, 1, False, 32, two_cta=True, cluster_size=1),
+               AccumLayout(100, 128, 128, 1, False, 32, two_cta=False, cluster_size=1),
+               AccumLayout(100, 128, 128, 1, False, 32, two_cta=True, cluster_size=1),
                AccumLayout(None, 64, 256, 1, False, 32)]
     for layout in layouts:
         for tiling in Tiling:
@@ -208,7 +209,8 @@ def test_ffi_handler_reads_the_work_list_as_python_writes_it(rng):
     for _ in range(200):
         batch, total, tile_m = int(rng.integers(1, 5000)), int(rng.integers(0, 10**6)), 16 * int(rng.integers(1, 17))
         # with short tiles (a swapped Hopper order) and without (row-major)
-        layout = AccumLayout(90, tile_m, 256, 1, True, 64) if rng.integers(2) else AccumLayout.row_major(tile_m=tile_m, num_threads=128)
+        swapped = AccumLayout(90, tile_m, 256, 1, True, 64)
+        layout = swapped if rng.integers(2) else AccumLayout.row_major(tile_m=tile_m, num_threads=128)
         num_tiles = WorkList.max_tiles(total, batch, layout)
         work = WorkList(total, batch, tile_m, num_tiles, tile_m, short_rows(layout))
         assert size(batch, num_tiles) == work.size

@@ -45,6 +45,7 @@ def test_errors_name_argument_and_value():
         (dict(dtype="f32"), ValueError, r"dtype must be jnp.bfloat16 .* got float32"),
         (dict(dtype=None), TypeError, r"dtype must be jnp.bfloat16 or jnp.float16 .*, got None \(NoneType\)"),
         (dict(dtype="bfloat17"), TypeError, r"dtype must be .* got 'bfloat17' \(str\)"),
+        (dict(dtype="float64"), ValueError, r"dtype must be .*'float16'\), got float64"),
         (dict(scale=jnp.ones(2)), ValueError, r"scale must be a scalar, got shape \(2,\)"),
         (dict(scale=jnp.int32(1)), TypeError, "scale must be a Python float or a floating-point scalar, got .* int32"),
         (dict(scale=True), TypeError, r"scale must be a Python float .* got True \(bool\)"),
@@ -68,7 +69,8 @@ def test_layout_is_required_and_the_error_says_how_to_get_one():
 
     from jax_dqpost import dq_accum_from_dq
 
-    hint = r"AccumLayout.flash_attention\(arch, head_dim, causal=\.\.\., tensor='dq' or 'dkv'\) .*AccumLayout.row_major\(\)"
+    hint = (r"AccumLayout.flash_attention\(arch, head_dim, causal=\.\.\., tensor='dq' or 'dkv'\) "
+            r".*AccumLayout.row_major\(\)")
     layout = AccumLayout.flash_attention(90, 128, causal=False, tensor="dq")
     acc = jnp.zeros(layout.accum_shape(1, 1, 64, 128), jnp.float32)
     dense = dict(seqlen_q=64, head_dim=128)
@@ -120,7 +122,8 @@ def test_errors_name_the_argument():
     base = dict(head_dim=d, dq_layout=dq_layout, dkv_layout=dkv_layout, seqlen_q=80, seqlen_k=60)
     cases = [
         (dict(dk_accum=None), ValueError, "dk_accum and dv_accum must be given together"),
-        (dict(dkv_layout=None), ValueError, "dkv_layout is required"),
+        (dict(dkv_layout=None), TypeError, r"flash_attention_postprocess\(\) needs dkv_layout= with dk_accum and "
+         r"dv_accum: the AccumLayout of the producer's accumulator"),
         (dict(dkv_layout="sm90"), TypeError, "dkv_layout must be an AccumLayout, got 'sm90'"),
         (dict(seqlen_k=None), ValueError, "seqlen_k is required"),
         (dict(cu_seqlens_k=[0, 10], seqlen_k=None, total_k=5), ValueError, r"cu_seqlens_k\[-1\]=10 exceeds total_k=5"),
@@ -292,7 +295,7 @@ def test_a_scale_the_host_sees_must_be_finite_in_float32(value):
     if isinstance(value, (np.ndarray, jax.Array)):
         value_shown = repr(np.asarray(value).item())  # an array's value, read back
     else:
-        value_shown = repr(value) if len(repr(value)) <= 40 else "an integer of 401 digits"
+        value_shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
     shown = re.escape(value_shown)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a numpy overflow warning would fail here
@@ -345,6 +348,12 @@ def test_sizes_past_the_kernels_limits_are_refused_at_trace_time():
     for fn, acc, match in cases:
         with pytest.raises(ValueError, match=match):
             jax.eval_shape(fn, acc)
+    # vmap folds its axis into the batch: the folded call is checked too (2 x 40000 > 65535)
+    dense = lambda a: dq_postprocess(a, 1.0, seqlen_q=64, head_dim=d, layout=dq_layout)  # noqa: E731
+    jax.eval_shape(jax.vmap(dense), f32((2,) + dq_layout.accum_shape(30000, 1, 64, d)))
+    with pytest.raises(ValueError, match=r"the batch \(with any vmapped axes folded in\) must be at most 65535, "
+                                         r"CUDA's grid limit, got 80000"):
+        jax.eval_shape(jax.vmap(dense), f32((2,) + dq_layout.accum_shape(40000, 1, 64, d)))
     # the largest dense side that fits: its padded rows are 2^31 - 32 (80-row tiles)
     fits = dq_layout.padded_seqlen(big - 100)
     assert fits <= big - 1

@@ -36,10 +36,10 @@ def test_gqa_postprocess():
     assert "dq, dk, dv bit-exact: True" in out.stdout and "dsink vs float64: True" in out.stdout
 
 
-def test_every_example_runs_after_the_install_the_readme_gives_for_it(tmp_path):
-    """The README's plain install brings what every example imports but flax_attention.py, whose extra
-    (``[examples]``, named by the README and the example) brings flax; without flax the example says so in one
-    line."""
+def test_examples_import_only_what_their_install_brings(tmp_path):
+    """The README's plain install brings what every example imports (read from their source; the tests above run
+    them) but flax_attention.py's flax, which its extra (``[examples]``, named by the README and the example)
+    brings; without flax that example says so in one line."""
     import ast
     import tomllib
 

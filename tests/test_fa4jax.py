@@ -87,7 +87,8 @@ def test_backend_is_set_by_the_module():
 def test_accum_layout_of_each_kernel_family():
     assert fa4jax.accum_layout((90, 80, 256, 1, True)) == AccumLayout(90, 80, 256, 1, True, 32)
     assert fa4jax.accum_layout((120, 64, 128, 4, False)) == AccumLayout(80, 64, 128, 4, False, 32)
-    assert fa4jax.accum_layout((100, 128, 128, 1, False)) == AccumLayout(100, 128, 128, 1, False, 32, two_cta=False, cluster_size=1)
+    assert fa4jax.accum_layout((100, 128, 128, 1, False)) == AccumLayout(100, 128, 128, 1, False, 32, two_cta=False,
+                                                                         cluster_size=1)
     with pytest.raises(ValueError, match="no accumulator order for arch 70"):
         fa4jax.accum_layout((70, 64, 128, 1, False))
 

@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 
 from conftest import FA_HOPPER_CONFIGS, FA_HOPPER_HEAD_DIM, HAS_GPU, OTHER_ORDERS, PLATFORMS
-from jax_dqpost import AccumLayout, dq_postprocess, flash_attention_postprocess
+from jax_dqpost import AccumLayout, dq_accum_from_dq, dq_postprocess, flash_attention_postprocess
 import oracle
 
 PARTS = ("dq", "dqkv")
@@ -415,13 +415,24 @@ def test_empty_shapes(platform, part):
 def test_a_packed_batch_of_no_sequences(rng, platform, part, offsets):
     """One rule for both packings: a dense batch of 0 gives an empty result (test_empty_shapes), a packed one
     (``cu_seqlens=[0]``) its ``total`` rows, all zeros (no sequence covers them), and a dsink of 0; with the k side
-    packed the same way."""
+    packed the same way. Its transpose (``dq_accum_from_dq``, the accumulators' gradient) is all zeros."""
     case = LAYOUTS["sm90-hd128"]
     given = (([0], None, 77), ([0], None, 50))
     calls = [make_call(rng, part, sink, "varlen", offsets, dtype, case, 128, given=given, batch=0)
              for sink, dtype in ((None, "bf16"), ("f32", "f16"))]
     check(platform, calls)
-    assert all(not np.asarray(w).any() for c in calls for w in c.wants if not isinstance(w, tuple))
+    device = jax.devices(platform)[0]
+    plain = calls[0]
+    operands = [jax.device_put(x, device) for x in plain.operands]
+    n_acc = 1 if part == "dq" else 3
+    loss = lambda *accs: sum(jnp.sum(o.astype(jnp.float32)) for o in plain.fn(*accs, *operands[n_acc:]))  # noqa: E731
+    grads = jax.jit(jax.grad(loss, argnums=tuple(range(n_acc))))(*operands[:n_acc])
+    for j, grad in enumerate(grads):
+        assert grad.shape == operands[j].shape and not np.asarray(grad).any(), f"accumulator {j}'s gradient"
+    cu = [0] if offsets == "static" else jnp.asarray([0], jnp.int32)
+    acc = jax.jit(lambda x: dq_accum_from_dq(x, 2.0, cu_seqlens_q=cu, layout=case.dq))(
+        jax.device_put(jnp.ones((77, 3, 128), jnp.bfloat16), device))
+    assert acc.shape == case.dq.varlen_accum_shape(0, 3, 77, 128) and not np.asarray(acc).any()
 
 
 # Offsets and lengths that break the contract, traced (unchecked): decreasing offsets, offsets past total_q and past

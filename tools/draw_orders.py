@@ -18,8 +18,10 @@ ORDERS = [
     ("arch=90 Hopper WGMMA\n64 x 128, 2 warpgroups (FA hd128 causal)", AccumLayout(90, 64, 256, 1, False, 32), 128),
     ("arch=90, swap_ab\n80 x 128, 2 warpgroups (FA hd128)", AccumLayout(90, 80, 256, 1, True, 32), 128),
     ("arch=80 mma.sync m16n8k16\n64 x 128, 4 warps (FA sm120)", AccumLayout(80, 64, 128, 4, False, 32), 128),
-    ("arch=100 tcgen05, 1-CTA\n128 x 64 (FA sm100 hd64)", AccumLayout(100, 128, 128, 1, False, 32, two_cta=False, cluster_size=1), 64),
-    ("arch=100 tcgen05, two_cta\n128 x 128 (FA sm100 hd128)", AccumLayout(100, 128, 128, 1, False, 32, two_cta=True, cluster_size=1), 128),
+    ("arch=100 tcgen05, 1-CTA\n128 x 64 (FA sm100 hd64)",
+     AccumLayout(100, 128, 128, 1, False, 32, two_cta=False, cluster_size=1), 64),
+    ("arch=100 tcgen05, two_cta\n128 x 128 (FA sm100 hd128)",
+     AccumLayout(100, 128, 128, 1, False, 32, two_cta=True, cluster_size=1), 128),
     ("arch=None row-major\n64 x 128", AccumLayout(None, 64, 256, 1, False, 32), 128),
 ]
 

@@ -1,16 +1,19 @@
 """The jax.numpy semantics of the op: the lowering on every platform other than CUDA.
 
 Bit-exact with the kernel: a gather by the layout's index map, one IEEE fp32 multiply by ``scale``
-(round-to-nearest-even, gradual underflow) and one conversion to bf16/fp16 (round-to-nearest-even,
-XLA's ``convert``, which works on the bits). Rows that no sequence covers are zero.
+(round-to-nearest-even, gradual underflow) and one conversion to bf16/fp16 (round-to-nearest-even).
+Rows that no sequence covers are zero.
 
-The multiply is done in integer arithmetic: XLA's CPU runtime computes with denormals flushed to zero
-(FTZ/DAZ), while the GPU kernel's ``mul.f32`` keeps them, so a plain ``x * scale`` would differ from
-the kernel for tiny values.
+The multiply and the conversion to bf16 are done in integer arithmetic: XLA's CPU runtime computes with
+denormals flushed to zero (FTZ/DAZ), while the GPU kernel's ``mul.f32`` and ``cvt.rn.bf16.f32`` keep them, so a
+plain ``x * scale`` or ``astype`` would differ from the kernel for tiny values (whether XLA's ``convert`` sees a
+denormal as zero depends on how it fuses it, and differs between jax versions). fp16 needs no such care: float32
+denormals are far below its smallest subnormal and round to a signed zero either way.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -25,7 +28,7 @@ LOG2_E = math.log2(math.e)  # exp(x) = exp2(x * log2(e)), as FlashAttention comp
 def part_reference(acc, scale, aux, part: Part):
     """One part's result: ``round(float32(scale) * acc)`` gathered into its natural layout, zeros elsewhere."""
     x, keep = gather_accumulator(acc, aux, part)
-    y = mul_f32_rn(x, jnp.asarray(scale, jnp.float32)).astype(part.dtype)
+    y = round_to(mul_f32_rn(x, jnp.asarray(scale, jnp.float32)), part.dtype)
     return jnp.where(keep, y, jnp.zeros((), part.dtype))
 
 
@@ -84,7 +87,7 @@ def accum_from_dq_reference(dq, scale, aux, plan: Part):
     position the op reads element (i, j) from, and 0 in every other entry (padding, unread rows).
     ``dq``: ``(B, S, H, D)`` (dense) or ``(T, H, D)`` (varlen)."""
     layout, tile_m, dr = plan.layout, plan.layout.tile_m, plan.padded_head_dim
-    x = mul_f32_rn(dq.astype(jnp.float32), jnp.asarray(scale, jnp.float32))
+    x = mul_f32_rn(widen(dq), jnp.asarray(scale, jnp.float32))
     inverse = jnp.asarray(np.argsort(layout.tile_index_map(plan.head_dim).ravel()).astype(np.int32))
     if plan.work is not None:
         heads, w = dq.shape[1], plan.work
@@ -156,6 +159,41 @@ def _varlen_gather(dq_accum, meta, plan: Part):
     tiles = dq_accum.reshape(heads, -1, tile_m * dr)
     x = jnp.transpose(tiles[:, tile[:, None], within], (1, 0, 2))  # (T, H, D)
     return x, converted[:, None, None]
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def round_to(x, dtype):
+    """float32 ``x`` rounded to ``dtype`` (round-to-nearest-even, gradual underflow, whatever the denormal mode):
+    bf16 from the bits (a NaN stays a quiet NaN with the top bits of its payload), fp16 (and any other type) by
+    XLA's ``convert``. Differentiable as a conversion."""
+    if np.dtype(dtype) != np.dtype(jnp.bfloat16):
+        return x.astype(dtype)
+    u32 = jnp.uint32
+    bits = jax.lax.bitcast_convert_type(jnp.asarray(x, jnp.float32), u32)
+    rounded = (bits + u32(0x7FFF) + ((bits >> 16) & u32(1))) >> 16
+    nan = (bits & u32(0x7FFFFFFF)) > u32(0x7F800000)
+    top = jnp.where(nan, (bits >> 16) | u32(0x40), rounded).astype(jnp.uint16)
+    return jax.lax.bitcast_convert_type(top, jnp.bfloat16)
+
+
+@jax.custom_jvp
+def widen(x):
+    """``x`` as float32, exactly, whatever the denormal mode: bf16 from the bits, other types by ``convert``.
+    Differentiable as a conversion."""
+    if np.dtype(x.dtype) != np.dtype(jnp.bfloat16):
+        return x.astype(jnp.float32)
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32) << 16
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+@round_to.defjvp
+def _round_to_jvp(dtype, primals, tangents):
+    return round_to(primals[0], dtype), tangents[0].astype(dtype)
+
+
+@widen.defjvp
+def _widen_jvp(primals, tangents):
+    return widen(primals[0]), tangents[0].astype(jnp.float32)
 
 
 @jax.custom_jvp

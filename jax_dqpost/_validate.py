@@ -112,11 +112,7 @@ def out_dtype(dtype) -> np.dtype:
     """dQ's dtype: bfloat16 or float16, as a dtype or a name in either spelling (``"bf16"``, ``"bfloat16"``, ``"f16"``,
     ``"float16"``); ``None`` is not float64 here."""
     want = "dtype must be jnp.bfloat16 or jnp.float16 (or 'bf16', 'bfloat16', 'f16', 'float16')"
-    try:  # a name in the package's spelling, else whatever numpy calls a dtype
-        out = abi.dtype_named(dtype) if isinstance(dtype, str) else None
-        out = np.dtype(dtype) if out is None and dtype is not None else out
-    except TypeError:
-        out = None
+    out = abi.dtype_of(dtype)
     if out is None:
         raise TypeError(f"{want}, got {describe(dtype)}")
     if out not in abi.OUT_DTYPES:

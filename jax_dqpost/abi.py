@@ -35,17 +35,21 @@ DTYPE_NAMES = {np.dtype(np.float32): "f32", np.dtype(jnp.bfloat16): "bf16", np.d
 OUT_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 """Types of dq, dk and dv."""
 
-
-def dtype_named(name: str) -> np.dtype | None:
-    """The dtype a string names, in either spelling: the short one of :data:`DTYPE_NAMES` (``"bf16"``) or numpy's
-    (``"bfloat16"``); None if it names none of them."""
-    for dtype, short in DTYPE_NAMES.items():
-        if name in (short, dtype.name):
-            return dtype
-    return None
-
 SINK_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 """Types of ``learnable_sink`` and ``dsink``."""
+
+def dtype_of(value) -> np.dtype | None:
+    """The dtype ``value`` is or names: a dtype (or anything numpy takes for one), or a string in either spelling,
+    the short one of :data:`DTYPE_NAMES` (``"bf16"``) or numpy's (``"bfloat16"``); None if it is none."""
+    if isinstance(value, str):
+        named = next((d for d, short in DTYPE_NAMES.items() if value in (short, d.name)), None)
+        if named is not None:
+            return named
+    try:
+        return None if value is None else np.dtype(value)
+    except TypeError:
+        return None
+
 
 VECTOR_ALIGN = 16
 """Every buffer's alignment in bytes (the accumulators and outputs are read and written as 16-byte vectors)."""

@@ -82,7 +82,7 @@ def dq_postprocess(dq_accum, scale, *, head_dim: int, seqlen_q: int | None = Non
     sink = _validate.sink_operands(learnable_sink, lse, dpsum)
     sink_dtype = None if sink is None else sink[0].dtype
     plan = Plan((part,), sink_dtype=sink_dtype, dsink_dtype=sink_dtype)
-    outs = _bind(plan, plan.join((dq_accum,), (aux,), scale.reshape(1), *(sink or ())))
+    outs = _bind(plan, (dq_accum,), (aux,), scale.reshape(1), sink)
     return outs[0] if sink is None else (outs[0], outs[1])
 
 
@@ -168,7 +168,7 @@ def flash_attention_postprocess(dq_accum, dk_accum, dv_accum, softmax_scale, *, 
                              f"{'applies' if len(unused) == 1 else 'apply'} only with dk_accum and dv_accum "
                              "(grouped-query attention)")
         plan = Plan((q_part,), sink_dtype=sink_dtype, dsink_dtype=sink_dtype)
-        outs = _bind(plan, plan.join((dq_accum,), (q_aux,), scale.reshape(1), *(sink or ())))
+        outs = _bind(plan, (dq_accum,), (q_aux,), scale.reshape(1), sink)
         return (outs[0], None, None) + ((outs[1],) if sink is not None else ())
     if dkv_layout is None:
         raise TypeError(f"flash_attention_postprocess() needs dkv_layout= with dk_accum and dv_accum: "
@@ -183,15 +183,15 @@ def flash_attention_postprocess(dq_accum, dk_accum, dv_accum, softmax_scale, *, 
     v_part = dataclasses.replace(k_part, head_dim=head_dim_v)
     plan = Plan((q_part, k_part, v_part), sink_dtype=sink_dtype, dsink_dtype=sink_dtype)
     plan.check_batch((dq_accum.shape, dk_accum.shape))
-    args = plan.join((dq_accum, dk_accum, dv_accum), (q_aux, k_aux), jnp.stack([scale, k_scale, jnp.float32(1)]),
-                     *(sink or ()))
-    return tuple(_bind(plan, args))
+    return tuple(_bind(plan, (dq_accum, dk_accum, dv_accum), (q_aux, k_aux),
+                       jnp.stack([scale, k_scale, jnp.float32(1)]), sink))
 
 
-def _bind(plan: Plan, args) -> list:
-    """The primitive on the API's operands (``Plan.join``'s order); its abstract evaluation checks their shapes,
-    naming the arguments, and CUDA's launch limits, at trace time and on every platform."""
-    return postprocess_p.bind(*args, plan=plan)
+def _bind(plan: Plan, accs, side_aux, scales, sink) -> list:
+    """The primitive on the API's operands, in ``Plan.join``'s order (``sink``: the three sink operands, or None); its
+    abstract evaluation checks their shapes, naming the arguments, and CUDA's launch limits, at trace time and on
+    every platform."""
+    return postprocess_p.bind(*plan.join(accs, side_aux, scales, *(sink or ())), plan=plan)
 
 
 @_checks.required_arguments(layout=_validate.LAYOUT_HINT)

@@ -53,13 +53,10 @@ _cache: dict[tuple, CompiledKernel] = {}
 
 def dtype_name(dtype) -> str:
     """'bf16' or 'f16' for the output dtype (a dtype, or a name in either spelling), else ValueError."""
-    try:
-        name = abi.DTYPE_NAMES.get(abi.dtype_named(dtype) if isinstance(dtype, str) else np.dtype(dtype))
-    except TypeError:
-        name = None
-    if name not in [abi.DTYPE_NAMES[d] for d in abi.OUT_DTYPES]:
+    out = abi.dtype_of(dtype)
+    if out not in abi.OUT_DTYPES:
         raise ValueError(f"dtype must be bfloat16 or float16, got {dtype!r}")
-    return name
+    return abi.DTYPE_NAMES[out]
 
 
 def get_kernel(key: tuple, *, arch: str | None = None, persist: bool | None = None) -> CompiledKernel:

@@ -25,35 +25,29 @@ _TILING_NAMES = tuple(t.name.lower() for t in Tiling)
 _SINK_NAMES = ("none", "f32", "bf16", "f16")
 
 
-def configurations(presets, head_dims):
-    """Distinct (layout, padded head dim) pairs of the presets of these GPU architectures (FlashAttention-4's: where
-    its backward has a postprocess)."""
-    seen = {}
-    for arch, head_dim in itertools.product(presets, head_dims):
+def _presets(presets, head_dims):
+    """``((dQ layout, Dr), (dK/dV layout, Dr))`` of FlashAttention-4's presets of these GPU architectures and head
+    dims (``head_dim_v = head_dim``), causal or not, where its backward has a postprocess."""
+    for arch, head_dim, causal in itertools.product(presets, head_dims, (False, True)):
         if has_postprocess(arch, head_dim):
-            for causal in (False, True):
-                layout = AccumLayout.flash_attention(arch, head_dim, causal=causal, tensor="dq")
-                seen[(layout, layout.padded_head_dim(head_dim))] = None
-    return list(seen)
+            q, kv = (AccumLayout.flash_attention(arch, head_dim, causal=causal, tensor=t) for t in ("dq", "dkv"))
+            yield (q, q.padded_head_dim(head_dim)), (kv, kv.padded_head_dim(head_dim))
+
+
+def configurations(presets, head_dims):
+    """Distinct (layout, padded head dim) pairs of the dQ presets."""
+    return list(dict.fromkeys(q for q, _ in _presets(presets, head_dims)))
 
 
 def fused_configurations(presets, head_dims):
-    """Distinct fused kernels' parts ``((dQ layout, Dr), (dK/dV layout, Dr))`` of the presets (``head_dim_v =
-    head_dim``)."""
-    seen = {}
-    for arch, head_dim in itertools.product(presets, head_dims):
-        if has_postprocess(arch, head_dim):
-            for causal in (False, True):
-                q = AccumLayout.flash_attention(arch, head_dim, causal=causal, tensor="dq")
-                kv = AccumLayout.flash_attention(arch, head_dim, causal=causal, tensor="dkv")
-                seen[((q, q.padded_head_dim(head_dim)), (kv, kv.padded_head_dim(head_dim)))] = None
-    return list(seen)
+    """Distinct fused kernels' parts ``((dQ layout, Dr), (dK/dV layout, Dr))`` of the presets."""
+    return list(dict.fromkeys(_presets(presets, head_dims)))
 
 
 def _list_of(parse):
     """An argparse type: a comma-separated list, each item through ``parse`` (ValueError/TypeError -> usage)."""
     def convert(text: str):
-        items = list(dict.fromkeys(x.strip() for x in text.split(",") if x.strip()))
+        items = [x.strip() for x in text.split(",") if x.strip()]
         if not items:
             raise argparse.ArgumentTypeError("empty list")
         out = []
@@ -97,7 +91,7 @@ def _arch(text: str) -> str:
 
 def _dtype(text: str) -> str:
     """A dQ type in either spelling (``bf16`` or ``bfloat16``, ``f16`` or ``float16``), as its short name."""
-    dtype = abi.dtype_named(text)
+    dtype = abi.dtype_of(text)
     if dtype not in abi.OUT_DTYPES:
         raise ValueError(f"choose from {', '.join(_DTYPE_SPELLINGS)}")
     return abi.DTYPE_NAMES[dtype]

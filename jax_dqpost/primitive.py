@@ -190,10 +190,10 @@ def _lowering(ctx, *args, plan: Plan):
     host callback, which it cannot serialize: that raises here, with the recipe that works."""
     context = ctx.module_context.axis_context
     nested = getattr(context, "device_assignment", ()) is None
-    if not nested and ctx.module_context.lowering_parameters.for_export and _partitioned_over(context) > 1:
-        raise ValueError(f"jax_dqpost: jax.export cannot serialize a program that partitions the op over "
-                         f"{_partitioned_over(context)} devices (jax's custom_partitioning is a host callback); "
-                         f"{EXPORT_RECIPE}")
+    devices = 0 if nested or not ctx.module_context.lowering_parameters.for_export else _partitioned_over(context)
+    if devices > 1:
+        raise ValueError(f"jax_dqpost: jax.export cannot serialize a program that partitions the op over {devices} "
+                         f"devices (jax's custom_partitioning is a host callback); {EXPORT_RECIPE}")
     impl = _unpartitioned_impl if nested else _partitioned_impl
     return mlir.lower_fun(impl, multiple_results=True)(ctx, *args, plan=plan)
 

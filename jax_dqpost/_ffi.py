@@ -1,8 +1,8 @@
-"""Find the built FFI library and register its CUDA targets with XLA, once (locked, idempotent).
+"""Find the built FFI library and register its CUDA target with XLA, once (locked, idempotent).
 
-By default the targets' handlers are not command-buffer compatible: XLA launches our kernel itself, between its
+By default the target's handler is not command-buffer compatible: XLA launches our kernel itself, between its
 command buffers (CUDA graphs), never by stream capture. ``JAX_DQPOST_COMMAND_BUFFERS=1`` (read at registration,
-once per process) registers the command-buffer compatible handlers instead, which XLA records into its graphs;
+once per process) registers the command-buffer compatible handler instead, which XLA records into its graphs;
 a graph first recorded while a ``jax.profiler`` session is active then fails with ``CUDA_ERROR_LAUNCH_FAILED``
 when it is replayed after the session (docs/design.md, "CUDA graphs and the profiler").
 """
@@ -21,10 +21,8 @@ from pathlib import Path
 import jax
 
 TARGET_NAME = "jax_dqpost_postprocess_v3"
-"""The custom-call target every call lowers to (versioned: a new calling convention gets a new name)."""
-LEGACY_TARGETS = {"jax_dqpost_postprocess_v1": "JaxDqpostExecuteV1", "jax_dqpost_postprocess_v2": "JaxDqpostExecuteV2"}
-"""Targets of earlier versions (the single-tensor and the fused kernel of 0.1), still registered so that artifacts
-they exported keep running; never emitted. Name -> handler symbol."""
+"""The custom-call target every call lowers to. A change of its calling convention is a new name, and the previous
+target stays registered for the artifacts exported with it (docs/design.md, "Compatibility")."""
 DISABLED_CHECKS = (jax.export.DisabledSafetyCheck.custom_call(TARGET_NAME),)
 """``jax.export.export(..., disabled_checks=jax_dqpost.DISABLED_CHECKS)``: our target is not on JAX's list of
 custom calls with stable ABIs, so exporting a function that lowers to it for CUDA needs this check disabled."""
@@ -172,7 +170,7 @@ def cute_runtime_path() -> Path:
 
 
 def register() -> None:
-    """Load the handler library, point it at the CuTe runtime and register the CUDA targets."""
+    """Load the handler library, point it at the CuTe runtime and register the CUDA target."""
     global _registered
     with _lock:
         if _registered:
@@ -186,7 +184,7 @@ def register() -> None:
         lib.jax_dqpost_load_runtime.restype = ctypes.c_int
         if lib.jax_dqpost_load_runtime(str(cute_runtime_path()).encode(), err, len(err)) != 0:
             raise RuntimeError(f"jax_dqpost: cannot load the CuTe DSL runtime: {err.value.decode()}")
-        # The handlers' per-instance state (the loaded kernel function), then the targets using it.
+        # The handler's per-instance state (the loaded kernel function), then the target using it.
         for getter in (lib.jax_dqpost_state_type_id, lib.jax_dqpost_state_type_info):
             getter.restype = ctypes.c_void_p
         jax.ffi.register_ffi_type(
@@ -195,12 +193,10 @@ def register() -> None:
              "type_info": jax.ffi.pycapsule(lib.jax_dqpost_state_type_info())},
             platform="CUDA",
         )
-        targets = {TARGET_NAME: "JaxDqpostExecute", **LEGACY_TARGETS}
-        for name, symbol in targets.items():
-            execute = getattr(lib, symbol + suffix)
-            jax.ffi.register_ffi_target(
-                name,
-                {"instantiate": jax.ffi.pycapsule(lib.JaxDqpostInstantiate), "execute": jax.ffi.pycapsule(execute)},
-                platform="CUDA",
-            )
+        execute = getattr(lib, "JaxDqpostExecute" + suffix)
+        jax.ffi.register_ffi_target(
+            TARGET_NAME,
+            {"instantiate": jax.ffi.pycapsule(lib.JaxDqpostInstantiate), "execute": jax.ffi.pycapsule(execute)},
+            platform="CUDA",
+        )
         _registered = True

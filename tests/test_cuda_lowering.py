@@ -60,6 +60,15 @@ def test_export_for_cuda_emits_our_custom_call(dtype, name):
     assert f'fingerprint = "{kernel.fingerprint}"' in text
 
 
+@pytest.mark.parametrize("name", ["dense", "varlen"])
+def test_stored_artifacts_call_the_registered_target(name):
+    """tests/data's artifacts (run on a GPU by tests/test_gpu.py) call the target the package registers, so the GPU
+    test checks the handler of today's calls; they are exported again when the target changes."""
+    blob = (Path(__file__).parent / "data" / f"exported_{name}.bin").read_bytes()
+    text = jax.export.deserialize(bytearray(blob)).mlir_module()
+    assert re.findall(r"stablehlo.custom_call @(\w+)\(", text) == [_ffi.TARGET_NAME]
+
+
 @pytest.mark.parametrize("batch, heads, seqlen, what", [
     (65536, 1, 80, "batch"),  # grid z
     (1, 2**16, 2**15 * 80, "heads"),  # grid x: heads * ceil(S / tile_m) = 2^31
@@ -151,9 +160,8 @@ def test_ffi_library_is_built_and_exports_its_handlers():
     if (Path(jax_dqpost.__file__).parent / path.name).is_file():
         assert path.parent == Path(jax_dqpost.__file__).parent
     lib = ctypes.CDLL(str(path))
-    handlers = ["JaxDqpostExecute"] + list(_ffi.LEGACY_TARGETS.values())
-    for symbol in handlers + [h + "Capturable" for h in handlers] + [
-            "JaxDqpostInstantiate", "jax_dqpost_load_runtime", "jax_dqpost_state_type_id", "jax_dqpost_state_type_info"]:
+    for symbol in ["JaxDqpostExecute", "JaxDqpostExecuteCapturable", "JaxDqpostInstantiate", "jax_dqpost_load_runtime",
+                   "jax_dqpost_state_type_id", "jax_dqpost_state_type_info"]:
         assert hasattr(lib, symbol), symbol
     # In a fresh process (loading is once per process): a bad runtime path is reported, not fatal.
     code = ("import ctypes, sys; lib = ctypes.CDLL(sys.argv[1]); err = ctypes.create_string_buffer(256); "
@@ -195,26 +203,6 @@ def test_cute_runtime_is_found_without_importing_cutlass():
             "assert 'cutlass' not in sys.modules, 'cutlass imported'; print(p.is_file(), p.name)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/")
     assert out.returncode == 0 and out.stdout.split() == ["True", "libcute_dsl_runtime.so"], (out.stdout, out.stderr)
-
-
-def test_ffi_handler_reads_the_work_list_as_python_writes_it(rng):
-    """The C++ handler checks the work list at its boundary with its own copy of the layout's arithmetic:
-    pinned here to varlen.py (size of a work list, FlashAttention's padded total)."""
-    from jax_dqpost.varlen import WorkList, padded_total, short_rows
-
-    lib = ctypes.CDLL(str(_ffi.library_path()))
-    size, padded = lib.jax_dqpost_work_list_size, lib.jax_dqpost_padded_total
-    size.argtypes, size.restype = [ctypes.c_int64] * 2, ctypes.c_int64
-    padded.argtypes, padded.restype = [ctypes.c_int64] * 3, ctypes.c_int64
-    for _ in range(200):
-        batch, total, tile_m = int(rng.integers(1, 5000)), int(rng.integers(0, 10**6)), 16 * int(rng.integers(1, 17))
-        # with short tiles (a swapped Hopper order) and without (row-major)
-        swapped = AccumLayout(90, tile_m, 256, 1, True, 64)
-        layout = swapped if rng.integers(2) else AccumLayout.row_major(tile_m=tile_m, num_threads=128)
-        num_tiles = WorkList.max_tiles(total, batch, layout)
-        work = WorkList(total, batch, tile_m, num_tiles, tile_m, short_rows(layout))
-        assert size(batch, num_tiles) == work.size
-        assert padded(total, batch, tile_m) == padded_total(total, batch, tile_m)
 
 
 def test_ffi_handler_passes_the_calling_convention_of_abi():

@@ -11,11 +11,14 @@ custom call's operands and results, and the compiled module's entry point, follo
 ``[...]``: only with dK/dV (three parts) or with a sink. ``q_aux``/``k_aux``: the int32 operand of the q side and of
 the k side (empty, ``seqused`` or the varlen work list; ``plan.Part.aux_shape``); dK and dV share the k side's.
 ``scales``: float32 ``(parts,)``, one per part. The FFI handler (``ffi/dqpost_ffi.cc``, ``Execute``) passes the
-buffers in exactly this order and knows nothing else of it; the lowering (``lowering.py``), the kernel's entry
-(``kernel.py``), the compile-time placeholders (``kernel_cache.py``) and the benchmark build their lists here.
+buffers in exactly this order and knows nothing else of it. :data:`BUFFERS` is the table of them (kind, how many,
+dtype, axes), from which every other list is derived.
 """
 
 from __future__ import annotations
+
+import enum
+from typing import NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
@@ -66,19 +69,91 @@ def sides(num_parts: int) -> tuple[str, ...]:
     return tuple(dict.fromkeys(SIDE[p] for p in part_names(num_parts)))
 
 
-def operands(num_parts: int, sink: bool) -> tuple[str, ...]:
-    parts = part_names(num_parts)
-    names = tuple(f"{p}_accum" for p in parts) + tuple(f"{s}_aux" for s in sides(num_parts)) + ("scales",)
-    return names + (("learnable_sink", "lse", "dpsum") if sink else ())
+class Tiling(enum.IntEnum):
+    """How a CTA of the kernel finds its tile (compiled into the kernel; part of the cache key); the shapes of a
+    part's buffers (``plan.py``) and their axes (:data:`BUFFERS`) follow it."""
+
+    DENSE = 0  # tile (b, h, m) of a dense accumulator
+    DENSE_SEQUSED = 1  # the same; rows past seqused[b] are zeros
+    VARLEN = 2  # tile m of head h looks its span up in the work list
 
 
-def results(num_parts: int, sink: bool) -> tuple[str, ...]:
-    return part_names(num_parts) + (("dsink",) if sink else ())
+class Buffer(NamedTuple):
+    """One operand or result of the call (a row of :data:`BUFFERS`).
+
+    ``kind``: the role. ``part``: the part it belongs to (accumulators and results), else None. ``side``: the side
+    whose tiling shapes it (``'q'`` or ``'k'``; None for ``scales``). ``dtype``: ``"f32"``, ``"s32"``, ``"out"`` (the
+    parts' type), ``"sink"`` (``learnable_sink``'s) or ``"dsink"`` (the type ``dsink`` is written in). ``vector``: read
+    or written as 16-byte vectors (:data:`VECTOR_ALIGN`). ``axes``: its axes under each :class:`Tiling` of its side, as
+    sharding factors: ``b`` the batch, ``h`` the side's heads, ``.`` an axis that is never sharded.
+    """
+
+    name: str
+    kind: str
+    part: str | None
+    side: str | None
+    dtype: str
+    vector: bool
+    axes: tuple[str, str, str]  # by Tiling: DENSE, DENSE_SEQUSED, VARLEN
+
+
+class Row(NamedTuple):
+    """A kind of buffer: ``per`` says how many a call has: one per part (named ``{part}_accum`` and ``{part}``), per
+    side (``{side}_aux``), per call, or, with a sink only, one of the q side (``sink``)."""
+
+    kind: str
+    per: str
+    dtype: str
+    vector: bool
+    axes: tuple[str, str, str]
+
+
+BUFFERS = (
+    #   kind              per     dtype    vector  axes: DENSE  DENSE_SEQUSED  VARLEN
+    Row("accum", "part", "f32", True, ("b h .", "b h .", "h .")),
+    Row("aux", "side", "s32", False, (".", "b", ".")),
+    Row("scales", "call", "f32", False, (".", ".", ".")),
+    Row("learnable_sink", "sink", "sink", False, ("h", "h", "h")),
+    Row("lse", "sink", "f32", False, ("b h .", "b h .", "h .")),
+    Row("dpsum", "sink", "f32", False, ("b h .", "b h .", "h .")),
+    Row("out", "part", "out", True, ("b . h .", "b . h .", ". h .")),
+    Row("dsink", "sink", "dsink", False, ("h", "h", "h")),
+)
+"""The table of the call's buffers, in order: the operands (every kind before ``out``), then the results. Every list
+of them is derived from it: :meth:`Plan.split <jax_dqpost.plan.Plan.split>` and ``join``, the dtypes abstract
+evaluation checks, the kernel entry's arguments (``kernel.entry_args``), the partition specs and the Shardy rule
+(``primitive.py``)."""
+
+_RESULT_KINDS = ("out", "dsink")
+
+
+def buffers(num_parts: int, sink: bool) -> tuple[Buffer, ...]:
+    """Every operand, then every result, of a call of ``num_parts`` parts (with a sink or not)."""
+    out = []
+    for kind, per, dtype, vector, axes in BUFFERS:
+        if per == "part":
+            out += [Buffer(f"{p}_accum" if kind == "accum" else p, kind, p, SIDE[p], dtype, vector, axes)
+                    for p in part_names(num_parts)]
+        elif per == "side":
+            out += [Buffer(f"{s}_{kind}", kind, None, s, dtype, vector, axes) for s in sides(num_parts)]
+        elif per == "call":
+            out.append(Buffer(kind, kind, None, None, dtype, vector, axes))
+        elif sink:
+            out.append(Buffer(kind, kind, None, "q", dtype, vector, axes))
+    return tuple(out)
+
+
+def operands(num_parts: int, sink: bool) -> tuple[Buffer, ...]:
+    return tuple(b for b in buffers(num_parts, sink) if b.kind not in _RESULT_KINDS)
+
+
+def results(num_parts: int, sink: bool) -> tuple[Buffer, ...]:
+    return tuple(b for b in buffers(num_parts, sink) if b.kind in _RESULT_KINDS)
 
 
 def pointers(num_parts: int, sink: bool) -> tuple[str, ...]:
-    """The entry's pointer arguments: operands, then results."""
-    return operands(num_parts, sink) + results(num_parts, sink)
+    """The names of the entry's pointer arguments: operands, then results."""
+    return tuple(b.name for b in buffers(num_parts, sink))
 
 
 def extents(num_parts: int) -> tuple[str, ...]:

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from . import _checks, _validate
 from .layout import AccumLayout
-from .plan import ARG_NAMES, Plan
+from .plan import ARG_NAMES, Operands, Plan
 from .primitive import postprocess_p
 from .reference import accum_from_dq_reference
 
@@ -188,10 +188,9 @@ def flash_attention_postprocess(dq_accum, dk_accum, dv_accum, softmax_scale, *, 
 
 
 def _bind(plan: Plan, accs, side_aux, scales, sink) -> list:
-    """The primitive on the API's operands, in ``Plan.join``'s order (``sink``: the three sink operands, or None); its
-    abstract evaluation checks their shapes, naming the arguments, and CUDA's launch limits, at trace time and on
-    every platform."""
-    return postprocess_p.bind(*plan.join(accs, side_aux, scales, *(sink or ())), plan=plan)
+    """The primitive on the API's operands (``sink``: the three sink operands, or None); its abstract evaluation
+    checks their shapes, naming the arguments, and CUDA's launch limits, at trace time and on every platform."""
+    return postprocess_p.bind(*plan.join(Operands(tuple(accs), tuple(side_aux), scales, *(sink or ()))), plan=plan)
 
 
 @_checks.required_arguments(layout=_validate.LAYOUT_HINT)

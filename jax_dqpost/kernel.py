@@ -29,12 +29,36 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
 from . import abi, varlen
+from .abi import Tiling
 from .layout import AccumLayout
-from .plan import Tiling
 from .tile import PartArgs, TileConverter, read_span
 
 _WARP = 32
 _LOG2_E = math.log2(math.e)
+
+
+def cute_type(name: str):
+    """The CuTe numeric type of a dtype name (``abi.DTYPE_NAMES``)."""
+    return {"f32": cutlass.Float32, "bf16": cutlass.BFloat16, "f16": cutlass.Float16}[name]
+
+
+def entry_args(dtype: str, num_parts: int, sink, addresses, extents) -> tuple:
+    """The entry's arguments but the stream (``abi.arguments``), as CuTe values: a device address per buffer
+    (``abi.buffers``, typed and aligned by its row of ``abi.BUFFERS``), then the int32 extents (``Plan.launch``).
+    ``dtype``: the parts' dtype name; ``sink``: the names of ``learnable_sink``'s and ``dsink``'s dtypes, or None."""
+    from cutlass.cute.runtime import make_ptr
+
+    buffers = abi.buffers(num_parts, sink is not None)
+    if len(addresses) != len(buffers) or len(extents) != len(abi.extents(num_parts)):
+        raise ValueError(f"the kernel takes {len(buffers)} addresses and {len(abi.extents(num_parts))} extents, got "
+                         f"{len(addresses)} and {len(extents)}")
+    names = {"f32": "f32", "out": dtype} | ({"sink": sink[0], "dsink": sink[1]} if sink is not None else {})
+    ptrs = []
+    for buffer, address in zip(buffers, addresses):
+        t = Int32 if buffer.dtype == "s32" else cute_type(names[buffer.dtype])
+        ptrs.append(make_ptr(t, address, cute.AddressSpace.gmem,
+                             assumed_align=abi.VECTOR_ALIGN if buffer.vector else t.width // 8))
+    return tuple(ptrs) + tuple(Int32(e) for e in extents)
 
 
 class PartSpec(NamedTuple):

@@ -34,7 +34,7 @@ import numpy as np
 
 from . import abi, arch as arch_
 from ._version import __version__
-from .plan import Tiling
+from .abi import Tiling
 
 FUNCTION_PREFIX = "jax_dqpost"
 """Symbol prefix of the compiled entry point; ffi/dqpost_ffi.cc looks the function up by it."""
@@ -197,44 +197,13 @@ def _store(key: tuple, kernel: CompiledKernel, persist: bool | None) -> None:
             os.unlink(tmp)
 
 
-def cute_type(name: str):
-    """The CuTe numeric type of a dtype name (``abi.DTYPE_NAMES``)."""
-    import cutlass
-
-    return {"f32": cutlass.Float32, "bf16": cutlass.BFloat16, "f16": cutlass.Float16}[name]
-
-
-def executor_args(dtype: str, num_parts: int, sink, addresses, extents) -> tuple:
-    """The kernel entry's arguments but the stream (``abi.arguments``), as CuTe values: one device address per
-    pointer (``abi.pointers``), then the int32 extents (``Plan.launch``)."""
-    import cutlass
-    import cutlass.cute as cute
-    from cutlass.cute.runtime import make_ptr
-
-    names = abi.pointers(num_parts, sink is not None)
-    types = {f"{p}_accum": "f32" for p in abi.PARTS} | {p: dtype_name(dtype) for p in abi.PARTS}
-    types |= {"q_aux": None, "k_aux": None, "scales": "f32", "lse": "f32", "dpsum": "f32"}
-    if sink is not None:
-        types |= {"learnable_sink": sink[0], "dsink": sink[1]}
-    if len(addresses) != len(names) or len(extents) != len(abi.extents(num_parts)):
-        raise ValueError(f"the kernel takes {len(names)} addresses and {len(abi.extents(num_parts))} extents, got "
-                         f"{len(addresses)} and {len(extents)}")
-    ptrs = []
-    for name, address in zip(names, addresses):
-        t = cutlass.Int32 if types[name] is None else cute_type(types[name])
-        vector = name.endswith("_accum") or name in abi.PARTS  # read and written as 16-byte vectors
-        ptrs.append(make_ptr(t, address, cute.AddressSpace.gmem,
-                             assumed_align=abi.VECTOR_ALIGN if vector else t.width // 8))
-    return tuple(ptrs) + tuple(cutlass.Int32(e) for e in extents)
-
-
 def compile_executor(dtype: str, parts: tuple, sink, arch: str, **tuning):
     """``cute.compile`` the kernel (:func:`get_kernel`'s key); CuTe's executor, callable from Python with
-    :func:`executor_args` and a stream. Callers serialise through ``_lock`` or accept that the DSL's global arch is
+    ``kernel.entry_args`` and a stream. Callers serialise through ``_lock`` or accept that the DSL's global arch is
     set here (and restored afterwards). ``tuning``: ``TileConverter`` keyword arguments for experiments
     (tools/ncu_kernels.py); the package itself always compiles with the defaults, which is why they are not part of
     the key."""
-    from .kernel import PartSpec, Postprocess
+    from .kernel import PartSpec, Postprocess, cute_type, entry_args
     from .tile import TileConverter
 
     out = cute_type(dtype_name(dtype))
@@ -246,7 +215,7 @@ def compile_executor(dtype: str, parts: tuple, sink, arch: str, **tuning):
                          target_sm=arch_.sm_version(arch), **tuning)
     # placeholder addresses and extents: the executor takes the real ones at every call
     n = len(parts)
-    args = executor_args(dtype, n, sink, [16] * len(abi.pointers(n, sink is not None)), [1, 1, 1, 8, 1] * n)
+    args = entry_args(dtype_name(dtype), n, sink, [16] * len(abi.pointers(n, sink is not None)), [1, 1, 1, 8, 1] * n)
     return _cute_compile(kernel, args, arch)
 
 

@@ -19,7 +19,7 @@ from .plan import Plan
 def cuda_lowering(ctx, *args, plan: Plan):
     from . import kernel_cache  # imports cutlass lazily, at the first CUDA lowering (if the disk cache misses)
 
-    accs = plan.split(ctx.avals_in)["acc"]
+    accs = plan.split(ctx.avals_in).acc
     extents, ctas = plan.launch([a.shape for a in accs])  # CUDA's grid limits, checked before any compile
     kernel = kernel_cache.get_kernel(plan.kernel_key)
     if arch.cuda_devices():  # lowering for export on a machine without a GPU needs no registration

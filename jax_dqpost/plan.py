@@ -23,12 +23,12 @@ part's side's: the query side for dQ, the key side for dK and dV.
 from __future__ import annotations
 
 import dataclasses
-import enum
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from . import abi
+from .abi import Tiling
 from .layout import AccumLayout
 from .varlen import INT32_MAX, WorkList
 
@@ -52,14 +52,6 @@ ARG_NAMES = {
     "dv": ArgNames("dv_accum", "seqlen_k", "total_k", "cu_seqlens_k", "seqused_k", "head_dim_v"),
 }
 """The names of each tensor's arguments (``dq_postprocess`` and ``dq_accum_from_dq`` use dQ's)."""
-
-
-class Tiling(enum.IntEnum):
-    """How a CTA of the kernel finds its tile (compiled into the kernel; part of the cache key)."""
-
-    DENSE = 0  # tile (b, h, m) of a dense accumulator
-    DENSE_SEQUSED = 1  # the same; rows past seqused[b] are zeros
-    VARLEN = 2  # tile m of head h looks its span up in the work list
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,6 +152,22 @@ class Part:
         return self.work.ctas(heads) if self.work is not None else heads * grid_x
 
 
+class Operands(NamedTuple):
+    """A call's operands by role (:meth:`Plan.split`): whatever stands for them (arrays, shapes, batch dims...)."""
+
+    acc: tuple  # one per part: dq_accum, [dk_accum, dv_accum]
+    aux: tuple  # one per side: q_aux, [k_aux] (dK and dV share the k side's)
+    scales: Any
+    learnable_sink: Any = None  # learnable_sink, lse, dpsum: with a sink only
+    lse: Any = None
+    dpsum: Any = None
+
+    @property
+    def sink(self) -> tuple:
+        """``(learnable_sink, lse, dpsum)``."""
+        return self.learnable_sink, self.lse, self.dpsum
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """The static description of a postprocess call (frozen, hashable: the primitive's parameter).
@@ -200,12 +208,16 @@ class Plan:
         return self.sink_dtype is not None
 
     @property
-    def operand_names(self) -> tuple[str, ...]:
+    def operands(self) -> tuple[abi.Buffer, ...]:
         return abi.operands(len(self.parts), self.has_sink)
 
     @property
+    def results(self) -> tuple[abi.Buffer, ...]:
+        return abi.results(len(self.parts), self.has_sink)
+
+    @property
     def num_operands(self) -> int:
-        return len(self.operand_names)
+        return len(self.operands)
 
     @property
     def side_parts(self) -> tuple[Part, ...]:
@@ -215,20 +227,47 @@ class Plan:
     def without_sink(self) -> "Plan":
         return dataclasses.replace(self, sink_dtype=None, dsink_dtype=None)
 
-    # ---- operands and results ----------------------------------------------------------------------
-    def split(self, args) -> dict:
-        """The operands by role: ``acc`` and ``aux`` (a tuple per part; dK and dV share the k side's aux),
-        ``scales``, and ``sink``/``lse``/``dpsum`` (None without a sink)."""
-        named = dict(zip(self.operand_names, args, strict=True))
-        acc = tuple(named[f"{p}_accum"] for p in self.names)
-        aux = tuple(named[f"{abi.SIDE[p]}_aux"] for p in self.names)
-        return dict(acc=acc, aux=aux, scales=named["scales"], sink=named.get("learnable_sink"),
-                    lse=named.get("lse"), dpsum=named.get("dpsum"))
+    # ---- operands and results (abi.BUFFERS) ----------------------------------------------------------
+    def split(self, args) -> Operands:
+        """The operands (or anything in their order) by role."""
+        args = tuple(args)
+        if len(args) != self.num_operands:
+            raise ValueError(f"the call has {self.num_operands} operands, got {len(args)}")
+        kinds: dict[str, list] = {}
+        for buffer, arg in zip(self.operands, args):
+            kinds.setdefault(buffer.kind, []).append(arg)
+        one = {k: v[0] for k, v in kinds.items() if k not in ("accum", "aux")}
+        return Operands(tuple(kinds["accum"]), tuple(kinds["aux"]), **one)
 
-    def join(self, acc, side_aux, scales, sink=None, lse=None, dpsum=None) -> list:
-        """The inverse of :meth:`split` (``side_aux``: one aux operand per side)."""
-        args = list(acc) + list(side_aux) + [scales]
-        return args + ([sink, lse, dpsum] if self.has_sink else [])
+    def join(self, ops: Operands) -> list:
+        """The inverse of :meth:`split`."""
+        return [*ops.acc, *ops.aux, ops.scales, *(ops.sink if self.has_sink else ())]
+
+    def part_aux(self, ops: Operands) -> tuple:
+        """The aux operand of each part: its side's."""
+        sides = abi.sides(len(self.parts))
+        return tuple(ops.aux[sides.index(abi.SIDE[name])] for name in self.names)
+
+    def dtype_of(self, buffer: abi.Buffer) -> np.dtype:
+        """The dtype of one of the call's buffers (its ``dtype`` rule in :data:`abi.BUFFERS`)."""
+        rule = {"f32": np.float32, "s32": np.int32, "out": self.dq.dtype, "sink": self.sink_dtype,
+                "dsink": self.dsink_dtype}
+        return np.dtype(rule[buffer.dtype])
+
+    def tiling_of(self, buffer: abi.Buffer) -> Tiling:
+        """The tiling that shapes a buffer: its part's, or its side's first part's (``scales``: dQ's)."""
+        if buffer.part is not None:
+            return self.parts[self.names.index(buffer.part)].tiling
+        return self.side_parts[abi.sides(len(self.parts)).index(buffer.side or "q")].tiling
+
+    def check_dtypes(self, avals) -> None:
+        """``TypeError`` naming the operand whose dtype (or rank, for the int32 operands) is not its table's."""
+        for buffer, aval in zip(self.operands, avals, strict=True):
+            want = self.dtype_of(buffer)
+            if aval.dtype != want or (buffer.kind == "aux" and aval.ndim != 1):
+                what = "a 1-D int32 array" if buffer.kind == "aux" else np.dtype(want).name
+                got = f"{aval.dtype}{list(aval.shape)}" if buffer.kind == "aux" else f"{aval.dtype}"
+                raise TypeError(f"{buffer.name} must be {what}, got {got}")
 
     def sink_shapes(self, dq_acc_shape) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
         """Shapes of ``(learnable_sink, lse, dpsum)`` for a dQ accumulator of this shape."""
@@ -243,10 +282,10 @@ class Plan:
         """``(shape, dtype)`` of each result for operands of these shapes; ``ValueError`` naming what does not
         fit."""
         ops = self.split(shapes)
-        if tuple(ops["scales"]) != (len(self.parts),):
-            raise ValueError(f"the scales operand must have shape ({len(self.parts)},), got {ops['scales']}")
+        if tuple(ops.scales) != (len(self.parts),):
+            raise ValueError(f"the scales operand must have shape ({len(self.parts)},), got {ops.scales}")
         out = [(p.result_shape(a, x, ARG_NAMES[name]), p.dtype)
-               for name, p, a, x in zip(self.names, self.parts, ops["acc"], ops["aux"])]
+               for name, p, a, x in zip(self.names, self.parts, ops.acc, self.part_aux(ops))]
         if len(self.parts) > 1:
             q_heads, k_shape = out[0][0][-2], out[1][0]
             kv_heads = k_shape[-2]
@@ -256,11 +295,10 @@ class Plan:
             if kv_heads == 0 or q_heads % kv_heads:
                 raise ValueError(f"the key/value heads ({kv_heads}) must divide the query heads ({q_heads})")
         if self.has_sink:
-            want = self.sink_shapes(ops["acc"][0])
-            for name, got, w in zip(("learnable_sink", "lse", "dpsum"), (ops["sink"], ops["lse"], ops["dpsum"]),
-                                    want):
+            want = self.sink_shapes(ops.acc[0])
+            for name, got, w in zip(("learnable_sink", "lse", "dpsum"), ops.sink, want):
                 if tuple(got) != w:
-                    raise ValueError(f"{name} must have shape {w} for dq_accum of shape {tuple(ops['acc'][0])}, "
+                    raise ValueError(f"{name} must have shape {w} for dq_accum of shape {tuple(ops.acc[0])}, "
                                      f"got {tuple(got)}")
             out.append(((want[0][0],), np.dtype(self.dsink_dtype)))
         return out

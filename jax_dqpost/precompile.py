@@ -17,7 +17,7 @@ import time
 
 from . import _checks, abi, arch as arch_, kernel_cache
 from .layout import FLASH_ATTENTION_ARCHS, GPU_ARCHS, AccumLayout, has_postprocess
-from .plan import Tiling
+from .abi import Tiling
 
 _DTYPE_NAMES = tuple(abi.DTYPE_NAMES[d] for d in abi.OUT_DTYPES)
 _DTYPE_SPELLINGS = tuple(n for d in abi.OUT_DTYPES for n in (abi.DTYPE_NAMES[d], d.name))

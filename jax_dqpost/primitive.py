@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import string
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 from jax._src import dispatch  # apply_primitive, prim_requires_devices_during_lowering: no public API
 
 from . import lowering
-from .plan import Plan
+from .plan import Operands, Plan
 from .reference import accum_from_dq_reference, dsink_reference, gather_accumulator, mul_f32_rn, postprocess_reference
 
 postprocess_p = Primitive("jax_dqpost_postprocess")
@@ -51,24 +52,10 @@ def _moved(x, dim, size):
 
 
 def _abstract_eval(*args, plan: Plan):
-    ops = plan.split(args)
-    for name, a in zip(plan.names, ops["acc"]):
-        if a.dtype != np.float32:
-            raise TypeError(f"{name}_accum must be float32, got {a.dtype}")
-    for a in ops["aux"]:
-        if a.dtype != np.int32 or a.ndim != 1:
-            raise TypeError(f"the int32 operands must be 1-D int32, got {a.dtype}{list(a.shape)}")
-    if ops["scales"].dtype != np.float32:
-        raise TypeError(f"scales must be float32, got {ops['scales'].dtype}")
-    if plan.has_sink:
-        if ops["sink"].dtype != plan.sink_dtype:
-            raise TypeError(f"learnable_sink must be {np.dtype(plan.sink_dtype).name}, got {ops['sink'].dtype}")
-        for name in ("lse", "dpsum"):
-            if ops[name].dtype != np.float32:
-                raise TypeError(f"{name} must be float32, got {ops[name].dtype}")
+    plan.check_dtypes(args)
     shapes = [a.shape for a in args]
     results = plan.result_shapes(shapes)
-    plan.launch(plan.split(shapes)["acc"])  # CUDA's grid limits, on every platform (vmap folds into the batch)
+    plan.launch(plan.split(shapes).acc)  # CUDA's grid limits, on every platform (vmap folds into the batch)
     return [jax.core.ShapedArray(shape, dtype) for shape, dtype in results]
 
 
@@ -78,29 +65,24 @@ def _shard_fn(*args):
     return tuple(_postprocess_shard_p.bind(*args, plan=plan))
 
 
+def _factors(plan: Plan) -> list[list[str]]:
+    """Each buffer's axes (``abi.BUFFERS``) as sharding factors: ``b`` the batch, ``h`` the query heads, ``g`` the
+    key/value heads, and a letter of its own for every axis that is never sharded."""
+    own = iter(c for c in string.ascii_lowercase if c not in "bhg")
+    heads = {"q": "h", "k": "g"}
+    return [[a if a == "b" else heads[buffer.side] if a == "h" else next(own)
+             for a in buffer.axes[plan.tiling_of(buffer)].split()] for buffer in plan.operands + plan.results]
+
+
 def _specs(plan: Plan, mesh, acc_spec: tuple, kv_heads: int | None):
     """Partition specs ``(operands, results, batch axes)`` when dq_accum's axes are sharded as ``acc_spec``:
     dQ's batch and heads shard; dK/dV's heads take the query heads' axes when they divide evenly (so a device
     keeps the key/value heads of its query heads), and their batch the same axes as dQ's."""
-    q, k = plan.dq, plan.parts[-1]
-    batch, heads = (None, acc_spec[0]) if q.work is not None else (acc_spec[0], acc_spec[1])
-    acc = [(heads, None) if q.work is not None else (batch, heads, None)]
-    aux = [(batch,) if q.seqused else (None,)]
-    outs = [(None, heads, None) if q.work is not None else (batch, None, heads, None)]
-    if len(plan.parts) > 1:
-        kv_heads = heads if _divides(mesh, heads, kv_heads) else None
-        k_batch = batch if k.work is None else None
-        kv_acc = (kv_heads, None) if k.work is not None else (k_batch, kv_heads, None)
-        acc += [kv_acc, kv_acc]
-        aux.append((k_batch,) if k.seqused else (None,))
-        kv_out = (None, kv_heads, None) if k.work is not None else (k_batch, None, kv_heads, None)
-        outs += [kv_out, kv_out]
-    sink = ()
-    if plan.has_sink:
-        rows = (heads, None) if q.work is not None else (batch, heads, None)
-        sink = ((heads,), rows, rows)
-        outs.append((heads,))
-    return plan.join(acc, aux, (None,), *sink), outs, batch
+    factors = _factors(plan)
+    axes = {f: s for f, s in zip(factors[0], acc_spec) if f in "bh"}  # dq_accum's batch and heads; the rest gathered
+    axes["g"] = axes["h"] if len(plan.parts) > 1 and _divides(mesh, axes["h"], kv_heads) else None
+    specs = [tuple(axes.get(f) for f in buffer) for buffer in factors]
+    return specs[:plan.num_operands], specs[plan.num_operands:], axes.get("b")
 
 
 def _divides(mesh, axes, size) -> bool:
@@ -133,28 +115,16 @@ def _partition(plan, mesh, arg_shapes, result_shape):
 def _kv_heads(plan: Plan, arg_shapes):
     if len(plan.parts) == 1:
         return None
-    return plan.parts[1].heads(plan.split(arg_shapes)["acc"][1].shape)
+    return plan.parts[1].heads(plan.split(arg_shapes).acc[1].shape)
 
 
 def _rule(plan: Plan) -> tuple[str, tuple[str, ...]]:
-    """Shardy's einsum-like rule: batch ``b``, query heads ``h`` and key/value heads ``g`` may shard; every other
-    factor needs replication."""
-    q, k = plan.dq, plan.parts[-1]
-    acc = ["h l" if q.work is not None else "b h l"]
-    aux = ["k" if q.work is not None else ("b" if q.seqused else "z")]
-    outs = ["t h d" if q.work is not None else "b s h d"]
-    if len(plan.parts) > 1:
-        acc += ["g m", "g n"] if k.work is not None else ["b g m", "b g n"]
-        aux.append("w" if k.work is not None else ("b" if k.seqused else "y"))
-        outs += ["u g e", "u g f"] if k.work is not None else ["b u g e", "b u g f"]
-    sink = ()
-    if plan.has_sink:
-        sink = ("h", "h t", "h r") if q.work is not None else ("h", "b h t", "b h r")
-        outs.append("h")
-    operands = plan.join(acc, aux, "c", *sink)
-    factors = "".join(operands + outs).replace(" ", "")
-    replicated = tuple(dict.fromkeys(f for f in factors if f not in "bhg"))  # in order of appearance
-    return ", ".join(operands) + " -> " + ", ".join(outs), replicated
+    """Shardy's einsum-like rule (:func:`_factors`): batch ``b``, query heads ``h`` and key/value heads ``g`` may
+    shard; every other factor needs replication."""
+    factors = [" ".join(f) for f in _factors(plan)]
+    rule = ", ".join(factors[:plan.num_operands]) + " -> " + ", ".join(factors[plan.num_operands:])
+    replicated = tuple(dict.fromkeys(f for f in rule if f.isalpha() and f not in "bhg"))  # in order of appearance
+    return rule, replicated
 
 
 @functools.cache
@@ -215,12 +185,12 @@ def _jvp(primals, tangents, *, plan: Plan):
     ops, dots = plan.split(primals), plan.split(tangents)
     linear = plan.without_sink()
     terms = []
-    acc_dots = [None if type(t) is ad.Zero else t for t in dots["acc"]]
+    acc_dots = [None if type(t) is ad.Zero else t for t in dots.acc]
     if any(t is not None for t in acc_dots):
-        acc_dots = [jnp.zeros(a.shape, a.dtype) if t is None else t for a, t in zip(ops["acc"], acc_dots)]
-        terms.append(postprocess_p.bind(*linear.join(acc_dots, _aux(ops, plan), ops["scales"]), plan=linear))
-    if type(dots["scales"]) is not ad.Zero:
-        terms.append(postprocess_p.bind(*linear.join(ops["acc"], _aux(ops, plan), dots["scales"]), plan=linear))
+        acc_dots = tuple(jnp.zeros(a.shape, a.dtype) if t is None else t for a, t in zip(ops.acc, acc_dots))
+        terms.append(postprocess_p.bind(*linear.join(ops._replace(acc=acc_dots)), plan=linear))
+    if type(dots.scales) is not ad.Zero:
+        terms.append(postprocess_p.bind(*linear.join(ops._replace(scales=dots.scales)), plan=linear))
     n = len(plan.parts)
     if terms:
         out_dots = [terms[0][i] if len(terms) == 1 else terms[0][i] + terms[1][i] for i in range(n)]
@@ -232,25 +202,16 @@ def _jvp(primals, tangents, *, plan: Plan):
     return outs, out_dots
 
 
-def _aux(ops, plan: Plan):
-    """The aux operand of each side (``Plan.join``'s)."""
-    return ops["aux"][:len(plan.side_parts)]
-
-
 def _zero_tangent(x):
     return ad.Zero(jax.typeof(x).to_tangent_aval())
 
 
 def _dsink_tangent(ops, dots, plan: Plan):
     """The tangent of dsink, from the float32 formula (``reference.dsink_reference``), or None if it is zero."""
-    names = ("sink", "lse", "dpsum")
-    if all(type(dots[n]) is ad.Zero for n in names):
+    if all(type(t) is ad.Zero for t in dots.sink):
         return None
-    primals = tuple(ops[n] for n in names)
-    tangents = tuple(jnp.zeros(ops[n].shape, ops[n].dtype) if type(dots[n]) is ad.Zero else dots[n]
-                     for n in names)
-    aux = ops["aux"][0]
-    return jax.jvp(lambda *xs: dsink_reference(*xs, aux, plan.dq), primals, tangents)[1]
+    tangents = tuple(jnp.zeros(x.shape, x.dtype) if type(t) is ad.Zero else t for x, t in zip(ops.sink, dots.sink))
+    return jax.jvp(lambda *xs: dsink_reference(*xs, ops.aux[0], plan.dq), ops.sink, tangents)[1]
 
 
 def _transpose(cts, *args, plan: Plan):
@@ -260,10 +221,10 @@ def _transpose(cts, *args, plan: Plan):
     if plan.has_sink:
         raise ValueError("jax_dqpost: the op with a sink is transposed through its JVP only")
     ops = plan.split(args)
-    if any(ad.is_undefined_primal(a) for a in ops["aux"]):
+    if any(ad.is_undefined_primal(a) for a in ops.aux):
         raise ValueError("jax_dqpost: the postprocess is not differentiable in its integer operands")
-    undefined_acc = [ad.is_undefined_primal(a) for a in ops["acc"]]
-    scales = ops["scales"]
+    undefined_acc = [ad.is_undefined_primal(a) for a in ops.acc]
+    scales = ops.scales
     acc_cts = [None] * len(plan.parts)
     scales_ct = None
     if ad.is_undefined_primal(scales):
@@ -271,7 +232,7 @@ def _transpose(cts, *args, plan: Plan):
             raise ValueError("jax_dqpost: the postprocess is bilinear in (accumulators, scales); transpose one at a "
                              "time")
         bars = []
-        for i, (p, acc, aux) in enumerate(zip(plan.parts, ops["acc"], ops["aux"])):
+        for i, (p, acc, aux) in enumerate(zip(plan.parts, ops.acc, plan.part_aux(ops))):
             ct = cts[i]
             if type(ct) is ad.Zero:
                 bars.append(jnp.zeros((), jnp.float32))
@@ -280,7 +241,7 @@ def _transpose(cts, *args, plan: Plan):
             bars.append(jnp.sum(jnp.where(keep, ct.astype(np.float32) * x, 0.0)))
         scales_ct = jnp.stack(bars).astype(scales.aval.dtype)
     else:
-        for i, (p, acc, aux) in enumerate(zip(plan.parts, ops["acc"], ops["aux"])):
+        for i, (p, acc, aux) in enumerate(zip(plan.parts, ops.acc, plan.part_aux(ops))):
             if not undefined_acc[i]:
                 continue
             ct = cts[i]
@@ -288,8 +249,7 @@ def _transpose(cts, *args, plan: Plan):
                 acc_cts[i] = None
             else:
                 acc_cts[i] = accum_from_dq_reference(ct, scales[i], aux, p)
-    aux_none = (None,) * len(plan.side_parts)
-    return plan.join(acc_cts, aux_none, scales_ct)
+    return plan.join(Operands(tuple(acc_cts), (None,) * len(ops.aux), scales_ct))
 
 
 # ---- vmap: fold the mapped axis into each tensor's batch (dense) or heads -----------------------------
@@ -300,16 +260,16 @@ def _batch(args, dims, *, plan: Plan):
     k_heads_fold = len(plan.parts) > 1 and (plan.parts[1].work is not None or (q_heads_fold and plan.dq.work is None))
     folds = [q_heads_fold] + [k_heads_fold] * (len(plan.parts) - 1)
     # Per-element offsets (or lengths that cannot fold): one call per element.
-    aux_mapped = [d is not _NOT_MAPPED for d in ds["aux"]]
+    aux_mapped = [d is not _NOT_MAPPED for d in plan.part_aux(ds)]
     if any(m and (fold or p.work is not None) for m, fold, p in zip(aux_mapped, folds, plan.parts)):
         moved = [_moved(a, d, size) for a, d in zip(args, dims)]
         outs = jax.lax.map(lambda xs: tuple(postprocess_p.bind(*xs, plan=plan)), moved)
         return list(outs), [0] * len(outs)
-    accs = [_moved(a, d, size) for a, d in zip(ops["acc"], ds["acc"])]
-    scales = ops["scales"]
-    if ds["scales"] is not _NOT_MAPPED:
+    accs = [_moved(a, d, size) for a, d in zip(ops.acc, ds.acc)]
+    scales = ops.scales
+    if ds.scales is not _NOT_MAPPED:
         # Per-element scales: apply them first (the same single fp32 multiply), then convert with 1.
-        s = jnp.moveaxis(scales, ds["scales"], 0)
+        s = jnp.moveaxis(scales, ds.scales, 0)
         accs = [mul_f32_rn(a, s[:, i].reshape((size,) + (1,) * (a.ndim - 1))) for i, a in enumerate(accs)]
         scales = jnp.ones((len(plan.parts),), jnp.float32)
     new_acc, new_aux = [], []
@@ -321,20 +281,20 @@ def _batch(args, dims, *, plan: Plan):
             new_acc.append(a.reshape((a.shape[0], size * a.shape[2]) + a.shape[3:]))
         else:  # (N, B, H, L) -> (N*B, H, L)
             new_acc.append(a.reshape((size * a.shape[1],) + a.shape[2:]))
-    for aux, d, p, fold in zip(_aux(ops, plan), _aux(ds, plan), plan.side_parts, folds):  # one per side
+    for aux, d, p, fold in zip(ops.aux, ds.aux, plan.side_parts, folds):  # one per side
         if p.work is None and p.seqused and not fold:
             aux = _moved(aux, d, size).reshape(-1)
         new_aux.append(aux)
     sink = ()
     if plan.has_sink:
-        s_, lse, dpsum = (_moved(ops[n], ds[n], size) for n in ("sink", "lse", "dpsum"))
+        s_, lse, dpsum = (_moved(x, d, size) for x, d in zip(ops.sink, ds.sink))
         if plan.dq.work is not None:  # (N, H, X) -> (N*H, X)
             lse, dpsum = (x.reshape((size * x.shape[1],) + x.shape[2:]) for x in (lse, dpsum))
         else:  # (N, B, H, X) -> (B, N*H, X)
             lse, dpsum = (jnp.moveaxis(x, 0, 1) for x in (lse, dpsum))
             lse, dpsum = (x.reshape((x.shape[0], size * x.shape[2]) + x.shape[3:]) for x in (lse, dpsum))
         sink = (s_.reshape(-1), lse, dpsum)
-    outs = postprocess_p.bind(*plan.join(new_acc, new_aux, scales, *sink), plan=plan)
+    outs = postprocess_p.bind(*plan.join(Operands(tuple(new_acc), tuple(new_aux), scales, *sink)), plan=plan)
     result, out_dims = [], []
     for p, o, fold in zip(plan.parts, outs, folds):
         if p.work is not None:  # (T, N*H, D) -> (T, N, H, D)

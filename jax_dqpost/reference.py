@@ -36,10 +36,10 @@ def postprocess_reference(*args, plan: Plan):
     """The primitive's semantics (operands and results in ``abi.py``'s order): each part with its own scale, and
     the sink gradient (:func:`dsink_reference`)."""
     ops = plan.split(args)
-    outs = [part_reference(acc, ops["scales"][i], aux, p)
-            for i, (p, acc, aux) in enumerate(zip(plan.parts, ops["acc"], ops["aux"]))]
+    outs = [part_reference(acc, ops.scales[i], aux, p)
+            for i, (p, acc, aux) in enumerate(zip(plan.parts, ops.acc, plan.part_aux(ops)))]
     if plan.has_sink:
-        outs.append(dsink_reference(ops["sink"], ops["lse"], ops["dpsum"], ops["aux"][0], plan.dq)
+        outs.append(dsink_reference(ops.learnable_sink, ops.lse, ops.dpsum, ops.aux[0], plan.dq)
                     .astype(plan.dsink_dtype))
     return outs
 

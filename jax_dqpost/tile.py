@@ -45,7 +45,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from . import varlen
 from .layout import AccumLayout
-from .plan import Tiling
+from .abi import Tiling
 
 _VEC_BYTES = 16
 _REGS_PER_SM = 65536

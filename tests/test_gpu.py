@@ -42,6 +42,7 @@ def _kernel_on_poisoned_output(rng, layout, head_dim, seqlen, dtype, what):
     import cuda.bindings.driver as cuda
 
     from jax_dqpost import arch, kernel_cache
+    from jax_dqpost.kernel import entry_args
     from jax_dqpost.plan import Part, Plan
 
     B, H, D, S = 2, 3, head_dim, seqlen
@@ -60,7 +61,7 @@ def _kernel_on_poisoned_output(rng, layout, head_dim, seqlen, dtype, what):
     t_scale = torch.tensor([scale], dtype=torch.float32).cuda()
     # abi.pointers(1, False): dq_accum, q_aux (unused when dense), scales, dq
     addresses = [t_acc.data_ptr(), t_scale.data_ptr(), t_scale.data_ptr(), t_out.data_ptr()]
-    executor(*kernel_cache.executor_args(name, 1, None, addresses, plan.launch([acc.shape])[0]),
+    executor(*entry_args(name, 1, None, addresses, plan.launch([acc.shape])[0]),
              cuda.CUstream(torch.cuda.current_stream().cuda_stream))
     torch.cuda.synchronize()
     out = t_out.cpu().numpy().view(np.uint16)
@@ -104,6 +105,7 @@ def test_short_varlen_tiles_on_poisoned_output(rng, name, dtype, heads):
     import cuda.bindings.driver as cuda
 
     from jax_dqpost import arch, kernel_cache, varlen
+    from jax_dqpost.kernel import entry_args
     from jax_dqpost.plan import Part, Plan
 
     layout, D = SHORT_TILE_LAYOUTS[name]
@@ -129,7 +131,7 @@ def test_short_varlen_tiles_on_poisoned_output(rng, name, dtype, heads):
         n = T * H * D
         t_out = torch.full((n + GUARD,), np.uint16(POISON).view(np.int16).item(), dtype=torch.int16, device="cuda")
         addresses = [t_acc.data_ptr(), t_meta.data_ptr(), t_scale.data_ptr(), t_out.data_ptr()]
-        executor(*kernel_cache.executor_args(kind, 1, None, addresses, plan.launch([acc.shape])[0]),
+        executor(*entry_args(kind, 1, None, addresses, plan.launch([acc.shape])[0]),
                  cuda.CUstream(torch.cuda.current_stream().cuda_stream))
         torch.cuda.synchronize()
         out = t_out.cpu().numpy().view(np.uint16)

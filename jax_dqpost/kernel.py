@@ -2,21 +2,25 @@
 
 Imports cutlass at module import: load this module lazily (``kernel_cache.py`` does).
 
-The entry point takes its arguments in the order of ``abi.py``. A call of one part without a sink launches that
-part's own grid: ``(H * grid_x, 1, B)`` dense (``Plan.batch_on_grid_z``), ``(varlen.grid_ctas(...), 1, 1)`` varlen,
-every CTA the part's, with a shared-memory allocator of its own. Any other call launches a one-dimensional grid: with
-a sink, ``H`` CTAs (one per query head) reducing ``dsink``; then the CTAs of dQ, of dK and of dV, each part numbered
-as ``tile.py`` describes, a dense part's CTA ``x`` being its tile ``x % (H * grid_x)`` of batch ``x // (H * grid_x)``.
-A CTA of a part runs that part's :meth:`TileConverter.cta <jax_dqpost.tile.TileConverter.cta>`. The CTA has as many threads as the widest part; a
-narrower part runs on its first ``num_threads`` threads and synchronises them with a named barrier. The parts share
-one shared-memory buffer (the largest part's tile).
+The entry point takes its arguments in the order of ``abi.py`` (:func:`entry_args`). A call of one part without a
+sink launches that part's own grid: ``(H * grid_x, 1, B)`` dense (``Plan.batch_on_grid_z``),
+``(varlen.grid_ctas(...), 1, 1)`` varlen, every CTA the part's, with a shared-memory allocator of its own. Any other
+call launches a one-dimensional grid: with a sink, first ``H`` CTAs (one per query head) reducing ``dsink``, first
+because each reads every row of its head; then the CTAs of dQ, of dK and of dV, each part's numbered by its
+scheduler (``schedule.py``), a dense part's CTA ``x`` being its CTA ``x % (H * grid_x)`` of batch ``x // (H *
+grid_x)``. A CTA of a part takes the tile its scheduler gives and converts it (``tile.py``). The CTA has as many
+threads as the widest part (FlashAttention-4's hd96 presets: dQ 128 threads, dK/dV 256); a narrower part runs on its
+first ``num_threads`` threads and synchronises them with a named barrier. The parts share one shared-memory buffer
+(the largest part's tile), so the launch runs as many CTAs per SM as its largest part alone.
 
 The sink reduction follows flash-attn 4.0.0b36's (``flash_attn/cute/flash_bwd_postprocess.py``,
 ``dsink_row_term`` and ``block_sum``), so the GPU result has its bits: with ``n`` = dQ's ``num_threads``,
-thread ``t < n`` adds ``-p * dpsum`` over rows ``t, t + n, ...`` of sequence 0, then of sequence 1, ... (``p =
-exp2((sink - lse) * log2(e))`` with the fast ``ex2.approx``, 1 where ``lse = -inf``), in fp32; each warp sums its
-lanes by a butterfly (offsets 1, 2, 4, 8, 16), warp 0 sums the warps' partials the same way, and thread 0
-writes ``dsink[h]``. No atomics: the same bits on every run.
+thread ``t < n`` adds ``-p * dpsum`` over rows ``t, t + n, ...`` of sequence 0 (its first ``seqused[b]`` rows when
+given), then of sequence 1, ... (``p = exp2((sink - lse) * log2(e))`` with the fast ``ex2.approx``, 1 where ``lse =
+-inf``), in fp32; each warp sums its lanes by a butterfly (``shfl.bfly``, offsets 1, 2, 4, 8, 16, ``val +
+other``); lane 0 stores the warp's sum, and after a barrier warp 0 sums the ``n / 32`` partials the same way (its
+other lanes add 0); thread 0 converts the sum to the sink's dtype and writes ``dsink[h]``. No atomics: the same
+bits on every run.
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ from cutlass import Float32, Int32, Int64, const_expr
 from . import abi, varlen
 from .abi import Tiling
 from .layout import AccumLayout
-from .tile import PartArgs, TileConverter, read_span
+from .schedule import PartArgs, VarlenScheduler, read_span, scheduler
+from .tile import TileConverter
 
 _WARP = 32
 _LOG2_E = math.log2(math.e)
@@ -85,15 +90,17 @@ class Postprocess:
 
     ``parts``: a :class:`PartSpec` per part (dQ's, or dQ's, dK's and dV's). ``sink``: ``(sink type, dsink type)``
     (CuTe numeric types), or None. The binary depends on these, the output dtype and the target GPU only
-    (``Plan.kernel_key``). ``tuning``: :class:`TileConverter` keyword arguments, for experiments
-    (tools/ncu_kernels.py); the package compiles with the defaults.
+    (``Plan.kernel_key``). Tuning, for experiments (tools/ncu_kernels.py; the package compiles with the defaults):
+    ``min_ctas_per_sm`` (:class:`TileConverter`) and ``short_heads`` (``schedule.ShortTileScheduler``).
     """
 
-    def __init__(self, dtype, parts: tuple[PartSpec, ...], sink=None, *, target_sm: int = 90, **tuning):
+    def __init__(self, dtype, parts: tuple[PartSpec, ...], sink=None, *, target_sm: int = 90,
+                 min_ctas_per_sm: int | None = None, short_heads: int = varlen.SHORT_HEADS):
         self.names = abi.part_names(len(parts))
         self.dtype = dtype
         self.parts = tuple(TileConverter(dtype, p.layout, p.padded_head_dim, tiling=p.tiling, target_sm=target_sm,
-                                         **tuning) for p in parts)
+                                         min_ctas_per_sm=min_ctas_per_sm) for p in parts)
+        self.schedulers = tuple(scheduler(p.layout, p.padded_head_dim, p.tiling, short_heads) for p in parts)
         self.num_threads = max(p.num_threads for p in self.parts)
         for part in self.parts:
             part.cta_threads = self.num_threads
@@ -113,7 +120,7 @@ class Postprocess:
         per = len(abi.EXTENTS)
         grid_x = extents[1] if const_expr(self.sink is not None) else 0
         if const_expr(self.alone):
-            grid_x = self.parts[0].num_ctas(*extents[0:2], extents[4])  # per batch when dense: z is the batch
+            grid_x = self.schedulers[0].num_ctas(*extents[0:2], extents[4])  # per batch when dense: z is the batch
         else:
             for i in cutlass.range_constexpr(len(self.parts)):
                 grid_x = grid_x + self._part_ctas(i, extents[per * i:per * (i + 1)])
@@ -140,9 +147,9 @@ class Postprocess:
         tidx, _, _ = cute.arch.thread_idx()
         bid, _, bz = cute.arch.block_idx()
         if const_expr(self.alone):
-            # The whole grid is the part's: no CTA count to compare, the tile allocated by the part (measured: the
-            # former single-tensor kernel's speed; a count and a shared buffer cost 20-100 ns a launch)
-            self.parts[0].cta(self._part_args(0, pointers, extents), bid, bz, tidx, cutlass.memory.SmemAllocator())
+            # The whole grid is the part's: no CTA count to compare, the tile allocated by the part (a count and a
+            # shared buffer cost 20-100 ns a launch)
+            self._cta(0, self._part_args(0, pointers, extents), bid, bz, tidx, cutlass.memory.SmemAllocator())
         else:
             self._parts_and_sink(pointers, extents, bid, tidx)
 
@@ -169,18 +176,40 @@ class Postprocess:
     def _part_ctas(self, i: int, extents):
         """CTAs of part ``i`` in the one-dimensional grid with these extents (dense: every batch's)."""
         dim0, heads, _, _, grid_x = extents
-        count = self.parts[i].num_ctas(dim0, heads, grid_x)
+        count = self.schedulers[i].num_ctas(dim0, heads, grid_x)
         return count if const_expr(self.parts[i].tiling == Tiling.VARLEN) else count * dim0
 
     @cute.jit
     def _part_tile(self, i: cutlass.Constexpr, local, count, tidx, part: PartArgs, base):
-        """CTA ``local`` of part ``i``'s ``count`` CTAs, if it is one (numbered as ``tile.py`` describes)."""
+        """CTA ``local`` of part ``i``'s ``count`` CTAs, if it is one (numbered as ``schedule.py`` describes)."""
         if local >= 0 and local < count and tidx < self.parts[i].num_threads:
             if const_expr(self.parts[i].tiling == Tiling.VARLEN):
-                self.parts[i].cta(part, local, Int32(0), tidx, _SharedTile(base))
+                self._cta(i, part, local, Int32(0), tidx, _SharedTile(base))
             else:
                 per_batch = part.heads * part.grid_x
-                self.parts[i].cta(part, local % per_batch, local // per_batch, tidx, _SharedTile(base))
+                self._cta(i, part, local % per_batch, local // per_batch, tidx, _SharedTile(base))
+
+    @cute.jit
+    def _cta(self, i: cutlass.Constexpr, part: PartArgs, x, bz, tidx, smem):
+        """CTA ``x`` of part ``i``'s scheduler (and batch ``bz``, dense tilings): the tile it gives, converted. Only
+        the CTA's first ``num_threads`` threads of the part call it; ``smem`` allocates the shared-memory tile."""
+        # (self.parts[i] and self.schedulers[i] are not bound to locals out here: the DSL would carry them through
+        # the ifs)
+        if const_expr(isinstance(self.schedulers[i], VarlenScheduler) and self.schedulers[i].short is not None):
+            short_ctas = self.schedulers[i].short.num_ctas(part)
+            if x < short_ctas:
+                span, group = x % part.dim0, x // part.dim0
+                short = self.schedulers[i].short
+                self.parts[i].short_tile(part, group, short.tile(part, span), tidx, short.short_heads)
+            else:
+                slot = (x - short_ctas) // part.heads
+                if slot < self.schedulers[i].long_tiles(part):  # the slots past them (traced offsets' bound) stop
+                    head = (x - short_ctas) % part.heads
+                    tile = self.schedulers[i].tile(part, slot, head)
+                    self.parts[i].tile(part, head, tile, tidx, smem, may_be_empty=True)
+        else:
+            bx, head = x // part.heads, x % part.heads
+            self.parts[i].tile(part, head, self.schedulers[i].tile(part, bx, head, bz), tidx, smem)
 
     # ---- the sink gradient ------------------------------------------------------------------------
     def _sink_sync(self):

@@ -62,7 +62,7 @@ class Postprocess:
     ``parts``: a :class:`PartSpec` per part (dQ's, or dQ's, dK's and dV's). ``sink``: ``(sink type, dsink type)``
     (CuTe numeric types), or None. The binary depends on these, the output dtype and the target GPU only
     (``Plan.kernel_key``). ``tuning``: :class:`TileConverter` keyword arguments, for experiments
-    (tools/ncu_kernels.py); the package compiles with the defaults.
+    (benchmarks/ncu_kernels.py); the package compiles with the defaults.
     """
 
     def __init__(self, dtype, parts: tuple[PartSpec, ...], sink=None, *, target_sm: int = 90, **tuning):

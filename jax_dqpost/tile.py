@@ -107,7 +107,7 @@ class TileConverter:
                  short_heads: int = varlen.SHORT_HEADS):
         """``padded_head_dim``: ``Dr``, the head dim as padded in the accumulator. ``tiling``: how a CTA finds its
         tile (see the module docstring). ``target_sm``: the GPU generation compiled for (e.g. 80, 90, 100).
-        Tuning (tools/ncu_kernels.py compares them): ``min_ctas_per_sm``, the launch-bounds hint given to ptxas
+        Tuning (benchmarks/ncu_kernels.py compares them): ``min_ctas_per_sm``, the launch-bounds hint given to ptxas
         (None: chosen here; 0: none); ``short_heads``, the heads per CTA of a short varlen tile."""
         if not self.can_implement(dtype, layout, padded_head_dim):
             raise ValueError(f"cannot implement dtype={dtype}, {layout}, padded_head_dim={padded_head_dim}")

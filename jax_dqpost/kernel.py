@@ -90,7 +90,7 @@ class Postprocess:
 
     ``parts``: a :class:`PartSpec` per part (dQ's, or dQ's, dK's and dV's). ``sink``: ``(sink type, dsink type)``
     (CuTe numeric types), or None. The binary depends on these, the output dtype and the target GPU only
-    (``Plan.kernel_key``). Tuning, for experiments (tools/ncu_kernels.py; the package compiles with the defaults):
+    (``Plan.kernel_key``). Tuning, for experiments (benchmarks/ncu_kernels.py; the package compiles with the defaults):
     ``min_ctas_per_sm`` (:class:`TileConverter`) and ``short_heads`` (``schedule.ShortTileScheduler``).
     """
 

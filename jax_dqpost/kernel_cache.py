@@ -201,7 +201,7 @@ def compile_executor(dtype: str, parts: tuple, sink, arch: str, **tuning):
     """``cute.compile`` the kernel (:func:`get_kernel`'s key); CuTe's executor, callable from Python with
     ``kernel.entry_args`` and a stream. Callers serialise through ``_lock`` or accept that the DSL's global arch is
     set here (and restored afterwards). ``tuning``: ``TileConverter`` keyword arguments for experiments
-    (tools/ncu_kernels.py); the package itself always compiles with the defaults, which is why they are not part of
+    (benchmarks/ncu_kernels.py); the package itself always compiles with the defaults, which is why they are not part of
     the key."""
     from .kernel import PartSpec, Postprocess, cute_type, entry_args
     from .tile import TileConverter

@@ -73,7 +73,7 @@ class TileConverter:
                  tiling: Tiling = Tiling.DENSE, target_sm: int = 90, min_ctas_per_sm: int | None = None):
         """``padded_head_dim``: ``Dr``, the head dim as padded in the accumulator. ``tiling``: the part's
         (``schedule.py``; outside ``DENSE`` the loads of rows past ``rows_conv`` are skipped). ``target_sm``: the GPU
-        generation compiled for (e.g. 80, 90, 100). Tuning (tools/ncu_kernels.py compares it):
+        generation compiled for (e.g. 80, 90, 100). Tuning (benchmarks/ncu_kernels.py compares it):
         ``min_ctas_per_sm``, the launch-bounds hint given to ptxas (None: chosen here; 0: none)."""
         if not self.can_implement(dtype, layout, padded_head_dim):
             raise ValueError(f"cannot implement dtype={dtype}, {layout}, padded_head_dim={padded_head_dim}")

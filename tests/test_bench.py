@@ -1,20 +1,25 @@
-"""The benchmark's parts that need no GPU: its problem sizes, and its jax.numpy gather baseline (what a
-user writes without this package) computes the same bits as the op, dense and varlen, for every
-FlashAttention configuration it times (so its speed is compared on equal work)."""
+"""The benchmark's parts that need no GPU (``benchmarks/``, beside the package, not installed): its problem sizes,
+and its jax.numpy gather baseline (what a user writes without this package) computes the same bits as the op, dense
+and varlen, for every FlashAttention configuration it times (so its speed is compared on equal work)."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 
-from jax_dqpost.bench import __main__ as bench_main
-from jax_dqpost.bench import cases, fused, harness, probes, report
 from oracle import assert_same_bits
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.append(str(ROOT))  # benchmarks/; last on the path, so that jax_dqpost stays the one imported first
+
+from benchmarks import __main__ as bench_main  # noqa: E402
+from benchmarks import cases, fused, harness, probes, report  # noqa: E402
 
 
 @pytest.mark.parametrize("packing", cases.PACKINGS)
@@ -95,7 +100,7 @@ def test_devices_mode_programs_shard_without_collectives():
     measurement itself needs GPUs), and the collective finder finds the ones a gathered axis needs."""
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    from jax_dqpost.bench import devices
+    from benchmarks import devices
 
     cpus = jax.devices("cpu")
     if len(cpus) < 2:
@@ -115,7 +120,7 @@ def test_devices_mode_programs_shard_without_collectives():
 
 @pytest.mark.parametrize("with_torch", [True, False], ids=["torch", "no-torch"])
 def test_main_reports_from_measurements(tmp_path, monkeypatch, capsys, with_torch):
-    """The report path of `python -m jax_dqpost.bench` (tables, JSON, plot) on synthetic measurements, so a
+    """The report path of `python -m benchmarks` (tables, JSON, plot) on synthetic measurements, so a
     GPU run never fails on its printing; without torch the graph-replay columns are skipped with a message, the
     others still run. The measurements themselves need a GPU (recorded runs)."""
     import sys
@@ -194,12 +199,13 @@ def test_main_reports_from_measurements(tmp_path, monkeypatch, capsys, with_torc
     assert (tmp_path / "bench.png").exists() == has_plot
 
 
-def _run_cli(args, block=(), cwd=None):
-    """``python -m jax_dqpost.bench ARGS`` in a fresh process, with the modules in ``block`` unimportable."""
+def _run_cli(args, block=()):
+    """``python -m benchmarks ARGS`` in a fresh process in the repository root, as a user runs it, with the modules
+    in ``block`` unimportable."""
     code = ("import sys; [sys.modules.__setitem__(m, None) for m in sys.argv[1].split(',') if m]; "
-            "from jax_dqpost.bench.__main__ import main; sys.exit(main(sys.argv[2:]))")
+            "from benchmarks.__main__ import main; sys.exit(main(sys.argv[2:]))")
     return subprocess.run([sys.executable, "-c", code, ",".join(block), *args], capture_output=True, text=True,
-                          cwd=cwd, timeout=600)
+                          cwd=ROOT, timeout=600)
 
 
 def test_cli_without_a_gpu_says_so_in_one_line_and_writes_nothing(tmp_path):
@@ -218,7 +224,7 @@ def test_cli_plot_without_matplotlib_says_what_to_install(tmp_path):
     saved.write_text(json.dumps({"sweep": [], "gpu": "x", "date": "today", "commit": "abc"}))
     out = _run_cli(["--plot", str(saved), "--out", str(tmp_path / "plots")], block=("matplotlib",))
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
-    assert "matplotlib is not installed" in out.stderr and "jax-dqpost[bench]" in out.stderr, out.stderr
+    assert "matplotlib is not installed" in out.stderr and 'pip install ".[bench]"' in out.stderr, out.stderr
     assert not (tmp_path / "plots").exists()
     bad = _run_cli(["--plot", str(tmp_path / "missing.json"), "--out", str(tmp_path / "plots")])
     assert bad.returncode == 2 and "Traceback" not in bad.stderr and "missing.json" in bad.stderr, bad.stderr
@@ -239,3 +245,45 @@ def test_device_timeline_of_a_chain():
         assert res == {}
     else:
         assert res["kernels"] == 5 and res["median_duration"] > 0 and res["per_call"] > 0, res
+
+
+def test_a_report_records_the_commit_or_unknown(tmp_path, monkeypatch):
+    """$JAX_DQPOST_COMMIT (a copy of the tree without its history), else the checkout's HEAD; without git, or where
+    benchmarks/ is not at the root of a checkout, "unknown" and never an exception."""
+    monkeypatch.setenv("JAX_DQPOST_COMMIT", "abc1234")
+    assert bench_main._commit() == "abc1234"
+    monkeypatch.delenv("JAX_DQPOST_COMMIT")
+    head = subprocess.run(["git", "rev-parse", "--show-toplevel", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                          text=True)
+    lines = head.stdout.splitlines()
+    if head.returncode == 0 and Path(lines[0]).resolve() == ROOT:
+        assert bench_main._commit() == lines[1]
+    with monkeypatch.context() as m:
+        m.setattr(bench_main, "__file__", str(tmp_path / "benchmarks" / "__main__.py"))  # not in a checkout
+        assert bench_main._commit() == "unknown"
+    monkeypatch.setenv("PATH", str(tmp_path))  # no git
+    assert bench_main._commit() == "unknown"
+
+
+def test_only_internals_imports_private_apis():
+    """The benchmark imports jax_dqpost's public names (``__all__``, ``jax_dqpost.fa4jax``) anywhere and its private
+    modules in benchmarks/internals.py alone."""
+    import ast
+
+    import jax_dqpost
+
+    public = set(jax_dqpost.__all__) | {"fa4jax"}
+    seen = 0
+    for path in sorted((ROOT / "benchmarks").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "jax_dqpost":
+                names = {a.name for a in node.names}
+            elif isinstance(node, ast.Import):
+                names = {a.name.removeprefix("jax_dqpost.") for a in node.names if a.name.startswith("jax_dqpost.")}
+            else:
+                continue
+            private = names - public if getattr(node, "module", None) in (None, "jax_dqpost") else {node.module}
+            seen += bool(names)
+            if path.name != "internals.py":
+                assert not private, f"benchmarks/{path.name}: {ast.unparse(node)}"
+    assert seen > 5

@@ -183,7 +183,7 @@ def _anchors(text: str) -> set[str]:
     return anchors
 
 
-DOCS = ["README.md", "CHANGELOG.md", "docs/design.md", "docs/performance.md"]
+DOCS = ["README.md", "CHANGELOG.md", "docs/design.md", "docs/performance.md", "benchmarks/README.md"]
 
 
 @pytest.mark.parametrize("doc", DOCS)
@@ -197,7 +197,7 @@ def test_anchor_links_resolve(doc):
         assert anchor in _anchors(linked.read_text()), f"{doc} links to a missing heading {target}#{anchor}"
 
 
-@pytest.mark.parametrize("module", ["jax_dqpost.precompile", "jax_dqpost.bench", "jax_dqpost.bench.fa4jax"])
+@pytest.mark.parametrize("module", ["jax_dqpost.precompile", "benchmarks", "benchmarks.fa4jax"])
 def test_command_help_description_is_a_sentence(module):
     out = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120,
                          cwd=ROOT)

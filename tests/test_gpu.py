@@ -321,7 +321,7 @@ def _manifest():
 @pytest.mark.parametrize("name", ["dense", "varlen"])
 def test_artifact_exported_on_a_cpu_machine_runs_here(rng, name):
     """tests/data/exported_*.bin were exported for platforms=["cuda"] on a machine without a GPU
-    (tools/export_artifacts.py, jax.export + jax_dqpost.cuda_arch("sm_90a")): same bits as the oracle here."""
+    (tests/data/export_artifacts.py, jax.export + jax_dqpost.cuda_arch("sm_90a")): same bits as the oracle here."""
     data, manifest = _manifest()
     case = manifest["cases"][name]
     exported = jax.export.deserialize(bytearray((data / case["file"]).read_bytes()))

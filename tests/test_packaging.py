@@ -1,6 +1,7 @@
 """How the package is built and found: a source checkout uses the installed copy's handler library only if it was
 built from the same sources, the library carries the XLA FFI API version it was compiled against (checked against
-the running jaxlib's), the wheel is for any Python 3, and the build configuration stays as a user needs it."""
+the running jaxlib's), the wheel is for any Python 3 and holds the package alone, and the build configuration stays
+as a user needs it."""
 
 from __future__ import annotations
 
@@ -112,6 +113,19 @@ def test_the_installed_wheel_is_for_any_python3():
     wheel = _installed().read_text("WHEEL")
     tags = re.findall(r"^Tag: (\S+)$", wheel, re.M)
     assert tags and all(t.startswith("py3-none-") and not t.endswith("-any") for t in tags), wheel
+
+
+def test_the_wheel_holds_the_package_alone():
+    """The installed files are the flat package jax_dqpost (its modules, the handler library and the stamp of its
+    source) and its metadata: no subpackage, nothing of the source tree's benchmarks/, tests/ or docs/."""
+    dist = _installed()
+    files = [f for f in dist.files if "__pycache__" not in f.parts]
+    tops = {f.parts[0] for f in files}
+    assert len(tops - {"jax_dqpost"}) == 1 and (tops - {"jax_dqpost"}).pop().endswith(".dist-info"), sorted(tops)
+    package = [f for f in files if f.parts[0] == "jax_dqpost"]
+    assert all(len(f.parts) == 2 for f in package), [str(f) for f in package if len(f.parts) != 2]
+    names = {f.name for f in package}
+    assert {"__init__.py", _ffi._LIBRARY_NAME, _ffi._SOURCE_HASH_NAME} <= names, sorted(names)
 
 
 def test_the_installed_metadata_is_the_projects():

@@ -446,7 +446,7 @@ CORRUPT = [([0, 300, 100, 350], None), ([0, 100, 5000, 200000], None), ([-50, 30
 @pytest.mark.parametrize("packing", ["dense-seqused", "varlen"])
 def test_corrupt_traced_offsets_are_clamped(rng, platform, part, packing):
     """The result is the documented clamped partition (the oracle's), computed without touching memory out of
-    bounds (on the GPU: poisoned outputs here, compute-sanitizer in tools/gpu_check.sh). With dK and dV the k side
+    bounds (on the GPU: poisoned outputs here, compute-sanitizer in tests/gpu_check.sh). With dK and dV the k side
     gets the next case of the list."""
     case = LAYOUTS["sm90-hd128"]
     if packing == "varlen":

@@ -1,19 +1,19 @@
 #!/bin/bash
-# Build, test and benchmark jax-dqpost on a CUDA machine in one call, from the repository root:
-#   bash tools/gpu_check.sh
+# Build, test and benchmark jax-dqpost on a CUDA machine in one call:
+#   bash tests/gpu_check.sh
 # It installs the package from this checkout (no dependencies, no index, no build isolation: they must be there
 # already, scikit-build-core >= 1.0 among them, e.g. from the README's install with the [cuda13,test,bench]
 # extras) into $TARGET (default: a temporary folder put first on PYTHONPATH), then runs the steps in $STEPS
 # (default "tests sanitizer bench"): the whole pytest suite on 4 workers, compute-sanitizer memcheck on corrupt
-# traced varlen offsets, and `python -m jax_dqpost.bench`.
+# traced varlen offsets (tests/sanitize_varlen.py), and the benchmark (`python -m benchmarks`, benchmarks/README.md).
 # PYTEST_ARGS replaces the test selection, BENCH_ARGS goes to the benchmark. Logs and bench.json/png go to $OUT
-# (default: ./gpu_check_out).
+# (default: gpu_check_out/ in the checkout).
 set -o pipefail
-repo=$(pwd)
+repo=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-$repo/gpu_check_out}; mkdir -p "$out"
 target=${TARGET:-$(mktemp -d)}
 steps=${STEPS:-tests sanitizer bench}
-export JAX_DQPOST_COMMIT=${JAX_DQPOST_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+export JAX_DQPOST_COMMIT=${JAX_DQPOST_COMMIT:-$(git -C "$repo" rev-parse --short HEAD 2>/dev/null || echo unknown)}
 echo "== date: $(date -u '+%Y-%m-%d %H:%M:%S UTC'), commit $JAX_DQPOST_COMMIT"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
@@ -34,15 +34,16 @@ if [[ $steps == *sanitizer* ]]; then
   echo "== compute-sanitizer memcheck: corrupt traced offsets"
   if command -v compute-sanitizer >/dev/null; then
     XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_PYTHON_CLIENT_PREALLOCATE=false compute-sanitizer --tool memcheck \
-      --error-exitcode 1 python3 "$repo/tools/sanitize_varlen.py" 2>&1 | tee "$out/sanitizer.log" | tail -12
+      --error-exitcode 1 python3 "$repo/tests/sanitize_varlen.py" 2>&1 | tee "$out/sanitizer.log" | tail -12
     [ "${PIPESTATUS[0]}" = 0 ] || rc=1
   else
     echo "compute-sanitizer not found"; rc=1
   fi
 fi
 if [[ $steps == *bench* ]]; then
-  echo "== benchmark: python -m jax_dqpost.bench ${BENCH_ARGS:-}"
-  (cd /tmp && python3 -m jax_dqpost.bench --out "$out" ${BENCH_ARGS:-} 2>"$out/bench_progress.log" | tee "$out/bench.log") \
-    || { rc=1; tail -30 "$out/bench_progress.log"; }
+  echo "== benchmark: python -m benchmarks ${BENCH_ARGS:-}"
+  # the installed jax_dqpost first on the path, benchmarks/ from this checkout after it
+  (cd /tmp && PYTHONPATH=$PYTHONPATH:$repo python3 -m benchmarks --out "$out" ${BENCH_ARGS:-} \
+    2>"$out/bench_progress.log" | tee "$out/bench.log") || { rc=1; tail -30 "$out/bench_progress.log"; }
 fi
 exit $rc

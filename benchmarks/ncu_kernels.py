@@ -1,21 +1,22 @@
-"""Kernel-level evidence for the benchmark's gaps, on the GPU machine (B, H, S = 2, 32, 8192, bf16).
+"""Kernel-level evidence for the benchmark's gaps, on the GPU machine (B, H, S = 2, 32, 8192, bf16), from the
+repository root:
 
-    python tools/ncu_kernels.py sweep hd96 hd128 hd192
+    python -m benchmarks.ncu_kernels sweep hd96 hd128 hd192
         graph-replay time of our kernel with tuning variants (TileConverter keyword arguments; each checked
         bit-equal to the default's output), FlashAttention-4 and the same-bytes copy, side by side, median of 15
         (as the benchmark measures them), dense and varlen (64 random lengths)
-    python tools/ncu_kernels.py short [COUNT ...] [--l2-fetch BYTES]
+    python -m benchmarks.ncu_kernels short [COUNT ...] [--l2-fetch BYTES]
         the benchmark's short-sequence cases (hd128, 64 to 8000 sequences in 16384 tokens, static and traced offsets;
         COUNT: only those sequence counts, "ref": the varlen reference case, 64 random lengths), ours with the tuning
         variants of SHORT_VARIANTS (each checked bit-equal to the default's output, the default to FlashAttention-4's),
         FlashAttention-4 (static offsets), against our dense hd128 call of the same tokens and the sector bound of the
         lengths. --l2-fetch sets this process's cudaLimitMaxL2FetchGranularity first (an experiment: does the L2
         fetch DRAM in 64-byte granules?)
-    ncu --clock-control none --profile-from-start off --set full python tools/ncu_kernels.py profile hd96 hd128
+    ncu --clock-control none --profile-from-start off --set full python -m benchmarks.ncu_kernels profile hd96 hd128
         one launch of ours (the first two variants) and one of FlashAttention-4 per dense configuration,
         between cudaProfilerStart/Stop (after warm-up), for Nsight Compute's counters
 
-Configuration names are the benchmark's (jax_dqpost.bench.cases.CONFIGS).
+Configuration names are the benchmark's (``cases.CONFIGS``).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import numpy as np
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-from jax_dqpost.bench import cases as bench_cases, harness  # noqa: E402
+from . import cases as bench_cases, harness  # noqa: E402
 
 # Variants tried per configuration by `sweep` (the first, {}, is the package's default).
 VARIANTS = [{}, {"min_ctas_per_sm": 0}]

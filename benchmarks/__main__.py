@@ -1,6 +1,6 @@
 """Benchmark of the dQ postprocess on the local GPU, every implementation side by side in one run:
 
-    python -m jax_dqpost.bench [--out DIR] [--quick]       (extras: pip install "jax-dqpost[bench]")
+    python -m benchmarks [--out DIR] [--quick]       (from the repository root; benchmarks/README.md)
 
 For FlashAttention's Hopper configurations (head dims 64, 96, 128, 128 causal, 192, 256), dense and varlen (64
 random lengths, the same tokens), sizes from a few KB to 1 GB moved per call, it times
@@ -20,10 +20,10 @@ the useful bytes of a call: for every row of dQ, the accumulator's row (4 bytes 
 the producer stores it) and the row written (2 bytes per element). ``xla_device`` is XLA's fused op of exactly the
 useful bytes in device time from jax.profiler's timeline (the roofline the goals are set against), beside our op's
 (``ours_jax_device``). It also sweeps short sequences (64 to 8000 random lengths over 16384 tokens, hd128, static
-and traced offsets, against a sector bound), the per-call cost in a jitted chain of 200 tiny calls, cold and warm start, and the jax.jit path with and without
-XLA's command buffers. Prints tables, writes ``bench.json`` (and ``bench.png`` with matplotlib) into ``--out``;
-progress goes to stderr. ``--plot JSON`` only redraws the plot of a saved report; ``--devices N`` only compares one
-GPU with N (sharded over batch and over heads, device time).
+and traced offsets, against a sector bound), the per-call cost in a jitted chain of 200 tiny calls, cold and warm
+start, and the jax.jit path with and without XLA's command buffers. Prints tables, writes ``bench.json`` (and
+``bench.png`` with matplotlib) into ``--out``; progress goes to stderr. ``--plot JSON`` only redraws the plot of a
+saved report; ``--devices N`` only compares one GPU with N (sharded over batch and over heads, device time).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-EXTRAS = 'pip install "jax-dqpost[bench]"'
+EXTRAS = 'python -m pip install ".[bench]"'
 
 
 def _import_optional(name: str, what: str):
@@ -50,16 +50,19 @@ def _import_optional(name: str, what: str):
 
 
 def _commit() -> str:
-    """$JAX_DQPOST_COMMIT if set (a copy of the tree without its git history), else the checkout's HEAD."""
+    """The commit a report is of: $JAX_DQPOST_COMMIT if set (a copy of the tree without its git history), else the
+    HEAD of the git checkout whose root holds ``benchmarks/``; "unknown" without git or outside such a checkout."""
     if os.environ.get("JAX_DQPOST_COMMIT"):
         return os.environ["JAX_DQPOST_COMMIT"]
+    root = Path(__file__).resolve().parents[1]
     try:
-        here = Path(__file__).resolve().parents[2]
-        c = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True)
-        if c.returncode == 0:
-            return c.stdout.strip()
-    except OSError:
-        pass
+        c = subprocess.run(["git", "rev-parse", "--show-toplevel", "--short", "HEAD"], cwd=root, capture_output=True,
+                           text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    lines = c.stdout.splitlines()
+    if c.returncode == 0 and len(lines) == 2 and Path(lines[0]).resolve() == root:
+        return lines[1].strip()
     return "unknown"
 
 
@@ -74,7 +77,7 @@ def _version(dist: str) -> str | None:
 
 def main(argv=None) -> int:
     # The docstring's first line, as a sentence (there a colon leads into the list of what is timed).
-    parser = argparse.ArgumentParser(prog="python -m jax_dqpost.bench",
+    parser = argparse.ArgumentParser(prog="python -m benchmarks",
                                      description=__doc__.split("\n")[0].rstrip(":") + ".")
     parser.add_argument("--out", default="bench_results", help="directory for bench.json and bench.png")
     parser.add_argument("--quick", action="store_true", help="fewer sizes and samples")
@@ -105,7 +108,7 @@ def main(argv=None) -> int:
     import jax
 
     if jax.default_backend() != "gpu":
-        print(f"python -m jax_dqpost.bench needs a CUDA GPU visible to JAX (JAX's backend here: "
+        print(f"python -m benchmarks needs a CUDA GPU visible to JAX (JAX's backend here: "
               f"{jax.default_backend()})", file=sys.stderr)
         return 1
     torch = _import_optional("torch", "the ours/FA4/copy columns (CUDA-graph replay) are skipped")

@@ -30,7 +30,7 @@ def program(layout, head_dim: int, seqlen: int):
     """The jitted-program body: our op on every accumulator of a list."""
     import jax.numpy as jnp
 
-    from .. import dq_postprocess
+    from jax_dqpost import dq_postprocess
 
     def f(accs):
         return [dq_postprocess(a, head_dim ** -0.5, seqlen_q=seqlen, head_dim=head_dim, dtype=jnp.bfloat16,

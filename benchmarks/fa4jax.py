@@ -2,7 +2,7 @@
 
 In one run:
 
-    python -m jax_dqpost.bench.fa4jax [--out DIR] [--quick]     (needs a CUDA GPU and fa4-jax 0.1.0)
+    python -m benchmarks.fa4jax [--out DIR] [--quick]     (needs a CUDA GPU and fa4-jax 0.1.0)
 
 For B=2, H=32, H_kv = 8 and 32, S=8192, head dims 64, 128 and 192, causal and not, bf16, it times the backward
 alone (``jax.jit`` of the function ``jax.vjp`` returns, its residuals passed as arguments) of
@@ -49,7 +49,7 @@ def shapes(quick: bool):
 def _attention(name):
     import jax
 
-    from .. import fa4jax
+    from jax_dqpost import fa4jax
 
     if name == "dqpost":
         return fa4jax.flash_attn
@@ -161,14 +161,15 @@ def table(results) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m jax_dqpost.bench.fa4jax", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.fa4jax", description=__doc__.splitlines()[0])
     p.add_argument("--out", default=".", help="folder for fa4jax.json")
     p.add_argument("--quick", action="store_true", help="hd 128, H_kv 8 only")
     p.add_argument("--steps", type=int, default=30, help="traced steps per implementation and shape")
     args = p.parse_args(argv)
     import jax
 
-    from .. import fa4jax
+    from jax_dqpost import fa4jax
+
     from .__main__ import _commit
 
     try:
@@ -177,7 +178,7 @@ def main(argv=None) -> int:
         print(e, file=sys.stderr)
         return 2
     if jax.default_backend() != "gpu":
-        print("python -m jax_dqpost.bench.fa4jax needs a CUDA GPU", file=sys.stderr)
+        print("python -m benchmarks.fa4jax needs a CUDA GPU", file=sys.stderr)
         return 2
     results = []
     Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,7 @@
 """Draw docs/accum_orders.png: for each accumulator order, which producer thread stored each dQ element
 of one tile, and where the first thread's values sit. Needs matplotlib (not a package dependency).
 
-    python tools/draw_orders.py
+    python docs/draw_orders.py
 """
 
 from pathlib import Path
@@ -53,7 +53,7 @@ def main():
     fig.suptitle("Which producer thread stored dQ(i, j) of one accumulator tile (colour = thread id); "
                  "position in the tile: AccumLayout.tile_index_map", fontsize=11)
     fig.tight_layout()
-    out = Path(__file__).resolve().parents[1] / "docs" / "accum_orders.png"
+    out = Path(__file__).resolve().with_name("accum_orders.png")
     fig.savefig(out, dpi=80)
     print(out)
 

@@ -1,6 +1,6 @@
-"""Where the time of the `jax.jit` path goes, on the GPU machine:
+"""Where the time of the `jax.jit` path goes, on the GPU machine, from the repository root:
 
-    python tools/probe_timeline.py [TRACE_DIR]      (no TRACE_DIR: host-side timings only, no profiler)
+    python -m benchmarks.probe_timeline [TRACE_DIR]      (no TRACE_DIR: host-side timings only, no profiler)
 
 1. `jax.jit(dq_postprocess)` at the benchmark's reference shape (hd128, B, H, S = 2, 32, 8192), pipelined calls
    on two rotating inputs, and for comparison an XLA op moving about the same bytes (x * s -> bf16 of the same
@@ -28,7 +28,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jax_dqpost import AccumLayout, dq_postprocess  # noqa: E402
-from jax_dqpost.bench.harness import gpu_activities  # noqa: E402
+
+from .harness import gpu_activities  # noqa: E402
 
 
 def summarize(label, acts):

@@ -27,14 +27,15 @@ def table(rows) -> str:
         lines.append(
             f"{r['config']:>13} {r['packing']:>7} | {r['bytes'] / 1e6:6.1f} | {us('ours'):>15} | {us('FA4'):>15} | "
             f"{us('copy'):>15} | {_ratio(r, 'FA4', 'ours', '8.3f'):>8} | {_ratio(r, 'copy', 'ours', '7.1%'):>7} | "
-            f"{plain('xla_device'):>10} | {_ratio(r, 'xla_device', 'ours', '6.1%'):>6} | {plain('ours_jax'):>8} | {plain('xla_same_bytes'):>9} | {plain('jnp_gather'):>9} | "
+            f"{plain('xla_device'):>10} | {_ratio(r, 'xla_device', 'ours', '6.1%'):>6} | {plain('ours_jax'):>8} | "
+            f"{plain('xla_same_bytes'):>9} | {plain('jnp_gather'):>9} | "
             f"{_ratio(r, 'jnp_gather', 'ours_jax', '8.1f'):>8}")
     return "\n".join(lines)
 
 
 GOALS = {"dense of XLA op": 1.00, "varlen of XLA op": 0.98, "fused of XLA op": 0.98, "short of dense": 0.75,
          "short of sector bound": 0.75, "short of granule bound": 0.75}
-"""The speed goals (issue 13): our device time against XLA's fused op of the same bytes, and the short-sequence
+"""The speed goals: our device time against XLA's fused op of the same bytes, and the short-sequence
 sweep's throughput against dense (lengths up to 200, beyond 16) and against the bytes the lengths need (lengths up to
 16): in 32-byte sectors, and in the granules the L2 fetches from DRAM (its fetch granularity, 64 bytes by default)."""
 
@@ -102,7 +103,8 @@ def plot(report: dict, path: Path) -> None:
     for i, packing in enumerate(PACKINGS):
         for j, config in enumerate(configs):
             ax = axes[i, j]
-            rs = sorted((r for r in rows if r["packing"] == packing and r["config"] == config), key=lambda r: r["bytes"])
+            rs = sorted((r for r in rows if r["packing"] == packing and r["config"] == config),
+                        key=lambda r: r["bytes"])
             for impl in IMPLS:
                 pts = [(r["bytes"], _tbps(r, impl)) for r in rs if impl in r]
                 if pts:
@@ -124,7 +126,8 @@ def summary(report: dict) -> str:
     """The printed report of a run (everything but the plot)."""
     out = [f"== {report['gpu']}, {report['date']}, commit {report['commit']}, jax {report['jax']}, "
            f"FlashAttention-4 {report['flash_attn']}; median of {report['samples']} samples",
-           f"\n== B, H, S = {REFERENCE_SHAPE}, bf16 (varlen: 64 random lengths, same tokens)", table(report["reference"])]
+           f"\n== B, H, S = {REFERENCE_SHAPE}, bf16 (varlen: 64 random lengths, same tokens)",
+           table(report["reference"])]
     if report.get("fused"):
         from .fused import GQA_SHAPE, table as fused_table
 

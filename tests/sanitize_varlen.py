@@ -1,23 +1,18 @@
-"""Run the CUDA kernel on corrupt traced offsets, for compute-sanitizer (memcheck):
+"""Run the CUDA kernel on corrupt traced offsets, for compute-sanitizer (memcheck; tests/gpu_check.sh runs it):
 
     XLA_PYTHON_CLIENT_ALLOCATOR=platform compute-sanitizer --tool memcheck --error-exitcode 1 \\
-        python3 tools/sanitize_varlen.py
+        python3 tests/sanitize_varlen.py
 
 (the platform allocator gives every buffer its own allocation, so an access past one shows). Each result
 is also checked against the oracle's documented clamping of bad offsets.
 """
 
-import sys
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-import oracle  # noqa: E402
-
-from jax_dqpost import AccumLayout, dq_postprocess, flash_attention_postprocess  # noqa: E402
+import oracle  # tests/oracle.py: a script's folder is first on its path
+from jax_dqpost import AccumLayout, dq_postprocess, flash_attention_postprocess
 
 
 def main():

@@ -8,10 +8,9 @@ import functools
 import jax.numpy as jnp
 import numpy as np
 
-from .. import AccumLayout
-from ..plan import Part, Plan
-from ..varlen import WorkList
-from . import harness
+from jax_dqpost import AccumLayout, dq_postprocess
+
+from . import harness, internals
 
 # FlashAttention-4's Hopper dQ configurations, by head dim (AccumLayout.flash_attention(90, D, causal=...)).
 CONFIGS = [("hd64", 64, False), ("hd96", 96, False), ("hd128-causal", 128, True), ("hd128", 128, False),
@@ -24,7 +23,6 @@ IMPLS = ("ours", "FA4", "copy", "ours_jax", "xla_same_bytes", "jnp_gather")
 METHOD = ("ours/FA4/copy: CUDA events around the replay of a CUDA graph of back-to-back calls (*_eager: "
           "events around eager launches); ours_jax/xla_same_bytes/jnp_gather: wall clock of pipelined jitted calls; "
           "median of samples of >= 2 ms; >= 256 MiB of rotated buffers; seconds per call")
-_EXECUTORS: dict = {}
 
 
 def problem(head_dim: int, target_bytes: int | None):
@@ -94,24 +92,22 @@ class Case:
         self.B, self.H, self.S = B, H, S
         self.tokens = B * S
         tm = self.layout.tile_m
-        bf16 = np.dtype(jnp.bfloat16)
         if packing == "dense":
-            self.part, self.cu, self.meta = Part(self.layout, head_dim, bf16, seqlen=S), None, None
+            self.part, self.cu, self.meta = internals.dense_part(self.layout, head_dim, jnp.bfloat16, S), None, None
             self.acc_shape, self.out_shape = self.layout.accum_shape(B, H, S, head_dim), (B, S, H, head_dim)
         else:
             self.cu = random_lengths(rng, self.tokens, sequences) if cu is None else list(cu)
             if self.cu[-1] != self.tokens:
                 raise ValueError(f"cu must end at the problem's {self.tokens} tokens, got {self.cu[-1]}")
-            grid = WorkList.max_tiles(self.tokens, len(self.cu) - 1, self.layout) if traced else None
-            work, self.meta = WorkList.build(np, self.cu, None, total=self.tokens, layout=self.layout,
-                                             num_tiles=grid)
-            self.part = Part(self.layout, head_dim, bf16, work=work)
+            self.part, self.meta = internals.varlen_part(self.layout, head_dim, jnp.bfloat16, self.cu, self.tokens,
+                                                         traced)
+            work = self.part.work
             self.acc_shape = self.layout.varlen_accum_shape(work.batch, H, self.tokens, head_dim)
             self.out_shape = (self.tokens, H, head_dim)
             # CTAs: launched (the work list's grid), and one per tile and head, what the previous kernel launched
             self.ctas = work.ctas(H)
             self.tile_ctas = H * int(sum(-(-n // tm) for n in np.diff(self.cu)))
-        self.plan = Plan((self.part,))
+        self.plan = internals.plan([self.part])
         dr = self.part.padded_head_dim
         self.bytes = self.tokens * H * (dr * 4 + head_dim * 2)  # useful bytes: rows of the sequences only
         per_call = int(np.prod(self.acc_shape)) * 4 + int(np.prod(self.out_shape)) * 2
@@ -135,17 +131,9 @@ class Case:
         """Launcher of our kernel; ``tuning``: ``TileConverter`` keyword arguments (experiments only)."""
         import cuda.bindings.driver as cuda
 
-        from .. import arch, kernel_cache
-
-        dtype, parts, sink = self.plan.kernel_key
-        key = (self.plan.kernel_key, tuple(sorted(tuning.items())))
-        if key not in _EXECUTORS:
-            _EXECUTORS[key] = kernel_cache.compile_executor(dtype, parts, sink, arch.target_arch(), **tuning)
-        ex = _EXECUTORS[key]
-        extents, _ = self.plan.launch([self.acc_shape])
-        # abi.pointers(1, False): dq_accum, q_aux, scales, dq
-        args = [kernel_cache.executor_args(dtype, 1, None, [a.data_ptr(), self.t_meta.data_ptr(),
-                                                            self.t_scale.data_ptr(), o.data_ptr()], extents)
+        ex = internals.executor(self.plan, **tuning)
+        args = [internals.launch_args(self.plan, [self.acc_shape], dict(dq_accum=a, q_aux=self.t_meta,
+                                                                         scales=self.t_scale, dq=o))
                 for a, o in zip(self.t_acc, self.t_out)]
 
         def run(n):
@@ -200,8 +188,6 @@ class Case:
 
     def ours_jax_fn(self):
         import jax.numpy as jnp
-
-        from .. import dq_postprocess
 
         if self.cu is None:
             return lambda a: dq_postprocess(a, self.scale, seqlen_q=self.S, head_dim=self.D, dtype=jnp.bfloat16,

@@ -9,10 +9,11 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
-from . import harness
+from . import harness, internals
 
 
 def chain_cost(samples: int, n: int = 200) -> dict:
@@ -26,7 +27,7 @@ def chain_cost(samples: int, n: int = 200) -> dict:
 
     import jax
 
-    from .. import AccumLayout, _ffi, dq_postprocess
+    from jax_dqpost import AccumLayout, dq_postprocess
 
     layout = AccumLayout.flash_attention(90, 128, causal=False, tensor="dq")
     S, D = layout.tile_m, 128
@@ -56,11 +57,11 @@ def chain_cost(samples: int, n: int = 200) -> dict:
         return statistics.median(ts), text
 
     # Whether XLA may capture our calls into its command buffers (JAX_DQPOST_COMMAND_BUFFERS; the default is no).
-    out = {"shape": [1, S, 1, D], "calls": n, "command_buffers": _ffi.command_buffers()}
+    out = {"shape": [1, S, 1, D], "calls": n, "command_buffers": internals.command_buffers()}
     t1, _ = timed(ours, 1)
     tn, text = timed(ours, n)
     out["ours_device"] = harness.device_per_kernel(jax.jit(ours, static_argnums=1), (acc, n), harness.OUR_KERNEL)
-    out["our_calls_in_program"] = len(re.findall(f'custom_call_target="{_ffi.TARGET_NAME}"', text))
+    out["our_calls_in_program"] = len(re.findall(f'custom_call_target="{internals.TARGET_NAME}"', text))
     out["ours"] = (tn - t1) / (n - 1)
     out["ours_program_1"], out["ours_program_n"] = t1, tn
     t1, _ = timed(returned, 1)
@@ -75,13 +76,24 @@ def chain_cost(samples: int, n: int = 200) -> dict:
     return out
 
 
+_ROOT = str(Path(__file__).resolve().parents[1])  # the folder holding benchmarks/
+
+
+def _probe(code: str, env: dict, *args: str) -> subprocess.CompletedProcess:
+    """``python -c code args`` in a fresh process (this one's working directory, ``env``), where ``benchmarks``
+    imports as here: the folder holding it comes last on the path, after the jax_dqpost that process finds."""
+    prelude = f"import sys; sys.path.append({_ROOT!r})\n"
+    return subprocess.run([sys.executable, "-c", prelude + code, *args], env=env, capture_output=True, text=True)
+
+
 _START_PROBE = r"""
 import os, sys, time, json
 t0 = time.perf_counter()
 import jax, jax.numpy as jnp
 t1 = time.perf_counter()
 import jax_dqpost
-from jax_dqpost import AccumLayout, dq_postprocess, kernel_cache
+from jax_dqpost import AccumLayout, dq_postprocess
+from benchmarks import internals  # (and jax_dqpost.kernel_cache, which a first lowering imports)
 t2 = time.perf_counter()
 jnp.zeros(1).block_until_ready()
 jax.jit(lambda x: jnp.sin(x) * 2)(jnp.ones(8)).block_until_ready()  # XLA's compiler warmed up, not ours
@@ -90,7 +102,7 @@ for D in map(int, sys.argv[1].split(",")):
     layout = AccumLayout.flash_attention(90, D, causal=False, tensor="dq")
     acc = jnp.ones(layout.accum_shape(1, 2, 256, D), jnp.float32).block_until_ready()
     s = time.perf_counter()
-    kernel_cache.get_kernel(('bf16', ((layout, layout.padded_head_dim(D), 0),), None))
+    internals.get_kernel(internals.plan([internals.dense_part(layout, D, jnp.bfloat16, 256)]))
     k = time.perf_counter()
     jax.jit(lambda a: dq_postprocess(a, 0.1, seqlen_q=256, head_dim=D, layout=layout))(acc).block_until_ready()
     e = time.perf_counter()
@@ -101,7 +113,7 @@ print(json.dumps(res))
 
 _JAX_PATH_PROBE = r"""
 import json, sys
-from jax_dqpost.bench import cases, harness
+from benchmarks import cases, harness
 case = cases.Case("hd128", 128, False, "dense", None, None, None, None)
 case.jax_inputs()
 res = {}
@@ -121,7 +133,7 @@ def jax_path_costs() -> dict:
     for name, flags in (("default", ""), ("command_buffers_off", "--xla_gpu_enable_command_buffer=")):
         env = {**os.environ, "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " " + flags).strip(),
                "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
-        p = subprocess.run([sys.executable, "-c", _JAX_PATH_PROBE], env=env, capture_output=True, text=True)
+        p = _probe(_JAX_PATH_PROBE, env)
         out[name] = json.loads(p.stdout.strip().splitlines()[-1]) if p.returncode == 0 else {"error": p.stderr[-1500:]}
     return out
 
@@ -137,7 +149,7 @@ def start_costs(head_dims=(64, 128, 256)) -> dict:
     with tempfile.TemporaryDirectory(prefix="jax_dqpost_bench_cache_") as cache:
         env = {**os.environ, "JAX_DQPOST_CACHE_DIR": cache, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
         for name in ("cold", "warm"):
-            p = subprocess.run([sys.executable, "-c", _START_PROBE, arg], env=env, capture_output=True, text=True)
+            p = _probe(_START_PROBE, env, arg)
             if p.returncode:
                 return {"error": p.stderr[-2000:]}
             out[name] = json.loads(p.stdout.strip().splitlines()[-1])

@@ -1,6 +1,6 @@
 """Export jax-dqpost programs for CUDA on a machine without a GPU, for tests/test_gpu.py to run on one:
 
-    JAX_PLATFORMS=cpu python tools/export_artifacts.py        (writes tests/data/exported_*.bin + manifest)
+    JAX_PLATFORMS=cpu python tests/data/export_artifacts.py        (writes exported_*.bin + manifest beside it)
 
 The kernel is compiled for sm_90a through the explicit target option `jax_dqpost.cuda_arch`. Each artifact
 is shape-specialised; the manifest records its shapes and configuration so the GPU test can build inputs.
@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import jax_dqpost
 from jax_dqpost import DISABLED_CHECKS, AccumLayout, dq_postprocess
 
-DATA = Path(__file__).resolve().parents[1] / "tests" / "data"
+DATA = Path(__file__).resolve().parent
 
 CASES = {
     # dense, bf16, FlashAttention's hd128 Hopper configuration (tile_m 80, swapAB); scale traced

@@ -1,4 +1,4 @@
-"""Timing helpers of the benchmark, public for ``tools/``: CUDA-event and CUDA-graph timing (torch), wall-clock
+"""Timing helpers of the benchmark and of the scripts beside it: CUDA-event and CUDA-graph timing (torch), wall-clock
 timing of pipelined jitted calls, and the GPU's own timeline from a jax.profiler trace."""
 
 from __future__ import annotations
@@ -119,7 +119,8 @@ def device_per_kernel(f, args, name: str) -> dict:
         return {}
     gaps = [b[0] - (a[0] + a[1]) for a, b in zip(evs, evs[1:])]
     return {"kernels": len(evs), "per_call": (evs[-1][0] + evs[-1][1] - evs[0][0]) / len(evs) * 1e-9,
-            "median_duration": statistics.median(d for _, d in evs) * 1e-9, "median_gap": statistics.median(gaps) * 1e-9}
+            "median_duration": statistics.median(d for _, d in evs) * 1e-9,
+            "median_gap": statistics.median(gaps) * 1e-9}
 
 
 def device_spans(f, args, name: str = "") -> dict[str, float]:

@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import AccumLayout, abi, arch, flash_attention_postprocess, kernel_cache
-from ..plan import Part, Plan
-from ..varlen import WorkList
-from . import harness
+from jax_dqpost import AccumLayout, flash_attention_postprocess
+
+from . import harness, internals
 from .cases import ROTATE_BYTES, random_lengths
 
 GQA_SHAPE = (2, 32, 8, 8192)  # (B, H, H_kv, S)
@@ -38,11 +37,10 @@ class FusedCase:
         self.name = f"hd{head_dim}-{packing}" + ("-sink" if sink else "")
         self.ql = AccumLayout.flash_attention(90, head_dim, causal=False, tensor="dq")
         self.kl = AccumLayout.flash_attention(90, head_dim, causal=False, tensor="dkv")
-        bf16 = np.dtype(jnp.bfloat16)
         self.T = B * S
         if packing == "dense":
-            q = Part(self.ql, head_dim, bf16, seqlen=S)
-            k = Part(self.kl, head_dim, bf16, seqlen=S)
+            q = internals.dense_part(self.ql, head_dim, jnp.bfloat16, S)
+            k = internals.dense_part(self.kl, head_dim, jnp.bfloat16, S)
             self.cu, self.metas = None, (None, None)
             self.acc_shapes = (self.ql.accum_shape(B, H, S, head_dim), self.kl.accum_shape(B, G, S, head_dim),
                                self.kl.accum_shape(B, G, S, head_dim))
@@ -50,18 +48,17 @@ class FusedCase:
             self.rows = ((B, H, S), (B, H, self.ql.padded_seqlen(S)))
         else:
             self.cu = random_lengths(rng, self.T, 64)
-            wq, mq = WorkList.build(np, self.cu, None, total=self.T, layout=self.ql)
-            wk, mk = WorkList.build(np, self.cu, None, total=self.T, layout=self.kl)
-            q, k = Part(self.ql, head_dim, bf16, work=wq), Part(self.kl, head_dim, bf16, work=wk)
+            q, mq = internals.varlen_part(self.ql, head_dim, jnp.bfloat16, self.cu, self.T)
+            k, mk = internals.varlen_part(self.kl, head_dim, jnp.bfloat16, self.cu, self.T)
             self.metas = (mq, mk)
             batch = len(self.cu) - 1
             self.acc_shapes = (self.ql.varlen_accum_shape(batch, H, self.T, head_dim),
                                self.kl.varlen_accum_shape(batch, G, self.T, head_dim),
                                self.kl.varlen_accum_shape(batch, G, self.T, head_dim))
             self.out_shapes = ((self.T, H, head_dim), (self.T, G, head_dim), (self.T, G, head_dim))
-            self.rows = ((H, self.T), (H, wq.padded_total))
-        sink_dtype = np.dtype(np.float32) if sink else None
-        self.plan = Plan((q, k, k), sink_dtype=sink_dtype, dsink_dtype=sink_dtype)
+            self.rows = ((H, self.T), (H, q.work.padded_total))
+        self.parts = (q, k, k)
+        self.plan = internals.plan(self.parts, np.dtype(np.float32) if sink else None)
         self.scale = head_dim ** -0.5
         dr = q.padded_head_dim
         tokens_heads = self.T * (H + 2 * G)
@@ -91,18 +88,15 @@ class FusedCase:
     def fused_run(self, sink: bool):
         import cuda.bindings.driver as cuda
 
-        plan = self.plan if sink else self.plan.without_sink()
-        dtype, parts, sink_key = plan.kernel_key
-        ex = kernel_cache.compile_executor(dtype, parts, sink_key, arch.target_arch())
-        extents, _ = plan.launch(self.acc_shapes)
+        plan = self.plan if sink else internals.plan(self.parts)
+        ex = internals.executor(plan)
         args = []
         for i in range(self.copies):
             (qa, ka, va), (qo, ko, vo) = self.t_acc[i], self.t_out[i]
             buffers = dict(dq_accum=qa, dk_accum=ka, dv_accum=va, q_aux=self.t_meta[0], k_aux=self.t_meta[1],
                            scales=self.t_scales, learnable_sink=self.t_sink, lse=self.t_lse, dpsum=self.t_dpsum,
                            dq=qo, dk=ko, dv=vo, dsink=self.t_dsink[i])
-            addresses = [buffers[name].data_ptr() for name in abi.pointers(3, sink)]
-            args.append(kernel_cache.executor_args(dtype, 3, sink_key, addresses, extents))
+            args.append(internals.launch_args(plan, self.acc_shapes, buffers))
 
         def run(n):
             stream = cuda.CUstream(self.torch.cuda.current_stream().cuda_stream)
@@ -114,22 +108,18 @@ class FusedCase:
         """Our kernel launched once per tensor (one part each)."""
         import cuda.bindings.driver as cuda
 
-        launches = []
-        for j, p in enumerate(self.plan.parts):
-            plan = Plan((p,))
-            dtype, parts, _ = plan.kernel_key
-            ex = kernel_cache.compile_executor(dtype, parts, None, arch.target_arch())
-            launches.append((ex, dtype, plan.launch([self.acc_shapes[j]])[0], j))
+        plans = [internals.plan([p]) for p in self.parts]
+        executors = [internals.executor(p) for p in plans]
         scales = [self.t_scales[j:j + 1] for j in range(3)]
 
         def run(n):
             stream = cuda.CUstream(self.torch.cuda.current_stream().cuda_stream)
             for i in range(n):
                 k = i % self.copies
-                for ex, dtype, extents, j in launches:
-                    addresses = [self.t_acc[k][j].data_ptr(), self.t_meta[min(j, 1)].data_ptr(),
-                                 scales[j].data_ptr(), self.t_out[k][j].data_ptr()]  # abi.pointers(1, False)
-                    ex(*kernel_cache.executor_args(dtype, 1, None, addresses, extents), stream)
+                for j, (plan, ex) in enumerate(zip(plans, executors)):
+                    buffers = dict(dq_accum=self.t_acc[k][j], q_aux=self.t_meta[min(j, 1)], scales=scales[j],
+                                   dq=self.t_out[k][j])  # each tensor as the one part (dQ's) of its own call
+                    ex(*internals.launch_args(plan, [self.acc_shapes[j]], buffers), stream)
         return run
 
     def fa4_run(self, sink: bool):

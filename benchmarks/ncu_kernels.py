@@ -2,7 +2,7 @@
 repository root:
 
     python -m benchmarks.ncu_kernels sweep hd96 hd128 hd192
-        graph-replay time of our kernel with tuning variants (TileConverter keyword arguments; each checked
+        graph-replay time of our kernel with tuning variants (kernel.Postprocess keyword arguments; each checked
         bit-equal to the default's output), FlashAttention-4 and the same-bytes copy, side by side, median of 15
         (as the benchmark measures them), dense and varlen (64 random lengths)
     python -m benchmarks.ncu_kernels short [COUNT ...] [--l2-fetch BYTES]

@@ -25,6 +25,14 @@ def test_readme_is_short():
     assert len(README) <= 12_000, f"README.md has {len(README)} characters"
 
 
+@pytest.mark.parametrize("doc, limit", [("docs/design.md", 15_000), ("docs/performance.md", 10_000)])
+def test_docs_are_short(doc, limit):
+    """design.md holds the contract and its rationale, performance.md the method, the current tables and what
+    explains them; the kernel walkthrough lives in the module docstrings, the history in CHANGELOG.md."""
+    size = len((ROOT / doc).read_text())
+    assert size <= limit, f"{doc} has {size} characters, more than {limit}"
+
+
 def _readme_commands() -> list[str]:
     block = re.search(r"```bash\n(.*?)```", README, re.S).group(1)
     return [line for line in block.splitlines() if line.strip() and not line.lstrip().startswith("#")]
@@ -103,14 +111,18 @@ def test_readme_python_blocks_run(tmp_path):
     assert out.stdout.count("ran README.md block") == len(runnable), out.stdout
 
 
+def _preset_rows_of(text: str) -> list[list[str]]:
+    """The rows of a preset table in ``text``: table rows whose first cell lists GPU architectures."""
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")]
+            for line in text.splitlines() if line.strip().startswith("|")]
+    return [row for row in rows if re.fullmatch(r"\d+(, \d+)*", row[0])]
+
+
 def _preset_rows() -> list[list[str]]:
-    """The rows of the preset table (``AccumLayout.flash_attention``'s docstring, its one home): those whose first
-    cell lists GPU architectures."""
+    """The rows of the preset table in ``AccumLayout.flash_attention``'s docstring, its one home."""
     from jax_dqpost import AccumLayout
 
-    rows = [[c.strip() for c in line.strip().strip("|").split("|")]
-            for line in AccumLayout.flash_attention.__doc__.splitlines() if line.strip().startswith("|")]
-    return [row for row in rows if re.fullmatch(r"\d+(, \d+)*", row[0])]
+    return _preset_rows_of(AccumLayout.flash_attention.__doc__)
 
 
 def _preset_cell(cell: str):
@@ -151,6 +163,22 @@ def test_preset_table_is_what_the_code_returns():
                     assert _preset(arch, head_dim, flag, "dkv") == dkv, (arch, head_dim, flag, "dkv")
     archs = (90, 100, 101, 103, 110, 120, 121)
     assert sorted(covered) == [(a, d, c) for a in archs for d in range(8, 257, 8) for c in (False, True)]
+
+
+def test_readme_layout_section_is_what_the_code_takes():
+    """The README's "Which layout" table names the constructors, not the presets (their one home is the docstring
+    above, rendered into docs/api.md, where the README links): its GPU list is FlashAttention-4's, and the sm90
+    head dims it names for ``causal`` are those where the two dQ presets differ."""
+    from jax_dqpost.layout import FLASH_ATTENTION_ARCHS
+
+    section = README.split("\n## Which layout\n", 1)[1].split("\n## ", 1)[0]
+    assert not _preset_rows_of(section), "the preset table's home is AccumLayout.flash_attention's docstring"
+    archs = re.search(r"on GPU `arch` \(([\d, ]+)\)", section).group(1)
+    assert tuple(map(int, archs.split(", "))) == FLASH_ATTENTION_ARCHS, archs
+    lo, hi = map(int, re.search(r"on sm90 at head dims (\d+)\.\.(\d+) the\s+two dQ orders differ", section).groups())
+    differ = [d for d in range(8, 257, 8) if _preset(90, d, False, "dq") != _preset(90, d, True, "dq")]
+    assert differ == list(range(lo, hi + 1, 8)), differ
+    assert "api.md#jax_dqpostaccumlayoutflash_attention" in section
 
 
 def _numbers(text: str) -> set[str]:

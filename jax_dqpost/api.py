@@ -1,4 +1,4 @@
-"""The public entry points: the arguments coerced and checked (``_validate.py``), the call's
+"""The public entry points: the arguments coerced and checked (``_operands.py``), the call's
 :class:`~jax_dqpost.plan.Plan`, then one ``bind`` of the primitive (``primitive.py``)."""
 
 from __future__ import annotations
@@ -7,14 +7,14 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from . import _checks, _validate
+from . import _static_args, _operands
 from .layout import AccumLayout
 from .plan import ARG_NAMES, Operands, Plan
 from .primitive import postprocess_p
 from .reference import accum_from_dq_reference
 
 
-@_checks.required_arguments(layout=_validate.LAYOUT_HINT)
+@_static_args.required_arguments(layout=_operands.LAYOUT_HINT)
 def dq_postprocess(dq_accum, scale, *, head_dim: int, seqlen_q: int | None = None, total_q: int | None = None,
                    cu_seqlens_q=None, seqused_q=None, dtype=jnp.bfloat16, layout: AccumLayout,
                    learnable_sink=None, lse=None, dpsum=None):
@@ -72,21 +72,21 @@ def dq_postprocess(dq_accum, scale, *, head_dim: int, seqlen_q: int | None = Non
         a non-finite concrete scale; a side whose padded rows overflow int32; a launch larger than CUDA's grid
         (batch above 65535, 2^31 tiles).
     """
-    _validate.check_layout(layout, "layout")
-    head_dim = _checks.head_dim(head_dim)
+    _operands.check_layout(layout, "layout")
+    head_dim = _static_args.head_dim(head_dim)
     layout.check_head_dim(head_dim)
-    out_dtype = _validate.out_dtype(dtype)
-    dq_accum = _validate.accumulator("dq_accum", dq_accum)
-    scale = _validate.scale_operand(scale)
-    part, aux = _validate.part(layout, head_dim, out_dtype, seqlen_q, total_q, cu_seqlens_q, seqused_q)
-    sink = _validate.sink_operands(learnable_sink, lse, dpsum)
+    out_dtype = _operands.out_dtype(dtype)
+    dq_accum = _operands.accumulator("dq_accum", dq_accum)
+    scale = _operands.scale_operand(scale)
+    part, aux = _operands.part(layout, head_dim, out_dtype, seqlen_q, total_q, cu_seqlens_q, seqused_q)
+    sink = _operands.sink_operands(learnable_sink, lse, dpsum)
     sink_dtype = None if sink is None else sink[0].dtype
     plan = Plan((part,), sink_dtype=sink_dtype, dsink_dtype=sink_dtype)
     outs = _bind(plan, (dq_accum,), (aux,), scale.reshape(1), sink)
     return outs[0] if sink is None else (outs[0], outs[1])
 
 
-@_checks.required_arguments(dq_layout=_validate.LAYOUT_HINT)
+@_static_args.required_arguments(dq_layout=_operands.LAYOUT_HINT)
 def flash_attention_postprocess(dq_accum, dk_accum, dv_accum, softmax_scale, *, head_dim: int,
                                 head_dim_v: int | None = None, dtype=jnp.bfloat16, dq_layout: AccumLayout,
                                 dkv_layout: AccumLayout | None = None, dk_scale=None, seqlen_q: int | None = None,
@@ -143,21 +143,17 @@ def flash_attention_postprocess(dq_accum, dk_accum, dv_accum, softmax_scale, *, 
         different batches, key/value heads that do not divide the query heads, sink operands of the wrong
         shapes or only some of them.
     """
-    _validate.check_layout(dq_layout, "dq_layout")
-    head_dim = _checks.head_dim(head_dim)
+    head_dim = _static_args.head_dim(head_dim)
     head_dim_v_arg = head_dim_v
-    head_dim_v = head_dim if head_dim_v is None else _checks.head_dim(head_dim_v, name="head_dim_v")
-    dq_layout.check_head_dim(head_dim)
-    out_dtype = _validate.out_dtype(dtype)
-    dq_accum = _validate.accumulator("dq_accum", dq_accum)
-    scale = _validate.scale_operand(softmax_scale, "softmax_scale")
-    k_scale = scale if dk_scale is None else _validate.scale_operand(dk_scale, "dk_scale")
-    q_part, q_aux = _validate.part(dq_layout, head_dim, out_dtype, seqlen_q, total_q, cu_seqlens_q, seqused_q)
+    head_dim_v = head_dim if head_dim_v is None else _static_args.head_dim(head_dim_v, name="head_dim_v")
+    q_part, dq_accum, q_aux, scale = _q_side(dq_accum, softmax_scale, head_dim, dtype, dq_layout, seqlen_q, total_q,
+                                             cu_seqlens_q, seqused_q)
+    k_scale = scale if dk_scale is None else _operands.scale_operand(dk_scale, "dk_scale")
     if (dk_accum is None) != (dv_accum is None):
         raise ValueError("dk_accum and dv_accum must be given together (grouped-query attention) or both be None, "
                          f"got dk_accum={'None' if dk_accum is None else 'an array'}, "
                          f"dv_accum={'None' if dv_accum is None else 'an array'}")
-    sink = _validate.sink_operands(learnable_sink, lse, dpsum)
+    sink = _operands.sink_operands(learnable_sink, lse, dpsum)
     sink_dtype = None if sink is None else sink[0].dtype
     if dk_accum is None:
         unused = {name: v for name, v in (("dkv_layout", dkv_layout), ("head_dim_v", head_dim_v_arg),
@@ -170,21 +166,38 @@ def flash_attention_postprocess(dq_accum, dk_accum, dv_accum, softmax_scale, *, 
         plan = Plan((q_part,), sink_dtype=sink_dtype, dsink_dtype=sink_dtype)
         outs = _bind(plan, (dq_accum,), (q_aux,), scale.reshape(1), sink)
         return (outs[0], None, None) + ((outs[1],) if sink is not None else ())
-    if dkv_layout is None:
-        raise TypeError(f"flash_attention_postprocess() needs dkv_layout= with dk_accum and dv_accum: "
-                        f"{_validate.LAYOUT_HINT}")
-    _validate.check_layout(dkv_layout, "dkv_layout")
-    dkv_layout.check_head_dim(head_dim)
-    dkv_layout.check_head_dim(head_dim_v, "head_dim_v")
-    dk_accum = _validate.accumulator("dk_accum", dk_accum)
-    dv_accum = _validate.accumulator("dv_accum", dv_accum)
-    k_part, k_aux = _validate.part(dkv_layout, head_dim, out_dtype, seqlen_k, total_k, cu_seqlens_k, seqused_k,
-                                   ARG_NAMES["dk"])
-    v_part = dataclasses.replace(k_part, head_dim=head_dim_v)
+    k_part, v_part, dk_accum, dv_accum, k_aux = _k_side(dk_accum, dv_accum, head_dim, head_dim_v, q_part.dtype,
+                                                        dkv_layout, seqlen_k, total_k, cu_seqlens_k, seqused_k)
     plan = Plan((q_part, k_part, v_part), sink_dtype=sink_dtype, dsink_dtype=sink_dtype)
     plan.check_batch((dq_accum.shape, dk_accum.shape))
     return tuple(_bind(plan, (dq_accum, dk_accum, dv_accum), (q_aux, k_aux),
                        jnp.stack([scale, k_scale, jnp.float32(1)]), sink))
+
+
+def _q_side(dq_accum, scale, head_dim, dtype, layout, seqlen, total, cu_seqlens, seqused):
+    """``(part, dq_accum, q_aux, scale)`` of :func:`flash_attention_postprocess`'s q side, checked."""
+    _operands.check_layout(layout, "dq_layout")
+    layout.check_head_dim(head_dim)
+    out_dtype = _operands.out_dtype(dtype)
+    dq_accum = _operands.accumulator("dq_accum", dq_accum)
+    scale = _operands.scale_operand(scale, "softmax_scale")
+    part, aux = _operands.part(layout, head_dim, out_dtype, seqlen, total, cu_seqlens, seqused)
+    return part, dq_accum, aux, scale
+
+
+def _k_side(dk_accum, dv_accum, head_dim, head_dim_v, out_dtype, layout, seqlen, total, cu_seqlens, seqused):
+    """``(dK's part, dV's part, dk_accum, dv_accum, k_aux)`` of :func:`flash_attention_postprocess`'s k side,
+    checked."""
+    if layout is None:
+        raise TypeError(f"flash_attention_postprocess() needs dkv_layout= with dk_accum and dv_accum: "
+                        f"{_operands.LAYOUT_HINT}")
+    _operands.check_layout(layout, "dkv_layout")
+    layout.check_head_dim(head_dim)
+    layout.check_head_dim(head_dim_v, "head_dim_v")
+    dk_accum = _operands.accumulator("dk_accum", dk_accum)
+    dv_accum = _operands.accumulator("dv_accum", dv_accum)
+    k_part, aux = _operands.part(layout, head_dim, out_dtype, seqlen, total, cu_seqlens, seqused, ARG_NAMES["dk"])
+    return k_part, dataclasses.replace(k_part, head_dim=head_dim_v), dk_accum, dv_accum, aux
 
 
 def _bind(plan: Plan, accs, side_aux, scales, sink) -> list:
@@ -193,7 +206,7 @@ def _bind(plan: Plan, accs, side_aux, scales, sink) -> list:
     return postprocess_p.bind(*plan.join(Operands(tuple(accs), tuple(side_aux), scales, *(sink or ()))), plan=plan)
 
 
-@_checks.required_arguments(layout=_validate.LAYOUT_HINT)
+@_static_args.required_arguments(layout=_operands.LAYOUT_HINT)
 def dq_accum_from_dq(dq, scale, *, layout: AccumLayout, cu_seqlens_q=None, seqused_q=None):
     """The transpose of :func:`dq_postprocess`: build the float32 accumulator a producer would have written.
 
@@ -216,7 +229,7 @@ def dq_accum_from_dq(dq, scale, *, layout: AccumLayout, cu_seqlens_q=None, sequs
     Raises:
       TypeError, ValueError: as :func:`dq_postprocess`, naming the argument; a ``dq`` of the wrong rank.
     """
-    _validate.check_layout(layout)
+    _operands.check_layout(layout)
     dq = jnp.asarray(dq)
     if not jnp.issubdtype(dq.dtype, jnp.floating):
         raise TypeError(f"dq must be a floating-point array, got dtype {dq.dtype}")
@@ -226,11 +239,11 @@ def dq_accum_from_dq(dq, scale, *, layout: AccumLayout, cu_seqlens_q=None, sequs
         raise ValueError(f"dq must have shape {want}, got shape {dq.shape}")
     head_dim = int(dq.shape[-1])
     layout.check_head_dim(head_dim)
-    scale = _validate.scale_operand(scale)
+    scale = _operands.scale_operand(scale)
     if packed:
-        part, aux = _validate.part(layout, head_dim, dq.dtype, None, int(dq.shape[0]), cu_seqlens_q, seqused_q)
+        part, aux = _operands.part(layout, head_dim, dq.dtype, None, int(dq.shape[0]), cu_seqlens_q, seqused_q)
     else:
-        part, aux = _validate.part(layout, head_dim, dq.dtype, int(dq.shape[1]), None, None, seqused_q)
+        part, aux = _operands.part(layout, head_dim, dq.dtype, int(dq.shape[1]), None, None, seqused_q)
         if aux.shape != part.aux_shape(dq.shape[0]):
             raise ValueError(f"seqused_q must have shape {part.aux_shape(dq.shape[0])}, got {aux.shape}")
     return accum_from_dq_reference(dq, scale, aux, part)

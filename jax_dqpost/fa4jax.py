@@ -54,11 +54,11 @@ def accum_layout(order: tuple) -> AccumLayout:
                        cluster_size=1)
 
 
-def _layouts(cfg, q, k, v, acc):
+def _layouts(acc, head_dim: int, head_dim_v: int):
     """``(dq_layout, dkv_layout or None)`` of ``acc``, each checked against the head dims it holds."""
     gqa = acc.dk_accum is not None
     dq_layout, dkv_layout = accum_layout(acc.dq_order), (accum_layout(acc.dkv_order) if gqa else None)
-    d, d_v = q.shape[-1], v.shape[-1]
+    d, d_v = head_dim, head_dim_v
     for what, layout, head_dim in (("dQ", dq_layout, d), ("dK", dkv_layout, d), ("dV", dkv_layout, d_v)):
         try:
             if layout is not None:
@@ -76,7 +76,7 @@ def postprocess(cfg, q, k, v, acc, seqlens):
     """One :func:`~jax_dqpost.flash_attention_postprocess` launch for what fa4-jax's backward left (``acc``):
     ``(dq, dk, dv)``. Under grouped-query attention it converts all three; otherwise dQ alone, and dK, dV are the
     main kernel's. ValueError where fa4-jax wrote an accumulator in an order our kernel does not take."""
-    dq_layout, dkv_layout = _layouts(cfg, q, k, v, acc)
+    dq_layout, dkv_layout = _layouts(acc, q.shape[-1], v.shape[-1])
     if seqlens is None:
         q_side, k_side = dict(seqlen_q=q.shape[1]), dict(seqlen_k=k.shape[1])
     else:

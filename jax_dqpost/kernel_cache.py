@@ -220,8 +220,6 @@ def compile_executor(dtype: str, parts: tuple, sink, arch: str, **tuning):
 
 
 def _cute_compile(kernel, args: tuple, arch: str):
-    import warnings
-
     import cuda.bindings.driver as cuda
     import cutlass.cute as cute
     from cutlass.base_dsl.ast_helpers import DSLOptimizationWarning

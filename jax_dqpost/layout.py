@@ -26,8 +26,8 @@ import dataclasses
 
 import numpy as np
 
-from . import _checks
-from ._checks import MAX_HEAD_DIM
+from . import _static_args
+from ._static_args import MAX_HEAD_DIM
 from .arch import SUPPORTED_ARCHS, sm_version
 from .varlen import padded_total
 
@@ -49,11 +49,11 @@ has 163 KiB, sm_90 and sm_100 227 KiB). The kernel stages one ``tile_m x Dr`` dQ
 
 
 def _check_int(name: str, value, *, minimum: int = 1) -> int:
-    return _checks.static_int(f"AccumLayout.{name}", value, minimum=minimum)
+    return _static_args.static_int(f"AccumLayout.{name}", value, minimum=minimum)
 
 
 def _check_bool(name: str, value) -> bool:
-    return _checks.static_bool(f"AccumLayout.{name}", value)
+    return _static_args.static_bool(f"AccumLayout.{name}", value)
 
 
 CONSTRUCTORS = ("AccumLayout.flash_attention(arch, head_dim, causal=..., tensor='dq' or 'dkv') gives the order "
@@ -175,7 +175,7 @@ class AccumLayout:
 
     # ----------------------------------------------------------------------------------------------
     @classmethod
-    @_checks.required_arguments(causal=lambda: _causal_hint(), tensor=lambda: _tensor_hint())
+    @_static_args.required_arguments(causal=lambda: _causal_hint(), tensor=lambda: _tensor_hint())
     def flash_attention(cls, arch: int, head_dim: int, *, causal: bool, tensor: str,
                         head_dim_v: int | None = None) -> "AccumLayout":
         """The layout FlashAttention-4's backward uses on GPU architecture ``arch`` (90, 100, 101, 103, 110, 120 or
@@ -219,12 +219,12 @@ class AccumLayout:
             backward (sm80..sm89); on sm100/sm110, head dims above 192 (a dedicated kernel finishes dQ, dK and dV
             itself, with no separate postprocess); a head dim that is not a positive multiple of 8 up to 256.
         """
-        arch = _checks.static_int("arch", arch, minimum=1)
-        head_dim = _checks.head_dim(head_dim)
-        head_dim_v = head_dim if head_dim_v is None else _checks.head_dim(head_dim_v, name="head_dim_v")
-        causal = _checks.static_bool("causal", causal)
+        arch = _static_args.static_int("arch", arch, minimum=1)
+        head_dim = _static_args.head_dim(head_dim)
+        head_dim_v = head_dim if head_dim_v is None else _static_args.head_dim(head_dim_v, name="head_dim_v")
+        causal = _static_args.static_bool("causal", causal)
         if tensor not in ("dq", "dkv"):
-            raise ValueError(f"tensor must be 'dq' or 'dkv', got {_checks.describe(tensor)}")
+            raise ValueError(f"tensor must be 'dq' or 'dkv', got {_static_args.describe(tensor)}")
         if arch not in GPU_ARCHS:
             raise ValueError(f"arch={arch} is not a GPU architecture; the known ones are "
                              f"{', '.join(map(str, GPU_ARCHS))} (FlashAttention-4's backward runs on "
@@ -349,7 +349,7 @@ class AccumLayout:
     def _check_order(self, head_dim: int, name: str = "head_dim"):
         """The order itself is defined for ``head_dim`` (the producer's MMA tiling divides, Dr <= 256):
         ``(head_dim, Dr, description)``, else ``ValueError``. What the index map needs; the kernel needs more."""
-        head_dim = _checks.head_dim(head_dim, name)
+        head_dim = _static_args.head_dim(head_dim, name)
         dr = self.padded_head_dim(head_dim)
         what = f"{name}={head_dim} (padded to {dr}) with {self}"
         if dr > MAX_HEAD_DIM:
@@ -467,7 +467,7 @@ class AccumLayout:
                 + (f", cluster_size={self.cluster_size}" if self.cluster_size != 1 or self.arch == 100 else "") + ")")
 
 
-AccumLayout.__init__ = _checks.required_arguments(
+AccumLayout.__init__ = _static_args.required_arguments(
     **{f.name: f"the fields of the producer's order ({NO_DEFAULT}); {CONSTRUCTORS}"
        for f in dataclasses.fields(AccumLayout) if not f.kw_only})(AccumLayout.__init__)
 

@@ -15,7 +15,7 @@ import itertools
 import sys
 import time
 
-from . import _checks, abi, arch as arch_, kernel_cache
+from . import _static_args, abi, arch as arch_, kernel_cache
 from .layout import FLASH_ATTENTION_ARCHS, GPU_ARCHS, AccumLayout, has_postprocess
 from .abi import Tiling
 
@@ -79,7 +79,7 @@ def _preset_arch(text: str) -> int:
 
 
 def _head_dim(text: str) -> int:
-    return _checks.head_dim(_int(text))
+    return _static_args.head_dim(_int(text))
 
 
 def _arch(text: str) -> str:

@@ -51,8 +51,8 @@ INT32_MAX = 2**31 - 1  # row offsets, extents and the kernel's launch grid are i
 SHORT_ROWS = 16
 """A varlen tile of at most this many rows is a short tile, for the orders that have them (:func:`short_rows`)."""
 SHORT_HEADS = 8
-"""Heads per CTA of a short tile (H200, against 4, 16 and 32: best or within 1% with static offsets, within 2.4% with
-traced ones, and the best by 8-11% with the L2 fetching 32-byte sectors)."""
+"""Heads per CTA of a short tile, chosen by measurement on the H200 (``python -m benchmarks.ncu_kernels short``
+compares it with 4, 16 and 32)."""
 
 
 def short_rows(layout) -> int:

@@ -20,7 +20,7 @@ README = (ROOT / "README.md").read_text()
 
 
 def test_readme_is_short():
-    """Read in five minutes (issue #20): at most 12,000 characters. The reference lives in the docstrings, the
+    """Read in five minutes: at most 12,000 characters. The reference lives in the docstrings, the
     measurements in docs/performance.md, the history in CHANGELOG.md."""
     assert len(README) <= 12_000, f"README.md has {len(README)} characters"
 

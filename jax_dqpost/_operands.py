@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import abi
-from ._checks import describe, static_int
+from ._static_args import describe, static_int
 from .layout import CONSTRUCTORS, NO_DEFAULT, AccumLayout
 from .plan import ARG_NAMES, ArgNames, Part
 from .varlen import INT32_MAX, WorkList, check_static, padded_total

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import FA_HOPPER_CONFIGS, FA_HOPPER_HEAD_DIM, HAS_GPU, OTHER_ORDERS, PLATFORMS
+from conftest import FA4_PAIRS, FA_HOPPER_CONFIGS, FA_HOPPER_HEAD_DIM, HAS_GPU, OTHER_ORDERS, PLATFORMS, fa4_layouts
 from jax_dqpost import AccumLayout, dq_accum_from_dq, dq_postprocess, flash_attention_postprocess
 import oracle
 
@@ -37,11 +37,6 @@ PARTS = ("dq", "dqkv")
 SINK_DTYPES = {"f32": np.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
 PACKINGS = ("dense", "dense-seqused", "varlen", "varlen-seqused")
 HEADS = {"dq": (3, None), "dq-fused": (3, None), "dqkv": (6, 3)}  # query heads, key/value heads
-
-
-def _fa(arch, head_dim, causal=False):
-    return (AccumLayout.flash_attention(arch, head_dim, causal=causal, tensor="dq"),
-            AccumLayout.flash_attention(arch, head_dim, causal=causal, tensor="dkv"))
 
 
 def _same(layout):
@@ -59,15 +54,7 @@ class LayoutCase:
 
 LAYOUTS = {
     # FlashAttention-4's presets (dQ, dK/dV) on each GPU
-    "sm90-hd64": LayoutCase(*_fa(90, 64), (64,)),
-    "sm90-hd96": LayoutCase(*_fa(90, 96), (96,)),
-    "sm90-hd128": LayoutCase(*_fa(90, 128), (128,)),
-    "sm90-hd128-causal": LayoutCase(*_fa(90, 128, True), (128,)),
-    "sm90-hd192-dv128": LayoutCase(*_fa(90, 192), (192, 128)),
-    "sm90-hd256": LayoutCase(*_fa(90, 256), (256,)),
-    "sm100-1cta": LayoutCase(*_fa(100, 64), OTHER_ORDERS["sm100-1cta"][1]),
-    "sm100-2cta": LayoutCase(*_fa(100, 128), OTHER_ORDERS["sm100-2cta"][1]),
-    "sm120": LayoutCase(*_fa(120, 128), OTHER_ORDERS["sm120"][1]),
+    **{name: LayoutCase(*fa4_layouts(arch, hds[0], causal), hds) for name, (arch, causal, hds) in FA4_PAIRS.items()},
     # FlashAttention-3's C++ Hopper configurations and other orders (dK/dV in the same order)
     **{name: LayoutCase(*_same(AccumLayout(90, *FA_HOPPER_CONFIGS[name])), (FA_HOPPER_HEAD_DIM[name],))
        for name in FA_HOPPER_CONFIGS if name.startswith("cxx-")},
@@ -80,7 +67,7 @@ assert {FA_HOPPER_CONFIGS[n] for n in FA_HOPPER_CONFIGS if n.startswith("cute-")
     (c.dq.tile_m, c.dq.num_threads, c.dq.atom_layout, c.dq.swap_ab, c.dq.hdim_multiple_of)
     for n, c in LAYOUTS.items() if n.startswith("sm90-")}
 
-FA4_LAYOUTS = {name for name in LAYOUTS if name.startswith(("sm90-", "sm100-", "sm120"))}  # FlashAttention-4's pairs
+FA4_LAYOUTS = set(FA4_PAIRS)
 
 # The layouts every varlen combination runs: swapped and plain Hopper orders (short tiles or not), a head dim
 # padded to 64, the mma.sync, 2-CTA tcgen05 (clustered dK/dV) and row-major orders, and dV's own head dim.
@@ -352,7 +339,7 @@ def test_presets_at_every_head_dim(rng, platform, part, dtype, arch):
     calls, rest = [], list(PRESET_HEAD_DIMS[arch])
     while rest:
         d = rest.pop(0)
-        case = LayoutCase(*_fa(arch, d, causal=bool(rng.integers(2))), (d,))
+        case = LayoutCase(*fa4_layouts(arch, d, causal=bool(rng.integers(2))), (d,))
         dv = d
         if part == "dqkv":
             dv = next((x for x in rest if _takes(case.dkv, x)), d)
@@ -394,7 +381,7 @@ def test_scales_static_or_traced(rng, platform, part):
 @pytest.mark.parametrize("part", PARTS)
 def test_empty_shapes(platform, part):
     device = jax.devices(platform)[0]
-    q_layout, kv_layout = _fa(90, 64)
+    q_layout, kv_layout = fa4_layouts(90, 64)
     for b, h, s, h_kv, s_k in [(0, 2, 10, 1, 7), (2, 0, 10, 1, 7), (2, 2, 0, 1, 7), (2, 2, 10, 1, 0)]:
         q = jax.device_put(jnp.zeros(q_layout.accum_shape(b, h, s, 64), jnp.float32), device)
         if part == "dq":

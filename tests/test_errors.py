@@ -1,6 +1,6 @@
 """The public API's argument errors: each names the argument and the value, for dq_postprocess and
-flash_attention_postprocess (its q side and its k side); offsets a host can read (static, or jax arrays outside jit)
-are validated, traced ones are not (clamped, tests/test_postprocess.py)."""
+flash_attention_postprocess (its q side and its k side); offsets a host can read are validated (static ones here, jax
+arrays outside jit: tests/test_varlen.py), traced ones are not (clamped, tests/test_postprocess.py)."""
 
 from __future__ import annotations
 
@@ -192,33 +192,6 @@ def test_kv_errors_name_the_arguments_passed():
     with pytest.raises(ValueError, match=r"^head_dim_v=64 \(padded to 64\) with AccumLayout\(arch=90, tile_m=48"):
         flash_attention_postprocess(q, k, k, 0.1, head_dim=256, head_dim_v=64, dq_layout=dq_layout,
                                     dkv_layout=dkv_layout, seqlen_q=80, seqlen_k=60)
-
-
-def test_concrete_k_offsets_outside_jit_are_validated_like_static_values(rng):
-    """The k side's offsets and lengths as jax arrays outside jit: checked as static ones, naming the k side's
-    arguments; traced, the same values are clamped (no error)."""
-    dq_layout, dkv_layout, d, _ = fa4_pair("sm90-hd128")
-    s_q, s_k = 80, 100
-    q = jnp.asarray(rng.standard_normal(dq_layout.accum_shape(2, 4, s_q, d)), jnp.float32)
-    k_dense = jnp.asarray(rng.standard_normal(dkv_layout.accum_shape(2, 2, s_k, d)), jnp.float32)
-    k_packed = jnp.asarray(rng.standard_normal(dkv_layout.varlen_accum_shape(2, 2, s_k, d)), jnp.float32)
-    kw = dict(head_dim=d, dq_layout=dq_layout, dkv_layout=dkv_layout, seqlen_q=s_q)
-    packed = lambda cu, used=None: flash_attention_postprocess(q, k_packed, k_packed, 0.5, total_k=s_k, cu_seqlens_k=cu,
-                                                               seqused_k=used, **kw)
-    dense = lambda used: flash_attention_postprocess(q, k_dense, k_dense, 0.5, seqlen_k=s_k, seqused_k=used, **kw)
-    cases = [
-        (packed, [0, 100, 50], r"cu_seqlens_k must be non-decreasing, got cu_seqlens_k\[1\]=100 > "
-                               r"cu_seqlens_k\[2\]=50"),
-        (packed, [0, 50, 101], r"cu_seqlens_k\[-1\]=101 exceeds total_k=100"),
-        (lambda u: packed([0, 50, 100], u), [51, 3], r"seqused_k\[0\]=51 must be in \[0, 50\] .* in cu_seqlens_k"),
-        (dense, [200, 50], r"seqused_k\[0\]=200 must be in \[0, seqlen_k=100\]"),
-    ]
-    for call, values, match in cases:
-        with pytest.raises(ValueError, match=match):
-            call(values)
-        with pytest.raises(ValueError, match=match):
-            call(jnp.asarray(values, jnp.int32))
-        jax.jit(call)(jnp.asarray(values, jnp.int32))
 
 
 def test_q_and_k_sides_must_have_the_same_batch(rng):

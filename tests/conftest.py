@@ -164,7 +164,7 @@ def fa4_layouts(arch: int, head_dim: int, causal: bool = False) -> tuple[AccumLa
 
 def fa4_pair(name: str):
     """``FA4_PAIRS[name]`` as (dQ layout, dK/dV layout, head_dim, head_dim_v): its first head dim, and dV's (the
-    next, or the same where there is one)."""
+    next one, or the same where the tuple has only one)."""
     arch, causal, head_dims = FA4_PAIRS[name]
     return (*fa4_layouts(arch, head_dims[0], causal), head_dims[0], head_dims[1 % len(head_dims)])
 

@@ -114,7 +114,6 @@ def test_concurrent_writers(tmp_path):
     assert len(list(tmp_path.glob("*.cute"))) == 1 and not list(tmp_path.glob(".tmp-*"))
 
 
-
 def test_scale_and_values_do_not_recompile(rng):
     """Scales, values and shapes are run-time arguments of one compiled kernel: new ones reuse it."""
     layout = AccumLayout(90, 64, 256, 1, False, 32)
@@ -130,6 +129,7 @@ def test_scale_and_values_do_not_recompile(rng):
                       platforms=["cuda"], disabled_checks=DISABLED_CHECKS)(
         jax.ShapeDtypeStruct(layout.accum_shape(5, 1, 7, 120), jnp.float32), jax.ShapeDtypeStruct((), jnp.float32))
     assert kernel_cache.cache_size() == n
+
 
 @pytest.mark.parametrize("damage", ["truncated", "garbage", "one_byte", "empty", "old_format"])
 def test_a_damaged_entry_is_recompiled_and_rewritten_with_one_warning(tmp_path, monkeypatch, rng, damage):

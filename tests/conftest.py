@@ -142,6 +142,32 @@ OTHER_ORDERS = {
     "row-major": (AccumLayout(None, 64, 256, 1, False, 32), (40, 128, 256)),
 }
 
+# FlashAttention-4's (dQ, dK/dV) preset pairs the tests run: name -> (GPU arch, causal, head dims). The pair is the
+# one AccumLayout.flash_attention picks at the first head dim; the tests run it at each head dim of the tuple (with dK
+# and dV: dV's head dim is the next one).
+FA4_PAIRS = {
+    "sm90-hd64": (90, False, (64,)),
+    "sm90-hd96": (90, False, (96,)),
+    "sm90-hd128": (90, False, (128,)),
+    "sm90-hd128-causal": (90, True, (128,)),
+    "sm90-hd192-dv128": (90, False, (192, 128)),
+    "sm90-hd256": (90, False, (256,)),
+    **{name: (arch, False, OTHER_ORDERS[name][1]) for name, arch in (("sm100-1cta", 100), ("sm100-2cta", 100),
+                                                                        ("sm120", 120))},
+}
+
+
+def fa4_layouts(arch: int, head_dim: int, causal: bool = False) -> tuple[AccumLayout, AccumLayout]:
+    """FlashAttention-4's preset pair on GPU ``arch`` at ``head_dim``: (dQ layout, dK/dV layout)."""
+    return tuple(AccumLayout.flash_attention(arch, head_dim, causal=causal, tensor=t) for t in ("dq", "dkv"))
+
+
+def fa4_pair(name: str):
+    """``FA4_PAIRS[name]`` as (dQ layout, dK/dV layout, head_dim, head_dim_v): its first head dim, and dV's (the
+    next one, or the same where the tuple has only one)."""
+    arch, causal, head_dims = FA4_PAIRS[name]
+    return (*fa4_layouts(arch, head_dims[0], causal), head_dims[0], head_dims[1 % len(head_dims)])
+
 
 def fa_cute_hopper_config(head_dim: int, causal: bool = False):
     """The layout FlashAttention's CuTe DSL backward uses for dQ on Hopper, as a (tile_m, threads, atom,

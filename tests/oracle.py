@@ -256,13 +256,18 @@ def expected_dense_seqused(logical, seqused, scale, dtype):
 
 # ---- comparisons and whole cases (numpy only; a layout is read through its attributes)
 
+def bits(x) -> np.ndarray:
+    """``x``'s bits as unsigned integers of its width (bf16 and fp16: uint16; float32: uint32)."""
+    x = np.asarray(x)
+    return x.view(np.uint16) if x.dtype.itemsize == 2 else x.view(np.uint32)
+
+
 def assert_same_bits(got, want, what=""):
     """``got`` has ``want``'s shape, dtype and bits (NaNs in the same places, any NaN payload)."""
     got, want = np.asarray(got), np.asarray(want)
     assert got.shape == want.shape and got.dtype == want.dtype, (what, got.shape, got.dtype, want.shape, want.dtype)
     gnan, wnan = np.isnan(got.astype(np.float32)), np.isnan(want.astype(np.float32))
     assert np.array_equal(gnan, wnan), f"{what}: NaN positions differ"
-    bits = lambda x: x.view(np.uint16) if x.dtype.itemsize == 2 else x.view(np.uint32)  # noqa: E731
     diff = (bits(got) != bits(want)) & ~wnan
     if diff.any():
         idx = np.argwhere(diff)[:5]

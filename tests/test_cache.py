@@ -1,4 +1,5 @@
-"""The target-architecture option and the on-disk kernel cache (compiles for sm_90a without a GPU)."""
+"""The target-architecture option, the kernel cache (one compiled kernel for every scale, value and shape of a
+configuration) and its on-disk entries (compiles for sm_90a without a GPU)."""
 
 from __future__ import annotations
 
@@ -111,6 +112,23 @@ def test_concurrent_writers(tmp_path):
     results = _run(tmp_path, n=3)  # three processes compile and write the same entry at once
     assert len({fp for fp, _ in results}) == 1
     assert len(list(tmp_path.glob("*.cute"))) == 1 and not list(tmp_path.glob(".tmp-*"))
+
+
+def test_scale_and_values_do_not_recompile(rng):
+    """Scales, values and shapes are run-time arguments of one compiled kernel: new ones reuse it."""
+    layout = AccumLayout(90, 64, 256, 1, False, 32)
+    f = jax.jit(lambda a, s: dq_postprocess(a, s, seqlen_q=100, head_dim=128, layout=layout))
+    exported = lambda: jax.export.export(f, platforms=["cuda"], disabled_checks=DISABLED_CHECKS)(
+        jax.ShapeDtypeStruct(layout.accum_shape(2, 2, 100, 128), jnp.float32), jax.ShapeDtypeStruct((), jnp.float32))
+    exported()
+    n = kernel_cache.cache_size()
+    for scale in (0.5, 0.25):
+        f(jnp.asarray(rng.standard_normal(layout.accum_shape(2, 2, 100, 128)), jnp.float32), jnp.float32(scale))
+    # Other shapes of the same binary configuration reuse the compiled kernel.
+    jax.export.export(jax.jit(lambda a, s: dq_postprocess(a, s, seqlen_q=7, head_dim=120, layout=layout)),
+                      platforms=["cuda"], disabled_checks=DISABLED_CHECKS)(
+        jax.ShapeDtypeStruct(layout.accum_shape(5, 1, 7, 120), jnp.float32), jax.ShapeDtypeStruct((), jnp.float32))
+    assert kernel_cache.cache_size() == n
 
 
 @pytest.mark.parametrize("damage", ["truncated", "garbage", "one_byte", "empty", "old_format"])

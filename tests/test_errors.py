@@ -1,6 +1,6 @@
 """The public API's argument errors: each names the argument and the value, for dq_postprocess and
-flash_attention_postprocess (its q side and its k side); offsets a host can read (static, or jax arrays outside jit)
-are validated, traced ones are not (clamped, tests/test_postprocess.py)."""
+flash_attention_postprocess (its q side and its k side); offsets a host can read are validated (static ones here, jax
+arrays outside jit: tests/test_varlen.py), traced ones are not (clamped, tests/test_postprocess.py)."""
 
 from __future__ import annotations
 
@@ -12,18 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import fa4_pair
 from jax_dqpost import AccumLayout, dq_accum_from_dq, dq_postprocess, flash_attention_postprocess
 from oracle import assert_same_bits, random_offsets
 
 H, H_KV = 4, 2
-
-
-def _layouts(name):
-    """FlashAttention-4's (dQ, dK/dV) presets, head_dim, head_dim_v."""
-    arch, d, dv, causal = {"sm90-hd128": (90, 128, 128, False)}[name]
-    return (AccumLayout.flash_attention(arch, d, causal=causal, tensor="dq"),
-            AccumLayout.flash_attention(arch, d, causal=causal, tensor="dkv"),
-            d, dv)
 
 
 def test_errors_name_argument_and_value():
@@ -116,7 +109,7 @@ def test_static_validation_names_argument_and_value():
 
 
 def test_errors_name_the_argument():
-    dq_layout, dkv_layout, d, _ = _layouts("sm90-hd128")
+    dq_layout, dkv_layout, d, _ = fa4_pair("sm90-hd128")
     q = jnp.zeros(dq_layout.accum_shape(1, 4, 80, d), jnp.float32)
     k = jnp.zeros(dkv_layout.accum_shape(1, 2, 60, d), jnp.float32)
     base = dict(head_dim=d, dq_layout=dq_layout, dkv_layout=dkv_layout, seqlen_q=80, seqlen_k=60)
@@ -155,7 +148,7 @@ def test_errors_name_the_argument():
 
 def test_kv_errors_name_the_arguments_passed():
     """dK/dV shape and offset errors name dk_accum/dv_accum, the k side's arguments and head_dim_v, never dQ's."""
-    dq_layout, dkv_layout, d, _ = _layouts("sm90-hd128")
+    dq_layout, dkv_layout, d, _ = fa4_pair("sm90-hd128")
     k = jnp.zeros(dkv_layout.accum_shape(1, 2, 60, d), jnp.float32)
     v64 = jnp.zeros(dkv_layout.accum_shape(1, 2, 60, 64), jnp.float32)
     k_packed = jnp.zeros(dkv_layout.varlen_accum_shape(2, 2, 100, d), jnp.float32)
@@ -201,38 +194,11 @@ def test_kv_errors_name_the_arguments_passed():
                                     dkv_layout=dkv_layout, seqlen_q=80, seqlen_k=60)
 
 
-def test_concrete_k_offsets_outside_jit_are_validated_like_static_values(rng):
-    """The k side's offsets and lengths as jax arrays outside jit: checked as static ones, naming the k side's
-    arguments; traced, the same values are clamped (no error)."""
-    dq_layout, dkv_layout, d, _ = _layouts("sm90-hd128")
-    s_q, s_k = 80, 100
-    q = jnp.asarray(rng.standard_normal(dq_layout.accum_shape(2, 4, s_q, d)), jnp.float32)
-    k_dense = jnp.asarray(rng.standard_normal(dkv_layout.accum_shape(2, 2, s_k, d)), jnp.float32)
-    k_packed = jnp.asarray(rng.standard_normal(dkv_layout.varlen_accum_shape(2, 2, s_k, d)), jnp.float32)
-    kw = dict(head_dim=d, dq_layout=dq_layout, dkv_layout=dkv_layout, seqlen_q=s_q)
-    packed = lambda cu, used=None: flash_attention_postprocess(q, k_packed, k_packed, 0.5, total_k=s_k, cu_seqlens_k=cu,
-                                                               seqused_k=used, **kw)
-    dense = lambda used: flash_attention_postprocess(q, k_dense, k_dense, 0.5, seqlen_k=s_k, seqused_k=used, **kw)
-    cases = [
-        (packed, [0, 100, 50], r"cu_seqlens_k must be non-decreasing, got cu_seqlens_k\[1\]=100 > "
-                               r"cu_seqlens_k\[2\]=50"),
-        (packed, [0, 50, 101], r"cu_seqlens_k\[-1\]=101 exceeds total_k=100"),
-        (lambda u: packed([0, 50, 100], u), [51, 3], r"seqused_k\[0\]=51 must be in \[0, 50\] .* in cu_seqlens_k"),
-        (dense, [200, 50], r"seqused_k\[0\]=200 must be in \[0, seqlen_k=100\]"),
-    ]
-    for call, values, match in cases:
-        with pytest.raises(ValueError, match=match):
-            call(values)
-        with pytest.raises(ValueError, match=match):
-            call(jnp.asarray(values, jnp.int32))
-        jax.jit(call)(jnp.asarray(values, jnp.int32))
-
-
 def test_q_and_k_sides_must_have_the_same_batch(rng):
     """Every pairing of dense and packed sides: the batch of a dense accumulator, the sequences of a packed side
     (static or traced offsets); a mismatch names both. Matching batches pass, also under vmap (which folds a dense
     batch but not a packed side's sequences)."""
-    dq_layout, dkv_layout, d, _ = _layouts("sm90-hd128")
+    dq_layout, dkv_layout, d, _ = fa4_pair("sm90-hd128")
     kw = dict(head_dim=d, dq_layout=dq_layout, dkv_layout=dkv_layout)
 
     def side(layout, heads, batch, packed, k):
@@ -272,7 +238,7 @@ def test_q_and_k_sides_must_have_the_same_batch(rng):
 
 def _gqa_call(**kw):
     """flash_attention_postprocess on zero accumulators (FlashAttention-4's sm90 hd128 orders), keywords changed."""
-    dq_layout, dkv_layout, d, _ = _layouts("sm90-hd128")
+    dq_layout, dkv_layout, d, _ = fa4_pair("sm90-hd128")
     args = dict(dq_accum=jnp.zeros(dq_layout.accum_shape(1, H, 80, d), jnp.float32),
                 dk_accum=jnp.zeros(dkv_layout.accum_shape(1, H_KV, 60, d), jnp.float32), softmax_scale=0.5,
                 head_dim=d, dq_layout=dq_layout, dkv_layout=dkv_layout, seqlen_q=80, seqlen_k=60)
@@ -290,7 +256,7 @@ NOT_FINITE = [float("nan"), float("inf"), -float("inf"), 1e40, -3.5e38, 10**400,
 def test_a_scale_the_host_sees_must_be_finite_in_float32(value):
     """nan, infinities and values that overflow float32 (a Python float, a numpy or a concrete jax scalar) are a
     ValueError naming the argument and the value, before any computation and with no numpy warning."""
-    layout, _, d, _ = _layouts("sm90-hd128")
+    layout, _, d, _ = fa4_pair("sm90-hd128")
     acc = jnp.zeros(layout.accum_shape(1, H, 80, d), jnp.float32)
     if isinstance(value, (np.ndarray, jax.Array)):
         value_shown = repr(np.asarray(value).item())  # an array's value, read back
@@ -312,7 +278,7 @@ def test_a_scale_the_host_sees_must_be_finite_in_float32(value):
 
 def test_a_traced_scale_is_used_as_it_is(rng):
     """The host cannot see a traced scale: a NaN one gives a NaN gradient (documented), no error."""
-    layout, _, d, _ = _layouts("sm90-hd128")
+    layout, _, d, _ = fa4_pair("sm90-hd128")
     acc = jnp.asarray(rng.standard_normal(layout.accum_shape(1, H, 80, d)), jnp.float32)
     out = jax.jit(lambda a, s: dq_postprocess(a, s, seqlen_q=80, head_dim=d, layout=layout))(acc, jnp.float32(jnp.nan))
     assert np.isnan(np.asarray(out, np.float32)).all()
@@ -321,7 +287,7 @@ def test_a_traced_scale_is_used_as_it_is(rng):
 def test_sizes_past_the_kernels_limits_are_refused_at_trace_time():
     """Rows that overflow the kernel's int32 offsets, dense or packed, on either side, and launches larger than
     CUDA's grid: a ValueError naming the argument from jax.eval_shape, on every platform (not at CUDA lowering)."""
-    dq_layout, dkv_layout, d, _ = _layouts("sm90-hd128")
+    dq_layout, dkv_layout, d, _ = fa4_pair("sm90-hd128")
     f32 = lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
     big = 2**31
     too_many = r"is too large: the accumulator's \d+ rows \(with padding\) do not fit the kernel's int32 row offsets"
@@ -364,7 +330,7 @@ def test_sizes_past_the_kernels_limits_are_refused_at_trace_time():
 @pytest.mark.parametrize("spelling", ["bf16", "bfloat16", "f16", "float16"])
 def test_dtype_names_in_either_spelling(rng, spelling):
     """The API takes a dtype or its name, short (the kernel cache's and precompile's) or numpy's: the same bits."""
-    layout, _, d, _ = _layouts("sm90-hd128")
+    layout, _, d, _ = fa4_pair("sm90-hd128")
     acc = jnp.asarray(rng.standard_normal(layout.accum_shape(1, H, 80, d)), jnp.float32)
     dtype = jnp.bfloat16 if spelling.startswith("b") else jnp.float16
     got = dq_postprocess(acc, 0.3, seqlen_q=80, head_dim=d, layout=layout, dtype=spelling)

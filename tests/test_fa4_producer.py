@@ -20,6 +20,7 @@ import pytest
 
 from conftest import HAS_GPU
 from jax_dqpost import AccumLayout, flash_attention_postprocess
+from oracle import bits
 
 pytestmark = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
 
@@ -78,11 +79,6 @@ def _np(t):
     if t.dtype == torch.bfloat16:
         return t.cpu().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
     return t.cpu().numpy()
-
-
-def _bits(x):
-    x = np.asarray(x)
-    return x.view(np.uint16) if x.dtype.itemsize == 2 else x.view(np.uint32)
 
 
 def _run_fa4_backward(torch, interface, rng, head_dim, causal, varlen, sink_dtype):
@@ -165,11 +161,11 @@ def test_fused_postprocess_of_flash_attention_4_backward(rng, head_dim, causal, 
             written = np.zeros(want.shape[0], bool)
             for b in range(len(used)):
                 written[cu[b]:cu[b] + used[b]] = True
-            assert not _bits(got[~written]).any(), f"{what}: rows past seqused must be zeros"
+            assert not bits(got[~written]).any(), f"{what}: rows past seqused must be zeros"
             got, want = got[written], want[written]
-        diff = np.flatnonzero(_bits(got) != _bits(want))
+        diff = np.flatnonzero(bits(got) != bits(want))
         assert diff.size == 0, f"{what}: {diff.size} of {want.size} elements differ from FlashAttention-4's"
     if sink is not None:
         got, want = np.asarray(outs[3]), _np(cq["dsink"])
         assert got.dtype == want.dtype
-        assert (_bits(got) == _bits(want)).all(), f"dsink {got} differs from FlashAttention-4's {want}"
+        assert (bits(got) == bits(want)).all(), f"dsink {got} differs from FlashAttention-4's {want}"

@@ -30,10 +30,6 @@ HEAD_DIMS = (64, 96, 128, 192, 256)
 DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16}
 
 
-def _bits(x):
-    return np.asarray(x).view(np.uint16)
-
-
 def _fresh_registration():
     _fa4jax.modules.cache_clear()
     fa4jax.register.cache_clear()
@@ -168,10 +164,10 @@ def test_postprocess_bit_identical_to_fa4jax(rng, dtype, head_dim, head_dim_v, c
     gqa = heads_kv < heads
     for name, want, got, rows in zip(("dq", "dk", "dv"), theirs, ours, (q_rows, k_rows, k_rows)):
         # Without grouped-query attention dk, dv are the main kernel's, passed through on both sides.
-        np.testing.assert_array_equal(_bits(got)[rows], _bits(want)[rows], err_msg=name)
+        np.testing.assert_array_equal(oracle.bits(got)[rows], oracle.bits(want)[rows], err_msg=name)
         if seqlens is not None and (gqa or name == "dq"):  # rows no sequence uses: 0 here, unspecified in fa4-jax
             assert not np.asarray(got)[~rows].any(), name
-        used = _bits(got)[rows]
+        used = oracle.bits(got)[rows]
         assert np.count_nonzero(used) > used.size // 2, name  # a real gradient (causal: the early rows are 0)
 
 
@@ -198,8 +194,8 @@ def _fa4_own(q, k, v, **kwargs):
 
 def _assert_same(got, want):
     for name, g, w in zip(("dq", "dk", "dv"), got, want):
-        np.testing.assert_array_equal(_bits(g), _bits(w), err_msg=name)
-        assert np.count_nonzero(_bits(g)) > g.size // 2, name
+        np.testing.assert_array_equal(oracle.bits(g), oracle.bits(w), err_msg=name)
+        assert np.count_nonzero(oracle.bits(g)) > g.size // 2, name
 
 
 @needs_fa4jax_gpu
@@ -268,8 +264,8 @@ def test_varlen_grad_equals_fa4jax(rng, heads_kv, defined_padding):
     rows = _rows(np.asarray(cu), used, total)
     for name, got, want in zip(("dq", "dk", "dv"), ours, theirs):
         where = slice(None) if defined_padding else rows
-        np.testing.assert_array_equal(_bits(got)[where], _bits(want)[where], err_msg=name)
-        assert np.count_nonzero(_bits(got)[rows]) > _bits(got)[rows].size // 2, name
+        np.testing.assert_array_equal(oracle.bits(got)[where], oracle.bits(want)[where], err_msg=name)
+        assert np.count_nonzero(oracle.bits(got)[rows]) > oracle.bits(got)[rows].size // 2, name
     assert not np.asarray(ours[0])[~rows].any()
 
 

@@ -6,12 +6,12 @@ float16, with its gradient) x the packing (dense, dense with seqused, varlen, va
 (static or traced) x the output dtype (bf16, fp16) x the accumulator layout. dq, dk and dv must have the oracle's
 bits (one fp32 multiply, one rounding); dsink must be within tolerance of a float64 reference.
 
-Every (part, sink, packing, offsets) combination runs (test_matches_oracle). Without a sink, dense runs every
-layout in both dtypes through both parts (dQ alone at each of the layout's head dims and at the tile boundaries);
-the other combinations take their (layout, dtype) runs in turn from a cycle (_matrix), so that each layout meets
-both dtypes, both offsets and both kinds of lengths. FlashAttention-4's presets run at every head dim
-(test_presets_at_every_head_dim); rounding ties, scales, empty shapes, corrupt traced offsets and many short
-sequences have their own tests, through both parts.
+test_matches_oracle runs MATRIX, these axes' products written out: every (part, sink or none, packing, offsets)
+combination. Without a sink, dense runs every layout in both dtypes (dQ alone at each of the layout's head dims and at
+the tile boundaries); varlen runs each layout of VARLEN_A and VARLEN_B in both dtypes in each part, with seqused and
+without, with static offsets and traced ones (all four combinations over the two parts). dQ alone runs every packing
+with every sink dtype. FlashAttention-4's presets run at every head dim (test_presets_at_every_head_dim); rounding
+ties, scales, empty shapes, corrupt traced offsets and many short sequences have their own tests, through both parts.
 
 On CPU this checks the jax.numpy reference; where a CUDA GPU is present the same tests run the kernels, each output
 written over a poisoned buffer (run).
@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import FA_HOPPER_CONFIGS, FA_HOPPER_HEAD_DIM, HAS_GPU, OTHER_ORDERS, PLATFORMS
+from conftest import FA4_PAIRS, FA_HOPPER_CONFIGS, FA_HOPPER_HEAD_DIM, HAS_GPU, OTHER_ORDERS, PLATFORMS, fa4_layouts
 from jax_dqpost import AccumLayout, dq_accum_from_dq, dq_postprocess, flash_attention_postprocess
 import oracle
 
@@ -37,11 +37,6 @@ PARTS = ("dq", "dqkv")
 SINK_DTYPES = {"f32": np.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
 PACKINGS = ("dense", "dense-seqused", "varlen", "varlen-seqused")
 HEADS = {"dq": (3, None), "dq-fused": (3, None), "dqkv": (6, 3)}  # query heads, key/value heads
-
-
-def _fa(arch, head_dim, causal=False):
-    return (AccumLayout.flash_attention(arch, head_dim, causal=causal, tensor="dq"),
-            AccumLayout.flash_attention(arch, head_dim, causal=causal, tensor="dkv"))
 
 
 def _same(layout):
@@ -57,22 +52,15 @@ class LayoutCase:
     head_dims: tuple[int, ...]
 
 
+CXX_LAYOUTS = tuple(name for name in FA_HOPPER_CONFIGS if name.startswith("cxx-"))  # FlashAttention-3's C++ Hopper
+OTHER_LAYOUTS = ("sm80-swap", "sm80-cxx-hd64", "row-major")
 LAYOUTS = {
     # FlashAttention-4's presets (dQ, dK/dV) on each GPU
-    "sm90-hd64": LayoutCase(*_fa(90, 64), (64,)),
-    "sm90-hd96": LayoutCase(*_fa(90, 96), (96,)),
-    "sm90-hd128": LayoutCase(*_fa(90, 128), (128,)),
-    "sm90-hd128-causal": LayoutCase(*_fa(90, 128, True), (128,)),
-    "sm90-hd192-dv128": LayoutCase(*_fa(90, 192), (192, 128)),
-    "sm90-hd256": LayoutCase(*_fa(90, 256), (256,)),
-    "sm100-1cta": LayoutCase(*_fa(100, 64), OTHER_ORDERS["sm100-1cta"][1]),
-    "sm100-2cta": LayoutCase(*_fa(100, 128), OTHER_ORDERS["sm100-2cta"][1]),
-    "sm120": LayoutCase(*_fa(120, 128), OTHER_ORDERS["sm120"][1]),
+    **{name: LayoutCase(*fa4_layouts(arch, hds[0], causal), hds) for name, (arch, causal, hds) in FA4_PAIRS.items()},
     # FlashAttention-3's C++ Hopper configurations and other orders (dK/dV in the same order)
     **{name: LayoutCase(*_same(AccumLayout(90, *FA_HOPPER_CONFIGS[name])), (FA_HOPPER_HEAD_DIM[name],))
-       for name in FA_HOPPER_CONFIGS if name.startswith("cxx-")},
-    **{name: LayoutCase(*_same(OTHER_ORDERS[name][0]), OTHER_ORDERS[name][1])
-       for name in ("sm80-swap", "sm80-cxx-hd64", "row-major")},
+       for name in CXX_LAYOUTS},
+    **{name: LayoutCase(*_same(OTHER_ORDERS[name][0]), OTHER_ORDERS[name][1]) for name in OTHER_LAYOUTS},
 }
 assert LAYOUTS["sm100-1cta"].dq == OTHER_ORDERS["sm100-1cta"][0] and LAYOUTS["sm120"].dq == OTHER_ORDERS["sm120"][0]
 assert LAYOUTS["sm100-2cta"].dq == OTHER_ORDERS["sm100-2cta"][0]
@@ -80,53 +68,70 @@ assert {FA_HOPPER_CONFIGS[n] for n in FA_HOPPER_CONFIGS if n.startswith("cute-")
     (c.dq.tile_m, c.dq.num_threads, c.dq.atom_layout, c.dq.swap_ab, c.dq.hdim_multiple_of)
     for n, c in LAYOUTS.items() if n.startswith("sm90-")}
 
-FA4_LAYOUTS = {name for name in LAYOUTS if name.startswith(("sm90-", "sm100-", "sm120"))}  # FlashAttention-4's pairs
+OUT_DTYPES = ("bf16", "f16")
 
-# The layouts every varlen combination runs: swapped and plain Hopper orders (short tiles or not), a head dim
-# padded to 64, the mma.sync, 2-CTA tcgen05 (clustered dK/dV) and row-major orders, and dV's own head dim.
-VARLEN_LAYOUTS = ("sm90-hd128", "sm90-hd64", "sm90-hd96", "cxx-hd256-swap", "sm120", "sm100-2cta", "row-major",
-                  "sm90-hd192-dv128")
-
-
-def _cycle(items, step):
-    """``items`` in an endless cycle, every ``step``-th (coprime to their number: each comes once per round)."""
-    items = list(items)
-    assert np.gcd(step, len(items)) == 1
-    return (items[(i * step) % len(items)] for i in itertools.count())
+# The layouts every varlen combination runs, in two halves. A: the swapped and the plain Hopper orders (short tiles or
+# not), the mma.sync and the row-major orders; B: a single warpgroup, a head dim padded to 64, 2-CTA tcgen05
+# (clustered dK/dV) and dV's own head dim.
+VARLEN_A = ("sm90-hd128", "sm90-hd64", "sm120", "row-major")
+VARLEN_B = ("sm90-hd96", "cxx-hd256-swap", "sm100-2cta", "sm90-hd192-dv128")
 
 
-def _matrix():
-    """The matrix's parameters: (part, sink, packing, offsets) in every combination, each with runs of (layout,
-    dtype, sink dtype).
+def _run(part, sink, packing, offsets, dtype, layout):
+    """One of test_matches_oracle's parameters (a sink: a SINK_DTYPES name, or None)."""
+    ident = "-".join([part, f"sink_{sink}" if sink else "nosink", packing]
+                     + ([offsets] if packing != "dense" else []) + [dtype, layout])
+    return pytest.param(part, sink, packing, offsets, dtype, layout, id=ident)
 
-    Without a sink, dense runs every layout in both dtypes (with dK and dV, the layouts that are not FlashAttention-4's
-    pairs in one dtype each). The other combinations take their runs in turn from a
-    cycle: varlen four runs each from VARLEN_LAYOUTS x dtypes (every pair once per part), dense with seqused two and
-    a sink one (with static offsets and dQ alone, one per sink dtype) from all layouts x dtypes."""
-    params = []
-    for part in PARTS:
-        varlen_runs = _cycle(itertools.product(VARLEN_LAYOUTS, ("bf16", "f16")), 3 if part == "dq" else 5)
-        other_runs = _cycle(itertools.product(sorted(LAYOUTS), ("bf16", "f16")), 5 if part == "dq" else 7)
-        sink_dtypes = _cycle(SINK_DTYPES, 1 if part == "dq" else 2)
-        for sink, packing in itertools.product((False, True), PACKINGS):
-            for offsets in ("static",) if packing == "dense" else ("static", "traced"):
-                if not sink and packing == "dense":  # (dK/dV in a dQ order: one dtype each, in turn)
-                    runs = [(layout, dtype, None) for i, layout in enumerate(sorted(LAYOUTS))
-                            for dtype in ("bf16", "f16")
-                            if part == "dq" or layout in FA4_LAYOUTS or dtype == ("bf16", "f16")[i % 2]]
-                elif not sink and packing.startswith("varlen"):
-                    runs = [(*next(varlen_runs), None) for _ in range(4)]
-                elif not sink:
-                    runs = [(*next(other_runs), None) for _ in range(2)]
-                elif part == "dq" and offsets == "static":
-                    runs = [(*next(other_runs), sink_dtype) for sink_dtype in SINK_DTYPES]
-                else:
-                    runs = [(*next(other_runs), next(sink_dtypes))]
-                for layout, dtype, sink_dtype in runs:
-                    ident = "-".join([part, f"sink_{sink_dtype}" if sink else "nosink", packing]
-                                     + ([offsets] if packing != "dense" else []) + [dtype, layout])
-                    params.append(pytest.param(part, sink_dtype, packing, offsets, dtype, layout, id=ident))
-    return params
+
+def _product(parts, sinks, packings, offsets, dtypes, layouts):
+    """A run of every combination of the values of each axis."""
+    return [_run(*values) for values in itertools.product(parts, sinks, packings, offsets, dtypes, layouts)]
+
+
+MATRIX = [
+    # Dense, no sink: every layout in both dtypes; with dK and dV, FlashAttention-4's pairs in both dtypes and the
+    # orders whose dK/dV is their dQ order in one (FlashAttention-3's C++ ones in bf16, the others in fp16).
+    *_product(["dq"], [None], ["dense"], ["static"], OUT_DTYPES, LAYOUTS),
+    *_product(["dqkv"], [None], ["dense"], ["static"], OUT_DTYPES, FA4_PAIRS),
+    *_product(["dqkv"], [None], ["dense"], ["static"], ["bf16"], CXX_LAYOUTS),
+    *_product(["dqkv"], [None], ["dense"], ["static"], ["f16"], OTHER_LAYOUTS),
+    # Dense with seqused, no sink: both parts with static and traced lengths, in a Hopper and a Blackwell order.
+    *_product(PARTS, [None], ["dense-seqused"], ["static", "traced"], ["bf16"], ["sm90-hd128"]),
+    *_product(PARTS, [None], ["dense-seqused"], ["static", "traced"], ["f16"], ["sm100-2cta"]),
+    # Varlen, no sink: in each part every layout of VARLEN_A and VARLEN_B in both dtypes, once with seqused and once
+    # without, once with static offsets and once with traced ones. dQ alone pairs seqused with traced offsets in A and
+    # with static ones in B, dQ, dK and dV the other way round: every part runs all four (packing, offsets), every
+    # layout meets all four.
+    *_product(["dq"], [None], ["varlen"], ["static"], ["bf16"], VARLEN_A),
+    *_product(["dq"], [None], ["varlen-seqused"], ["traced"], ["f16"], VARLEN_A),
+    *_product(["dq"], [None], ["varlen"], ["traced"], ["bf16"], VARLEN_B),
+    *_product(["dq"], [None], ["varlen-seqused"], ["static"], ["f16"], VARLEN_B),
+    *_product(["dqkv"], [None], ["varlen"], ["traced"], ["f16"], VARLEN_A),
+    *_product(["dqkv"], [None], ["varlen-seqused"], ["static"], ["bf16"], VARLEN_A),
+    *_product(["dqkv"], [None], ["varlen"], ["static"], ["f16"], VARLEN_B),
+    *_product(["dqkv"], [None], ["varlen-seqused"], ["traced"], ["bf16"], VARLEN_B),
+    # A sink: dQ alone with static offsets runs every packing with every sink dtype, ...
+    *_product(["dq"], SINK_DTYPES, ["dense"], ["static"], ["bf16"], ["sm90-hd128"]),
+    *_product(["dq"], SINK_DTYPES, ["dense-seqused"], ["static"], ["f16"], ["cxx-hd256-swap"]),
+    *_product(["dq"], SINK_DTYPES, ["varlen"], ["static"], ["f16"], ["sm90-hd128-causal"]),
+    *_product(["dq"], SINK_DTYPES, ["varlen-seqused"], ["static"], ["bf16"], ["sm100-2cta"]),
+    # ... and every other (part, packing, offsets) runs once, each in a layout of its own.
+    _run("dq", "f32", "dense-seqused", "traced", "bf16", "sm80-swap"),
+    _run("dq", "bf16", "varlen", "traced", "f16", "row-major"),
+    _run("dq", "f16", "varlen-seqused", "traced", "bf16", "sm90-hd256"),
+    _run("dqkv", "f32", "dense", "static", "bf16", "sm90-hd64"),
+    _run("dqkv", "f16", "dense-seqused", "static", "f16", "cxx-hd192-3wg"),
+    _run("dqkv", "bf16", "dense-seqused", "traced", "bf16", "sm100-1cta"),
+    _run("dqkv", "f32", "varlen", "static", "f16", "sm80-cxx-hd64"),
+    _run("dqkv", "f16", "varlen", "traced", "bf16", "sm90-hd192-dv128"),
+    _run("dqkv", "bf16", "varlen-seqused", "static", "f16", "sm90-hd96"),
+    _run("dqkv", "f32", "varlen-seqused", "traced", "bf16", "cxx-hd96"),
+]
+assert len({p.id for p in MATRIX}) == len(MATRIX), "a run written twice"
+assert {(p.values[0], p.values[1] is None, *p.values[2:4]) for p in MATRIX} == {
+    (part, no_sink, packing, offsets) for part in PARTS for no_sink in (True, False) for packing in PACKINGS
+    for offsets in (("static",) if packing == "dense" else ("static", "traced"))}, "a combination missing"
 
 
 # ---- building a call: accumulators of each side from the oracle, the op's keyword arguments, the expected outputs
@@ -315,7 +320,7 @@ def _varlen_lengths(rng, batch):
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)
-@pytest.mark.parametrize("part, sink, packing, offsets, dtype, layout", _matrix())
+@pytest.mark.parametrize("part, sink, packing, offsets, dtype, layout", MATRIX)
 def test_matches_oracle(rng, platform, part, sink, packing, offsets, dtype, layout):
     case = LAYOUTS[layout]
     hds = case.head_dims
@@ -352,7 +357,7 @@ def test_presets_at_every_head_dim(rng, platform, part, dtype, arch):
     calls, rest = [], list(PRESET_HEAD_DIMS[arch])
     while rest:
         d = rest.pop(0)
-        case = LayoutCase(*_fa(arch, d, causal=bool(rng.integers(2))), (d,))
+        case = LayoutCase(*fa4_layouts(arch, d, causal=bool(rng.integers(2))), (d,))
         dv = d
         if part == "dqkv":
             dv = next((x for x in rest if _takes(case.dkv, x)), d)
@@ -394,7 +399,7 @@ def test_scales_static_or_traced(rng, platform, part):
 @pytest.mark.parametrize("part", PARTS)
 def test_empty_shapes(platform, part):
     device = jax.devices(platform)[0]
-    q_layout, kv_layout = _fa(90, 64)
+    q_layout, kv_layout = fa4_layouts(90, 64)
     for b, h, s, h_kv, s_k in [(0, 2, 10, 1, 7), (2, 0, 10, 1, 7), (2, 2, 0, 1, 7), (2, 2, 10, 1, 0)]:
         q = jax.device_put(jnp.zeros(q_layout.accum_shape(b, h, s, 64), jnp.float32), device)
         if part == "dq":

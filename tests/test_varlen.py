@@ -1,5 +1,5 @@
 """Variable-length batches: the work list (the kernel's reading of it, pinned to varlen.py), values a host can read
-validated like static ones while staying operands, and new traced values neither retrace nor recompile.
+(either side's) validated like static ones while staying operands, and new traced values neither retrace nor recompile.
 
 Their results against the oracle: tests/test_postprocess.py; static validation errors: tests/test_errors.py.
 """
@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import FA_HOPPER_CONFIGS
-from jax_dqpost import AccumLayout, dq_postprocess
+from conftest import FA_HOPPER_CONFIGS, fa4_pair
+from jax_dqpost import AccumLayout, dq_postprocess, flash_attention_postprocess
 from oracle import assert_same_bits
 
 
@@ -45,49 +45,60 @@ def test_new_traced_values_do_not_retrace_or_recompile(rng):
 
 
 
-def test_concrete_arrays_outside_jit_are_validated_like_static_values(rng):
+@pytest.mark.parametrize("side", ["q", "k"])
+def test_concrete_arrays_outside_jit_are_validated_like_static_values(rng, side):
     """A jax array passed outside jit has values this host can read: they are checked as static ones (the same
-    error), while the array stays the kernel's operand (the traced work list's bound); traced values are clamped."""
+    error, naming the side's arguments), while the array stays the kernel's operand (the traced work list's bound);
+    traced values are clamped. The q side through dq_postprocess, the k side through flash_attention_postprocess
+    (with a dense q side)."""
     from jax_dqpost.primitive import postprocess_p
     from jax_dqpost.varlen import WorkList
 
-    layout, D, T = _layout("cute-hd128"), 128, 100
+    dq_layout, dkv_layout, D, _ = fa4_pair("sm90-hd128")
+    layout, T, s = (dq_layout if side == "q" else dkv_layout), 100, side
     packed = jnp.asarray(rng.standard_normal(layout.varlen_accum_shape(2, 2, T, D)), jnp.float32)
     dense = jnp.asarray(rng.standard_normal(layout.accum_shape(2, 2, T, D)), jnp.float32)
-    varlen = lambda cu, used=None: dq_postprocess(packed, 0.5, head_dim=D, total_q=T, cu_seqlens_q=cu,
-                                                  seqused_q=used, layout=layout)
-    dense_used = lambda used: dq_postprocess(dense, 0.5, head_dim=D, seqlen_q=T, seqused_q=used, layout=layout)
+    if side == "q":
+        op = lambda acc, **kw: [dq_postprocess(acc, 0.5, head_dim=D, layout=layout, **kw)]
+    else:
+        q = jnp.asarray(rng.standard_normal(dq_layout.accum_shape(2, 4, 80, D)), jnp.float32)
+        op = lambda acc, **kw: list(flash_attention_postprocess(q, acc, acc, 0.5, head_dim=D, dq_layout=dq_layout,
+                                                                dkv_layout=dkv_layout, seqlen_q=80, **kw))
+    varlen = lambda cu, used=None: op(packed, **{f"total_{s}": T, f"cu_seqlens_{s}": cu, f"seqused_{s}": used})
+    dense_used = lambda used: op(dense, **{f"seqlen_{s}": T, f"seqused_{s}": used})
     cases = [  # (call, its argument, the static path's error)
-        (varlen, [0, 100, 50], r"cu_seqlens_q must be non-decreasing, got cu_seqlens_q\[1\]=100 > "
-                               r"cu_seqlens_q\[2\]=50"),
-        (varlen, [0, 50, 101], r"cu_seqlens_q\[-1\]=101 exceeds total_q=100"),
-        (varlen, [-1, 50, 100], r"cu_seqlens_q\[0\] must be >= 0, got -1"),
-        (lambda u: varlen([0, 50, 100], u), [51, 3], r"seqused_q\[0\]=51 must be in \[0, 50\]"),
-        (lambda u: varlen(jnp.asarray([0, 50, 100]), u), [3, -2], r"seqused_q\[1\]=-2 must be in \[0, 50\]"),
-        (lambda c: varlen(c, [3, 60]), [0, 50, 100], r"seqused_q\[1\]=60 must be in \[0, 50\]"),
-        (dense_used, [200, 50], r"seqused_q\[0\]=200 must be in \[0, seqlen_q=100\]"),
-        (dense_used, [5, -1], r"seqused_q\[1\]=-1 must be in \[0, seqlen_q=100\]"),
+        (varlen, [0, 100, 50], rf"cu_seqlens_{s} must be non-decreasing, got cu_seqlens_{s}\[1\]=100 > "
+                               rf"cu_seqlens_{s}\[2\]=50"),
+        (varlen, [0, 50, 101], rf"cu_seqlens_{s}\[-1\]=101 exceeds total_{s}=100"),
+        (varlen, [-1, 50, 100], rf"cu_seqlens_{s}\[0\] must be >= 0, got -1"),
+        (lambda u: varlen([0, 50, 100], u), [51, 3], rf"seqused_{s}\[0\]=51 must be in \[0, 50\] .* in cu_seqlens_{s}"),
+        (lambda u: varlen(jnp.asarray([0, 50, 100]), u), [3, -2], rf"seqused_{s}\[1\]=-2 must be in \[0, 50\]"),
+        (lambda c: varlen(c, [3, 60]), [0, 50, 100], rf"seqused_{s}\[1\]=60 must be in \[0, 50\]"),
+        (dense_used, [200, 50], rf"seqused_{s}\[0\]=200 must be in \[0, seqlen_{s}=100\]"),
+        (dense_used, [5, -1], rf"seqused_{s}\[1\]=-1 must be in \[0, seqlen_{s}=100\]"),
     ]
     for call, values, match in cases:
         with pytest.raises(ValueError, match=match):
             call(values)  # static
         with pytest.raises(ValueError, match=match):
             call(jnp.asarray(values, jnp.int32))  # concrete, outside jit
-        jax.jit(call)(jnp.asarray(values, jnp.int32)).block_until_ready()  # traced: clamped, no error
+        jax.block_until_ready(jax.jit(call)(jnp.asarray(values, jnp.int32)))  # traced: clamped, no error
     # Readable lengths with traced offsets: only their sign can be checked (the bound needs the offsets).
     bad_lengths, lengths_ok = jnp.asarray([500, -7], jnp.int32), jnp.asarray([500, 7], jnp.int32)  # closed over
-    with pytest.raises(ValueError, match=r"seqused_q\[1\]=-7 must be >= 0"):
+    with pytest.raises(ValueError, match=rf"seqused_{s}\[1\]=-7 must be >= 0"):
         jax.jit(lambda c: varlen(c, bad_lengths))(jnp.asarray([0, 50, 100], jnp.int32))
-    jax.jit(lambda c: varlen(c, lengths_ok))(jnp.asarray([0, 50, 100], jnp.int32)).block_until_ready()
+    jax.block_until_ready(jax.jit(lambda c: varlen(c, lengths_ok))(jnp.asarray([0, 50, 100], jnp.int32)))
     # Valid values: the concrete array is an operand of the traced path (no exact grid), with the static result.
     lengths = rng.integers(0, 51, 2)
     cu = [0, int(lengths[0]), int(lengths.sum())]
     used = [int(rng.integers(0, n + 1)) for n in lengths]
     concrete = (jnp.asarray(cu, jnp.int32), jnp.asarray(used, jnp.int32))
-    assert_same_bits(varlen(*concrete), varlen(cu, used), f"concrete vs static cu={cu} used={used}")
+    for j, (got, want) in enumerate(zip(varlen(*concrete), varlen(cu, used), strict=True)):
+        assert_same_bits(got, want, f"output {j}: concrete vs static cu={cu} used={used}")
     (eqn,) = [e for e in jax.make_jaxpr(lambda: varlen(*concrete))().eqns if e.primitive is postprocess_p]
-    assert eqn.params["plan"].dq.work.num_tiles == WorkList.max_tiles(T, 2, layout)
-    assert_same_bits(dense_used(concrete[1]), dense_used(used), "dense seqused concrete vs static")
+    assert eqn.params["plan"].side_parts[("q", "k").index(side)].work.num_tiles == WorkList.max_tiles(T, 2, layout)
+    for j, (got, want) in enumerate(zip(dense_used(concrete[1]), dense_used(used), strict=True)):
+        assert_same_bits(got, want, f"output {j}: dense seqused concrete vs static")
 
 
 

@@ -16,6 +16,7 @@ from jax_dqpost.varlen import WorkList
 TARGET_NAME = _ffi.TARGET_NAME
 """The custom-call target of our op in a compiled program's text."""
 command_buffers = _ffi.command_buffers  # whether XLA may capture our calls into its command buffers
+cute_runtime_path = _ffi.cute_runtime_path  # the CuTe runtime library the handler loads
 
 _EXECUTORS: dict = {}
 

@@ -35,7 +35,7 @@ def _cuda_home() -> Path:
 def main() -> int:
     import jax.numpy as jnp
 
-    from jax_dqpost import AccumLayout, _ffi
+    from jax_dqpost import AccumLayout
 
     layout = AccumLayout.flash_attention(90, 128, causal=False, tensor="dq")
     S, D = layout.tile_m, 128
@@ -53,7 +53,7 @@ def main() -> int:
         cmd = ["g++", "-O2", "-std=c++17", str(Path(__file__).with_name("launch_cost.cc")), "-o", str(exe),
                f"-I{cuda / 'include'}", *(f"-L{p}" for p in libs), "-lcuda", "-ldl"]
         subprocess.run(cmd, check=True)
-        out = subprocess.run([str(exe), str(_ffi.cute_runtime_path()), str(module), "20000",
+        out = subprocess.run([str(exe), str(internals.cute_runtime_path()), str(module), "20000",
                               *map(str, sizes), "--", *map(str, extents)], capture_output=True, text=True)
         print(out.stdout.strip(), out.stderr.strip()[-2000:])
     chain = probes.chain_cost(15)

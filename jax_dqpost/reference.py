@@ -44,18 +44,18 @@ def postprocess_reference(*args, plan: Plan):
     return outs
 
 
-def dsink_terms(sink, lse, dpsum, q_aux, plan: Part):
+def dsink_terms(sink, lse, dpsum, q_aux, part: Part):
     """``(H, N)`` float32: every row's ``-p * dpsum`` (0 for rows outside the sequences), ``p = exp2((sink -
     lse) * log2(e))`` (1 where ``lse = -inf``). Dense rows are the ``(b, r)`` pairs, varlen rows the packed rows."""
-    if plan.work is not None:
-        w, s = plan.work, plan.work.decode(q_aux)
+    if part.work is not None:
+        w, s = part.work, part.work.decode(q_aux)
         k, i = _row_spans(w, s)
         keep = ((k >= 1) & (k <= w.batch) & (i < s.conv_rows[k]))[None, :]  # sequences' rows, seqused honoured
         at = jnp.clip(s.acc_row[k] + i, 0, w.padded_total - 1)  # the row's padded offset in dpsum
         lse_rows, dpsum_rows = lse, jnp.take(dpsum, at, axis=1)  # (H, T)
     else:
-        seqlen, batch, heads = plan.seqlen, lse.shape[0], lse.shape[1]
-        used = _rows_used(q_aux, seqlen) if plan.seqused else jnp.ones((batch, seqlen), bool)
+        seqlen, batch, heads = part.seqlen, lse.shape[0], lse.shape[1]
+        used = _rows_used(q_aux, seqlen) if part.seqused else jnp.ones((batch, seqlen), bool)
         keep = jnp.broadcast_to(used[None], (1, batch, seqlen)).reshape(1, batch * seqlen)
         lse_rows = jnp.moveaxis(lse, 1, 0).reshape(heads, batch * seqlen)  # (H, B * S)
         dpsum_rows = jnp.moveaxis(dpsum[:, :, :seqlen], 1, 0).reshape(heads, batch * seqlen)
@@ -68,29 +68,29 @@ def dsink_terms(sink, lse, dpsum, q_aux, plan: Part):
     return jnp.where(keep, -p * dpsum_rows.astype(jnp.float32), 0.0)
 
 
-def dsink_reference(sink, lse, dpsum, q_aux, plan: Part):
+def dsink_reference(sink, lse, dpsum, q_aux, part: Part):
     """The learnable sink's gradient, float32 ``(H,)``: the sum of :func:`dsink_terms` over the rows
     (deterministic; the GPU kernel sums in FlashAttention-4's order instead, see ``kernel.py``)."""
-    return jnp.sum(dsink_terms(sink, lse, dpsum, q_aux, plan), axis=1)
+    return jnp.sum(dsink_terms(sink, lse, dpsum, q_aux, part), axis=1)
 
 
-def gather_accumulator(dq_accum, aux, plan: Part):
+def gather_accumulator(acc, aux, part: Part):
     """The accumulator values of every output element, in the output's shape, as float32, and a mask that
     is False where the output is zero (rows past seqused, rows no sequence covers)."""
-    if plan.work is not None:
-        return _varlen_gather(dq_accum, aux, plan)
-    return _dense_gather(dq_accum, aux if plan.seqused else None, plan)
+    if part.work is not None:
+        return _varlen_gather(acc, aux, part)
+    return _dense_gather(acc, aux if part.seqused else None, part)
 
 
-def accum_from_dq_reference(dq, scale, aux, plan: Part):
+def accum_from_dq_reference(dq, scale, aux, part: Part):
     """The transpose of the op: the float32 accumulator with ``scale * dq[i, j]`` (one fp32 multiply) at the
     position the op reads element (i, j) from, and 0 in every other entry (padding, unread rows).
     ``dq``: ``(B, S, H, D)`` (dense) or ``(T, H, D)`` (varlen)."""
-    layout, tile_m, dr = plan.layout, plan.layout.tile_m, plan.padded_head_dim
+    layout, tile_m, dr = part.layout, part.layout.tile_m, part.padded_head_dim
     x = mul_f32_rn(widen(dq), jnp.asarray(scale, jnp.float32))
-    inverse = jnp.asarray(np.argsort(layout.tile_index_map(plan.head_dim).ravel()).astype(np.int32))
-    if plan.work is not None:
-        heads, w = dq.shape[1], plan.work
+    inverse = jnp.asarray(np.argsort(layout.tile_index_map(part.head_dim).ravel()).astype(np.int32))
+    if part.work is not None:
+        heads, w = dq.shape[1], part.work
         if w.batch == 0:  # no sequence: no row is read
             return jnp.zeros((heads, w.padded_total * dr), jnp.float32)
         s = w.decode(aux)
@@ -104,15 +104,15 @@ def accum_from_dq_reference(dq, scale, aux, plan: Part):
         valid = (a >= acc_row[b]) & (a < ends[b]) & (local < conv_rows[b])
         src = jnp.where(valid, row_start[b] + local, 0)
         logical = jnp.where(valid[None, :, None], jnp.transpose(x[src], (1, 0, 2)), 0.0)  # (H, Tp, D)
-        logical = jnp.pad(logical, ((0, 0), (0, 0), (0, dr - plan.head_dim)))
+        logical = jnp.pad(logical, ((0, 0), (0, 0), (0, dr - part.head_dim)))
         tiles = logical.reshape(heads, w.padded_total // tile_m, tile_m * dr)
         return jnp.take(tiles, inverse, axis=2).reshape(heads, w.padded_total * dr)
-    batch, seqlen, heads = dq.shape[0], plan.seqlen, dq.shape[2]
+    batch, seqlen, heads = dq.shape[0], part.seqlen, dq.shape[2]
     y = jnp.transpose(x, (0, 2, 1, 3))  # (B, H, S, D)
-    if plan.seqused:
+    if part.seqused:
         y = jnp.where(_rows_used(aux, seqlen)[:, None, :, None], y, 0.0)
     padded_rows = layout.padded_seqlen(seqlen)
-    y = jnp.pad(y, ((0, 0), (0, 0), (0, padded_rows - seqlen), (0, dr - plan.head_dim)))
+    y = jnp.pad(y, ((0, 0), (0, 0), (0, padded_rows - seqlen), (0, dr - part.head_dim)))
     tiles = y.reshape(batch, heads, padded_rows // tile_m, tile_m * dr)
     return jnp.take(tiles, inverse, axis=3).reshape(batch, heads, padded_rows * dr)
 
@@ -123,14 +123,14 @@ def _rows_used(seqused, seqlen: int):
     return jnp.arange(seqlen, dtype=jnp.int32)[None, :] < used[:, None]
 
 
-def _dense_gather(dq_accum, seqused, plan: Part):
-    batch, heads, _ = dq_accum.shape
-    layout, seqlen, head_dim = plan.layout, plan.seqlen, plan.head_dim
-    tile_m, dr = layout.tile_m, plan.padded_head_dim
+def _dense_gather(acc, seqused, part: Part):
+    batch, heads, _ = acc.shape
+    layout, seqlen, head_dim = part.layout, part.seqlen, part.head_dim
+    tile_m, dr = layout.tile_m, part.padded_head_dim
     num_blocks = layout.padded_seqlen(seqlen) // tile_m
     # Positions of the wanted (row, column) elements inside one tile, rows < tile_m, columns < D.
     index = layout.tile_index_map(head_dim)[:, :head_dim].astype(np.int32)
-    tiles = dq_accum.reshape(batch, heads, num_blocks, tile_m * dr)
+    tiles = acc.reshape(batch, heads, num_blocks, tile_m * dr)
     x = jnp.take(tiles, jnp.asarray(index.ravel()), axis=3, unique_indices=True)
     x = x.reshape(batch, heads, num_blocks * tile_m, head_dim)[:, :, :seqlen, :]
     x = jnp.transpose(x, (0, 2, 1, 3))  # (B, S, H, D)
@@ -146,17 +146,17 @@ def _row_spans(w, s):
     return k, r - s.row_start[k]
 
 
-def _varlen_gather(dq_accum, meta, plan: Part):
-    heads, w = dq_accum.shape[0], plan.work
-    tile_m, dr, head_dim = plan.layout.tile_m, plan.padded_head_dim, plan.head_dim
+def _varlen_gather(acc, meta, part: Part):
+    heads, w = acc.shape[0], part.work
+    tile_m, dr, head_dim = part.layout.tile_m, part.padded_head_dim, part.head_dim
     s = w.decode(meta)
     k, i = _row_spans(w, s)
     converted = i < s.conv_rows[k]
     # Accumulator tile of each row, and each element's position inside its tile.
     tile = jnp.where(converted, (s.acc_row[k] + i // tile_m * tile_m) // tile_m, 0)
-    index = jnp.asarray(plan.layout.tile_index_map(head_dim)[:, :head_dim].astype(np.int32))
+    index = jnp.asarray(part.layout.tile_index_map(head_dim)[:, :head_dim].astype(np.int32))
     within = index[i % tile_m]  # (T, D)
-    tiles = dq_accum.reshape(heads, -1, tile_m * dr)
+    tiles = acc.reshape(heads, -1, tile_m * dr)
     x = jnp.transpose(tiles[:, tile[:, None], within], (1, 0, 2))  # (T, H, D)
     return x, converted[:, None, None]
 

@@ -12,13 +12,14 @@ from the stage at the offsets it would read in global memory (16-byte vectors, t
 ``tile.TileConverter`` does: the same multiply, rounding, placement (``stmatrix``) and row stores, so the same bits.
 
 * ``stages = 1``: the default path's grid, ``(H * grid_x, 1, B)``, one tile per CTA.
-* ``stages = 2``: persistent CTAs, at most ``max_ctas`` of them (:attr:`BulkLoader.max_ctas`); CTA ``c`` converts
-  the tiles ``c, c + G, c + 2G, ...`` of the ``B * H * grid_x`` tiles (``G`` the grid; the default path's block
-  order: heads fastest, then m_block, then batch), tile ``i`` of it in stage ``i % 2``. The next tile's load is in
-  flight while a tile is converted: after the barrier that ends every thread's reads of stage ``s`` (and the
-  ``stmatrix`` writes of the bf16 tile), thread 0 issues the load of the tile two steps on into ``s``; after the
-  row stores, a second barrier ends the reads of the bf16 tile before the next tile's ``stmatrix``. The wait on
-  stage ``s`` for its ``n``-th tile is on phase parity ``n % 2``.
+* ``stages = n >= 2``: persistent CTAs, at most ``max_ctas`` of them (:attr:`BulkLoader.max_ctas`); CTA ``c``
+  converts the tiles ``c, c + G, c + 2G, ...`` of the ``B * H * grid_x`` tiles (``G`` the grid; the default path's
+  block order: heads fastest, then m_block, then batch), its ``i``-th tile in stage ``i % n``. The next ``n - 1``
+  tiles' loads are in flight while a tile is converted: after the barrier that ends every thread's reads of stage
+  ``s`` (and the ``stmatrix`` writes of the bf16 tile), thread 0 issues the load of the tile ``n`` steps on into
+  ``s``; after the row stores, a second barrier ends the reads of the bf16 tile before the next tile's
+  ``stmatrix``. The wait on a stage for its ``k``-th tile is on phase parity ``k % 2``. Every load issued is
+  waited on before the CTA exits.
 
 Shared memory per CTA: the bf16/fp16 tile, ``stages`` fp32 stages of ``tile_m * Dr`` floats and one 8-byte
 mbarrier per stage.
@@ -34,6 +35,7 @@ from cutlass.cute.nvgpu import cpasync
 from .schedule import DenseScheduler, PartArgs
 from .tile import TileConverter, _aligned
 
+MAX_BULK_STAGES = 4
 SMS = 132
 """Streaming multiprocessors of the GPU the persistent grid is sized for (an H200)."""
 SMEM_PER_SM = 228 * 1024
@@ -47,8 +49,8 @@ _MBAR_BYTES = 8
 class BulkLoader:
     """The bulk-load conversion of a dense Hopper-order part's tiles (module docstring).
 
-    ``converter`` and ``scheduler``: the part's (``kernel.Postprocess``). ``stages``: 1 or 2. ``ctas``: the
-    persistent grid's cap (None: ``SMS`` times the CTAs whose shared memory fits on an SM).
+    ``converter`` and ``scheduler``: the part's (``kernel.Postprocess``). ``stages``: 1 .. ``MAX_BULK_STAGES``.
+    ``ctas``: the persistent grid's cap (None: ``SMS`` times the CTAs whose shared memory fits on an SM).
     """
 
     def __init__(self, converter: TileConverter, scheduler: DenseScheduler, stages: int, ctas: int | None):

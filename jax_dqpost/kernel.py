@@ -92,9 +92,9 @@ class Postprocess:
     (CuTe numeric types), or None. The binary depends on these, the output dtype and the target GPU only
     (``Plan.kernel_key``). Tuning, for experiments (benchmarks/ncu_kernels.py; the package compiles with the defaults):
     ``min_ctas_per_sm`` (:class:`TileConverter`), ``short_heads`` (``schedule.ShortTileScheduler``), and
-    ``bulk_stages`` with ``bulk_ctas`` (``bulk.BulkLoader``: 0, the default, converts from global memory; 1 or 2
-    bring each tile into shared memory with one bulk copy, 2 in persistent CTAs, at most ``bulk_ctas`` of them; a
-    dense arch-90 part alone, compiled for sm_90a, only).
+    ``bulk_stages`` with ``bulk_ctas`` (``bulk.BulkLoader``: 0, the default, converts from global memory; from 1 on
+    each tile comes into shared memory with one bulk copy, from 2 on into persistent CTAs, at most ``bulk_ctas`` of
+    them, with ``bulk_stages`` tiles in flight; a dense arch-90 part alone, compiled for sm_90a, only).
     """
 
     def __init__(self, dtype, parts: tuple[PartSpec, ...], sink=None, *, target_sm: int = 90,
@@ -124,12 +124,12 @@ class Postprocess:
     def _bulk_loader(self, stages, ctas, target_sm: int):
         """The ``bulk.BulkLoader`` of ``bulk_stages=stages``, ``bulk_ctas=ctas``, or ValueError where it does not
         apply."""
-        from .bulk import SMEM_PER_CTA_RESERVED, SMEM_PER_SM, BulkLoader
+        from .bulk import MAX_BULK_STAGES, SMEM_PER_CTA_RESERVED, SMEM_PER_SM, BulkLoader
 
-        if stages not in (1, 2):
-            raise ValueError(f"bulk_stages must be 0, 1 or 2, got {stages!r}")
-        if ctas is not None and (not isinstance(ctas, int) or ctas < 1 or stages != 2):
-            raise ValueError(f"bulk_ctas must be None or a positive int with bulk_stages=2, got {ctas!r} "
+        if not isinstance(stages, int) or not 1 <= stages <= MAX_BULK_STAGES:
+            raise ValueError(f"bulk_stages must be an int from 0 to {MAX_BULK_STAGES}, got {stages!r}")
+        if ctas is not None and (not isinstance(ctas, int) or ctas < 1 or stages < 2):
+            raise ValueError(f"bulk_ctas must be None or a positive int with bulk_stages >= 2, got {ctas!r} "
                              f"(bulk_stages={stages})")
         part = self.parts[0]
         if not (self.alone and part.tiling == Tiling.DENSE and part.layout.arch == 90 and target_sm == 90):

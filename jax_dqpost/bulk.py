@@ -39,7 +39,7 @@ MAX_BULK_STAGES = 4
 SMS = 132
 """Streaming multiprocessors of the GPU the persistent grid is sized for (an H200)."""
 SMEM_PER_SM = 228 * 1024
-"""Shared memory of an sm_90 SM, of which each resident CTA takes ``SMEM_PER_CTA_RESERVED`` more than it asks."""
+"""Shared memory of an sm_90 SM; each resident CTA takes ``SMEM_PER_CTA_RESERVED`` bytes beyond what it asks."""
 SMEM_PER_CTA_RESERVED = 1024
 _THREADS_PER_SM = 2048
 _STAGE_ALIGN = 128
@@ -119,11 +119,11 @@ class BulkLoader:
         """This thread's fragment from stage ``stage``, converted into ``s_tile`` (``TileConverter._convert_mma``)."""
         conv = self.conv
         # Thread (t, warpgroup w)'s fragment in the stage: 4 floats of a vector, vectors 512 floats apart
-        frag = cute.make_tensor(staged.iterator, cute.make_layout(
+        views = cute.make_tensor(staged.iterator, cute.make_layout(
             (4, conv.regs // 4, (128, conv.num_threads // 128), self.stages),
             stride=(1, 512, (4, conv.chunk), self.tile_elems)))
         conv._convert_mma(None, None, scale, s_tile, conv._smem_layout(), rows_conv, tidx,
-                          staged=frag[None, None, (tidx % 128, tidx // 128), stage])
+                          staged=views[None, None, (tidx % 128, tidx // 128), stage])
 
     def _coords(self, part: PartArgs, tile):
         """``(head, m_block, batch)`` of linear tile ``tile`` (the default grid's block order)."""

@@ -2,9 +2,10 @@
 repository root:
 
     python -m benchmarks.ncu_kernels sweep hd96 hd128 hd192
-        graph-replay time of our kernel with tuning variants (kernel.Postprocess keyword arguments; each checked
-        bit-equal to the default's output), FlashAttention-4 and the same-bytes copy, side by side, median of 15
-        (as the benchmark measures them), dense and varlen (64 random lengths)
+        graph-replay time of our kernel with tuning variants (kernel.Postprocess keyword arguments, VARIANTS; each
+        checked bit-equal to the default's output; one that raises for a packing is reported and skipped),
+        FlashAttention-4 and the same-bytes copy, side by side, median of 15 (as the benchmark measures them), dense
+        and varlen (64 random lengths)
     python -m benchmarks.ncu_kernels short [COUNT ...] [--l2-fetch BYTES]
         the benchmark's short-sequence cases (hd128, 64 to 8000 sequences in 16384 tokens, static and traced offsets;
         COUNT: only those sequence counts, "ref": the varlen reference case, 64 random lengths), ours with the tuning
@@ -30,8 +31,9 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 from . import cases as bench_cases, harness  # noqa: E402
 
-# Variants tried per configuration by `sweep` (the first, {}, is the package's default).
-VARIANTS = [{}, {"min_ctas_per_sm": 0}]
+# Variants tried per configuration by `sweep` (the first, {}, is the package's default). The bulk-load ones
+# (jax_dqpost/bulk.py) apply to the dense packing only: on varlen they raise, and are reported and skipped.
+VARIANTS = [{}, {"min_ctas_per_sm": 0}, {"bulk_stages": 1}, {"bulk_stages": 2}, {"bulk_stages": 3}]
 # ... and by `short` (varlen only).
 SHORT_VARIANTS = [{}, {"short_heads": 4}, {"short_heads": 16}, {"short_heads": 32}, {"min_ctas_per_sm": 3}]
 

@@ -315,3 +315,22 @@ def test_export_for_cuda_emits_one_fused_custom_call(packing):
     assert "bytes = dense<[" + ", ".join(map(str, sizes)) + "]>" in text, "buffers in abi.py's order"
     assert [o.shape for o in exp.out_avals] == [*outs, (H,)]
     assert jax.export.deserialize(exp.serialize()).out_avals == exp.out_avals
+
+
+def test_the_bulk_load_experiment_compiles_and_is_refused_where_it_does_not_apply():
+    """kernel.Postprocess(bulk_stages=...), measured by benchmarks/ncu_kernels.py and checked bit for bit by
+    benchmarks/bulk_check.py on a GPU: compiles for sm_90a one tile per CTA and persistent; every other combination
+    is a ValueError naming the keyword."""
+    layout = AccumLayout.flash_attention(90, 128, causal=False, tensor="dq")
+    dense = ((layout, 128, Tiling.DENSE),)
+    modules = {bytes(kernel_cache.compile_executor("bf16", dense, None, "sm_90a", **tuning).dump_to_object("x"))
+               for tuning in ({}, {"bulk_stages": 1}, {"bulk_stages": 2, "bulk_ctas": 7})}
+    assert len(modules) == 3  # three kernels: the default and two bulk paths
+    refused = [("bf16", ((layout, 128, Tiling.VARLEN),), None, "sm_90a", {"bulk_stages": 1}),
+               ("bf16", dense, ("f32", "f32"), "sm_90a", {"bulk_stages": 1}),
+               ("bf16", dense, None, "sm_100a", {"bulk_stages": 2}),
+               ("bf16", dense, None, "sm_90a", {"bulk_stages": 5}),
+               ("bf16", dense, None, "sm_90a", {"bulk_stages": 1, "bulk_ctas": 8})]
+    for dtype, parts, sink, arch, tuning in refused:
+        with pytest.raises(ValueError, match="bulk_"):
+            kernel_cache.compile_executor(dtype, parts, sink, arch, **tuning)

@@ -2,7 +2,8 @@
 them. They are jax_dqpost's internals as they are in this tree, not its public API (``jax_dqpost.__all__``), and
 change with it: the plan of a call (``jax_dqpost.plan``, ``jax_dqpost.varlen``; ``cases`` and ``fused`` read the
 parts made here for their work lists and padded head dims), the kernel compiled and launched from Python on torch's
-buffers (``jax_dqpost.kernel_cache``, ``jax_dqpost.kernel``, ``jax_dqpost.abi``), and the handler's registration (``jax_dqpost._ffi``).
+buffers (``jax_dqpost.kernel_cache``, ``jax_dqpost.kernel``, ``jax_dqpost.abi``), and the handler's registration
+(``jax_dqpost._ffi``).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ useful bytes in device time from jax.profiler's timeline (the roofline the goals
 (``ours_jax_device``). It also sweeps short sequences (64 to 8000 random lengths over 16384 tokens, hd128, static
 and traced offsets, against a sector bound), the per-call cost in a jitted chain of 200 tiny calls, cold and warm
 start, and the jax.jit path with and without XLA's command buffers. Prints tables, writes ``bench.json`` (and
-``bench.png`` with matplotlib) into ``--out``; progress goes to stderr. ``--plot JSON`` only redraws the plot of a
+``bench.png`` with matplotlib: device times only, of every row) into ``--out``; progress goes to stderr. ``--plot JSON`` only redraws the plot of a
 saved report; ``--devices N`` only compares one GPU with N (sharded over batch and over heads, device time).
 """
 
@@ -161,7 +161,7 @@ def main(argv=None) -> int:
     for k, ((name, D, causal), packing, size) in enumerate(todo):
         harness.log(f"[{k + 1}/{len(todo)}] {name} {packing} "
                     f"{'B,H,S=' + str(cases.REFERENCE_SHAPE) if size is None else size}")
-        r = cases.measure(cases.Case(name, D, causal, packing, size, rng, torch, fa4), samples, device=size is None)
+        r = cases.measure(cases.Case(name, D, causal, packing, size, rng, torch, fa4), samples)
         report["reference" if size is None else "sweep"].append(r)
         save()
     report["short"] = []

@@ -19,10 +19,12 @@ PACKINGS = ("dense", "varlen")
 SIZES = [2**12, 2**16, 2**20, 2**24, 2**27, 2**30]  # bytes moved per call (approximately)
 REFERENCE_SHAPE = (2, 32, 8192)  # (B, H, S): the table of docs/performance.md
 ROTATE_BYTES = 256 << 20  # distinct buffers cycled per sample (H200 L2: 50 MiB)
-IMPLS = ("ours", "FA4", "copy", "ours_jax", "xla_same_bytes", "jnp_gather")
+PLOTTED = {"ours": "jax-dqpost", "FA4": "FlashAttention-4", "copy": "copy of the bytes", "xla_device": "XLA's op"}
+"""The plot's columns, all device times (graph replay, or the GPU timeline for XLA's op), and their labels."""
 METHOD = ("ours/FA4/copy: CUDA events around the replay of a CUDA graph of back-to-back calls (*_eager: "
-          "events around eager launches); ours_jax/xla_same_bytes/jnp_gather: wall clock of pipelined jitted calls; "
-          "median of samples of >= 2 ms; >= 256 MiB of rotated buffers; seconds per call")
+          "events around eager launches); xla_device/ours_jax_device: the GPU timeline of one jitted program (every "
+          "row); ours_jax/xla_same_bytes/jnp_gather: wall clock of pipelined jitted calls; median of samples of >= 2 "
+          "ms; >= 256 MiB of rotated buffers; seconds per call")
 
 
 def problem(head_dim: int, target_bytes: int | None):
@@ -257,9 +259,9 @@ class Case:
         return bool(t.equal(mine.view(t.int16), self.t_out[0].view(t.int16)))
 
 
-def measure(case: Case, samples: int, device: bool = True) -> dict:
-    """Every implementation of ``case`` this machine can run (torch: ours, FA4 and copy by graph replay);
-    ``device``: also the GPU-timeline columns (:meth:`Case.device_times`)."""
+def measure(case: Case, samples: int) -> dict:
+    """Every implementation of ``case`` this machine can run: torch's (ours, FA4 and copy by graph replay), the
+    GPU-timeline columns (:meth:`Case.device_times`) and the wall-clock ones."""
     res = {"config": case.name, "packing": case.packing, "head_dim": case.D, "B": case.B, "H": case.H, "S": case.S,
            "tokens": case.tokens, "bytes": case.bytes, "buffers": case.copies,
            "layout": [case.layout.tile_m, case.layout.num_threads, case.layout.atom_layout, case.layout.swap_ab,
@@ -284,8 +286,7 @@ def measure(case: Case, samples: int, device: bool = True) -> dict:
     res["ours_jax"] = wall(case.jax_run(case.ours_jax_fn()))
     res["ours_jax_same_input"] = wall(case.jax_run(case.ours_jax_fn(), rotate=False))
     res["xla_same_bytes"] = wall(case.jax_run(case.same_bytes_fn()))
-    if device:
-        res.update(case.device_times(samples))
+    res.update(case.device_times(samples))
     res["jnp_gather"] = wall(case.jax_run(case.gather_fn()))
     case.j_acc = None
     return res

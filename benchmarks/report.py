@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .cases import CONFIGS, IMPLS, PACKINGS, REFERENCE_SHAPE
+from .cases import CONFIGS, PACKINGS, PLOTTED, REFERENCE_SHAPE
 
 
 def _tbps(res, impl):
@@ -91,7 +91,8 @@ def short_table(rows, dense: dict) -> str:
 
 
 def plot(report: dict, path: Path) -> None:
-    """Bandwidth against size, one panel per (packing, configuration). Needs matplotlib."""
+    """Bandwidth against size, one panel per (packing, configuration), device times only (:data:`PLOTTED`). Needs
+    matplotlib."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -105,10 +106,10 @@ def plot(report: dict, path: Path) -> None:
             ax = axes[i, j]
             rs = sorted((r for r in rows if r["packing"] == packing and r["config"] == config),
                         key=lambda r: r["bytes"])
-            for impl in IMPLS:
+            for impl, label in PLOTTED.items():
                 pts = [(r["bytes"], _tbps(r, impl)) for r in rs if impl in r]
                 if pts:
-                    ax.plot(*zip(*pts), marker="o", ms=3, label=impl)
+                    ax.plot(*zip(*pts), marker="o", ms=3, label=label)
             ax.set_xscale("log")
             ax.set_title(f"{config} {packing}", fontsize=9)
             ax.grid(True, alpha=0.3)

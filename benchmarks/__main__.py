@@ -22,8 +22,9 @@ useful bytes in device time from jax.profiler's timeline (the roofline the goals
 (``ours_jax_device``). It also sweeps short sequences (64 to 8000 random lengths over 16384 tokens, hd128, static
 and traced offsets, against a sector bound), the per-call cost in a jitted chain of 200 tiny calls, cold and warm
 start, and the jax.jit path with and without XLA's command buffers. Prints tables, writes ``bench.json`` (and
-``bench.png`` with matplotlib: device times only, of every row) into ``--out``; progress goes to stderr. ``--plot JSON`` only redraws the plot of a
-saved report; ``--devices N`` only compares one GPU with N (sharded over batch and over heads, device time).
+``bench.png`` with matplotlib: device times only, of every row) into ``--out``; progress goes to stderr. ``--plot
+JSON`` only redraws the plot of a saved report; ``--devices N`` only compares one GPU with N (sharded over batch and
+over heads, device time).
 """
 
 from __future__ import annotations

@@ -36,6 +36,10 @@ from . import abi, arch as arch_
 from ._version import __version__
 from .abi import Tiling
 
+KERNEL_SOURCES = ("kernel.py", "schedule.py", "tile.py", "bulk.py", "abi.py", "layout.py", "varlen.py", "arch.py",
+                  "_static_args.py")
+"""The modules the compiled kernel is made from (``kernel.py`` and what it imports): part of a disk entry's name."""
+
 FUNCTION_PREFIX = "jax_dqpost"
 """Symbol prefix of the compiled entry point; ffi/dqpost_ffi.cc looks the function up by it."""
 
@@ -127,8 +131,7 @@ def _disk_name(key: tuple) -> str:
     except metadata.PackageNotFoundError:  # a DSL on PYTHONPATH, not installed as a distribution
         dsl = "unknown"
     here = Path(__file__).parent
-    names = ("abi.py", "kernel.py", "tile.py", "layout.py", "varlen.py")
-    source = b"".join((here / name).read_bytes() for name in names)
+    source = b"".join((here / name).read_bytes() for name in KERNEL_SOURCES)
     digest = hashlib.sha256(repr((key, __version__, dsl, FUNCTION_PREFIX, _ENTRY_MAGIC)).encode() + source).hexdigest()
     dtype, parts, sink, arch = key
     label = "-".join([dtype] + [tiling.name.lower() for _, _, tiling in parts] + (["sink"] if sink else []))

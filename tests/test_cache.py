@@ -306,3 +306,26 @@ def test_cross_compiling_without_a_gpu_leaves_the_default_cache_alone(tmp_path):
                                                             "JAX_DQPOST_CACHE_DIR": str(configured)},
                          cwd="/", capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and len(list(configured.glob("*.cute"))) == 1, out.stderr[-2000:]
+
+
+def test_a_disk_entry_is_named_by_every_module_the_kernel_is_made_from():
+    """A change to any module the kernel imports (transitively, within the package) changes the entries' names: none
+    is missing from ``kernel_cache.KERNEL_SOURCES``."""
+    import ast
+    from pathlib import Path
+
+    from jax_dqpost import kernel_cache
+
+    package = Path(kernel_cache.__file__).parent
+    seen, todo = set(), ["kernel.py"]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        for node in ast.walk(ast.parse((package / name).read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                modules = [node.module] if node.module else [a.name for a in node.names]
+                todo += [f"{m}.py" for m in modules if (package / f"{m}.py").is_file()]
+    assert seen <= set(kernel_cache.KERNEL_SOURCES), sorted(seen - set(kernel_cache.KERNEL_SOURCES))
+    assert {"kernel.py", "schedule.py", "tile.py", "bulk.py"} <= seen

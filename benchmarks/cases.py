@@ -106,7 +106,7 @@ class Case:
             work = self.part.work
             self.acc_shape = self.layout.varlen_accum_shape(work.batch, H, self.tokens, head_dim)
             self.out_shape = (self.tokens, H, head_dim)
-            # CTAs: launched (the work list's grid), and one per tile and head, what the previous kernel launched
+            # CTAs: launched (the work list's grid), and one per tile and head (a grid without the work list)
             self.ctas = work.ctas(H)
             self.tile_ctas = H * int(sum(-(-n // tm) for n in np.diff(self.cu)))
         self.plan = internals.plan([self.part])
@@ -130,7 +130,7 @@ class Case:
         self.torch.cuda.empty_cache()
 
     def ours(self, **tuning):
-        """Launcher of our kernel; ``tuning``: ``TileConverter`` keyword arguments (experiments only)."""
+        """Launcher of our kernel; ``tuning``: ``kernel.Postprocess``'s tuning keywords (experiments only)."""
         import cuda.bindings.driver as cuda
 
         ex = internals.executor(self.plan, **tuning)

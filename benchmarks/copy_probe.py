@@ -13,18 +13,17 @@ import math
 import sys
 
 from . import harness
-
-ROTATE = 256 << 20
+from .cases import ROTATE_BYTES
 
 
 def main() -> int:
     import torch
 
     sizes = [(1 << 20) + 2048, 1 << 20, (1 << 23) + 2048, 1 << 23, (1 << 26) - 2048, 1 << 26, (1 << 26) + 2048,
-             (1 << 26) + 4096, (1 << 26) + 8192, 67110912, 67104768, (1 << 29) - 2048, 1 << 29, (1 << 29) + 4096]
+             (1 << 26) + 4096, (1 << 26) + 8192, (1 << 26) - 4096, (1 << 29) - 2048, 1 << 29, (1 << 29) + 4096]
     for half in sizes:
         words = half // 4
-        copies = max(2, min(256, math.ceil(ROTATE / (2 * half))))
+        copies = max(2, min(256, math.ceil(ROTATE_BYTES / (2 * half))))
         src = [torch.randint(0, 1 << 30, (words,), dtype=torch.int32, device="cuda") for _ in range(copies)]
         dst = [torch.empty(words, dtype=torch.int32, device="cuda") for _ in range(copies)]
 

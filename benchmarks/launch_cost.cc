@@ -1,8 +1,10 @@
 // Host cost of one launch of our kernel, without XLA: python -m benchmarks.launch_cost builds and runs this.
 //
-//   launch_cost RUNTIME MODULE BYTES EXTENTS... : the module (an object of kernel_cache) launched N times through
-//   the CuTe runtime's entry (CuteDSLRT_Function_Run, as ffi/dqpost_ffi.cc calls it), then an empty kernel N times
-//   through cuLaunchKernel: host microseconds per launch of each, and device microseconds per launch back to back.
+//   launch_cost RUNTIME MODULE N BYTES... -- EXTENTS...
+//
+// The module (an object of kernel_cache, with a buffer of each of BYTES) launched N times through the CuTe runtime's
+// entry (CuteDSLRT_Function_Run, as ffi/dqpost_ffi.cc calls it), then an empty kernel N times through
+// cuLaunchKernel: host microseconds per launch of each, and the stream's microseconds per launch.
 #include <cuda.h>
 #include <dlfcn.h>
 
@@ -21,7 +23,14 @@ using CreateFn = int (*)(CuteModule**, const unsigned char*, size_t, const char*
 using GetFunctionFn = int (*)(CuteFunction**, CuteModule*, const char*);
 using RunFn = int (*)(void*, void**, size_t);
 
-#define CHECK(x) do { CUresult r = (x); if (r != CUDA_SUCCESS) { std::printf("%s failed: %d\n", #x, r); std::exit(1); } } while (0)
+#define CHECK(x)                                              \
+  do {                                                          \
+    CUresult r = (x);                                           \
+    if (r != CUDA_SUCCESS) {                                    \
+      std::printf("%s failed: %d\n", #x, r);                    \
+      std::exit(1);                                             \
+    }                                                           \
+  } while (0)
 
 static double now_us() {
   return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now().time_since_epoch()).count();
@@ -68,12 +77,14 @@ int main(int argc, char** argv) {
   CHECK(cuStreamSynchronize(stream));
   CHECK(cuEventRecord(a, stream));
   double t0 = now_us();
-  for (int k = 0; k < n; ++k) run(fn, call.data(), call.size());
+  int failed = 0;
+  for (int k = 0; k < n; ++k) failed |= run(fn, call.data(), call.size());
   double host = (now_us() - t0) / n;
   CHECK(cuEventRecord(b, stream));
   CHECK(cuEventSynchronize(b));
   float ms = 0; CHECK(cuEventElapsedTime(&ms, a, b));
-  std::printf("cute_runtime_run host_us %.3f device_us %.3f ret %d\n", host, ms * 1e3 / n, ret);
+  // device_us: the stream's time for the N launches over N (at most the kernel's time when the host keeps ahead)
+  std::printf("cute_runtime_run host_us %.3f device_us %.3f ret %d failed %d\n", host, ms * 1e3 / n, ret, failed);
 
   const char* ptx = ".version 7.0\n.target sm_80\n.address_size 64\n.visible .entry empty() { ret; }\n";
   CUmodule m; CHECK(cuModuleLoadData(&m, ptx));

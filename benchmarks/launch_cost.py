@@ -57,7 +57,7 @@ def main() -> int:
                               *map(str, sizes), "--", *map(str, extents)], capture_output=True, text=True)
         print(out.stdout.strip(), out.stderr.strip()[-2000:])
     chain = probes.chain_cost(15)
-    print(json.dumps({k: v for k, v in chain.items()}, default=str))
+    print(json.dumps(chain, default=str))
     return 0
 
 

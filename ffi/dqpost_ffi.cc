@@ -165,8 +165,8 @@ ffi::Error Run(LoadedKernel* kernel, void** call, size_t count) {
 // ------------------------------------------------------------------------------------------------
 // The target: the kernel of jax_dqpost/kernel.py, called as jax_dqpost/abi.py declares it: every operand, then
 // every result, as a device pointer; then kExtentsPerPart int32 extents per part; then the stream. Attributes:
-// "bytes", each buffer's size; "extents" (Plan.launch); "ctas", the launch's CTAs (0: nothing to do). A change of
-// this convention is a new target name, registered beside this one (docs/design.md, "Compatibility").
+// "bytes", each buffer's size; "extents" (Plan.launch); "ctas", the launch's CTAs (0: nothing to do). Its
+// compatibility rule: docs/design.md, "Compatibility".
 constexpr int64_t kExtentsPerPart = 5;  // abi.EXTENTS
 constexpr int64_t kMaxParts = 3;        // abi.PARTS
 constexpr size_t kMaxBuffers = 16;      // more than any call has (abi.pointers: at most 13)
@@ -224,12 +224,12 @@ extern "C" int64_t jax_dqpost_extents_per_part() { return kExtentsPerPart; }
 extern "C" int64_t jax_dqpost_max_parts() { return kMaxParts; }
 extern "C" int64_t jax_dqpost_max_buffers() { return static_cast<int64_t>(kMaxBuffers); }
 
-// The state's type, registered with XLA by Python (jax.ffi.register_ffi_type) before the targets.
+// The state's type, registered with XLA by Python (jax.ffi.register_ffi_type) before the target.
 extern "C" void* jax_dqpost_state_type_id() { return &LoadedKernel::id; }
 extern "C" const void* jax_dqpost_state_type_info() { return &kLoadedKernelTypeInfo; }
 
 // The XLA FFI API version of the headers this library was compiled against: jax_dqpost/_ffi.py compares it with
-// the running jaxlib's (the same major, a minor no newer) before registering the handlers.
+// the running jaxlib's (the same major, a minor no newer) before registering the handler.
 extern "C" void jax_dqpost_ffi_api_version(int* major, int* minor) {
   *major = XLA_FFI_API_MAJOR;
   *minor = XLA_FFI_API_MINOR;

@@ -4,7 +4,7 @@
 MMA accumulator order, described by ``AccumLayout``) into dQ in bf16/fp16: one fp32 multiply by the
 softmax scale and one round-to-nearest-even. ``flash_attention_postprocess`` does dQ, dK and dV (grouped-query
 attention) and the learnable sink's gradient in one launch. On CUDA they run CuTe DSL kernels through our own
-XLA FFI targets; on every other platform, a bit-identical jax.numpy reference.
+XLA FFI target; on every other platform, a bit-identical jax.numpy reference.
 """
 
 from ._ffi import DISABLED_CHECKS

@@ -21,8 +21,7 @@ from pathlib import Path
 import jax
 
 TARGET_NAME = "jax_dqpost_postprocess_v3"
-"""The custom-call target every call lowers to. A change of its calling convention is a new name, and the previous
-target stays registered for the artifacts exported with it (docs/design.md, "Compatibility")."""
+"""The custom-call target every call lowers to (its compatibility rule: docs/design.md, "Compatibility")."""
 DISABLED_CHECKS = (jax.export.DisabledSafetyCheck.custom_call(TARGET_NAME),)
 """``jax.export.export(..., disabled_checks=jax_dqpost.DISABLED_CHECKS)``: our target is not on JAX's list of
 custom calls with stable ABIs, so exporting a function that lowers to it for CUDA needs this check disabled."""
@@ -31,7 +30,7 @@ COMMAND_BUFFERS_ENV = "JAX_DQPOST_COMMAND_BUFFERS"
 """Set to 1 to let XLA capture our launches into its command buffers (see the module docstring)."""
 
 STATE_TYPE_NAME = "jax_dqpost_loaded_kernel"
-"""The FFI type of the handlers' per-instance state (the kernel function an instance launches)."""
+"""The FFI type of the handler's per-instance state (the kernel function an instance launches)."""
 
 _LIBRARY_NAME = "libjax_dqpost_ffi.so"
 _lock = threading.Lock()
@@ -40,7 +39,7 @@ _registered = False
 
 @functools.cache
 def command_buffers() -> bool:
-    """Whether ``JAX_DQPOST_COMMAND_BUFFERS=1`` asks for the command-buffer compatible handlers (unset, empty or
+    """Whether ``JAX_DQPOST_COMMAND_BUFFERS=1`` asks for the command-buffer compatible handler (unset, empty or
     0: no; ``ValueError`` for any other value). Read once per process, at import: the registration and every
     lowering agree."""
     value = os.environ.get(COMMAND_BUFFERS_ENV, "").strip()
@@ -55,7 +54,7 @@ command_buffers()  # a bad JAX_DQPOST_COMMAND_BUFFERS fails here, at import, on 
 
 def call_fingerprint(fingerprint: str) -> str:
     """The custom call's ``fingerprint`` attribute for a module with this sha256: the sha256 itself, and with
-    ``JAX_DQPOST_COMMAND_BUFFERS=1`` a suffix, so that a program compiled for the capturable handlers never shares
+    ``JAX_DQPOST_COMMAND_BUFFERS=1`` a suffix, so that a program compiled for the capturable handler never shares
     a compilation-cache entry (JAX's persistent cache keys on the HLO) with one compiled for the plain ones: XLA
     decides at compile time which calls its command buffers capture. The handler uses the attribute only as the key
     of its loaded modules."""

@@ -1,5 +1,5 @@
-"""Checks of static (Python) arguments shared by the API, AccumLayout and the tools: errors name the argument and
-show the value and its type. A leaf module (no package imports)."""
+"""Checks of static (Python) arguments shared by the API, AccumLayout, arch and precompile: errors name the argument
+and show the value and its type. A leaf module (no package imports)."""
 
 from __future__ import annotations
 

@@ -37,7 +37,8 @@ from .tile import TileConverter, _aligned
 
 MAX_BULK_STAGES = 4
 SMS = 132
-"""Streaming multiprocessors of the GPU the persistent grid is sized for (an H200)."""
+"""Streaming multiprocessors of the GPU the persistent grid is sized for: an H200's (``bulk_ctas`` overrides the
+grid)."""
 SMEM_PER_SM = 228 * 1024
 """Shared memory of an sm_90 SM; each resident CTA takes ``SMEM_PER_CTA_RESERVED`` bytes beyond what it asks."""
 SMEM_PER_CTA_RESERVED = 1024

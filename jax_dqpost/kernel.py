@@ -126,11 +126,12 @@ class Postprocess:
         apply."""
         from .bulk import MAX_BULK_STAGES, SMEM_PER_CTA_RESERVED, SMEM_PER_SM, BulkLoader
 
-        if not isinstance(stages, int) or not 1 <= stages <= MAX_BULK_STAGES:
+        if isinstance(stages, bool) or not isinstance(stages, int) or not 0 <= stages <= MAX_BULK_STAGES:
             raise ValueError(f"bulk_stages must be an int from 0 to {MAX_BULK_STAGES}, got {stages!r}")
-        if ctas is not None and (not isinstance(ctas, int) or ctas < 1 or stages < 2):
-            raise ValueError(f"bulk_ctas must be None or a positive int with bulk_stages >= 2, got {ctas!r} "
-                             f"(bulk_stages={stages})")
+        if ctas is not None and (isinstance(ctas, bool) or not isinstance(ctas, int) or ctas < 1):
+            raise ValueError(f"bulk_ctas must be None or a positive int, got {ctas!r}")
+        if ctas is not None and stages < 2:
+            raise ValueError(f"bulk_ctas={ctas} needs persistent CTAs, bulk_stages >= 2; got bulk_stages={stages}")
         part = self.parts[0]
         if not (self.alone and part.tiling == Tiling.DENSE and part.layout.arch == 90 and target_sm == 90):
             raise ValueError(f"bulk_stages={stages} needs one dense part of an arch-90 layout, no sink, compiled for "

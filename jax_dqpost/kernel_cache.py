@@ -30,8 +30,6 @@ import threading
 import warnings
 from pathlib import Path
 
-import numpy as np
-
 from . import abi, arch as arch_
 from ._version import __version__
 from .abi import Tiling
@@ -203,9 +201,9 @@ def _store(key: tuple, kernel: CompiledKernel, persist: bool | None) -> None:
 def compile_executor(dtype: str, parts: tuple, sink, arch: str, **tuning):
     """``cute.compile`` the kernel (:func:`get_kernel`'s key); CuTe's executor, callable from Python with
     ``kernel.entry_args`` and a stream. Callers serialise through ``_lock`` or accept that the DSL's global arch is
-    set here (and restored afterwards). ``tuning``: ``TileConverter`` keyword arguments for experiments
-    (benchmarks/ncu_kernels.py); the package itself always compiles with the defaults, which is why they are not part of
-    the key."""
+    set here (and restored afterwards). ``tuning``: ``kernel.Postprocess``'s tuning keywords (``min_ctas_per_sm``,
+    ``short_heads``, ``bulk_stages``, ``bulk_ctas``) for experiments (benchmarks/ncu_kernels.py); the package itself
+    always compiles with the defaults, which is why they are not part of the key."""
     from .kernel import PartSpec, Postprocess, cute_type, entry_args
     from .tile import TileConverter
 

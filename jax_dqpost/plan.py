@@ -240,15 +240,17 @@ class Plan:
         return Operands(tuple(kinds["accum"]), tuple(kinds["aux"]), **one)
 
     def join(self, ops: Operands) -> list:
-        """The inverse of :meth:`split`."""
-        return [*ops.acc, *ops.aux, ops.scales, *(ops.sink if self.has_sink else ())]
+        """The inverse of :meth:`split`: the operands in the table's order."""
+        kinds = {"accum": iter(ops.acc), "aux": iter(ops.aux), "scales": iter([ops.scales]),
+                 "learnable_sink": iter([ops.learnable_sink]), "lse": iter([ops.lse]), "dpsum": iter([ops.dpsum])}
+        return [next(kinds[buffer.kind]) for buffer in self.operands]
 
     def part_aux(self, ops: Operands) -> tuple:
         """The aux operand of each part: its side's."""
         sides = abi.sides(len(self.parts))
         return tuple(ops.aux[sides.index(abi.SIDE[name])] for name in self.names)
 
-    def dtype_of(self, buffer: abi.Buffer) -> np.dtype:
+    def buffer_dtype(self, buffer: abi.Buffer) -> np.dtype:
         """The dtype of one of the call's buffers (its ``dtype`` rule in :data:`abi.BUFFERS`)."""
         rule = {"f32": np.float32, "s32": np.int32, "out": self.dq.dtype, "sink": self.sink_dtype,
                 "dsink": self.dsink_dtype}
@@ -263,7 +265,7 @@ class Plan:
     def check_dtypes(self, avals) -> None:
         """``TypeError`` naming the operand whose dtype (or rank, for the int32 operands) is not its table's."""
         for buffer, aval in zip(self.operands, avals, strict=True):
-            want = self.dtype_of(buffer)
+            want = self.buffer_dtype(buffer)
             if aval.dtype != want or (buffer.kind == "aux" and aval.ndim != 1):
                 what = "a 1-D int32 array" if buffer.kind == "aux" else np.dtype(want).name
                 got = f"{aval.dtype}{list(aval.shape)}" if buffer.kind == "aux" else f"{aval.dtype}"

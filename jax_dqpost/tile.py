@@ -30,7 +30,7 @@ import math
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_helpers
-from cutlass import Float32, Int32, Int64, const_expr
+from cutlass import Float32, Int64, const_expr
 from cutlass.cute.nvgpu import warp, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 

@@ -143,8 +143,8 @@ OTHER_ORDERS = {
 }
 
 # FlashAttention-4's (dQ, dK/dV) preset pairs the tests run: name -> (GPU arch, causal, head dims). The pair is the
-# one AccumLayout.flash_attention picks at the first head dim; the tests run it at each head dim of the tuple (with dK
-# and dV: dV's head dim is the next one).
+# one AccumLayout.flash_attention picks at the first head dim; the tests run it at each head dim of the tuple, and a
+# name ending in -dvN runs dV at head dim N.
 FA4_PAIRS = {
     "sm90-hd64": (90, False, (64,)),
     "sm90-hd96": (90, False, (96,)),
@@ -164,9 +164,10 @@ def fa4_layouts(arch: int, head_dim: int, causal: bool = False) -> tuple[AccumLa
 
 def fa4_pair(name: str):
     """``FA4_PAIRS[name]`` as (dQ layout, dK/dV layout, head_dim, head_dim_v): its first head dim, and dV's (the
-    next one, or the same where the tuple has only one)."""
+    name's -dvN, else the same)."""
     arch, causal, head_dims = FA4_PAIRS[name]
-    return (*fa4_layouts(arch, head_dims[0], causal), head_dims[0], head_dims[1 % len(head_dims)])
+    head_dim_v = int(name.rsplit("-dv", 1)[1]) if "-dv" in name else head_dims[0]
+    return (*fa4_layouts(arch, head_dims[0], causal), head_dims[0], head_dim_v)
 
 
 def fa_cute_hopper_config(head_dim: int, causal: bool = False):

@@ -17,7 +17,7 @@ import pytest
 
 from jax_dqpost import AccumLayout, dq_postprocess, kernel_cache, varlen
 from jax_dqpost.layout import SMEM_LIMIT
-from jax_dqpost.plan import Tiling
+from jax_dqpost.abi import Tiling
 
 ARCHS = ("sm_80", "sm_90a", "sm_100a")
 

@@ -84,7 +84,7 @@ def test_cute_dsl_arch_and_the_device_are_validated(monkeypatch):
 _SCRIPT = textwrap.dedent("""
     import sys, jax, jax.numpy as jnp
     from jax_dqpost import AccumLayout, kernel_cache as c
-    from jax_dqpost.plan import Tiling
+    from jax_dqpost.abi import Tiling
     layout = AccumLayout.flash_attention(90, 128, causal=False, tensor="dq")
     k = c.get_kernel((jnp.bfloat16, ((layout, 128, Tiling.VARLEN),), None), arch="sm_90a")
     print(k.fingerprint, "cutlass" in sys.modules)
@@ -122,8 +122,11 @@ def test_scale_and_values_do_not_recompile(rng):
         jax.ShapeDtypeStruct(layout.accum_shape(2, 2, 100, 128), jnp.float32), jax.ShapeDtypeStruct((), jnp.float32))
     exported()
     n = kernel_cache.cache_size()
-    for scale in (0.5, 0.25):
-        f(jnp.asarray(rng.standard_normal(layout.accum_shape(2, 2, 100, 128)), jnp.float32), jnp.float32(scale))
+    for scale in rng.uniform(0.05, 2.0, 2):  # concrete scales, each lowered for CUDA into its own program
+        jax.export.export(jax.jit(lambda a, s=float(scale): dq_postprocess(a, s, seqlen_q=100, head_dim=128,
+                                                                           layout=layout)),
+                          platforms=["cuda"], disabled_checks=DISABLED_CHECKS)(
+            jax.ShapeDtypeStruct(layout.accum_shape(2, 2, 100, 128), jnp.float32))
     # Other shapes of the same binary configuration reuse the compiled kernel.
     jax.export.export(jax.jit(lambda a, s: dq_postprocess(a, s, seqlen_q=7, head_dim=120, layout=layout)),
                       platforms=["cuda"], disabled_checks=DISABLED_CHECKS)(
@@ -137,7 +140,7 @@ def test_a_damaged_entry_is_recompiled_and_rewritten_with_one_warning(tmp_path, 
     artifact); it is compiled again and rewritten, then reported by one warning at the caller's line (here: this
     file, also through a jax lowering), so that warnings turned into errors (``python -W error``) cannot stop the
     heal: the exception comes after the rewrite, and the next call is a clean hit."""
-    from jax_dqpost.plan import Tiling
+    from jax_dqpost.abi import Tiling
 
     monkeypatch.setenv("JAX_DQPOST_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(kernel_cache, "_cache", {})

@@ -19,7 +19,7 @@ import pytest
 import jax_dqpost
 from jax_dqpost import DISABLED_CHECKS, AccumLayout, dq_postprocess
 from jax_dqpost import _ffi, kernel_cache
-from jax_dqpost.plan import Tiling
+from jax_dqpost.abi import Tiling
 
 LAYOUT = AccumLayout(90, 80, 256, 1, True, 32)
 
@@ -63,7 +63,7 @@ def test_export_for_cuda_emits_our_custom_call(dtype, name):
 @pytest.mark.parametrize("name", ["dense", "varlen"])
 def test_stored_artifacts_call_the_registered_target(name):
     """tests/data's artifacts (run on a GPU by tests/test_gpu.py) call the target the package registers, so the GPU
-    test checks the handler of today's calls; they are exported again when the target changes."""
+    test checks the handler that calls use; they are exported again when the target changes."""
     blob = (Path(__file__).parent / "data" / f"exported_{name}.bin").read_bytes()
     text = jax.export.deserialize(bytearray(blob)).mlir_module()
     assert re.findall(r"stablehlo.custom_call @(\w+)\(", text) == [_ffi.TARGET_NAME]
@@ -221,6 +221,25 @@ def test_ffi_handler_passes_the_calling_convention_of_abi():
     assert abi.arguments(1, False)[-5:] == tuple(f"dq_{e}" for e in abi.EXTENTS)
 
 
+def test_split_and_join_follow_the_buffers_table():
+    """Plan.split and Plan.join are inverses in abi.BUFFERS' order, for one part or three, with a sink or not."""
+    from jax_dqpost import abi
+    from jax_dqpost.plan import Part, Plan
+
+    q = Part(LAYOUT, 128, np.dtype(jnp.bfloat16), seqlen=100)
+    sink = np.dtype(np.float32)
+    for plan in (Plan((q,)), Plan((q,), sink, sink), Plan((q, q, q)), Plan((q, q, q), sink, sink)):
+        names = [b.name for b in plan.operands]
+        assert names == list(abi.pointers(len(plan.parts), plan.has_sink)[:len(names)])
+        ops = plan.split(names)
+        assert plan.join(ops) == names
+        assert list(ops.acc) == [f"{p}_accum" for p in plan.names]
+        assert list(ops.aux) == [f"{s}_aux" for s in abi.sides(len(plan.parts))]
+        assert plan.part_aux(ops) == tuple(f"{abi.SIDE[p]}_aux" for p in plan.names)
+        want_sink = ("learnable_sink", "lse", "dpsum") if plan.has_sink else (None, None, None)
+        assert ops.scales == "scales" and ops.sink == want_sink
+
+
 @pytest.fixture
 def command_buffers_env(monkeypatch):
     """Set JAX_DQPOST_COMMAND_BUFFERS for one test (the package reads it once per process: the cache is cleared
@@ -326,11 +345,15 @@ def test_the_bulk_load_experiment_compiles_and_is_refused_where_it_does_not_appl
     modules = {bytes(kernel_cache.compile_executor("bf16", dense, None, "sm_90a", **tuning).dump_to_object("x"))
                for tuning in ({}, {"bulk_stages": 1}, {"bulk_stages": 2, "bulk_ctas": 7})}
     assert len(modules) == 3  # three kernels: the default and two bulk paths
-    refused = [("bf16", ((layout, 128, Tiling.VARLEN),), None, "sm_90a", {"bulk_stages": 1}),
-               ("bf16", dense, ("f32", "f32"), "sm_90a", {"bulk_stages": 1}),
-               ("bf16", dense, None, "sm_100a", {"bulk_stages": 2}),
-               ("bf16", dense, None, "sm_90a", {"bulk_stages": 5}),
-               ("bf16", dense, None, "sm_90a", {"bulk_stages": 1, "bulk_ctas": 8})]
-    for dtype, parts, sink, arch, tuning in refused:
-        with pytest.raises(ValueError, match="bulk_"):
-            kernel_cache.compile_executor(dtype, parts, sink, arch, **tuning)
+    one_part = "bulk_stages=. needs one dense part of an arch-90 layout, no sink, compiled for sm_90a"
+    refused = [(((layout, 128, Tiling.VARLEN),), None, "sm_90a", {"bulk_stages": 1}, one_part),
+               (dense, ("f32", "f32"), "sm_90a", {"bulk_stages": 1}, one_part),
+               (dense, None, "sm_100a", {"bulk_stages": 2}, one_part),
+               (dense, None, "sm_90a", {"bulk_stages": 5}, "bulk_stages must be an int from 0 to 4, got 5"),
+               (dense, None, "sm_90a", {"bulk_stages": True}, "bulk_stages must be an int from 0 to 4, got True"),
+               (dense, None, "sm_90a", {"bulk_stages": 1, "bulk_ctas": 8}, "bulk_ctas=8 needs .* got bulk_stages=1"),
+               (dense, None, "sm_90a", {"bulk_ctas": 8}, "bulk_ctas=8 needs .* got bulk_stages=0"),
+               (dense, None, "sm_90a", {"bulk_stages": 2, "bulk_ctas": 0}, "bulk_ctas must be .* got 0")]
+    for parts, sink, arch, tuning, message in refused:
+        with pytest.raises(ValueError, match=message):
+            kernel_cache.compile_executor("bf16", parts, sink, arch, **tuning)

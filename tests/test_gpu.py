@@ -1,7 +1,7 @@
 """GPU-only checks (skipped without a CUDA GPU): the kernel on poisoned outputs, the FFI target's
 errors, and bit-for-bit agreement with upstream FlashAttention-4's postprocess on the same accumulators.
 
-The oracle comparisons of test_postprocess.py also run on the GPU through the FFI targets (on poisoned outputs).
+The oracle comparisons of test_postprocess.py also run on the GPU through the FFI target (on poisoned outputs).
 """
 
 from __future__ import annotations
@@ -378,8 +378,9 @@ def test_cuda_graphs(tmp_path, seed, capturable):
 
 
 def test_profiler_around_calls(seed):
-    """Both ops, static and traced varlen offsets, at a size that used to crash: each program runs before, inside
-    and after a jax.profiler trace with bit-exact results (tests/profiler_main.py, own process)."""
+    """Both ops, static and traced varlen offsets, at a size that crashes under the profiler when the launches are
+    captured: each program runs before, inside and after a jax.profiler trace with bit-exact results
+    (tests/profiler_main.py, own process)."""
     import json
     import os
     import subprocess

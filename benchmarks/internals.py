@@ -55,6 +55,11 @@ def executor(p: Plan, **tuning):
     return _EXECUTORS[key]
 
 
+def in_entry_order(p: Plan, by_name: dict) -> list:
+    """The values of ``by_name`` (keyed by ``abi.pointers`` names) in the order of the kernel's pointers."""
+    return [by_name[name] for name in abi.pointers(len(p.parts), p.has_sink)]
+
+
 def launch_args(p: Plan, acc_shapes, buffers: dict) -> tuple:
     """:func:`executor`'s arguments but the stream, for accumulators of ``acc_shapes``: the device address of each
     of the kernel's pointers (``buffers``: torch tensors by ``abi.pointers`` name, extra ones unused), then the

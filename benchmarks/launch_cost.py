@@ -43,7 +43,7 @@ def main() -> int:
     acc_shape = layout.accum_shape(1, 1, S, D)
     kernel = internals.get_kernel(plan)
     extents, _ = plan.launch([acc_shape])
-    sizes = [int(np.prod(acc_shape)) * 4, 0, 4, S * D * 2]  # abi.pointers(1, False): dq_accum, q_aux, scales, dq
+    sizes = internals.in_entry_order(plan, dict(dq_accum=int(np.prod(acc_shape)) * 4, q_aux=0, scales=4, dq=S * D * 2))
     with tempfile.TemporaryDirectory() as tmp:
         exe, module = Path(tmp) / "launch_cost", Path(tmp) / "module.o"
         module.write_bytes(kernel.module)

@@ -39,6 +39,7 @@ def _run(torch, p, acc, scale, out_shape, dtype, tuning):
     poison = flat[:GUARD].view(torch.int16).clone()
     out = flat[GUARD:GUARD + numel]
     ex = internals.executor(p, **tuning)
+    # q_aux: any address (a dense part without seqused reads none)
     args = internals.launch_args(p, [tuple(acc.shape)], dict(dq_accum=acc, q_aux=scale, scales=scale, dq=out))
     ex(*args, cuda.CUstream(torch.cuda.current_stream().cuda_stream))
     torch.cuda.synchronize()

@@ -33,7 +33,7 @@ from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync
 
 from .schedule import DenseScheduler, PartArgs
-from .tile import TileConverter, _aligned
+from .tile import _THREADS_PER_SM, TileConverter, _aligned
 
 MAX_BULK_STAGES = 4
 SMS = 132
@@ -42,7 +42,6 @@ grid)."""
 SMEM_PER_SM = 228 * 1024
 """Shared memory of an sm_90 SM; each resident CTA takes ``SMEM_PER_CTA_RESERVED`` bytes beyond what it asks."""
 SMEM_PER_CTA_RESERVED = 1024
-_THREADS_PER_SM = 2048
 _STAGE_ALIGN = 128
 _MBAR_BYTES = 8
 

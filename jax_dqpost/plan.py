@@ -172,14 +172,8 @@ class Operands(NamedTuple):
 class Plan:
     """The static description of a postprocess call (frozen, hashable: the primitive's parameter).
 
-    Operands and results in the order of ``abi.py``. The sink operands, for ``H`` query heads::
-
-        dense (dq):   learnable_sink (H,)   lse (B, H, S)   dpsum (B, H, Sr)
-        varlen (dq):  learnable_sink (H,)   lse (H, T)      dpsum (H, Tp)
-
-    ``dsink[h] = sum over sequences b and rows r < len_b of -p * dpsum[b, h, r]``, ``p = exp(sink[h] - lse[b, h,
-    r])`` (1 where ``lse = -inf``); varlen rows at ``lse[h, cu[b] + r]`` and ``dpsum[h, acc_row[b] + r]`` (the
-    padded offset), ``len_b`` honouring ``seqused_q``.
+    Operands and results in the order of ``abi.py``; the sink operands' shapes (:meth:`sink_shapes`) and the
+    gradient are :func:`~jax_dqpost.flash_attention_postprocess`'s.
 
     Attributes:
       parts: a :class:`Part` per tensor: dQ's, or dQ's, dK's and dV's (``abi.PARTS``; one dtype).

@@ -22,16 +22,17 @@ def dq_postprocess(dq_accum, scale, *, head_dim: int, seqlen_q: int | None = Non
 
     Dense batches (``seqlen_q`` given)::
 
-        dq_accum: float32 (B, H, Sr * Dr)  ->  dq: (B, S, H, D)
+        dq_accum: float32 (B, H, Sr * Da)  ->  dq: (B, S, H, D)
 
-    with ``Sr = ceil(S / P) * P`` (``P = tile_m * cluster_size``, ``layout.pad_rows``) and
-    ``Dr = ceil(D / hdim_multiple_of) * hdim_multiple_of``. Tile
-    ``(b, h, m)`` is ``dq_accum[b, h, m*tile_m*Dr : (m+1)*tile_m*Dr]`` in the producer's register order.
+    with ``Sr = ceil(S / P) * P`` (``P = tile_m * cluster_size``, ``layout.pad_rows``),
+    ``Dr = ceil(D / hdim_multiple_of) * hdim_multiple_of`` and ``Da`` the same for ``layout.alloc_hdim_multiple_of``
+    (``Da = Dr`` for most producers). Tile ``(b, h, m)`` is ``dq_accum[b, h, m*tile_m*Dr : (m+1)*tile_m*Dr]`` in the
+    producer's register order.
     With ``seqused_q`` (B,), rows ``>= seqused_q[b]`` of batch ``b`` are zero.
 
     Variable-length batches (``cu_seqlens_q`` (B+1,) and ``total_q`` given)::
 
-        dq_accum: float32 (H, Tp * Dr)  ->  dq: (T, H, D),   Tp = ceil((T + B*P) / P) * P
+        dq_accum: float32 (H, Tp * Da)  ->  dq: (T, H, D),   Tp = ceil((T + B*P) / P) * P
 
     Sequence ``b`` is dq rows ``cu[b] .. cu[b] + len_b`` with ``len_b = seqused_q[b]`` if given, else
     ``cu[b+1] - cu[b]``; its accumulator starts at padded row ``(cu[b] + b*P) // P * P``
@@ -54,7 +55,7 @@ def dq_postprocess(dq_accum, scale, *, head_dim: int, seqlen_q: int | None = Non
       dtype: ``jnp.bfloat16`` or ``jnp.float16`` (or their names, ``"bf16"``/``"bfloat16"``,
         ``"f16"``/``"float16"``), the type of dQ.
       layout: the :class:`AccumLayout` of the producer, required (an accumulator read in another order gives wrong
-        values, not an error): ``AccumLayout.flash_attention(arch, head_dim, causal=..., tensor="dq")`` for
+        values, not an error): ``AccumLayout.flash_attention(gpu, head_dim, causal=..., tensor="dq", version=...)`` for
         FlashAttention-4's, ``AccumLayout.row_major()`` for an accumulator made in JAX.
       learnable_sink, lse, dpsum: with a learnable sink, also return its gradient (see
         :func:`flash_attention_postprocess`), computed in the same launch.
@@ -99,12 +100,13 @@ def flash_attention_postprocess(dq_accum, dk_accum, dv_accum, softmax_scale, *, 
     Each tensor is converted as :func:`dq_postprocess` converts dQ (one fp32 multiply, one rounding), with its
     own layout, head dim, sequence side and scale::
 
-        dQ: dq_accum (B, H, Sr*Dr) or (H, Tp*Dr)        -> dq (B, S, H, D) or (T, H, D)      scale softmax_scale
-        dK: dk_accum (B, Hkv, Skr*Dr) or (Hkv, Tkp*Dr)  -> dk (B, Sk, Hkv, D) or (Tk, Hkv, D)  scale dk_scale
-        dV: dv_accum (B, Hkv, Skr*Dvr) or (Hkv, Tkp*Dvr) -> dv (B, Sk, Hkv, Dv) or (Tk, Hkv, Dv)  scale 1
+        dQ: dq_accum (B, H, Sr*Da) or (H, Tp*Da)        -> dq (B, S, H, D) or (T, H, D)      scale softmax_scale
+        dK: dk_accum (B, Hkv, Skr*Da) or (Hkv, Tkp*Da)  -> dk (B, Sk, Hkv, D) or (Tk, Hkv, D)  scale dk_scale
+        dV: dv_accum (B, Hkv, Skr*Dva) or (Hkv, Tkp*Dva) -> dv (B, Sk, Hkv, Dv) or (Tk, Hkv, Dv)  scale 1
 
     ``Sr``, ``Tp`` (q side, ``dq_layout``) and ``Skr``, ``Tkp`` (k side, ``dkv_layout``; its rows are key rows)
-    as :func:`dq_postprocess` defines them; ``Dr``, ``Dvr``: ``head_dim``, ``head_dim_v`` padded by the layout.
+    as :func:`dq_postprocess` defines them; ``Da``, ``Dva``: ``head_dim``, ``head_dim_v`` padded as the layout's
+    allocation pads them.
     ``Hkv`` must divide ``H``. The q side is dense (``seqlen_q``) or packed (``cu_seqlens_q``, ``total_q``,
     optional ``seqused_q``), the k side likewise with ``seqlen_k`` / ``cu_seqlens_k``, ``total_k``,
     ``seqused_k``; offsets static or traced, independently; both sides hold the same ``B`` sequences (a packed
@@ -127,7 +129,7 @@ def flash_attention_postprocess(dq_accum, dk_accum, dv_accum, softmax_scale, *, 
       head_dim, head_dim_v: ``D`` and ``Dv`` (default ``D``).
       dtype: the type of dq, dk, dv, as in :func:`dq_postprocess`.
       dq_layout, dkv_layout: the producer's :class:`AccumLayout` of dQ (required) and of dK/dV (required with
-        ``dk_accum``): ``AccumLayout.flash_attention(arch, head_dim, causal=..., tensor="dq")`` and
+        ``dk_accum``): ``AccumLayout.flash_attention(gpu, head_dim, causal=..., tensor="dq", version=...)`` and
         ``tensor="dkv"`` for FlashAttention-4's.
       dk_scale: dK's scale; default ``softmax_scale`` (FlashAttention-4; FlashAttention-3 passes 1.0).
       seqlen_q, total_q, cu_seqlens_q, seqused_q: the q side, as in :func:`dq_postprocess`.
@@ -210,8 +212,8 @@ def _bind(plan: Plan, accs, side_aux, scales, sink) -> list:
 def dq_accum_from_dq(dq, scale, *, layout: AccumLayout, cu_seqlens_q=None, seqused_q=None):
     """The transpose of :func:`dq_postprocess`: build the float32 accumulator a producer would have written.
 
-    Dense: ``dq`` ``(B, S, H, D)`` -> ``(B, H, Sr * Dr)``. Varlen (``cu_seqlens_q`` given): ``dq`` ``(T, H, D)``
-    -> ``(H, Tp * Dr)``. Every position that ``dq_postprocess`` reads element ``(i, j)`` from holds
+    Dense: ``dq`` ``(B, S, H, D)`` -> ``(B, H, Sr * Da)``. Varlen (``cu_seqlens_q`` given): ``dq`` ``(T, H, D)``
+    -> ``(H, Tp * Da)``. Every position that ``dq_postprocess`` reads element ``(i, j)`` from holds
     ``float32(scale) * float32(dq[i, j])`` (one fp32 multiply); every other entry (padding rows and columns,
     rows past ``seqused_q``, rows no sequence covers) is 0. With ``scale = 1`` it inverts
     ``dq_postprocess`` on bf16/fp16 values; it is also how to build an accumulator in a given order.

@@ -56,8 +56,8 @@ def _check_bool(name: str, value) -> bool:
     return _static_args.static_bool(f"AccumLayout.{name}", value)
 
 
-CONSTRUCTORS = ("AccumLayout.flash_attention(arch, head_dim, causal=..., tensor='dq' or 'dkv') gives the order "
-                "FlashAttention-4's backward writes, AccumLayout.row_major() the order of an accumulator made in JAX "
+CONSTRUCTORS = ("AccumLayout.flash_attention(gpu, head_dim, causal=..., tensor='dq' or 'dkv', version=...) gives "
+                "the order FlashAttention-4's backward writes, AccumLayout.row_major() the order of an accumulator made in JAX "
                 "(dq_accum_from_dq)")
 """How to get a layout: the errors for a missing one say this."""
 NO_DEFAULT = "no default: an accumulator read in another order gives wrong values, not an error"
@@ -83,8 +83,15 @@ class AccumLayout:
         128 on Blackwell); for ``arch=None``, the CTA size of the postprocess.
       atom_layout: FlashAttention's ``AtomLayoutMdQ``: warpgroups (90) or warps (80) along the row mode.
       swap_ab: FlashAttention's ``dQ_swapAB``: the MMA computed dQ transposed (80 and 90).
-      hdim_multiple_of: the head dimension is padded to a multiple of this in the accumulator
-        (32 in FlashAttention's CuTe DSL, 64 for its Hopper configurations with head dim > 128).
+      hdim_multiple_of: the producer's tiles pad the head dimension to ``Dr``, a multiple of this: a tile holds
+        ``tile_m * Dr`` floats (FlashAttention's ``tile_hdim``; 32 in its CuTe DSL, 64 for its Hopper configurations
+        with head dim > 128, 16 in flash-attn 4.0.0b36's Hopper backward up to head dim 128).
+      alloc_hdim_multiple_of: keyword-only; the accumulator was allocated with the head dimension padded to ``Da``, a
+        multiple of this (default: ``hdim_multiple_of``, ``Da = Dr``), and a multiple of ``hdim_multiple_of``. Each
+        (batch, head) row of ``Sr * Da`` floats holds its tiles in its first ``Sr * Dr`` floats and nothing the op
+        reads after them (varlen: ``Tp * Da`` per head, tiles in the first ``Tp * Dr``). flash-attn 4.0.0b36's
+        Hopper backward writes such rows: tiles of ``Dr = ceil(D / 16) * 16`` in rows allocated for
+        ``Da = ceil(D / 32) * 32`` (:meth:`flash_attention`).
       two_cta: keyword-only; required for ``arch=100``, where it picks the 2-CTA (``cta_group::2``) MMA's order over
         the 1-CTA one (the two have the same shape); False (the only value) for the other orders when left out.
       cluster_size: keyword-only; CTAs of the producer's cluster along the rows (FlashAttention-4's
@@ -105,6 +112,7 @@ class AccumLayout:
     hdim_multiple_of: int
     two_cta: bool | None = dataclasses.field(default=None, kw_only=True)
     cluster_size: int | None = dataclasses.field(default=None, kw_only=True)
+    alloc_hdim_multiple_of: int | None = dataclasses.field(default=None, kw_only=True)
 
     def __post_init__(self):
         arch = None if self.arch is None else _check_int("arch", self.arch)
@@ -112,7 +120,7 @@ class AccumLayout:
             hint = ""
             if arch in _ORDER_OF_GPU:
                 hint = (f"; FlashAttention's sm{arch} backward writes the arch={_ORDER_OF_GPU[arch]} order "
-                        f"(AccumLayout.flash_attention({arch}, head_dim, causal=..., tensor=...) gives its "
+                        f"(AccumLayout.flash_attention({arch}, head_dim, causal=..., tensor=..., version=...) gives its "
                         "layouts)")
             raise ValueError(f"AccumLayout.arch={arch} is not an accumulator order; the orders are "
                              f"{_SUPPORTED_ARCHS} (90 Hopper wgmma, 80 mma.sync, 100 Blackwell tcgen05, None "
@@ -122,7 +130,7 @@ class AccumLayout:
             raise TypeError(f"AccumLayout(arch=100) needs {' and '.join(missing)}: the tcgen05 orders of the 1-CTA "
                             "and the 2-CTA MMA have the same shape (FlashAttention-4 writes dQ with two_cta=True and "
                             "dK/dV with cluster_size=2 at head dims 128..192; AccumLayout.flash_attention(100, "
-                            "head_dim, causal=..., tensor=...) gives them)")
+                            "head_dim, causal=..., tensor=..., version=...) gives them)")
         tile_m = _check_int("tile_m", self.tile_m)
         if tile_m % 8:
             raise ValueError(f"AccumLayout.tile_m must be a multiple of 8, got {tile_m}")
@@ -138,10 +146,16 @@ class AccumLayout:
         if mult % 8 or mult > MAX_HEAD_DIM:
             raise ValueError(f"AccumLayout.hdim_multiple_of must be a multiple of 8 and at most {MAX_HEAD_DIM}, "
                              f"got {mult}")
+        alloc = mult if self.alloc_hdim_multiple_of is None else _check_int("alloc_hdim_multiple_of",
+                                                                            self.alloc_hdim_multiple_of)
+        if alloc % mult or alloc > MAX_HEAD_DIM:
+            raise ValueError(f"AccumLayout.alloc_hdim_multiple_of must be a multiple of hdim_multiple_of={mult} (the "
+                             f"allocated row holds the tiles) and at most {MAX_HEAD_DIM}, got {alloc}")
         # Normalise numpy scalars so equal layouts hash equal.
         for name, value in (("arch", arch), ("tile_m", tile_m), ("num_threads", num_threads),
                             ("atom_layout", atom_layout), ("hdim_multiple_of", mult), ("swap_ab", swap_ab),
-                            ("two_cta", two_cta), ("cluster_size", cluster_size)):
+                            ("two_cta", two_cta), ("cluster_size", cluster_size),
+                            ("alloc_hdim_multiple_of", alloc)):
             object.__setattr__(self, name, value)
         if two_cta and arch != 100:
             raise ValueError(f"AccumLayout.two_cta=True is a Blackwell (arch=100) order, got arch={arch}")
@@ -175,23 +189,39 @@ class AccumLayout:
 
     # ----------------------------------------------------------------------------------------------
     @classmethod
-    @_static_args.required_arguments(causal=lambda: _causal_hint(), tensor=lambda: _tensor_hint())
-    def flash_attention(cls, arch: int, head_dim: int, *, causal: bool, tensor: str,
+    @_static_args.required_arguments(causal=lambda: _causal_hint(), tensor=lambda: _tensor_hint(),
+                                     version=lambda: _version_hint())
+    def flash_attention(cls, gpu: int, head_dim: int, *, causal: bool, tensor: str, version: str,
                         head_dim_v: int | None = None) -> "AccumLayout":
-        """The layout FlashAttention-4's backward uses on GPU architecture ``arch`` (90, 100, 101, 103, 110, 120 or
-        121) for the accumulator of ``tensor``: ``"dq"``, or ``"dkv"`` (dK and dV, accumulated in fp32 for
-        grouped-query attention, where several query heads add into one key/value head).
+        """The layout in which FlashAttention-4's backward, release ``version``, running on GPU architecture ``gpu``
+        (90, 100, 101, 103, 110, 120 or 121: the GPU the backward runs on, not a field of the order), writes the
+        accumulator of ``tensor``: ``"dq"``, or ``"dkv"`` (dK and dV, accumulated in fp32 for grouped-query attention,
+        where several query heads add into one key/value head).
 
-        ``causal`` (True also for local attention) and ``tensor`` have no default: for some GPUs and head dims (the
-        table below; the error for a missing ``causal`` lists them) the causal order differs from the non-causal
-        one, and dQ's from dK/dV's, with shapes that agree wherever both tiles divide the sequence, so a wrong guess
-        gives wrong gradients, not an error. ``causal`` is required on every GPU, so that a call is portable.
-        ``head_dim_v`` (default ``head_dim``) only matters for the head dims with no postprocess.
+        ``causal`` (True also for local attention), ``tensor`` and ``version`` have no default: for some GPUs and
+        head dims (the table below; the error for a missing ``causal`` lists them) the causal order differs from the
+        non-causal one, and dQ's from dK/dV's, with shapes that agree wherever both tiles divide the sequence; and
+        releases pad the head dim differently (below). A wrong guess gives wrong gradients, not an error. All three
+        are required on every GPU, so that a call is portable. ``head_dim_v`` (default ``head_dim``) only matters
+        for the head dims with no postprocess.
+
+        ``version``: the flash-attn-4 release that wrote the accumulator (``importlib.metadata.version(
+        "flash-attn-4")``; a port of its kernels: the release it was taken from, if its padding is unchanged). The
+        presets know :data:`FLASH_ATTENTION_RELEASES`; another release raises ``ValueError`` naming the layouts to pass
+        instead, as the rows below differ between releases only in the padding:
+
+        * ``"4.0.0b36"``: its sm90 backward tiles the head dim in multiples of 16 (64 where its dK/dV MMA is
+          swapped, head dims above 128) while it allocates the accumulators in multiples of 32 (upstream:
+          Dao-AILab/flash-attention PR #2896, open). At sm90 head dims 8, 16, 40, 48, 72, 80, 104 and 112, where the
+          two differ, its dQ (and dK/dV) accumulators hold ``Dr = ceil(D / 16) * 16`` tiles in rows allocated for
+          ``Da = ceil(D / 32) * 32``: the rows below with ``hdim_multiple_of=16, alloc_hdim_multiple_of=32``, which
+          read them right (its own postprocess reads them as 32-column tiles and returns wrong gradients there). At
+          104 and 112 without ``causal`` its backward does not compile (a swapped ``(112, 80)`` dQ MMA): ValueError.
 
         The presets, as ``AccumLayout(...)``'s positional fields (dK/dV's rows are key rows: ``tile_m`` is
         FlashAttention's ``n_block_size``)::
 
-            | arch | head dim | causal | dQ (`tensor="dq"`) | dK/dV (`tensor="dkv"`) |
+            | gpu | head dim | causal | dQ (`tensor="dq"`) | dK/dV (`tensor="dkv"`) |
             |---|---|---|---|---|
             | 90 | 8..64 | either | `(90, 128, 256, 2, False, 32)` | the same |
             | 90 | 72..96 | either | `(90, 64, 128, 1, False, 32)` | `(90, 128, 256, 2, False, 32)` |
@@ -211,34 +241,59 @@ class AccumLayout:
         if sm90 and dKV_swapAB``, dK/dV with ``n_block_size``, ``AtomLayoutNdKV``, ``dKV_swapAB`` and
         ``cluster_size``), the sm100 branch (``use_2cta_instrs = head_dim >= 128``, ``cluster_size = 2`` with it;
         ``FlashAttentionBackwardSm100.accum_tile_orders``: dQ in the 1- or 2-CTA fragment order, dK/dV in the
-        1-CTA one) and the sm120 branch (sm80 MMA, 4 warps).
+        1-CTA one) and the sm120 branch (sm80 MMA, 4 warps); flash_bwd_sm90.py's ``tile_hdim`` for the padding.
 
         Raises:
-          TypeError: ``causal`` or ``tensor`` left out, or an argument of the wrong type.
-          ValueError: ``arch`` is not a GPU architecture (the message lists them) or has no FlashAttention-4
-            backward (sm80..sm89); on sm100/sm110, head dims above 192 (a dedicated kernel finishes dQ, dK and dV
-            itself, with no separate postprocess); a head dim that is not a positive multiple of 8 up to 256.
+          TypeError: ``causal``, ``tensor`` or ``version`` left out, or an argument of the wrong type.
+          ValueError: ``gpu`` is not a GPU architecture (the message lists them) or has no FlashAttention-4
+            backward (sm80..sm89); ``version`` is not a release the presets know; on sm100/sm110, head dims above
+            192 (a dedicated kernel finishes dQ, dK and dV itself, with no separate postprocess); a configuration
+            the release's backward cannot run; a head dim that is not a positive multiple of 8 up to 256.
         """
-        arch = _static_args.static_int("arch", arch, minimum=1)
+        gpu = _static_args.static_int("gpu", gpu, minimum=1)
         head_dim = _static_args.head_dim(head_dim)
         head_dim_v = head_dim if head_dim_v is None else _static_args.head_dim(head_dim_v, name="head_dim_v")
         causal = _static_args.static_bool("causal", causal)
         if tensor not in ("dq", "dkv"):
             raise ValueError(f"tensor must be 'dq' or 'dkv', got {_static_args.describe(tensor)}")
-        if arch not in GPU_ARCHS:
-            raise ValueError(f"arch={arch} is not a GPU architecture; the known ones are "
+        if gpu not in GPU_ARCHS:
+            raise ValueError(f"gpu={gpu} is not a GPU architecture; the known ones are "
                              f"{', '.join(map(str, GPU_ARCHS))} (FlashAttention-4's backward runs on "
                              f"{', '.join(map(str, FLASH_ATTENTION_ARCHS))})")
-        if arch not in FLASH_ATTENTION_ARCHS:
+        if gpu not in FLASH_ATTENTION_ARCHS:
             what = "dQ" if tensor == "dq" else "dK/dV"
-            raise ValueError(f"FlashAttention-4 has no {what} postprocess configuration for arch={arch} (its "
+            raise ValueError(f"FlashAttention-4 has no {what} postprocess configuration for gpu={gpu} (its "
                              f"backward runs on {', '.join(map(str, FLASH_ATTENTION_ARCHS))}); pass an AccumLayout "
                              "with the producer's fields")
-        if not has_postprocess(arch, head_dim):
-            raise ValueError(f"FlashAttention's sm{arch} backward for head_dim={head_dim}, head_dim_v={head_dim_v} "
+        if not has_postprocess(gpu, head_dim):
+            raise ValueError(f"FlashAttention's sm{gpu} backward for head_dim={head_dim}, head_dim_v={head_dim_v} "
                              "uses its dedicated hd256 kernel, which finishes dQ, dK and dV itself (no separate "
                              "postprocess)")
-        return _preset(arch, head_dim, causal, tensor == "dkv")
+        layout = _preset(gpu, head_dim, causal, tensor == "dkv")
+        if not isinstance(version, str):
+            raise TypeError(f"version must be a str, a flash-attn-4 release such as "
+                            f"{next(iter(FLASH_ATTENTION_RELEASES))!r}, got {_static_args.describe(version)}")
+        release = FLASH_ATTENTION_RELEASES.get(version.strip())
+        where = f"gpu={gpu}, head_dim={head_dim}, causal={causal}, tensor={tensor!r}"
+        if release is None:
+            padded = _release_layout(layout, gpu, head_dim, next(iter(FLASH_ATTENTION_RELEASES.values())))
+            alternatives = (f"for this call ({where}) {next(iter(FLASH_ATTENTION_RELEASES))}'s is {padded!r}, and "
+                            f"with the accumulators' own padding (PR #2896) {layout!r}" if padded != layout
+                            else f"for this call ({where}) the known releases' is {layout!r}")
+            raise ValueError(
+                f"version={version!r} is not a flash-attn-4 release these presets know "
+                f"({', '.join(FLASH_ATTENTION_RELEASES)}): releases pad the head dim differently (4.0.0b36's sm90 "
+                "backward tiles it in multiples of 16 in accumulators allocated in multiples of 32; "
+                "Dao-AILab/flash-attention PR #2896 would make both 32), and an accumulator read with another "
+                "release's padding gives wrong gradients, not an error. Pass the release the backward comes from, or "
+                f"an AccumLayout with the fields your release's flash_bwd_sm90.py (tile_hdim) and interface.py "
+                f"(head_dim_rounded) give: {alternatives}")
+        if (gpu // 10, head_dim, causal) in release.cannot_run:
+            raise ValueError(
+                f"flash-attn-4 {version}'s sm{gpu} backward does not run at head_dim={head_dim} with causal={causal} "
+                f"({release.cannot_run[gpu // 10, head_dim, causal]}): there is no accumulator to read "
+                f"({release.issue})")
+        return _release_layout(layout, gpu, head_dim, release)
 
     @classmethod
     def row_major(cls, *, tile_m: int = 64, num_threads: int = 256, hdim_multiple_of: int = 32,
@@ -257,8 +312,14 @@ class AccumLayout:
         return self.num_threads // _WARPGROUP
 
     def padded_head_dim(self, head_dim: int) -> int:
-        """``Dr``: the head dimension as padded in the accumulator."""
+        """``Dr``: the head dimension as padded in the producer's tiles."""
         return -(-head_dim // self.hdim_multiple_of) * self.hdim_multiple_of
+
+    def alloc_head_dim(self, head_dim: int) -> int:
+        """``Da``: the head dimension as padded in the accumulator's allocation (``Dr`` but for
+        :attr:`alloc_hdim_multiple_of`). A function of ``Dr`` alone: ``ceil(Dr / alloc_hdim_multiple_of)``
+        multiples."""
+        return -(-head_dim // self.alloc_hdim_multiple_of) * self.alloc_hdim_multiple_of
 
     @property
     def pad_rows(self) -> int:
@@ -274,14 +335,15 @@ class AccumLayout:
         return -(-seqlen // self.tile_m)
 
     def accum_shape(self, batch: int, heads: int, seqlen: int, head_dim: int) -> tuple[int, int, int]:
-        """Shape of a dense accumulator: ``(batch, heads, Sr * Dr)``."""
-        return (batch, heads, self.padded_seqlen(seqlen) * self.padded_head_dim(head_dim))
+        """Shape of a dense accumulator: ``(batch, heads, Sr * Da)`` (``Da = Dr`` but for
+        :attr:`alloc_hdim_multiple_of`)."""
+        return (batch, heads, self.padded_seqlen(seqlen) * self.alloc_head_dim(head_dim))
 
     def varlen_accum_shape(self, batch: int, heads: int, total_q: int, head_dim: int) -> tuple[int, int]:
         """Shape of a varlen accumulator for ``batch`` packed sequences of ``total_q`` rows:
-        ``(heads, Tp * Dr)`` with FlashAttention's ``Tp = round_up(total_q + batch * P, P)``, ``P`` =
+        ``(heads, Tp * Da)`` with FlashAttention's ``Tp = round_up(total_q + batch * P, P)``, ``P`` =
         :attr:`pad_rows`."""
-        return (heads, padded_total(total_q, batch, self.pad_rows) * self.padded_head_dim(head_dim))
+        return (heads, padded_total(total_q, batch, self.pad_rows) * self.alloc_head_dim(head_dim))
 
     def mma_geometry(self, head_dim: int) -> dict:
         """The producer's dQ MMA (arch 80 and 90) as the kernel rebuilds it (all ints; None if it does not
@@ -306,20 +368,26 @@ class AccumLayout:
     def store_tiling(self, padded_head_dim: int) -> tuple[int, int] | None:
         """Threads ``(rows, per_row)`` of the kernel's 16-byte dQ stores over a ``(tile_m, Dr)`` tile, or None.
 
-        ``per_row`` divides the row's vector count and the thread count, and the rows covered per pass divide
-        ``tile_m``, so the tile is covered exactly; among those, the widest rows win (coalescing). The swizzled
-        shared-memory tile is partitioned in 16-row blocks: a pass covers at least two rows and whole blocks or a
-        divisor of one (the DSL refuses, or aborts on, other row counts).
+        ``per_row`` divides the row's vector count and the storing threads, and the rows covered per pass divide
+        ``tile_m``, so the tile is covered exactly; among those, the widest rows win (coalescing). All
+        ``num_threads`` threads store where such a tiling exists, else the first half, quarter... that has one (the
+        others wait). The swizzled shared-memory tile is partitioned in 16-row blocks: a pass covers at least two
+        rows and whole blocks or a divisor of one (the DSL refuses, or aborts on, other row counts).
         """
         vecs_per_row = padded_head_dim * _OUT_BYTES // _VEC_BYTES
-        best = None
-        for per_row in range(1, vecs_per_row + 1):
-            if vecs_per_row % per_row or self.num_threads % per_row:
-                continue
-            rows = self.num_threads // per_row
-            if rows >= 2 and self.tile_m % rows == 0 and (rows % _SMEM_ROWS == 0 or _SMEM_ROWS % rows == 0):
-                best = (rows, per_row)
-        return best
+        threads = self.num_threads
+        while threads >= 32:
+            best = None
+            for per_row in range(1, vecs_per_row + 1):
+                if vecs_per_row % per_row or threads % per_row:
+                    continue
+                rows = threads // per_row
+                if rows >= 2 and self.tile_m % rows == 0 and (rows % _SMEM_ROWS == 0 or _SMEM_ROWS % rows == 0):
+                    best = (rows, per_row)
+            if best is not None or threads % 2:
+                return best
+            threads //= 2
+        return None
 
     def smem_bytes(self, head_dim: int) -> int:
         """Shared memory of the kernel's dQ tile: ``tile_m * Dr`` bf16/fp16 values."""
@@ -382,11 +450,11 @@ class AccumLayout:
     def _check_fragment_stores(self, head_dim: int, what: str) -> None:
         """How the kernel places an MMA fragment into shared memory limits the orders it takes (each limit found
         by compiling: outside it the DSL refuses the copy, or aborts the process)."""
-        if self.arch == 90:
+        if self.arch == 90 and self.swap_ab:
             n_atom = self.mma_geometry(head_dim)["n_atom"]
             if n_atom % 16:
                 raise ValueError(f"{what}: each warpgroup's WGMMA tile is {n_atom} wide along N; the kernel's "
-                                 "stmatrix stores need a multiple of 16")
+                                 "transposed (swap_ab) stmatrix stores need a multiple of 16")
         elif self.arch == 80:
             warps = self.num_threads // 32
             if warps & (warps - 1):
@@ -464,7 +532,9 @@ class AccumLayout:
                 f"atom_layout={self.atom_layout}, swap_ab={self.swap_ab}, "
                 f"hdim_multiple_of={self.hdim_multiple_of}"
                 + (f", two_cta={self.two_cta}" if self.two_cta or self.arch == 100 else "")
-                + (f", cluster_size={self.cluster_size}" if self.cluster_size != 1 or self.arch == 100 else "") + ")")
+                + (f", cluster_size={self.cluster_size}" if self.cluster_size != 1 or self.arch == 100 else "")
+                + (f", alloc_hdim_multiple_of={self.alloc_hdim_multiple_of}"
+                   if self.alloc_hdim_multiple_of != self.hdim_multiple_of else "") + ")")
 
 
 AccumLayout.__init__ = _static_args.required_arguments(
@@ -481,6 +551,43 @@ def has_postprocess(arch: int, head_dim: int) -> bool:
     """Whether FlashAttention-4's backward on GPU ``arch`` ends with a postprocess at ``head_dim``: on the GPUs it runs
     on (:data:`FLASH_ATTENTION_ARCHS`) but sm100/sm110 above head dim 192 (a dedicated kernel finishes dQ, dK, dV)."""
     return arch in FLASH_ATTENTION_ARCHS and not (arch // 10 in (10, 11) and head_dim > 192)
+
+
+@dataclasses.dataclass(frozen=True)
+class Release:
+    """How a flash-attn-4 release pads the head dim where its tiles and its allocation disagree.
+
+    Attributes:
+      sm90_tile_multiple: ``{head dims up to: multiple}``: its sm90 backward's tiles pad head dims up to the key to a
+        multiple of the value (flash_bwd_sm90.py's ``tile_hdim``), where the presets' rows are allocated in
+        multiples of 32.
+      cannot_run: ``{(GPU family, head_dim, causal): why}``: configurations its backward cannot run.
+      issue: the upstream issue about the padding.
+    """
+
+    sm90_tile_multiple: dict
+    cannot_run: dict
+    issue: str
+
+
+_PR_2896 = "Dao-AILab/flash-attention PR #2896"
+FLASH_ATTENTION_RELEASES = {
+    "4.0.0b36": Release({128: 16}, {(9, d, False): "its swapped (112, 80) dQ MMA does not partition into WGMMA atoms"
+                                    for d in (104, 112)}, _PR_2896),
+}
+"""The flash-attn-4 releases :meth:`AccumLayout.flash_attention` knows, by version (read in its sources and measured
+against the mathematics on an H200)."""
+
+
+def _release_layout(layout: AccumLayout, gpu: int, head_dim: int, release: Release) -> AccumLayout:
+    """``layout`` (a preset, allocated in multiples of its ``hdim_multiple_of``) with ``release``'s tiles: where its sm90
+    backward tiles ``head_dim`` narrower than the allocation pads it, ``hdim_multiple_of`` becomes the tiles' and
+    ``alloc_hdim_multiple_of`` keeps the allocation's. Elsewhere ``layout`` (the two readings are one)."""
+    multiple = next((m for up_to, m in sorted(release.sm90_tile_multiple.items()) if head_dim <= up_to), None)
+    if gpu // 10 != 9 or multiple is None or layout.hdim_multiple_of % multiple:
+        return layout
+    tiled = dataclasses.replace(layout, hdim_multiple_of=multiple, alloc_hdim_multiple_of=layout.hdim_multiple_of)
+    return layout if tiled.padded_head_dim(head_dim) == layout.padded_head_dim(head_dim) else tiled
 
 
 def _preset(arch: int, head_dim: int, causal: bool, dkv: bool) -> AccumLayout:
@@ -538,6 +645,13 @@ def _causal_hint() -> str:
             f"for {_differing(lambda dkv: (True, dkv), lambda dkv: (False, dkv))}, with the same shape wherever "
             "both tiles divide the sequence, so a wrong guess gives wrong values, not an error. Pass it for every GPU, "
             "so that the call is portable")
+
+
+def _version_hint() -> str:
+    return (f"the flash-attn-4 release whose backward wrote the accumulator, one of "
+            f"{', '.join(map(repr, FLASH_ATTENTION_RELEASES))} (importlib.metadata.version('flash-attn-4')); releases "
+            "pad the head dim differently (4.0.0b36's sm90 backward tiles it in multiples of 16 in accumulators "
+            f"allocated in multiples of 32, {_PR_2896}), so a wrong guess gives wrong gradients, not an error")
 
 
 def _tensor_hint() -> str:

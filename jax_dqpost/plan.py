@@ -10,11 +10,12 @@ The operands and results are in the order of the calling convention (``abi.py``)
 A part's accumulator comes in one of three tilings, one per way a CTA finds its tile (compiled into the kernel)::
 
     tiling          accumulator        aux (int32)            result
-    DENSE           (B, H, Sr * Dr)    (0,)                   (B, S, H, D)
-    DENSE_SEQUSED   (B, H, Sr * Dr)    seqused (B,)           (B, S, H, D)
-    VARLEN          (H, Tp * Dr)       the work list          (T, H, D)
+    DENSE           (B, H, Sr * Da)    (0,)                   (B, S, H, D)
+    DENSE_SEQUSED   (B, H, Sr * Da)    seqused (B,)           (B, S, H, D)
+    VARLEN          (H, Tp * Da)       the work list          (T, H, D)
 
-``Sr = ceil(S / P) * P``; ``Dr``, the padded head dim (``AccumLayout.padded_head_dim``);
+``Sr = ceil(S / P) * P``; ``Dr``, the tiles' padded head dim (``AccumLayout.padded_head_dim``), ``Da >= Dr`` the
+allocation's (``AccumLayout.alloc_head_dim``; tiles fill the first ``Sr * Dr`` floats of each row);
 ``Tp = round_up(T + B * P, P)`` (``varlen.padded_total``), with ``P = tile_m * cluster_size``
 (``AccumLayout.pad_rows``; ``P = tile_m`` but for Blackwell's 2-CTA dK/dV). ``S``, ``T``, ``seqused`` are the
 part's side's: the query side for dQ, the key side for dK and dV.
@@ -85,6 +86,11 @@ class Part:
         return self.layout.padded_head_dim(self.head_dim)
 
     @property
+    def alloc_head_dim(self) -> int:
+        """``Da``: the head dim as the accumulator's allocation pads it (``AccumLayout.alloc_head_dim``)."""
+        return self.layout.alloc_head_dim(self.padded_head_dim)
+
+    @property
     def kernel_key(self) -> tuple:
         """What of this part changes the compiled binary."""
         return self.layout, self.padded_head_dim, self.tiling
@@ -98,25 +104,26 @@ class Part:
     def result_shape(self, acc_shape, aux_shape, names: ArgNames = ARG_NAMES["dq"]) -> tuple[int, ...]:
         """The shape of the result for operands of these shapes; ``ValueError`` naming what does not fit, in the
         words of ``names`` (the tensor's arguments)."""
-        dr, layout, n = self.padded_head_dim, self.layout, names
+        da, layout, n = self.alloc_head_dim, self.layout, names
+        dr = "Da" if da != self.padded_head_dim else "Dr"  # the allocation's padded head dim, as layout.py names it
         if self.work is not None:
             w = self.work
             if tuple(aux_shape) != self.aux_shape(1):
                 raise ValueError(f"the work list has {aux_shape} entries, expected ({w.size},) for {w}")
-            if len(acc_shape) != 2 or acc_shape[1] != w.padded_total * dr:
+            if len(acc_shape) != 2 or acc_shape[1] != w.padded_total * da:
                 raise ValueError(
-                    f"{n.accum} must have shape (heads, Tp*Dr) = (heads, {w.padded_total}*{dr}) for "
+                    f"{n.accum} must have shape (heads, Tp*{dr}) = (heads, {w.padded_total}*{da}) for "
                     f"{n.total}={w.total}, batch={w.batch}, {n.head_dim}={self.head_dim} and {layout} "
                     f"(Tp = ceil(({n.total} + batch*P) / P) * P, P = tile_m*cluster_size = {layout.pad_rows}); "
                     f"got shape {tuple(acc_shape)}")
             return (w.total, acc_shape[0], self.head_dim)
         if len(acc_shape) != 3:
-            raise ValueError(f"{n.accum} must have shape (batch, heads, Sr*Dr), got shape {tuple(acc_shape)}")
+            raise ValueError(f"{n.accum} must have shape (batch, heads, Sr*{dr}), got shape {tuple(acc_shape)}")
         batch, heads, flat = acc_shape
         sr = layout.padded_seqlen(self.seqlen)
-        if flat != sr * dr:
+        if flat != sr * da:
             raise ValueError(
-                f"{n.accum}.shape[2] must be Sr*Dr = {sr}*{dr} = {sr * dr} for {n.seqlen}={self.seqlen}, "
+                f"{n.accum}.shape[2] must be Sr*{dr} = {sr}*{da} = {sr * da} for {n.seqlen}={self.seqlen}, "
                 f"{n.head_dim}={self.head_dim} and {layout}; got shape {tuple(acc_shape)}")
         if tuple(aux_shape) != self.aux_shape(batch):
             raise ValueError(f"{n.seqused} must have shape {self.aux_shape(batch)} ({n.accum} has batch {batch}), "

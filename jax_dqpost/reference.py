@@ -92,7 +92,7 @@ def accum_from_dq_reference(dq, scale, aux, part: Part):
     if part.work is not None:
         heads, w = dq.shape[1], part.work
         if w.batch == 0:  # no sequence: no row is read
-            return jnp.zeros((heads, w.padded_total * dr), jnp.float32)
+            return jnp.zeros((heads, w.padded_total * part.alloc_head_dim), jnp.float32)
         s = w.decode(aux)
         row_start, span_rows, conv_rows, acc_row = (f[1:-1] for f in (s.row_start, s.span_rows, s.conv_rows,
                                                                       s.acc_row))  # the sequences' spans
@@ -106,7 +106,7 @@ def accum_from_dq_reference(dq, scale, aux, part: Part):
         logical = jnp.where(valid[None, :, None], jnp.transpose(x[src], (1, 0, 2)), 0.0)  # (H, Tp, D)
         logical = jnp.pad(logical, ((0, 0), (0, 0), (0, dr - part.head_dim)))
         tiles = logical.reshape(heads, w.padded_total // tile_m, tile_m * dr)
-        return jnp.take(tiles, inverse, axis=2).reshape(heads, w.padded_total * dr)
+        return _alloc_rows(jnp.take(tiles, inverse, axis=2).reshape(heads, w.padded_total * dr), part)
     batch, seqlen, heads = dq.shape[0], part.seqlen, dq.shape[2]
     y = jnp.transpose(x, (0, 2, 1, 3))  # (B, H, S, D)
     if part.seqused:
@@ -114,7 +114,20 @@ def accum_from_dq_reference(dq, scale, aux, part: Part):
     padded_rows = layout.padded_seqlen(seqlen)
     y = jnp.pad(y, ((0, 0), (0, 0), (0, padded_rows - seqlen), (0, dr - part.head_dim)))
     tiles = y.reshape(batch, heads, padded_rows // tile_m, tile_m * dr)
-    return jnp.take(tiles, inverse, axis=3).reshape(batch, heads, padded_rows * dr)
+    return _alloc_rows(jnp.take(tiles, inverse, axis=3).reshape(batch, heads, padded_rows * dr), part)
+
+
+def _alloc_rows(rows, part: Part):
+    """Rows of tiles (last axis ``Sr * Dr`` or ``Tp * Dr``) as the layout allocates them: ``Sr * Da`` (``Tp * Da``)
+    floats, zeros after the tiles."""
+    extra = rows.shape[-1] // part.padded_head_dim * (part.alloc_head_dim - part.padded_head_dim)
+    return jnp.pad(rows, [(0, 0)] * (rows.ndim - 1) + [(0, extra)]) if extra else rows
+
+
+def _tile_rows(acc, part: Part):
+    """The tiles of each (batch, head) row of ``acc`` (last axis ``Sr * Da`` or ``Tp * Da``): its first ``Sr * Dr``
+    (``Tp * Dr``) floats."""
+    return acc[..., :acc.shape[-1] // part.alloc_head_dim * part.padded_head_dim]
 
 
 def _rows_used(seqused, seqlen: int):
@@ -130,7 +143,7 @@ def _dense_gather(acc, seqused, part: Part):
     num_blocks = layout.padded_seqlen(seqlen) // tile_m
     # Positions of the wanted (row, column) elements inside one tile, rows < tile_m, columns < D.
     index = layout.tile_index_map(head_dim)[:, :head_dim].astype(np.int32)
-    tiles = acc.reshape(batch, heads, num_blocks, tile_m * dr)
+    tiles = _tile_rows(acc, part).reshape(batch, heads, num_blocks, tile_m * dr)
     x = jnp.take(tiles, jnp.asarray(index.ravel()), axis=3, unique_indices=True)
     x = x.reshape(batch, heads, num_blocks * tile_m, head_dim)[:, :, :seqlen, :]
     x = jnp.transpose(x, (0, 2, 1, 3))  # (B, S, H, D)
@@ -156,7 +169,7 @@ def _varlen_gather(acc, meta, part: Part):
     tile = jnp.where(converted, (s.acc_row[k] + i // tile_m * tile_m) // tile_m, 0)
     index = jnp.asarray(part.layout.tile_index_map(head_dim)[:, :head_dim].astype(np.int32))
     within = index[i % tile_m]  # (T, D)
-    tiles = acc.reshape(heads, -1, tile_m * dr)
+    tiles = _tile_rows(acc, part).reshape(heads, -1, tile_m * dr)
     x = jnp.transpose(tiles[:, tile[:, None], within], (1, 0, 2))  # (T, H, D)
     return x, converted[:, None, None]
 

@@ -42,7 +42,7 @@ from .layout import AccumLayout
 class PartArgs(NamedTuple):
     """One part's arguments of the kernel entry: its device pointers and its extents (``abi.EXTENTS``)."""
 
-    acc: cute.Pointer  # fp32 accumulator: (B, H, Sr * Dr), varlen (H, Tp * Dr)
+    acc: cute.Pointer  # fp32 accumulator: (B, H, Sr * Da), varlen (H, Tp * Da)
     out: cute.Pointer  # the result: (B, S, H, D), varlen (T, H, D)
     scale: cute.Pointer  # its fp32 scale, in device memory
     aux: cute.Pointer  # int32: seqused (DENSE_SEQUSED) or the work list (VARLEN); else unused
@@ -88,6 +88,7 @@ class DenseScheduler:
 
     def __init__(self, layout: AccumLayout, padded_head_dim: int, seqused: bool):
         self.layout, self.padded_head_dim, self.seqused = layout, padded_head_dim, seqused
+        self.unread = layout.alloc_head_dim(padded_head_dim) - padded_head_dim  # Da - Dr: per row, after the tiles
 
     def num_ctas(self, dim0, heads, grid_x):
         """The part's CTAs per batch."""
@@ -110,6 +111,9 @@ class DenseScheduler:
             tiles_per_head = (rows + pad - 1) // pad * self.layout.cluster_size
         tile_index = (Int64(batch) * Int64(heads) + Int64(head)) * Int64(tiles_per_head) + Int64(m_block)
         acc_elem = tile_index * Int64(tile_m * padded_head_dim)
+        if const_expr(self.unread):  # each (batch, head) row is Sr * Da floats: its tiles, then Sr * (Da - Dr)
+            acc_elem += ((Int64(batch) * Int64(heads) + Int64(head)) * Int64(tiles_per_head) *
+                         Int64(tile_m * self.unread))
         out_row0 = Int64(batch) * Int64(rows) + Int64(m_block * tile_m)
         return Tile(acc_elem, out_row0, rows_total, rows_conv)
 
@@ -120,6 +124,7 @@ class VarlenScheduler:
 
     def __init__(self, layout: AccumLayout, padded_head_dim: int, short_heads: int = varlen.SHORT_HEADS):
         self.layout, self.padded_head_dim = layout, padded_head_dim
+        self.unread = layout.alloc_head_dim(padded_head_dim) - padded_head_dim  # Da - Dr: per row, after the tiles
         self.short = ShortTileScheduler(layout, short_heads) if varlen.short_rows(layout) > 0 else None
 
     def num_ctas(self, dim0, heads, grid_x):
@@ -151,6 +156,8 @@ class VarlenScheduler:
             rows_conv = 0
         rows_conv = cutlass.min(rows_conv, rows_total)
         acc_elem = (Int64(head) * Int64(padded_total) + Int64(acc_row)) * Int64(padded_head_dim)
+        if const_expr(self.unread):  # each head's row is Tp * Da floats: its tiles, then Tp * (Da - Dr)
+            acc_elem += Int64(head) * Int64(padded_total) * Int64(self.unread)
         return Tile(acc_elem, Int64(row0), rows_total, rows_conv)
 
     @cute.jit

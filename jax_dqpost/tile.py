@@ -80,8 +80,11 @@ class TileConverter:
         self.tiling = Tiling(tiling)
         self.family = {90: "mma", 80: "mma", 100: "rows", None: "rowmajor"}[layout.arch]
         self.use_stmatrix = target_sm >= 90
-        # WGMMA atoms exist only on sm_90: elsewhere a Hopper-order fragment is placed by its coordinates.
-        self.wgmma_atoms = layout.arch != 90 or target_sm == 90
+        # WGMMA atoms exist only on sm_90: elsewhere a Hopper-order fragment is placed by its coordinates, and so it
+        # is where a warpgroup's atom is not a whole number of stmatrix 16-column blocks wide (not swapped: the layout
+        # refuses that when swapped).
+        n_atom = layout.mma_geometry(padded_head_dim)["n_atom"]
+        self.wgmma_atoms = layout.arch != 90 or (target_sm == 90 and n_atom % 16 == 0)
         self.dtype = dtype
         self.layout = layout
         self.tile_m = layout.tile_m
@@ -200,7 +203,7 @@ class TileConverter:
             slot, g0 = tidx % slots, tidx // slots
             p, j = slot % pairs, slot // pairs  # row pair fastest: 4 lanes read 64 contiguous bytes
             src_at = Int64(acc_row) * Int64(dr) + Int64(self.short_vector(p, j))
-            head_elems = Int64(padded_total) * Int64(dr)
+            head_elems = Int64(padded_total) * Int64(self.layout.alloc_head_dim(dr))  # a head's row: Tp * Da
             row_stride = Int64(heads) * Int64(head_dim)
             dst_at = (Int64(row0) + Int64(2 * p)) * row_stride + Int64(16 * j)
             scale = cute.make_tensor(scale_ptr, cute.make_layout(1))[0]
@@ -412,6 +415,16 @@ class TileConverter:
             cute.make_layout((tile_m, padded_head_dim), stride=(cute.assume(row_stride, divby=vec), 1)),
         )
         rows, per_row = self.store_threads
+        if const_expr(rows * per_row < self.num_threads):  # the first rows * per_row threads store (layout.py)
+            if tidx < rows * per_row:
+                self._store_rows(g_out, s_tile, rows, per_row, vec, rows_total, rows_conv, head_dim, tidx)
+        else:
+            self._store_rows(g_out, s_tile, rows, per_row, vec, rows_total, rows_conv, head_dim, tidx)
+
+    @cute.jit
+    def _store_rows(self, g_out, s_tile, rows: cutlass.Constexpr, per_row: cutlass.Constexpr, vec: cutlass.Constexpr,
+                    rows_total, rows_conv, head_dim, tidx):
+        tile_m, padded_head_dim = self.tile_m, self.padded_head_dim
         store_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
         s2g = cute.make_tiled_copy_tv(
             store_atom,

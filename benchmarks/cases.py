@@ -88,7 +88,7 @@ class Case:
         if packing not in PACKINGS:
             raise ValueError(f"packing must be one of {PACKINGS}, got {packing!r}")
         self.torch, self.fa4 = torch, fa4
-        self.layout = AccumLayout.flash_attention(90, head_dim, causal=causal, tensor="dq")
+        self.layout = AccumLayout.flash_attention(90, head_dim, causal=causal, tensor="dq", version="4.0.0b36")
         self.name, self.packing, self.D, self.traced = name, packing, head_dim, traced
         B, H, S = problem(head_dim, target_bytes)
         self.B, self.H, self.S = B, H, S

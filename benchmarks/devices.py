@@ -48,7 +48,7 @@ def measure(n: int, samples: int) -> dict:
         return {"error": f"--devices {n}: this machine has {len(gpus)} GPU(s) visible to JAX"}
     B, H, S = cases.REFERENCE_SHAPE
     D = 128
-    layout = cases.AccumLayout.flash_attention(90, D, causal=False, tensor="dq")
+    layout = cases.AccumLayout.flash_attention(90, D, causal=False, tensor="dq", version="4.0.0b36")
     shape = layout.accum_shape(B, H, S, D)
     per_call = int(np.prod(shape)) * 4 + B * S * H * D * 2
     copies = max(2, -(-cases.ROTATE_BYTES // (per_call // n)))

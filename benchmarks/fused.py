@@ -35,8 +35,8 @@ class FusedCase:
         B, H, G, S = GQA_SHAPE
         self.torch, self.fa4, self.D, self.packing, self.sink = torch, fa4, head_dim, packing, sink
         self.name = f"hd{head_dim}-{packing}" + ("-sink" if sink else "")
-        self.ql = AccumLayout.flash_attention(90, head_dim, causal=False, tensor="dq")
-        self.kl = AccumLayout.flash_attention(90, head_dim, causal=False, tensor="dkv")
+        self.ql = AccumLayout.flash_attention(90, head_dim, causal=False, tensor="dq", version="4.0.0b36")
+        self.kl = AccumLayout.flash_attention(90, head_dim, causal=False, tensor="dkv", version="4.0.0b36")
         self.T = B * S
         if packing == "dense":
             q = internals.dense_part(self.ql, head_dim, jnp.bfloat16, S)

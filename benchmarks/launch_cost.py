@@ -37,7 +37,7 @@ def main() -> int:
 
     from jax_dqpost import AccumLayout
 
-    layout = AccumLayout.flash_attention(90, 128, causal=False, tensor="dq")
+    layout = AccumLayout.flash_attention(90, 128, causal=False, tensor="dq", version="4.0.0b36")
     S, D = layout.tile_m, 128
     plan = internals.plan([internals.dense_part(layout, D, jnp.bfloat16, S)])
     acc_shape = layout.accum_shape(1, 1, S, D)

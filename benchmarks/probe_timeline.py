@@ -87,7 +87,7 @@ def host_costs(f, inputs, n=50, keep=False):
 
 
 def standalone(trace_root):
-    layout = AccumLayout.flash_attention(90, 128, causal=False, tensor="dq")
+    layout = AccumLayout.flash_attention(90, 128, causal=False, tensor="dq", version="4.0.0b36")
     B, H, S, D = 2, 32, 8192, 128
     keys = jax.random.split(jax.random.PRNGKey(0), 2)
     inputs = [jax.random.normal(k, layout.accum_shape(B, H, S, D), np.float32) for k in keys]
@@ -105,7 +105,7 @@ def standalone(trace_root):
 
 
 def chain(trace_root, n=200):
-    layout = AccumLayout.flash_attention(90, 128, causal=False, tensor="dq")
+    layout = AccumLayout.flash_attention(90, 128, causal=False, tensor="dq", version="4.0.0b36")
     S, D = layout.tile_m, 128
     acc = jax.random.normal(jax.random.PRNGKey(1), layout.accum_shape(1, 1, S, D), np.float32)
 
@@ -146,7 +146,7 @@ def stable_addresses(n=200, reps=30):
     loop with donated state) or not (a new result buffer every execution). Per call: (t(n) - t(1)) / (n - 1)
     of the synchronous wall time per execution. Shows how much of a call's cost is XLA updating its command
     buffer when addresses change."""
-    layout = AccumLayout.flash_attention(90, 128, causal=False, tensor="dq")
+    layout = AccumLayout.flash_attention(90, 128, causal=False, tensor="dq", version="4.0.0b36")
     S, D = layout.tile_m, 128
     acc = jax.random.normal(jax.random.PRNGKey(1), layout.accum_shape(1, 1, S, D), np.float32)
 

@@ -29,7 +29,7 @@ def chain_cost(samples: int, n: int = 200) -> dict:
 
     from jax_dqpost import AccumLayout, dq_postprocess
 
-    layout = AccumLayout.flash_attention(90, 128, causal=False, tensor="dq")
+    layout = AccumLayout.flash_attention(90, 128, causal=False, tensor="dq", version="4.0.0b36")
     S, D = layout.tile_m, 128
     acc = jax.random.normal(jax.random.PRNGKey(1), layout.accum_shape(1, 1, S, D), np.float32)
 
@@ -99,7 +99,7 @@ jnp.zeros(1).block_until_ready()
 jax.jit(lambda x: jnp.sin(x) * 2)(jnp.ones(8)).block_until_ready()  # XLA's compiler warmed up, not ours
 res = {"import_jax": t1 - t0, "import_jax_dqpost": t2 - t1, "configs": []}
 for D in map(int, sys.argv[1].split(",")):
-    layout = AccumLayout.flash_attention(90, D, causal=False, tensor="dq")
+    layout = AccumLayout.flash_attention(90, D, causal=False, tensor="dq", version="4.0.0b36")
     acc = jnp.ones(layout.accum_shape(1, 2, 256, D), jnp.float32).block_until_ready()
     s = time.perf_counter()
     internals.get_kernel(internals.plan([internals.dense_part(layout, D, jnp.bfloat16, 256)]))

@@ -18,8 +18,8 @@ from jax_dqpost import AccumLayout, dq_accum_from_dq, flash_attention_postproces
 B, S, H, H_KV, D = 2, 700, 8, 2, 128
 scale = D ** -0.5
 # FlashAttention-4's Hopper layouts for this head dim, without a causal mask
-dq_layout = AccumLayout.flash_attention(90, D, causal=False, tensor="dq")
-dkv_layout = AccumLayout.flash_attention(90, D, causal=False, tensor="dkv")
+dq_layout = AccumLayout.flash_attention(90, D, causal=False, tensor="dq", version="4.0.0b36")
+dkv_layout = AccumLayout.flash_attention(90, D, causal=False, tensor="dkv", version="4.0.0b36")
 
 rng = np.random.default_rng(0)
 dq_true, dk_true, dv_true = (jnp.asarray(rng.standard_normal((B, S, h, D)), jnp.bfloat16) for h in (H, H_KV, H_KV))

@@ -21,7 +21,7 @@ from jax_dqpost import AccumLayout, dq_accum_from_dq, dq_postprocess
 
 B, S, H, H_KV, D = 2, 96, 4, 2, 64
 # the stand-in's order: (128, 256, 2, False, 32), hd 64 on Hopper
-LAYOUT = AccumLayout.flash_attention(90, D, causal=False, tensor="dq")
+LAYOUT = AccumLayout.flash_attention(90, D, causal=False, tensor="dq", version="4.0.0b36")
 
 
 def _real_producer():

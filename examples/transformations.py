@@ -23,7 +23,7 @@ from jax_dqpost import AccumLayout, dq_accum_from_dq, dq_postprocess  # noqa: E4
 
 B, S, H, D = 4, 300, 8, 128
 # FlashAttention-4's Hopper dQ layout for head_dim 128, without a causal mask
-layout = AccumLayout.flash_attention(90, D, causal=False, tensor="dq")
+layout = AccumLayout.flash_attention(90, D, causal=False, tensor="dq", version="4.0.0b36")
 rng = np.random.default_rng(0)
 dq_true = jnp.asarray(rng.standard_normal((B, S, H, D)), jnp.bfloat16)
 acc = dq_accum_from_dq(dq_true, 1.0, layout=layout)  # the accumulator a producer would have written

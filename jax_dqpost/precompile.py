@@ -16,7 +16,7 @@ import sys
 import time
 
 from . import _static_args, abi, arch as arch_, kernel_cache
-from .layout import FLASH_ATTENTION_ARCHS, GPU_ARCHS, AccumLayout, has_postprocess
+from .layout import FLASH_ATTENTION_ARCHS, FLASH_ATTENTION_RELEASES, GPU_ARCHS, AccumLayout, has_postprocess
 from .abi import Tiling
 
 _DTYPE_NAMES = tuple(abi.DTYPE_NAMES[d] for d in abi.OUT_DTYPES)
@@ -27,10 +27,14 @@ _SINK_NAMES = ("none", "f32", "bf16", "f16")
 
 def _presets(presets, head_dims):
     """``((dQ layout, Dr), (dK/dV layout, Dr))`` of FlashAttention-4's presets of these GPU architectures and head
-    dims (``head_dim_v = head_dim``), causal or not, where its backward has a postprocess."""
-    for arch, head_dim, causal in itertools.product(presets, head_dims, (False, True)):
-        if has_postprocess(arch, head_dim):
-            q, kv = (AccumLayout.flash_attention(arch, head_dim, causal=causal, tensor=t) for t in ("dq", "dkv"))
+    dims (``head_dim_v = head_dim``), causal or not, of every release the presets know, where its backward has a
+    postprocess."""
+    for arch, head_dim, causal, version in itertools.product(presets, head_dims, (False, True),
+                                                             FLASH_ATTENTION_RELEASES):
+        if has_postprocess(arch, head_dim) and (arch // 10, head_dim, causal) not in FLASH_ATTENTION_RELEASES[
+                version].cannot_run:
+            q, kv = (AccumLayout.flash_attention(arch, head_dim, causal=causal, tensor=t, version=version)
+                     for t in ("dq", "dkv"))
             yield (q, q.padded_head_dim(head_dim)), (kv, kv.padded_head_dim(head_dim))
 
 

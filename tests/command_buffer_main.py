@@ -74,7 +74,7 @@ def thunk_command_buffer_holds_call(text: str) -> bool:
 
 def main(seed: int, dump_dir: str) -> dict:
     rng = np.random.default_rng(seed)
-    layout = AccumLayout.flash_attention(90, 128, causal=False, tensor="dq")
+    layout = AccumLayout.flash_attention(90, 128, causal=False, tensor="dq", version="4.0.0b36")
     B, S, H, D, steps = 2, 300, 4, 128, 6
     logical = oracle.random_logical(rng, (B, S, H, D), specials=False)
     acc = jnp.asarray(oracle.build_accumulator(
@@ -93,7 +93,7 @@ def main(seed: int, dump_dir: str) -> dict:
         return jax.lax.fori_loop(0, steps, lambda i, o: o.at[i].set(op(scales[i])), out)
 
     # The fused op (dQ, dK, dV and dsink in one launch), chained likewise.
-    kv_layout = AccumLayout.flash_attention(90, 128, causal=False, tensor="dkv")
+    kv_layout = AccumLayout.flash_attention(90, 128, causal=False, tensor="dkv", version="4.0.0b36")
     kv_logical = oracle.random_logical(rng, (B, S, 2, D), specials=False)
     kv_acc = jnp.asarray(oracle.build_accumulator(
         kv_logical, (kv_layout.tile_m, kv_layout.num_threads, kv_layout.atom_layout, kv_layout.swap_ab),

@@ -159,7 +159,7 @@ FA4_PAIRS = {
 
 def fa4_layouts(arch: int, head_dim: int, causal: bool = False) -> tuple[AccumLayout, AccumLayout]:
     """FlashAttention-4's preset pair on GPU ``arch`` at ``head_dim``: (dQ layout, dK/dV layout)."""
-    return tuple(AccumLayout.flash_attention(arch, head_dim, causal=causal, tensor=t) for t in ("dq", "dkv"))
+    return tuple(AccumLayout.flash_attention(arch, head_dim, causal=causal, tensor=t, version="4.0.0b36") for t in ("dq", "dkv"))
 
 
 def fa4_pair(name: str):
@@ -173,5 +173,5 @@ def fa4_pair(name: str):
 def fa_cute_hopper_config(head_dim: int, causal: bool = False):
     """The layout FlashAttention's CuTe DSL backward uses for dQ on Hopper, as a (tile_m, threads, atom,
     swap, mult) tuple, from the package's preset (itself checked against the table in test_layout.py)."""
-    p = AccumLayout.flash_attention(90, head_dim, causal=causal, tensor="dq")
+    p = AccumLayout.flash_attention(90, head_dim, causal=causal, tensor="dq", version="4.0.0b36")
     return (p.tile_m, p.num_threads, p.atom_layout, p.swap_ab, p.hdim_multiple_of)

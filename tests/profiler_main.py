@@ -34,8 +34,8 @@ def main(seed: int) -> dict:
     lengths[-1] -= sum(lengths) - T
     cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     batch = len(lengths)
-    q_layout = AccumLayout.flash_attention(90, D, causal=False, tensor="dq")
-    kv_layout = AccumLayout.flash_attention(90, D, causal=False, tensor="dkv")
+    q_layout = AccumLayout.flash_attention(90, D, causal=False, tensor="dq", version="4.0.0b36")
+    kv_layout = AccumLayout.flash_attention(90, D, causal=False, tensor="dkv", version="4.0.0b36")
     rows = lambda layout: padded_total(T, batch, layout.pad_rows) * layout.padded_head_dim(D)  # noqa: E731
     dq_acc = rng.standard_normal((H, rows(q_layout)), np.float32)
     dk_acc = rng.standard_normal((H_KV, rows(kv_layout)), np.float32)

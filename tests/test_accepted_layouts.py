@@ -23,11 +23,11 @@ ARCHS = ("sm_80", "sm_90a", "sm_100a")
 
 # The edges: FlashAttention's presets, the largest tiles that fit, the most registers per thread, the smallest.
 EDGES = [
-    (AccumLayout.flash_attention(90, 64, causal=False, tensor="dq"), 64),
-    (AccumLayout.flash_attention(90, 128, causal=False, tensor="dq"), 128),
-    (AccumLayout.flash_attention(90, 256, causal=False, tensor="dq"), 256),
-    (AccumLayout.flash_attention(100, 192, causal=False, tensor="dq"), 192),
-    (AccumLayout.flash_attention(120, 96, causal=False, tensor="dq"), 96),
+    (AccumLayout.flash_attention(90, 64, causal=False, tensor="dq", version="4.0.0b36"), 64),
+    (AccumLayout.flash_attention(90, 128, causal=False, tensor="dq", version="4.0.0b36"), 128),
+    (AccumLayout.flash_attention(90, 256, causal=False, tensor="dq", version="4.0.0b36"), 256),
+    (AccumLayout.flash_attention(100, 192, causal=False, tensor="dq", version="4.0.0b36"), 192),
+    (AccumLayout.flash_attention(120, 96, causal=False, tensor="dq", version="4.0.0b36"), 96),
     (AccumLayout(None, 192, 256, 1, False, 32), 256),  # 96 KiB of shared memory
     (AccumLayout(90, 128, 128, 1, False, 32), 256),  # 256 fp32 registers per thread
     (AccumLayout(90, 192, 128, 1, True, 64), 128),
@@ -97,9 +97,9 @@ def test_short_tile_vectors_follow_the_index_map(rng):
 
     from jax_dqpost.tile import TileConverter
 
-    presets = [(AccumLayout.flash_attention(90, 128, causal=False, tensor="dq"), 128),
-               (AccumLayout.flash_attention(90, 192, causal=False, tensor="dkv"), 192),
-               (AccumLayout.flash_attention(90, 256, causal=False, tensor="dkv"), 256),
+    presets = [(AccumLayout.flash_attention(90, 128, causal=False, tensor="dq", version="4.0.0b36"), 128),
+               (AccumLayout.flash_attention(90, 192, causal=False, tensor="dkv", version="4.0.0b36"), 192),
+               (AccumLayout.flash_attention(90, 256, causal=False, tensor="dkv", version="4.0.0b36"), 256),
                (AccumLayout(90, 192, 128, 1, True, 64), 128)]
     swapped = [c for c in _random_accepted(rng, 400) if varlen.short_rows(c[0])][:12]
     assert len(swapped) >= 4, "too few random swapped layouts"

@@ -77,7 +77,7 @@ def test_short_sequences_launch_exactly_the_tiles_they_need(rng):
 def test_sector_bound_counts_the_sectors_of_the_rows(rng, tensor, head_dim, causal, granule):
     """The bound against a brute-force count over the index map: every 32-byte sector (64-byte granule) of a tile
     holding an element of a converted row, plus the dQ rows; a full tile's sectors are all of its bytes."""
-    layout = cases.AccumLayout.flash_attention(90, head_dim, causal=causal, tensor=tensor)
+    layout = cases.AccumLayout.flash_attention(90, head_dim, causal=causal, tensor=tensor, version="4.0.0b36")
     tm, dr = layout.tile_m, layout.padded_head_dim(head_dim)
     pos = layout.tile_index_map(head_dim)
     lengths = [int(n) for n in rng.integers(0, 3 * tm, 40)] + [tm, 1]
@@ -105,7 +105,7 @@ def test_devices_mode_programs_shard_without_collectives():
     cpus = jax.devices("cpu")
     if len(cpus) < 2:
         pytest.skip("needs several CPU devices")
-    layout = cases.AccumLayout.flash_attention(90, 128, causal=False, tensor="dq")
+    layout = cases.AccumLayout.flash_attention(90, 128, causal=False, tensor="dq", version="4.0.0b36")
     B, H, S = 2, 4, 200
     acc = jax.ShapeDtypeStruct(layout.accum_shape(B, H, S, 128), np.float32)
     mesh = Mesh(np.array(cpus[:2]), ("d",))

@@ -17,7 +17,7 @@ import pytest
 from jax_dqpost import DISABLED_CHECKS, AccumLayout, cuda_arch, dq_postprocess
 from jax_dqpost import arch as arch_, kernel_cache
 
-LAYOUT = AccumLayout.flash_attention(90, 128, causal=False, tensor="dq")
+LAYOUT = AccumLayout.flash_attention(90, 128, causal=False, tensor="dq", version="4.0.0b36")
 
 
 def _export(seqlen=100):
@@ -85,7 +85,7 @@ _SCRIPT = textwrap.dedent("""
     import sys, jax, jax.numpy as jnp
     from jax_dqpost import AccumLayout, kernel_cache as c
     from jax_dqpost.abi import Tiling
-    layout = AccumLayout.flash_attention(90, 128, causal=False, tensor="dq")
+    layout = AccumLayout.flash_attention(90, 128, causal=False, tensor="dq", version="4.0.0b36")
     k = c.get_kernel((jnp.bfloat16, ((layout, 128, Tiling.VARLEN),), None), arch="sm_90a")
     print(k.fingerprint, "cutlass" in sys.modules)
 """)
@@ -297,7 +297,7 @@ def test_cross_compiling_without_a_gpu_leaves_the_default_cache_alone(tmp_path):
         pytest.skip("this machine has a GPU: kernels for it are cached by default")
     code = ("import jax, jax.numpy as jnp; from jax_dqpost import kernel_cache, arch, AccumLayout\n"
             "assert not arch.cuda_devices()\n"
-            "layout = AccumLayout.flash_attention(90, 64, causal=False, tensor='dq')\n"
+            "layout = AccumLayout.flash_attention(90, 64, causal=False, tensor='dq', version="4.0.0b36")\n"
             "kernel_cache.get_kernel((jnp.bfloat16, ((layout, 64, 0),), None), arch='sm_90a')\n")
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_DQPOST_CACHE_DIR", "XDG_CACHE_HOME")}
     out = subprocess.run([sys.executable, "-c", code], env={**env, "HOME": str(tmp_path)}, cwd="/",

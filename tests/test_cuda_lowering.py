@@ -104,8 +104,8 @@ def test_disabled_checks_cover_every_target_the_package_emits(rng):
     pytest.importorskip("flatbuffers", reason="Exported.serialize needs flatbuffers (in the package's [test] extra)")
     from jax_dqpost import cuda_arch, flash_attention_postprocess
 
-    q_layout = AccumLayout.flash_attention(90, 64, causal=False, tensor="dq")
-    kv_layout = AccumLayout.flash_attention(90, 64, causal=False, tensor="dkv")
+    q_layout = AccumLayout.flash_attention(90, 64, causal=False, tensor="dq", version="4.0.0b36")
+    kv_layout = AccumLayout.flash_attention(90, 64, causal=False, tensor="dkv", version="4.0.0b36")
     B, H, H_KV, S, S_K, D = 2, 4, 2, 100, 70, 64
 
     def f(q, k, v, sink, lse, dpsum):
@@ -340,7 +340,7 @@ def test_the_bulk_load_experiment_compiles_and_is_refused_where_it_does_not_appl
     """kernel.Postprocess(bulk_stages=...), measured by benchmarks/ncu_kernels.py and checked bit for bit by
     benchmarks/bulk_check.py on a GPU: compiles for sm_90a one tile per CTA and persistent; every other combination
     is a ValueError naming the keyword."""
-    layout = AccumLayout.flash_attention(90, 128, causal=False, tensor="dq")
+    layout = AccumLayout.flash_attention(90, 128, causal=False, tensor="dq", version="4.0.0b36")
     dense = ((layout, 128, Tiling.DENSE),)
     modules = {bytes(kernel_cache.compile_executor("bf16", dense, None, "sm_90a", **tuning).dump_to_object("x"))
                for tuning in ({}, {"bulk_stages": 1}, {"bulk_stages": 2, "bulk_ctas": 7})}

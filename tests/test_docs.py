@@ -139,7 +139,7 @@ def _preset(arch, head_dim, causal, tensor):
     from jax_dqpost import AccumLayout
 
     try:
-        return AccumLayout.flash_attention(arch, head_dim, causal=causal, tensor=tensor)
+        return AccumLayout.flash_attention(arch, head_dim, causal=causal, tensor=tensor, version="4.0.0b36")
     except ValueError:
         return ValueError
 

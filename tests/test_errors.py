@@ -64,7 +64,7 @@ def test_layout_is_required_and_the_error_says_how_to_get_one():
 
     hint = (r"AccumLayout.flash_attention\(arch, head_dim, causal=\.\.\., tensor='dq' or 'dkv'\) "
             r".*AccumLayout.row_major\(\)")
-    layout = AccumLayout.flash_attention(90, 128, causal=False, tensor="dq")
+    layout = AccumLayout.flash_attention(90, 128, causal=False, tensor="dq", version="4.0.0b36")
     acc = jnp.zeros(layout.accum_shape(1, 1, 64, 128), jnp.float32)
     dense = dict(seqlen_q=64, head_dim=128)
     calls = [(dq_postprocess, "layout", (acc, 1.0), dense),
@@ -79,7 +79,7 @@ def test_layout_is_required_and_the_error_says_how_to_get_one():
 
 
 def test_static_validation_names_argument_and_value():
-    layout = AccumLayout.flash_attention(90, 128, causal=False, tensor="dq")  # FlashAttention-4's hd128 dQ order
+    layout = AccumLayout.flash_attention(90, 128, causal=False, tensor="dq", version="4.0.0b36")  # FlashAttention-4's hd128 dQ order
     acc = jnp.zeros((2, 128 * ((100 + 3 * 80 - 1) // 80 * 80)), jnp.float32)
     call = lambda **kw: dq_postprocess(acc, 1.0, **{**dict(head_dim=128, total_q=100, cu_seqlens_q=[0, 50, 100],
                                                            layout=layout), **kw})
@@ -185,8 +185,8 @@ def test_kv_errors_name_the_arguments_passed():
         if "dv_accum" in message:
             assert "head_dim=" not in message, message
     # The head dim dV's layout cannot hold is head_dim_v.
-    dq_layout = AccumLayout.flash_attention(90, 256, causal=False, tensor="dq")
-    dkv_layout = AccumLayout.flash_attention(90, 256, causal=False, tensor="dkv")
+    dq_layout = AccumLayout.flash_attention(90, 256, causal=False, tensor="dq", version="4.0.0b36")
+    dkv_layout = AccumLayout.flash_attention(90, 256, causal=False, tensor="dkv", version="4.0.0b36")
     q = jnp.zeros(dq_layout.accum_shape(1, 4, 80, 256), jnp.float32)
     k = jnp.zeros(dkv_layout.accum_shape(1, 2, 60, 256), jnp.float32)
     with pytest.raises(ValueError, match=r"^head_dim_v=64 \(padded to 64\) with AccumLayout\(arch=90, tile_m=48"):

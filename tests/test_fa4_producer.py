@@ -2,83 +2,26 @@
 its fp32 accumulators (and, with a learnable sink, ``dpsum`` and ``lse``) to its postprocess; our fused op
 finishes the same accumulators in JAX, and dq, dk, dv and dsink must be bit-identical to FlashAttention-4's.
 
-Every postprocess call of the backward is captured by wrapping ``flash_attn.cute.interface.
-_bwd_postprocess_convert`` (inputs cloned before the call, outputs read after it). The configuration each call
-was made with must also be what our presets (``AccumLayout.flash_attention(..., tensor=...)``) give.
+Every postprocess call of the backward is captured (``fa4_peer.captured``). The configuration each call was made
+with must also be what our presets (``AccumLayout.flash_attention(..., tensor=..., version=...)``) give. These head
+dims are where its postprocess is right; ``test_gradients.py`` measures every head dim against the mathematics.
 """
 
 from __future__ import annotations
 
-import contextlib
-import inspect
-import warnings
-
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 
 from conftest import HAS_GPU
 from jax_dqpost import AccumLayout, flash_attention_postprocess
+from fa4_peer import captured as _captured, fa4 as _fa4, to_numpy as _np
 from oracle import bits
 
 pytestmark = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
 
 B, H, H_KV = 2, 32, 8
 SEQLEN_Q, SEQLEN_K = 1000, 777  # not multiples of any tile
-
-
-def _fa4():
-    torch = pytest.importorskip("torch")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # FlashAttention-4's own imports
-        interface = pytest.importorskip("flash_attn.cute.interface")
-    return torch, interface
-
-
-@contextlib.contextmanager
-def _captured(torch, interface):
-    """Every postprocess call of FlashAttention-4's backward while inside: a dict per call."""
-    original = interface._bwd_postprocess_convert
-    signature = inspect.signature(original)
-    calls = []
-
-    def clone(t):
-        return None if t is None else t.detach().clone()
-
-    def wrapper(*args, **kwargs):
-        a = signature.bind(*args, **kwargs)
-        a.apply_defaults()
-        a = a.arguments
-        call = dict(accum=clone(a["accum"]), scale=float(a["scale"]), cu=clone(a["cu_seqlens"]),
-                    seqused=clone(a["seqused"]), hdim=a["hdim"],
-                    config=(a["block_size"], a["num_threads"], a["atom_layout"], a["swap_ab"], a["hdim_multiple_of"],
-                            a["cluster_size"]))
-        sink = a["sink_tensors"]
-        if sink is not None:
-            call.update(dpsum=clone(sink.dpsum), lse=clone(sink.lse), sink=clone(sink.sink))
-        original(*args, **kwargs)
-        torch.cuda.synchronize()
-        call["output"] = clone(a["output"])
-        if sink is not None:
-            call["dsink"] = clone(sink.dsink)
-        calls.append(call)
-
-    wrapper.compile_cache = original.compile_cache  # the original reads it through the global name
-    interface._bwd_postprocess_convert = wrapper
-    try:
-        yield calls
-    finally:
-        interface._bwd_postprocess_convert = original
-
-
-def _np(t):
-    """A torch tensor as numpy, bf16 as ml_dtypes.bfloat16."""
-    import torch
-
-    if t.dtype == torch.bfloat16:
-        return t.cpu().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    return t.cpu().numpy()
 
 
 def _run_fa4_backward(torch, interface, rng, head_dim, causal, varlen, sink_dtype):
@@ -131,8 +74,8 @@ def test_fused_postprocess_of_flash_attention_4_backward(rng, head_dim, causal, 
                               None if sink is None else getattr(torch, sink))
     assert len(calls) == 3, f"FlashAttention-4 made {len(calls)} postprocess calls, expected dQ, dK, dV"
     cq, ck, cv = calls
-    dq_layout = AccumLayout.flash_attention(90, head_dim, causal=causal, tensor="dq")
-    dkv_layout = AccumLayout.flash_attention(90, head_dim, causal=causal, tensor="dkv")
+    dq_layout = AccumLayout.flash_attention(90, head_dim, causal=causal, tensor="dq", version="4.0.0b36")
+    dkv_layout = AccumLayout.flash_attention(90, head_dim, causal=causal, tensor="dkv", version="4.0.0b36")
     for call, layout, what in ((cq, dq_layout, "dQ"), (ck, dkv_layout, "dK"), (cv, dkv_layout, "dV")):
         want = (layout.tile_m, layout.num_threads, layout.atom_layout, layout.swap_ab, layout.hdim_multiple_of,
                 layout.cluster_size)

@@ -87,9 +87,9 @@ def test_other_orders_on_poisoned_output(rng, name, dtype):
 
 
 SHORT_TILE_LAYOUTS = {  # the swapped Hopper orders, whose short varlen tiles take the kernel's short-tile path
-    "dq-hd128": (AccumLayout.flash_attention(90, 128, causal=False, tensor="dq"), 128),
-    "dkv-hd192": (AccumLayout.flash_attention(90, 192, causal=False, tensor="dkv"), 192),
-    "dkv-hd256": (AccumLayout.flash_attention(90, 256, causal=False, tensor="dkv"), 256),
+    "dq-hd128": (AccumLayout.flash_attention(90, 128, causal=False, tensor="dq", version="4.0.0b36"), 128),
+    "dkv-hd192": (AccumLayout.flash_attention(90, 192, causal=False, tensor="dkv", version="4.0.0b36"), 192),
+    "dkv-hd256": (AccumLayout.flash_attention(90, 256, causal=False, tensor="dkv", version="4.0.0b36"), 256),
 }
 
 
@@ -402,7 +402,7 @@ sys.path.insert(0, sys.argv[2])
 import oracle
 from jax_dqpost import AccumLayout, dq_postprocess
 rng = np.random.default_rng(int(sys.argv[1]))
-layout = AccumLayout.flash_attention(90, 128, causal=False, tensor="dq")
+layout = AccumLayout.flash_attention(90, 128, causal=False, tensor="dq", version="4.0.0b36")
 logical = oracle.random_logical(rng, (2, 200, 3, 128))
 acc = oracle.build_accumulator(logical, (layout.tile_m, layout.num_threads, layout.atom_layout, layout.swap_ab),
                                hdim_multiple_of=layout.hdim_multiple_of, rng=rng)

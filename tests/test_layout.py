@@ -157,11 +157,11 @@ def test_closed_form_samples_for_other_orders():
 
 
 def _dq(arch, head_dim, causal=False):
-    return AccumLayout.flash_attention(arch, head_dim, causal=causal, tensor="dq")
+    return AccumLayout.flash_attention(arch, head_dim, causal=causal, tensor="dq", version="4.0.0b36")
 
 
 def _dkv(arch, head_dim, causal=False):
-    return AccumLayout.flash_attention(arch, head_dim, causal=causal, tensor="dkv")
+    return AccumLayout.flash_attention(arch, head_dim, causal=causal, tensor="dkv", version="4.0.0b36")
 
 
 def test_flash_attention_presets():
@@ -206,7 +206,7 @@ def test_presets_match_flash_attention_4():
     with pytest.raises(ValueError, match="dedicated hd256 kernel"):
         _dkv(100, 256)
     with pytest.raises(ValueError, match="tensor must be 'dq' or 'dkv', got 'dk'"):
-        AccumLayout.flash_attention(90, 128, causal=False, tensor="dk")
+        AccumLayout.flash_attention(90, 128, causal=False, tensor="dk", version="4.0.0b36")
     with pytest.raises(ValueError, match="no dK/dV postprocess configuration for arch=80"):
         _dkv(80, 128)
 
@@ -234,8 +234,8 @@ def test_causal_and_tensor_have_no_default_and_the_error_says_where_they_matter(
 
     params = inspect.signature(AccumLayout.flash_attention).parameters
     assert params["causal"].default is params["tensor"].default is inspect.Parameter.empty
-    causal_dq = AccumLayout.flash_attention(90, 128, causal=True, tensor="dq")
-    plain_dq = AccumLayout.flash_attention(90, 128, causal=False, tensor="dq")
+    causal_dq = AccumLayout.flash_attention(90, 128, causal=True, tensor="dq", version="4.0.0b36")
+    plain_dq = AccumLayout.flash_attention(90, 128, causal=False, tensor="dq", version="4.0.0b36")
     assert causal_dq != plain_dq and causal_dq.accum_shape(1, 1, 1280, 128) == plain_dq.accum_shape(1, 1, 1280, 128)
     differs = {arch: _differing_head_dims(arch, dict(causal=True, tensor=t), dict(causal=False, tensor=t))
                for arch in FLASH_ATTENTION_GPUS for t in ("dq",)}
@@ -245,7 +245,7 @@ def test_causal_and_tensor_have_no_default_and_the_error_says_where_they_matter(
         for tensor in ("dq", "dkv"):
             with pytest.raises(TypeError, match=r"^AccumLayout.flash_attention\(\) needs causal=: True or False .*"
                                                 r"differ for sm90 dQ at head dims 104\.\.128, with the same shape"):
-                AccumLayout.flash_attention(arch, 64, tensor=tensor)
+                AccumLayout.flash_attention(arch, 64, tensor=tensor, version="4.0.0b36")
         with pytest.raises(TypeError, match=r"needs tensor=: 'dq' or 'dkv'; .* sm90 at head dims 72\.\.256; sm100, "
                                             r"sm110 at head dims 128\.\.192\)"):
             AccumLayout.flash_attention(arch, 64, causal=False)
@@ -267,9 +267,9 @@ def test_an_unknown_gpu_architecture_is_refused_naming_the_known_ones(arch):
         rf"^arch={arch} is not a GPU architecture; the known ones are 80, 86, 87, 89, 90, 100, 101, 103, 110, 120, "
         r"121 \(FlashAttention-4's backward runs on 90, 100, 101, 103, 110, 120, 121\)")
     with pytest.raises(ValueError, match=match):
-        AccumLayout.flash_attention(arch, 128, causal=False, tensor="dq")
+        AccumLayout.flash_attention(arch, 128, causal=False, tensor="dq", version="4.0.0b36")
     for known in FLASH_ATTENTION_GPUS:
-        AccumLayout.flash_attention(known, 128, causal=False, tensor="dq")
+        AccumLayout.flash_attention(known, 128, causal=False, tensor="dq", version="4.0.0b36")
 
 
 def test_cluster_size_pads_rows_in_clusters():

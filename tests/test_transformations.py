@@ -31,8 +31,8 @@ from oracle import assert_same_bits
 
 PARTS = ("dq", "dqkv")
 D = 128
-QL = AccumLayout.flash_attention(90, D, causal=False, tensor="dq")
-KL = AccumLayout.flash_attention(90, D, causal=False, tensor="dkv")
+QL = AccumLayout.flash_attention(90, D, causal=False, tensor="dq", version="4.0.0b36")
+KL = AccumLayout.flash_attention(90, D, causal=False, tensor="dkv", version="4.0.0b36")
 HEADS = {"dq": (2, None), "dqkv": (4, 2)}  # query heads, key/value heads (sharded over heads: twice as many)
 COLLECTIVES = re.compile(r"all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter")
 ARG_NAMES = {"used_q": "seqused_q", "used_k": "seqused_k", "cu_q": "cu_seqlens_q", "cu_k": "cu_seqlens_k",

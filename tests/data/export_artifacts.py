@@ -24,10 +24,10 @@ DATA = Path(__file__).resolve().parent
 CASES = {
     # dense, bf16, FlashAttention's hd128 Hopper configuration (tile_m 80, swapAB); scale traced
     "dense": dict(packing="dense", dtype="bfloat16", head_dim=128, batch=2, seqlen=1000, heads=4,
-                  layout=AccumLayout.flash_attention(90, 128, causal=False, tensor="dq")),
+                  layout=AccumLayout.flash_attention(90, 128, causal=False, tensor="dq", version="4.0.0b36")),
     # varlen with traced cu_seqlens_q and seqused_q, fp16, hd64 (tile_m 128, 2 warpgroups); scale static
     "varlen": dict(packing="varlen", dtype="float16", head_dim=64, batch=5, total_q=700, heads=3, scale=0.125,
-                   layout=AccumLayout.flash_attention(90, 64, causal=False, tensor="dq")),
+                   layout=AccumLayout.flash_attention(90, 64, causal=False, tensor="dq", version="4.0.0b36")),
 }
 
 

@@ -45,6 +45,8 @@ def part(layout, head_dim, dtype, seqlen, total, cu_seqlens, seqused,
 
     if seqlen is not None:
         raise ValueError(f"{seqlen_n}={seqlen!r} is only for dense batches; variable-length batches take {total_n}")
+    if layout.varlen_unreadable:
+        raise ValueError(f"{cu_n} given (a packed batch), but {layout.varlen_unreadable}")
     if total is None:
         raise ValueError(f"{total_n} (rows of the packed output) is required with {cu_n}")
     total = static_int(total_n, total, minimum=0)

@@ -57,8 +57,8 @@ def _check_bool(name: str, value) -> bool:
 
 
 CONSTRUCTORS = ("AccumLayout.flash_attention(gpu, head_dim, causal=..., tensor='dq' or 'dkv', version=...) gives "
-                "the order FlashAttention-4's backward writes, AccumLayout.row_major() the order of an accumulator made in JAX "
-                "(dq_accum_from_dq)")
+                "the order FlashAttention-4's backward writes, AccumLayout.row_major() the order of an accumulator "
+                "made in JAX (dq_accum_from_dq)")
 """How to get a layout: the errors for a missing one say this."""
 NO_DEFAULT = "no default: an accumulator read in another order gives wrong values, not an error"
 """Why no argument that picks an order has a default."""
@@ -92,6 +92,10 @@ class AccumLayout:
         reads after them (varlen: ``Tp * Da`` per head, tiles in the first ``Tp * Dr``). flash-attn 4.0.0b36's
         Hopper backward writes such rows: tiles of ``Dr = ceil(D / 16) * 16`` in rows allocated for
         ``Da = ceil(D / 32) * 32`` (:meth:`flash_attention`).
+      varlen_unreadable: keyword-only; None, or why the producer's packed (varlen) accumulators in this order hold no
+        values a reading can recover (flash-attn 4.0.0b36's Hopper dQ where its tiles and its allocation disagree:
+        its preprocess zeroes the allocation's tiles, its backward adds into others). A varlen call raises
+        ``ValueError`` with it at trace time; dense calls read the accumulator.
       two_cta: keyword-only; required for ``arch=100``, where it picks the 2-CTA (``cta_group::2``) MMA's order over
         the 1-CTA one (the two have the same shape); False (the only value) for the other orders when left out.
       cluster_size: keyword-only; CTAs of the producer's cluster along the rows (FlashAttention-4's
@@ -113,6 +117,7 @@ class AccumLayout:
     two_cta: bool | None = dataclasses.field(default=None, kw_only=True)
     cluster_size: int | None = dataclasses.field(default=None, kw_only=True)
     alloc_hdim_multiple_of: int | None = dataclasses.field(default=None, kw_only=True)
+    varlen_unreadable: str | None = dataclasses.field(default=None, kw_only=True)
 
     def __post_init__(self):
         arch = None if self.arch is None else _check_int("arch", self.arch)
@@ -120,8 +125,8 @@ class AccumLayout:
             hint = ""
             if arch in _ORDER_OF_GPU:
                 hint = (f"; FlashAttention's sm{arch} backward writes the arch={_ORDER_OF_GPU[arch]} order "
-                        f"(AccumLayout.flash_attention({arch}, head_dim, causal=..., tensor=..., version=...) gives its "
-                        "layouts)")
+                        f"(AccumLayout.flash_attention({arch}, head_dim, causal=..., tensor=..., version=...) gives "
+                        "its layouts)")
             raise ValueError(f"AccumLayout.arch={arch} is not an accumulator order; the orders are "
                              f"{_SUPPORTED_ARCHS} (90 Hopper wgmma, 80 mma.sync, 100 Blackwell tcgen05, None "
                              f"row-major){hint}")
@@ -151,6 +156,9 @@ class AccumLayout:
         if alloc % mult or alloc > MAX_HEAD_DIM:
             raise ValueError(f"AccumLayout.alloc_hdim_multiple_of must be a multiple of hdim_multiple_of={mult} (the "
                              f"allocated row holds the tiles) and at most {MAX_HEAD_DIM}, got {alloc}")
+        if self.varlen_unreadable is not None and not isinstance(self.varlen_unreadable, str):
+            raise TypeError(f"AccumLayout.varlen_unreadable must be None or a str (the reason), got "
+                            f"{_static_args.describe(self.varlen_unreadable)}")
         # Normalise numpy scalars so equal layouts hash equal.
         for name, value in (("arch", arch), ("tile_m", tile_m), ("num_threads", num_threads),
                             ("atom_layout", atom_layout), ("hdim_multiple_of", mult), ("swap_ab", swap_ab),
@@ -215,8 +223,11 @@ class AccumLayout:
           Dao-AILab/flash-attention PR #2896, open). At sm90 head dims 8, 16, 40, 48, 72, 80, 104 and 112, where the
           two differ, its dQ (and dK/dV) accumulators hold ``Dr = ceil(D / 16) * 16`` tiles in rows allocated for
           ``Da = ceil(D / 32) * 32``: the rows below with ``hdim_multiple_of=16, alloc_hdim_multiple_of=32``, which
-          read them right (its own postprocess reads them as 32-column tiles and returns wrong gradients there). At
-          104 and 112 without ``causal`` its backward does not compile (a swapped ``(112, 80)`` dQ MMA): ValueError.
+          read them right (its own postprocess reads them as 32-column tiles and returns wrong gradients there).
+          Packed (varlen) dQ there is lost: its preprocess zeroes the 32-column tiles and the backward adds into
+          16-column ones, some never zeroed, so the dQ preset has ``varlen_unreadable`` set and a varlen call
+          raises ValueError (dK/dV, allocated as zeros, are read right). At 104 and 112 without ``causal`` its
+          backward does not compile (a swapped ``(112, 80)`` dQ MMA): ValueError.
 
         The presets, as ``AccumLayout(...)``'s positional fields (dK/dV's rows are key rows: ``tile_m`` is
         FlashAttention's ``n_block_size``)::
@@ -276,8 +287,10 @@ class AccumLayout:
         release = FLASH_ATTENTION_RELEASES.get(version.strip())
         where = f"gpu={gpu}, head_dim={head_dim}, causal={causal}, tensor={tensor!r}"
         if release is None:
-            padded = _release_layout(layout, gpu, head_dim, next(iter(FLASH_ATTENTION_RELEASES.values())))
-            alternatives = (f"for this call ({where}) {next(iter(FLASH_ATTENTION_RELEASES))}'s is {padded!r}, and "
+            known = next(iter(FLASH_ATTENTION_RELEASES.values()))
+            padded = dataclasses.replace(_release_layout(layout, gpu, head_dim, known, tensor == "dq"),
+                                         varlen_unreadable=None)
+            alternatives = (f"for this call ({where}) {known.version}'s is {padded!r} (dense batches only), and "
                             f"with the accumulators' own padding (PR #2896) {layout!r}" if padded != layout
                             else f"for this call ({where}) the known releases' is {layout!r}")
             raise ValueError(
@@ -293,7 +306,7 @@ class AccumLayout:
                 f"flash-attn-4 {version}'s sm{gpu} backward does not run at head_dim={head_dim} with causal={causal} "
                 f"({release.cannot_run[gpu // 10, head_dim, causal]}): there is no accumulator to read "
                 f"({release.issue})")
-        return _release_layout(layout, gpu, head_dim, release)
+        return _release_layout(layout, gpu, head_dim, release, tensor == "dq")
 
     @classmethod
     def row_major(cls, *, tile_m: int = 64, num_threads: int = 256, hdim_multiple_of: int = 32,
@@ -534,7 +547,8 @@ class AccumLayout:
                 + (f", two_cta={self.two_cta}" if self.two_cta or self.arch == 100 else "")
                 + (f", cluster_size={self.cluster_size}" if self.cluster_size != 1 or self.arch == 100 else "")
                 + (f", alloc_hdim_multiple_of={self.alloc_hdim_multiple_of}"
-                   if self.alloc_hdim_multiple_of != self.hdim_multiple_of else "") + ")")
+                   if self.alloc_hdim_multiple_of != self.hdim_multiple_of else "")
+                + (f", varlen_unreadable={self.varlen_unreadable!r}" if self.varlen_unreadable else "") + ")")
 
 
 AccumLayout.__init__ = _static_args.required_arguments(
@@ -558,6 +572,7 @@ class Release:
     """How a flash-attn-4 release pads the head dim where its tiles and its allocation disagree.
 
     Attributes:
+      version: the release's version string.
       sm90_tile_multiple: ``{head dims up to: multiple}``: its sm90 backward's tiles pad head dims up to the key to a
         multiple of the value (flash_bwd_sm90.py's ``tile_hdim``), where the presets' rows are allocated in
         multiples of 32.
@@ -565,6 +580,7 @@ class Release:
       issue: the upstream issue about the padding.
     """
 
+    version: str
     sm90_tile_multiple: dict
     cannot_run: dict
     issue: str
@@ -572,22 +588,33 @@ class Release:
 
 _PR_2896 = "Dao-AILab/flash-attention PR #2896"
 FLASH_ATTENTION_RELEASES = {
-    "4.0.0b36": Release({128: 16}, {(9, d, False): "its swapped (112, 80) dQ MMA does not partition into WGMMA atoms"
-                                    for d in (104, 112)}, _PR_2896),
+    "4.0.0b36": Release("4.0.0b36", {128: 16},
+                        {(9, d, False): "its swapped (112, 80) dQ MMA does not partition into WGMMA atoms"
+                         for d in (104, 112)}, _PR_2896),
 }
 """The flash-attn-4 releases :meth:`AccumLayout.flash_attention` knows, by version (read in its sources and measured
 against the mathematics on an H200)."""
 
 
-def _release_layout(layout: AccumLayout, gpu: int, head_dim: int, release: Release) -> AccumLayout:
-    """``layout`` (a preset, allocated in multiples of its ``hdim_multiple_of``) with ``release``'s tiles: where its sm90
-    backward tiles ``head_dim`` narrower than the allocation pads it, ``hdim_multiple_of`` becomes the tiles' and
-    ``alloc_hdim_multiple_of`` keeps the allocation's. Elsewhere ``layout`` (the two readings are one)."""
+def _release_layout(layout: AccumLayout, gpu: int, head_dim: int, release: Release, dq: bool) -> AccumLayout:
+    """``layout`` (a preset, allocated in multiples of its ``hdim_multiple_of``) with ``release``'s tiles: where its
+    sm90 backward tiles ``head_dim`` narrower than the allocation pads it, ``hdim_multiple_of`` becomes the tiles' and
+    ``alloc_hdim_multiple_of`` keeps the allocation's, and dQ's packed (varlen) accumulators are unreadable (its
+    preprocess zeroes the allocation's tiles). Elsewhere ``layout`` (the two readings are one)."""
     multiple = next((m for up_to, m in sorted(release.sm90_tile_multiple.items()) if head_dim <= up_to), None)
     if gpu // 10 != 9 or multiple is None or layout.hdim_multiple_of % multiple:
         return layout
     tiled = dataclasses.replace(layout, hdim_multiple_of=multiple, alloc_hdim_multiple_of=layout.hdim_multiple_of)
-    return layout if tiled.padded_head_dim(head_dim) == layout.padded_head_dim(head_dim) else tiled
+    dr, da = tiled.padded_head_dim(head_dim), tiled.alloc_head_dim(head_dim)
+    if dr == da:
+        return layout
+    if dq:
+        tiled = dataclasses.replace(tiled, varlen_unreadable=(
+            f"flash-attn-4 {release.version}'s sm{gpu} backward adds dQ at head_dim={head_dim} in {dr}-column tiles "
+            f"into an accumulator its preprocess zeroes in {da}-column tiles, so for packed (varlen) batches some of "
+            f"what it adds to was never zeroed and no reading recovers dQ ({release.issue}); dense batches are read "
+            "right"))
+    return tiled
 
 
 def _preset(arch: int, head_dim: int, causal: bool, dkv: bool) -> AccumLayout:

@@ -37,7 +37,7 @@ def data(records: list[dict]) -> dict:
         wrong = _wrong(r["measured"]["producer"])
         if wrong:
             entry["wrong"][r["case"]] = wrong
-        if r.get("refused") and r["measured"]["ours"] is None and r["producer"].startswith("fa4-jax"):
+        if r.get("refused") and r["measured"]["ours"] is None:
             entry["refused_by_us"].append(r["case"])
     return out
 

@@ -44,18 +44,21 @@ DATA = Path(__file__).parent / "data" / "producer_gradients.json"
 OUT_ENV = "JAX_DQPOST_GRADIENTS_OUT"
 B, SEQLEN_Q, SEQLEN_K, H = 2, 301, 333, 4  # S <= Sk: a causal row always has a key; no tile divides them
 VARLEN_LENS = (127, 1, 200)  # q and k alike
-TENSORS = ("dq", "dk", "dv", "dsink")
+RTOL = dict(dq=2, dk=2, dv=2, dsink=4)
+"""Multiples of the bf16 reference's error: FlashAttention's 2; dsink's one sum over every row makes that error a
+noisy yardstick (two draws of 30 came within 30% of 2x), where a reduction over the wrong rows is off by far more."""
 
 
 def _cases():
-    """Every head dim twice: grouped-query dense and MHA varlen (traced offsets), causal one way for one and the
-    other way for the other; a sink in every third; and pairs of unequal head dims (MHA, as FA4's sm90 backward
-    takes them: grouped-query needs equal ones)."""
+    """Every head dim three times: grouped-query dense, MHA varlen (traced offsets) and multi-query varlen, causal one
+    way for the first and the other way for the others; a sink in one of the first two; and pairs of unequal head
+    dims (MHA, as FA4's sm90 backward takes them: grouped-query needs equal ones)."""
     out = []
     for i, d in enumerate(range(8, 257, 8)):
         sink = i % 3 == 0
         out.append(dict(head_dim=d, head_dim_v=d, heads_kv=2, causal=i % 2 == 1, varlen=False, sink=sink))
         out.append(dict(head_dim=d, head_dim_v=d, heads_kv=H, causal=i % 2 == 0, varlen=True, sink=not sink))
+        out.append(dict(head_dim=d, head_dim_v=d, heads_kv=1, causal=i % 2 == 0, varlen=True, sink=False))
     for d, dv, causal, varlen in ((192, 128, False, False), (96, 64, True, True), (72, 128, False, True),
                                   (256, 128, True, False)):
         out.append(dict(head_dim=d, head_dim_v=dv, heads_kv=H, causal=causal, varlen=varlen, sink=False))
@@ -64,7 +67,7 @@ def _cases():
 
 def case_id(c) -> str:
     return (f"hd{c['head_dim']}" + (f"-dv{c['head_dim_v']}" if c["head_dim_v"] != c["head_dim"] else "")
-            + f"-{'gqa' if c['heads_kv'] < H else 'mha'}-{'causal' if c['causal'] else 'full'}"
+            + f"-{ {1: 'mqa', H: 'mha'}.get(c['heads_kv'], 'gqa')}-{'causal' if c['causal'] else 'full'}"
             + f"-{'varlen' if c['varlen'] else 'dense'}" + ("-sink" if c["sink"] else ""))
 
 
@@ -132,7 +135,7 @@ def _judge(got: dict, c, q, k, v, d_out, sink) -> dict:
         g = g.detach() if isinstance(g, torch.Tensor) else torch.as_tensor(np.asarray(g).astype(np.float32))
         g = g.to(r.device, r.dtype)
         atol = 2 * ((r + 0.3 - 0.3) - r).abs().max().item()
-        tol = 2 * (low[name].to(r.dtype) - r).abs().max().item() + atol
+        tol = RTOL[name] * (low[name].to(r.dtype) - r).abs().max().item() + atol
         err = (g - r).abs().max().item()
         out[name] = dict(error=err, tolerance=tol, relative=err / max(r.abs().max().item(), 1e-30))
     return out
@@ -272,8 +275,13 @@ def test_flash_attention_4_backward_finished_by_us_is_right(seed, c):
         # No accumulator: our presets must refuse this configuration at trace time, naming the release.
         assert refused is not None and f"flash-attn-4 {version}'s sm90 backward does not run at head_dim=" \
             f"{c['head_dim']}" in refused, f"FA4 cannot run {case_id(c)} ({cannot_run}), our presets do not say so"
+    elif refused is not None:
+        # Refused at trace time although FA4 ran: only where what it wrote cannot be read (its varlen dQ of the
+        # paddings that disagree), and only as the data says.
+        assert c["varlen"] and "no reading recovers dQ" in refused, f"our presets refuse {case_id(c)}: {refused}"
+        assert expected is None or case_id(c) in expected.get("refused_by_us", []), (
+            f"we refuse {case_id(c)}, which the data does not say: {refused}")
     else:
-        assert refused is None, f"our presets refuse a configuration FA4 runs: {refused}"
         _assert_right(judged_ours, f"jax-dqpost on {producer}'s accumulators, {case_id(c)}")
     _check_producer(expected, case_id(c), producer, judged_fa4, cannot_run)
     if expected is not None and same_bits is not None:

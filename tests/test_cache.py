@@ -297,7 +297,7 @@ def test_cross_compiling_without_a_gpu_leaves_the_default_cache_alone(tmp_path):
         pytest.skip("this machine has a GPU: kernels for it are cached by default")
     code = ("import jax, jax.numpy as jnp; from jax_dqpost import kernel_cache, arch, AccumLayout\n"
             "assert not arch.cuda_devices()\n"
-            "layout = AccumLayout.flash_attention(90, 64, causal=False, tensor='dq', version="4.0.0b36")\n"
+            "layout = AccumLayout.flash_attention(90, 64, causal=False, tensor='dq', version='4.0.0b36')\n"
             "kernel_cache.get_kernel((jnp.bfloat16, ((layout, 64, 0),), None), arch='sm_90a')\n")
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_DQPOST_CACHE_DIR", "XDG_CACHE_HOME")}
     out = subprocess.run([sys.executable, "-c", code], env={**env, "HOME": str(tmp_path)}, cwd="/",

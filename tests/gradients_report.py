@@ -30,6 +30,8 @@ def _wrong(judged: dict | None) -> list[str]:
 def data(records: list[dict]) -> dict:
     out: dict = {}
     for r in records:
+        if r["config"].get("dkv_alone"):
+            continue
         entry = out.setdefault(r["producer"], {"wrong": {}, "cannot_run": [], "refused_by_us": []})
         if r.get("cannot_run"):
             entry["cannot_run"].append(r["case"])

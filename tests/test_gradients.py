@@ -35,7 +35,7 @@ import numpy as np
 import pytest
 
 from conftest import HAS_GPU
-from jax_dqpost import AccumLayout, flash_attention_postprocess
+from jax_dqpost import AccumLayout, dq_postprocess, flash_attention_postprocess
 import fa4_peer
 
 pytestmark = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
@@ -68,7 +68,8 @@ def _cases():
 def case_id(c) -> str:
     return (f"hd{c['head_dim']}" + (f"-dv{c['head_dim_v']}" if c["head_dim_v"] != c["head_dim"] else "")
             + f"-{ {1: 'mqa', H: 'mha'}.get(c['heads_kv'], 'gqa')}-{'causal' if c['causal'] else 'full'}"
-            + f"-{'varlen' if c['varlen'] else 'dense'}" + ("-sink" if c["sink"] else ""))
+            + f"-{'varlen' if c['varlen'] else 'dense'}" + ("-sink" if c["sink"] else "")
+            + ("-dkv-alone" if c.get("dkv_alone") else ""))
 
 
 CASES = _cases()
@@ -237,6 +238,17 @@ def _ours_from_fa4(calls, c, version):
     return {name: outs[{"dq": 0, "dk": 1, "dv": 2, "dsink": 3}[name]] for name in names}
 
 
+def _dkv_alone(calls, c, version):
+    """dK and dV of a packed grouped-query case, each by :func:`jax_dqpost.dq_postprocess` with the dK/dV preset and
+    the k side's traced offsets."""
+    layout = _presets(c, version, True)["dkv_layout"]
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(VARLEN_LENS)]), jnp.int32)
+    run = jax.jit(lambda acc, cu, scale: dq_postprocess(acc, scale, head_dim=c["head_dim"], total_q=sum(VARLEN_LENS),
+                                                        cu_seqlens_q=cu, layout=layout))
+    return {name: run(jnp.asarray(fa4_peer.to_numpy(x["accum"])), cu, x["scale"])
+            for name, x in zip(("dk", "dv"), calls[1:])}
+
+
 def _bits(x):
     x = np.asarray(x)
     return x.view({2: np.uint16, 4: np.uint32}[x.dtype.itemsize])
@@ -281,6 +293,10 @@ def test_flash_attention_4_backward_finished_by_us_is_right(seed, c):
         assert c["varlen"] and "no reading recovers dQ" in refused, f"our presets refuse {case_id(c)}: {refused}"
         assert expected is None or case_id(c) in expected.get("refused_by_us", []), (
             f"we refuse {case_id(c)}, which the data does not say: {refused}")
+        if len(calls) == 3:  # dK and dV, allocated as zeros, are read right: each alone, from the same accumulators
+            judged_kv = _judge(_dkv_alone(calls, c, version), c, q, k, v, d_out, sink)
+            _record(producer, dict(c, dkv_alone=True), dict(producer=None, ours=judged_kv))
+            _assert_right(judged_kv, f"jax-dqpost's dK, dV alone on {producer}'s accumulators, {case_id(c)}")
     else:
         _assert_right(judged_ours, f"jax-dqpost on {producer}'s accumulators, {case_id(c)}")
     _check_producer(expected, case_id(c), producer, judged_fa4, cannot_run)

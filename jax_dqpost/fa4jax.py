@@ -18,8 +18,9 @@ or ``fa4_jax.flash_attn(..., backend=fa4jax.BACKEND)`` once :func:`register` has
 (no cotangent through ``return_lse``; vmap over varlen; the head dims and GPUs its kernels refuse) this backend
 does not take either, with fa4-jax's errors. Where fa4-jax writes an accumulator in an order our kernel does not
 take (on sm90, dK/dV under grouped-query attention at head dims 136..160: a 64-row WGMMA atom over a head dim padded
-to 160), the backward raises ValueError naming the head dims. Without fa4-jax, or without a GPU, each call raises one
-line that says so.
+to 160), the backward raises ValueError naming the head dims. Its gradients match plain attention's wherever fa4-jax
+runs (fa4-jax pads its sm90 tiles to 32, as its accumulators; ``tests/test_gradients.py``, docs/gradients.md).
+Without fa4-jax, or without a GPU, each call raises one line that says so.
 """
 
 from __future__ import annotations

@@ -62,7 +62,7 @@ def test_layout_is_required_and_the_error_says_how_to_get_one():
 
     from jax_dqpost import dq_accum_from_dq
 
-    hint = (r"AccumLayout.flash_attention\(arch, head_dim, causal=\.\.\., tensor='dq' or 'dkv'\) "
+    hint = (r"AccumLayout.flash_attention\(gpu, head_dim, causal=\.\.\., tensor='dq' or 'dkv', version=\.\.\.\) "
             r".*AccumLayout.row_major\(\)")
     layout = AccumLayout.flash_attention(90, 128, causal=False, tensor="dq", version="4.0.0b36")
     acc = jnp.zeros(layout.accum_shape(1, 1, 64, 128), jnp.float32)
@@ -79,13 +79,15 @@ def test_layout_is_required_and_the_error_says_how_to_get_one():
 
 
 def test_static_validation_names_argument_and_value():
-    layout = AccumLayout.flash_attention(90, 128, causal=False, tensor="dq", version="4.0.0b36")  # FlashAttention-4's hd128 dQ order
+    # FlashAttention-4's hd128 dQ order
+    layout = AccumLayout.flash_attention(90, 128, causal=False, tensor="dq", version="4.0.0b36")
     acc = jnp.zeros((2, 128 * ((100 + 3 * 80 - 1) // 80 * 80)), jnp.float32)
     call = lambda **kw: dq_postprocess(acc, 1.0, **{**dict(head_dim=128, total_q=100, cu_seqlens_q=[0, 50, 100],
                                                            layout=layout), **kw})
     call()  # consistent
     cases = [
-        (dict(cu_seqlens_q=[0, 60, 50]), ValueError, r"non-decreasing, got cu_seqlens_q\[1\]=60 > cu_seqlens_q\[2\]=50"),
+        (dict(cu_seqlens_q=[0, 60, 50]), ValueError,
+         r"non-decreasing, got cu_seqlens_q\[1\]=60 > cu_seqlens_q\[2\]=50"),
         (dict(cu_seqlens_q=[-1, 50, 100]), ValueError, r"cu_seqlens_q\[0\] must be >= 0, got -1"),
         (dict(cu_seqlens_q=[0, 50, 101]), ValueError, r"cu_seqlens_q\[-1\]=101 exceeds total_q=100"),
         (dict(cu_seqlens_q=[]), ValueError, r"cu_seqlens_q must have batch \+ 1 entries \(at least 1\), got \[\]"),
@@ -95,7 +97,8 @@ def test_static_validation_names_argument_and_value():
         (dict(total_q=None), ValueError, r"total_q .* is required with cu_seqlens_q"),
         (dict(seqlen_q=100), ValueError, r"seqlen_q=100 is only for dense batches"),
         (dict(cu_seqlens_q=jnp.zeros(3, jnp.float32)), TypeError, r"cu_seqlens_q must be an integer array"),
-        (dict(total_q=300, cu_seqlens_q=jnp.asarray([0, 50, 99])), ValueError, r"dq_accum must have shape \(heads, Tp\*Dr\)"),
+        (dict(total_q=300, cu_seqlens_q=jnp.asarray([0, 50, 99])), ValueError,
+         r"dq_accum must have shape \(heads, Tp\*Dr\)"),
     ]
     for kwargs, exc, pattern in cases:
         with pytest.raises(exc, match=pattern):
@@ -106,6 +109,29 @@ def test_static_validation_names_argument_and_value():
     with pytest.raises(ValueError, match=r"total_q=5 is only for variable-length batches"):
         dq_postprocess(jnp.zeros(layout.accum_shape(2, 1, 200, 128), jnp.float32), 1.0, seqlen_q=200, head_dim=128,
                        total_q=5, layout=layout)
+
+
+def test_an_accumulator_allocated_for_the_tiles_alone_is_refused_with_alloc_hdim_multiple_of():
+    """With ``alloc_hdim_multiple_of`` the rows are ``Sr*Da`` (``Tp*Da`` packed): an accumulator of ``Sr*Dr``, as if
+    allocated with the tiles' padding, is refused, the message saying Da; without it the messages say Dr."""
+    layout = AccumLayout(90, 64, 128, 1, False, 16, alloc_hdim_multiple_of=32)  # head dim 72: Dr = 80, Da = 96
+    tiles_only = jnp.zeros((1, 2, 128 * 80), jnp.float32)
+    with pytest.raises(ValueError, match=r"^dq_accum.shape\[2\] must be Sr\*Da = 128\*96 = 12288 for seqlen_q=100, "
+                                         r"head_dim=72 and AccumLayout\(.*alloc_hdim_multiple_of=32\); got shape "
+                                         r"\(1, 2, 10240\)"):
+        dq_postprocess(tiles_only, 1.0, seqlen_q=100, head_dim=72, layout=layout)
+    assert dq_postprocess(jnp.zeros(layout.accum_shape(1, 2, 100, 72)), 1.0, seqlen_q=100, head_dim=72,
+                          layout=layout).shape == (1, 100, 2, 72)
+    with pytest.raises(ValueError, match=r"^dq_accum must have shape \(heads, Tp\*Da\) = \(heads, 128\*96\) for "
+                                         r"total_q=50"):
+        dq_postprocess(jnp.zeros((2, 128 * 80), jnp.float32), 1.0, head_dim=72, total_q=50, cu_seqlens_q=[0, 50],
+                       layout=layout)
+    with pytest.raises(ValueError, match=r"dk_accum.shape\[2\] must be Sr\*Da = 128\*96 "):
+        flash_attention_postprocess(jnp.zeros(layout.accum_shape(1, 2, 100, 72)), tiles_only, tiles_only, 1.0,
+                                    head_dim=72, seqlen_q=100, seqlen_k=100, dq_layout=layout, dkv_layout=layout)
+    plain = AccumLayout(90, 64, 128, 1, False, 16)
+    with pytest.raises(ValueError, match=r"^dq_accum.shape\[2\] must be Sr\*Dr = 128\*80 = 10240 "):
+        dq_postprocess(jnp.zeros(layout.accum_shape(1, 2, 100, 72)), 1.0, seqlen_q=100, head_dim=72, layout=plain)
 
 
 def test_errors_name_the_argument():

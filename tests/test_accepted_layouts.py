@@ -34,7 +34,19 @@ EDGES = [
     (AccumLayout(80, 128, 32, 1, False, 32), 192),
     (AccumLayout(100, 128, 128, 1, False, 32, two_cta=True, cluster_size=1), 256),
     (AccumLayout(None, 32, 32, 1, False, 8), 8), (AccumLayout(None, 128, 32, 1, False, 256), 256),
+    # flash-attn-4 4.0.0b36's sm90 tiles of 16-column multiples in rows allocated for 32: non-swapped WGMMA atoms of
+    # 48, 80 and 56 columns (dQ), 112 (dK/dV)
+    (AccumLayout.flash_attention(90, 40, causal=False, tensor="dq", version="4.0.0b36"), 40),
+    (AccumLayout.flash_attention(90, 72, causal=False, tensor="dq", version="4.0.0b36"), 72),
+    (AccumLayout.flash_attention(90, 104, causal=True, tensor="dq", version="4.0.0b36"), 104),
+    (AccumLayout.flash_attention(90, 112, causal=True, tensor="dkv", version="4.0.0b36"), 112),
+    # WGMMA atoms of odd multiples of 8 columns, placed element by element
+    (AccumLayout(90, 64, 256, 1, False, 16), 16), (AccumLayout(90, 128, 256, 2, False, 8), 40),
+    (AccumLayout(None, 80, 128, 1, False, 32), 72),  # stored by 64 of the 128 threads (128 cannot tile (80, 96))
 ]
+assert all(layout.alloc_hdim_multiple_of == 32 and layout.hdim_multiple_of == 16 for layout, _ in EDGES[-7:-3])
+assert [layout.mma_geometry(d)["n_atom"] for layout, d in EDGES[-7:-1]] == [48, 80, 56, 112, 8, 40]
+assert EDGES[-1][0].store_tiling(96) == (16, 4)
 
 
 def _random_accepted(rng, count):
@@ -112,11 +124,12 @@ def test_short_tile_vectors_follow_the_index_map(rng):
 
 
 @pytest.mark.parametrize("layout, head_dim, reason", [
-    (AccumLayout(90, 8, 128, 1, True, 64), 64, "WGMMA tile is 8 wide along N; the kernel's stmatrix stores need"),
+    (AccumLayout(90, 8, 128, 1, True, 64), 64, "WGMMA tile is 8 wide along N; the kernel's transposed \\(swap_ab\\) "
+     "stmatrix stores need a multiple of 16"),
     (AccumLayout(90, 160, 512, 4, True, 64), 128, "WGMMA tile is 40 wide along N"),
     (AccumLayout(80, 192, 384, 3, True, 32), 192, "a power-of-two number of warps, got 12"),
     (AccumLayout(80, 64, 64, 1, True, 32), 64, "swap_ab\\) mma.sync fragment needs atom_layout >= 2"),
-    (AccumLayout(None, 80, 128, 1, False, 32), 72, "cannot store the \\(80, 96\\) dQ tile"),
+    (AccumLayout(None, 80, 32, 1, False, 8), 72, "num_threads=32 cannot store the \\(80, 72\\) dQ tile"),
     (AccumLayout(None, 4096, 128, 1, False, 32), 128, f"1048576 bytes of shared memory .* more than the {SMEM_LIMIT}"),
     (AccumLayout(None, 168, 64, 1, False, 128), 72, "tile_m to be a multiple of 16, got 168"),
     (AccumLayout(90, 72, 128, 1, True, 32), 256, "WGMMA tile is 72 wide along N"),

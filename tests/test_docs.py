@@ -136,18 +136,50 @@ def _preset_cell(cell: str):
 
 
 def _preset(arch, head_dim, causal, tensor):
+    """The preset's order and padding (every field but ``varlen_unreadable``: test_preset_table_is_what_the_code_returns
+    checks it), or ValueError."""
+    import dataclasses
+
     from jax_dqpost import AccumLayout
 
     try:
-        return AccumLayout.flash_attention(arch, head_dim, causal=causal, tensor=tensor, version="4.0.0b36")
+        layout = AccumLayout.flash_attention(arch, head_dim, causal=causal, tensor=tensor, version="4.0.0b36")
     except ValueError:
         return ValueError
+    return dataclasses.replace(layout, varlen_unreadable=None)
+
+
+def _head_dims_named(text: str) -> list[int]:
+    """``'8, 16 and 40'`` -> ``[8, 16, 40]``."""
+    return [int(d) for d in re.split(r", | and ", text)]
+
+
+def _b36_sm90_padding() -> tuple[list[int], dict, list[int]]:
+    """What the docstring says of 4.0.0b36's sm90 padding: the head dims where it differs from the table's rows, the
+    fields it changes there, and the head dims refused without ``causal``."""
+    from jax_dqpost import AccumLayout
+
+    doc = " ".join(AccumLayout.flash_attention.__doc__.split())
+    m = re.search(r"At sm90 head dims ([\d, and]+?), where the two differ, .*?: the rows below with "
+                  r"``hdim_multiple_of=(\d+), alloc_hdim_multiple_of=(\d+)``", doc)
+    refused = re.search(r"At ([\d, and]+?) without ``causal`` its backward does not compile .*?: ValueError", doc)
+    fields = dict(hdim_multiple_of=int(m.group(2)), alloc_hdim_multiple_of=int(m.group(3)))
+    return _head_dims_named(m.group(1)), fields, _head_dims_named(refused.group(1))
 
 
 def test_preset_table_is_what_the_code_returns():
     """Every row of the table holds AccumLayout.flash_attention's dQ and dK/dV layout for every head dim (multiples
     of 8) in its range, and the rows cover every architecture FlashAttention-4's backward runs on, its head dims
-    8..256, causal or not, once."""
+    8..256, causal or not, once; but where the docstring says 4.0.0b36's sm90 padding differs (the head dims where
+    ceil(D / 16) * 16 and ceil(D / 32) * 32 do, up to 128): there the row with its fields (and dQ's packed
+    accumulators refused), at those it names without causal ValueError."""
+    import dataclasses
+
+    from jax_dqpost import AccumLayout
+
+    padded, fields, refused = _b36_sm90_padding()
+    assert padded == [d for d in range(8, 129, 8) if -(-d // 16) * 16 != -(-d // 32) * 32], padded
+    assert fields == dict(hdim_multiple_of=16, alloc_hdim_multiple_of=32) and refused == [104, 112]
     rows = _preset_rows()
     assert len(rows) >= 8, rows
     covered = []
@@ -159,8 +191,18 @@ def test_preset_table_is_what_the_code_returns():
             for flag in {"either": (False, True), "no": (False,), "yes": (True,)}[causal]:
                 for head_dim in range(lo, hi + 1, 8):
                     covered.append((arch, head_dim, flag))
-                    assert _preset(arch, head_dim, flag, "dq") == dq, (arch, head_dim, flag, "dq")
-                    assert _preset(arch, head_dim, flag, "dkv") == dkv, (arch, head_dim, flag, "dkv")
+                    for tensor, want in (("dq", dq), ("dkv", dkv)):
+                        where = (arch, head_dim, flag, tensor)
+                        if arch == 90 and head_dim in refused and not flag:
+                            want = ValueError
+                        elif arch == 90 and head_dim in padded:
+                            want = dataclasses.replace(want, **fields)
+                        assert _preset(arch, head_dim, flag, tensor) == want, where
+                        if want is not ValueError:
+                            layout = AccumLayout.flash_attention(arch, head_dim, causal=flag, tensor=tensor,
+                                                                 version="4.0.0b36")
+                            unreadable = arch == 90 and head_dim in padded and tensor == "dq"
+                            assert bool(layout.varlen_unreadable) == unreadable, where
     archs = (90, 100, 101, 103, 110, 120, 121)
     assert sorted(covered) == [(a, d, c) for a in archs for d in range(8, 257, 8) for c in (False, True)]
 
@@ -173,7 +215,7 @@ def test_readme_layout_section_is_what_the_code_takes():
 
     section = README.split("\n## Which layout\n", 1)[1].split("\n## ", 1)[0]
     assert not _preset_rows_of(section), "the preset table's home is AccumLayout.flash_attention's docstring"
-    archs = re.search(r"on GPU `arch` \(([\d, ]+)\)", section).group(1)
+    archs = re.search(r"on GPU `gpu` \(([\d, ]+)\)", section).group(1)
     assert tuple(map(int, archs.split(", "))) == FLASH_ATTENTION_ARCHS, archs
     lo, hi = map(int, re.search(r"on sm90 at head dims (\d+)\.\.(\d+) the\s+two dQ orders differ", section).groups())
     differ = [d for d in range(8, 257, 8) if _preset(90, d, False, "dq") != _preset(90, d, True, "dq")]
@@ -243,7 +285,8 @@ def _tracked(*patterns):
 
 def test_nothing_cites_what_is_not_in_the_tree():
     pattern = re.compile(r"SPEC\.md|\.\./shared|\.device/|GPU_RESULTS|results/20")
-    offenders = [str(p.relative_to(ROOT)) for p in _tracked() if p.suffix in (".py", ".md", ".sh", ".cc", ".toml", ".txt")
+    suffixes = (".py", ".md", ".sh", ".cc", ".toml", ".txt")
+    offenders = [str(p.relative_to(ROOT)) for p in _tracked() if p.suffix in suffixes
                  and p.name != "test_docs.py" and pattern.search(p.read_text(errors="ignore"))]
     assert offenders == []
     assert not _tracked("results"), "run logs are not kept in the tree"

@@ -135,17 +135,32 @@ def round_up(x, m):
     return -(-x // m) * m
 
 
-def build_accumulator(dq_logical, layout_args, *, hdim_multiple_of, rng, padding="random", arch=90, two_cta=False,
-                      cluster=1):
-    """Accumulator ``(B, H, Sr*Dr)`` holding ``dq_logical`` ``(B, S, H, D)`` float32 in producer order
-    (``Sr``: S rounded up to ``cluster`` tiles).
+def _unread_tail(rng, shape, padding):
+    """What a producer leaves in the allocation past its tiles (nothing reads it): zeros with ``padding="zeros"``
+    (as ``dq_accum_from_dq`` writes), else garbage -- large random values, and NaNs with ``padding="random"``."""
+    if padding == "zeros":
+        return np.zeros(shape, np.float32)
+    tail = (rng.standard_normal(shape) * 1e3).astype(np.float32)
+    if padding == "random":
+        tail[rng.random(shape) < 0.05] = np.nan
+    return tail
 
-    Padding entries (rows >= S, columns >= D) are filled with random values, NaNs and infinities: they
-    must never reach the output.
+
+def build_accumulator(dq_logical, layout_args, *, hdim_multiple_of, rng, padding="random", arch=90, two_cta=False,
+                      cluster=1, alloc_hdim_multiple_of=None):
+    """Accumulator ``(B, H, Sr*Da)`` holding ``dq_logical`` ``(B, S, H, D)`` float32 in producer order
+    (``Sr``: S rounded up to ``cluster`` tiles; ``Dr``: D rounded up to ``hdim_multiple_of``, the tiles' head dim;
+    ``Da``: D rounded up to ``alloc_hdim_multiple_of``, default ``hdim_multiple_of``, the allocation's).
+
+    Each (batch, head) row holds its ``Sr // tile_m`` tiles of ``tile_m * Dr`` floats in its first ``Sr * Dr``
+    floats. Padding entries (rows >= S, columns >= D, and the row's unread tail past ``Sr * Dr``) are filled with
+    random values, NaNs and infinities: they must never reach the output.
     """
     B, S, H, D = dq_logical.shape
     tile_m = layout_args[0]
     Dr = round_up(D, hdim_multiple_of)
+    Da = round_up(D, alloc_hdim_multiple_of or hdim_multiple_of)
+    assert Da >= Dr, (Da, Dr)
     Sr = round_up(S, tile_m * cluster)
     pos = tile_positions(arch, tile_m, Dr, *layout_args[1:], two_cta=two_cta)
     padded = rng.standard_normal((B, H, Sr, Dr)).astype(np.float32) * 1e3
@@ -158,7 +173,10 @@ def build_accumulator(dq_logical, layout_args, *, hdim_multiple_of, rng, padding
     acc = np.empty((B, H, Sr // tile_m, tile_m * Dr), np.float32)
     tiles = padded.reshape(B, H, Sr // tile_m, tile_m, Dr)
     acc[..., pos.ravel()] = tiles.reshape(B, H, Sr // tile_m, tile_m * Dr)
-    return acc.reshape(B, H, Sr * Dr)
+    acc = acc.reshape(B, H, Sr * Dr)
+    if Da == Dr:
+        return acc
+    return np.concatenate([acc, _unread_tail(rng, (B, H, Sr * (Da - Dr)), padding)], axis=-1)
 
 
 def round_bf16_bits(x32: np.ndarray) -> np.ndarray:
@@ -217,16 +235,20 @@ def clamped_offsets(cu, total_q):
 
 
 def build_varlen(rng, cu, seqused, total_q, heads, head_dim, layout_args, *, hdim_multiple_of, scale, dtype,
-                 logical=None, arch=90, two_cta=False, cluster=1):
-    """Accumulator ``(H, Tp*Dr)`` in producer order for packed sequences, and the expected dq ``(T, H, D)``.
+                 logical=None, arch=90, two_cta=False, cluster=1, alloc_hdim_multiple_of=None):
+    """Accumulator ``(H, Tp*Da)`` in producer order for packed sequences, and the expected dq ``(T, H, D)``.
 
     Sequence b (offsets made valid as documented) covers dq rows c[b] .. c[b] + used_b; its accumulator
-    rows start at FlashAttention's padded offset (c[b] + b*P) // P * P, P = tile_m * cluster. Every other row of
-    dq is zero; every other accumulator entry is junk (random, NaN).
+    rows start at FlashAttention's padded offset (c[b] + b*P) // P * P, P = tile_m * cluster, in tiles of
+    ``tile_m * Dr`` floats in the first ``Tp * Dr`` floats of each head's row (``Da``, the allocation's head dim:
+    :func:`build_accumulator`). Every other row of dq is zero; every other accumulator entry, the row's tail past
+    ``Tp * Dr`` too, is junk (random, NaN).
     """
     tile_m = layout_args[0]
     batch = len(cu) - 1
     Dr = round_up(head_dim, hdim_multiple_of)
+    Da = round_up(head_dim, alloc_hdim_multiple_of or hdim_multiple_of)
+    assert Da >= Dr, (Da, Dr)
     pad = tile_m * cluster
     Tp = round_up(total_q + batch * pad, pad)
     pos = tile_positions(arch, tile_m, Dr, *layout_args[1:], two_cta=two_cta)
@@ -244,6 +266,8 @@ def build_varlen(rng, cu, seqused, total_q, heads, head_dim, layout_args, *, hdi
         at = ((start + (i // tile_m) * tile_m) * Dr)[:, None] + pos[i % tile_m, :head_dim]  # (used, D)
         acc[:, at] = np.transpose(logical[c[b]:c[b] + used], (1, 0, 2))  # (H, used, D) into producer order
         expected[c[b]:c[b] + used] = expected_dq(logical[c[b]:c[b] + used], scale, dtype)
+    if Da != Dr:
+        acc = np.concatenate([acc, _unread_tail(rng, (heads, Tp * (Da - Dr)), "random")], axis=-1)
     return acc, expected
 
 
@@ -280,23 +304,28 @@ def layout_args(layout):
     return layout.tile_m, layout.num_threads, layout.atom_layout, layout.swap_ab
 
 
+def padding_args(layout):
+    """The keyword arguments of the producer's padding, from an AccumLayout: the tiles' ``hdim_multiple_of``, the
+    allocation's ``alloc_hdim_multiple_of``, the emulated order (``arch``, ``two_cta``) and the row ``cluster``."""
+    return dict(hdim_multiple_of=layout.hdim_multiple_of, alloc_hdim_multiple_of=layout.alloc_hdim_multiple_of,
+                arch=layout.arch, two_cta=layout.two_cta, cluster=layout.cluster_size)
+
+
 def dense_case(rng, layout, shape, scale, dtype, *, seqused=None, specials=True, padding="random"):
-    """A dense accumulator ``(B, H, Sr*Dr)`` in ``layout``'s order holding random values of logical shape ``shape``
+    """A dense accumulator ``(B, H, Sr*Da)`` in ``layout``'s order holding random values of logical shape ``shape``
     ``(B, S, H, D)``, and the expected output (rows past ``seqused`` zero)."""
     logical = random_logical(rng, shape, specials=specials)
-    acc = build_accumulator(logical, layout_args(layout), hdim_multiple_of=layout.hdim_multiple_of, rng=rng,
-                            padding=padding, arch=layout.arch, two_cta=layout.two_cta, cluster=layout.cluster_size)
+    acc = build_accumulator(logical, layout_args(layout), rng=rng, padding=padding, **padding_args(layout))
     if seqused is None:
         return acc, expected_dq(logical, scale, dtype)
     return acc, expected_dense_seqused(logical, seqused, scale, dtype)
 
 
 def varlen_case(rng, layout, cu, seqused, total, heads, head_dim, scale, dtype, *, logical=None):
-    """A packed accumulator ``(H, Tp*Dr)`` in ``layout``'s order and the expected ``(T, H, D)`` output
+    """A packed accumulator ``(H, Tp*Da)`` in ``layout``'s order and the expected ``(T, H, D)`` output
     (:func:`build_varlen`)."""
-    return build_varlen(rng, cu, seqused, total, heads, head_dim, layout_args(layout),
-                        hdim_multiple_of=layout.hdim_multiple_of, scale=scale, dtype=dtype, logical=logical,
-                        arch=layout.arch, two_cta=layout.two_cta, cluster=layout.cluster_size)
+    return build_varlen(rng, cu, seqused, total, heads, head_dim, layout_args(layout), scale=scale, dtype=dtype,
+                        logical=logical, **padding_args(layout))
 
 
 def random_offsets(rng, batch, most):

@@ -9,8 +9,9 @@ bits (one fp32 multiply, one rounding); dsink must be within tolerance of a floa
 test_matches_oracle runs MATRIX, these axes' products written out: every (part, sink or none, packing, offsets)
 combination. Without a sink, dense runs every layout in both dtypes (dQ alone at each of the layout's head dims and at
 the tile boundaries); varlen runs each layout of VARLEN_A and VARLEN_B in both dtypes in each part, with seqused and
-without, with static offsets and traced ones (all four combinations over the two parts). dQ alone runs every packing
-with every sink dtype. FlashAttention-4's presets run at every head dim (test_presets_at_every_head_dim); rounding
+without, with static offsets and traced ones (all four combinations over the two parts). The layouts whose rows are
+allocated wider than their tiles (ALLOC_LAYOUTS: the oracle fills the unread tail with garbage) run dense, dense with
+seqused and varlen in both dtypes, dQ alone and with dK and dV. dQ alone runs every packing with every sink dtype. FlashAttention-4's presets run at every head dim (test_presets_at_every_head_dim); rounding
 ties, scales, empty shapes, corrupt traced offsets and many short sequences have their own tests, through both parts.
 
 On CPU this checks the jax.numpy reference; where a CUDA GPU is present the same tests run the kernels, each output
@@ -61,7 +62,18 @@ LAYOUTS = {
     **{name: LayoutCase(*_same(AccumLayout(90, *FA_HOPPER_CONFIGS[name])), (FA_HOPPER_HEAD_DIM[name],))
        for name in CXX_LAYOUTS},
     **{name: LayoutCase(*_same(OTHER_ORDERS[name][0]), OTHER_ORDERS[name][1]) for name in OTHER_LAYOUTS},
+    # Tiles of Dr = ceil(D / 16) * 16 in rows allocated for Da = ceil(D / 32) * 32 (flash-attn-4 4.0.0b36's sm90
+    # backward), written out: one warpgroup (WGMMA atoms of 80 columns), two along the rows (16 and 48), two along
+    # the head dim (56); dK/dV in its order, 128 x Dr over two warpgroups.
+    **{name: LayoutCase(AccumLayout(90, *dq, False, 16, alloc_hdim_multiple_of=32),
+                        AccumLayout(90, 128, 256, 2, False, 16, alloc_hdim_multiple_of=32), hds)
+       for name, (dq, hds) in {"alloc32-hd72": ((64, 128, 1), (72, 80)), "alloc32-hd48": ((128, 256, 2), (16, 48)),
+                               "alloc32-hd104": ((64, 256, 1), (104, 112))}.items()},
 }
+ALLOC_LAYOUTS = tuple(name for name in LAYOUTS if name.startswith("alloc32-"))
+assert all(LAYOUTS[n].dq.padded_head_dim(d) < LAYOUTS[n].dq.alloc_head_dim(d) for n in ALLOC_LAYOUTS
+           for d in LAYOUTS[n].head_dims)
+assert [LAYOUTS[n].dq.mma_geometry(LAYOUTS[n].head_dims[0])["n_atom"] for n in ALLOC_LAYOUTS] == [80, 16, 56]
 assert LAYOUTS["sm100-1cta"].dq == OTHER_ORDERS["sm100-1cta"][0] and LAYOUTS["sm120"].dq == OTHER_ORDERS["sm120"][0]
 assert LAYOUTS["sm100-2cta"].dq == OTHER_ORDERS["sm100-2cta"][0]
 assert {FA_HOPPER_CONFIGS[n] for n in FA_HOPPER_CONFIGS if n.startswith("cute-")} == {
@@ -96,9 +108,14 @@ MATRIX = [
     *_product(["dqkv"], [None], ["dense"], ["static"], OUT_DTYPES, FA4_PAIRS),
     *_product(["dqkv"], [None], ["dense"], ["static"], ["bf16"], CXX_LAYOUTS),
     *_product(["dqkv"], [None], ["dense"], ["static"], ["f16"], OTHER_LAYOUTS),
+    *_product(["dqkv"], [None], ["dense"], ["static"], OUT_DTYPES, ALLOC_LAYOUTS),
     # Dense with seqused, no sink: both parts with static and traced lengths, in a Hopper and a Blackwell order.
     *_product(PARTS, [None], ["dense-seqused"], ["static", "traced"], ["bf16"], ["sm90-hd128"]),
     *_product(PARTS, [None], ["dense-seqused"], ["static", "traced"], ["f16"], ["sm100-2cta"]),
+    # ... and the rows allocated wider than the tiles, in both dtypes, in each part (dQ alone static, dQ, dK and dV
+    # traced)
+    *_product(["dq"], [None], ["dense-seqused"], ["static"], OUT_DTYPES, ALLOC_LAYOUTS),
+    *_product(["dqkv"], [None], ["dense-seqused"], ["traced"], OUT_DTYPES, ALLOC_LAYOUTS),
     # Varlen, no sink: in each part every layout of VARLEN_A and VARLEN_B in both dtypes, once with seqused and once
     # without, once with static offsets and once with traced ones. dQ alone pairs seqused with traced offsets in A and
     # with static ones in B, dQ, dK and dV the other way round: every part runs all four (packing, offsets), every
@@ -111,6 +128,9 @@ MATRIX = [
     *_product(["dqkv"], [None], ["varlen-seqused"], ["static"], ["bf16"], VARLEN_A),
     *_product(["dqkv"], [None], ["varlen"], ["static"], ["f16"], VARLEN_B),
     *_product(["dqkv"], [None], ["varlen-seqused"], ["traced"], ["bf16"], VARLEN_B),
+    # The rows allocated wider than the tiles, in both dtypes: dQ alone without seqused, dQ, dK and dV with it.
+    *_product(["dq"], [None], ["varlen"], ["static"], OUT_DTYPES, ALLOC_LAYOUTS),
+    *_product(["dqkv"], [None], ["varlen-seqused"], ["traced"], OUT_DTYPES, ALLOC_LAYOUTS),
     # A sink: dQ alone with static offsets runs every packing with every sink dtype, ...
     *_product(["dq"], SINK_DTYPES, ["dense"], ["static"], ["bf16"], ["sm90-hd128"]),
     *_product(["dq"], SINK_DTYPES, ["dense-seqused"], ["static"], ["f16"], ["cxx-hd256-swap"]),
@@ -127,6 +147,9 @@ MATRIX = [
     _run("dqkv", "f16", "varlen", "traced", "bf16", "sm90-hd192-dv128"),
     _run("dqkv", "bf16", "varlen-seqused", "static", "f16", "sm90-hd96"),
     _run("dqkv", "f32", "varlen-seqused", "traced", "bf16", "cxx-hd96"),
+    # A sink with rows allocated wider than the tiles (dpsum has Sr or Tp rows, not Sr*Da / Dr).
+    _run("dq", "f32", "varlen", "static", "bf16", "alloc32-hd72"),
+    _run("dqkv", "bf16", "dense", "static", "f16", "alloc32-hd104"),
 ]
 assert len({p.id for p in MATRIX}) == len(MATRIX), "a run written twice"
 assert {(p.values[0], p.values[1] is None, *p.values[2:4]) for p in MATRIX} == {
@@ -228,7 +251,7 @@ def make_call(rng, part, sink, packing, offsets, dtype, layout: LayoutCase, head
         else:
             total = q.rows["total"]
             tp = layout.dq.varlen_accum_shape(len(q.rows["cu"]) - 1, heads, total, head_dim)[1]
-            shapes = (heads, total), (heads, tp // layout.dq.padded_head_dim(head_dim)), 0
+            shapes = (heads, total), (heads, tp // layout.dq.alloc_head_dim(head_dim)), 0
         sink_in = oracle.sink_inputs(rng, heads, sink_dtype, *shapes)
         want, magnitude = oracle.expected_dsink(*sink_in, **q.rows)
         wants.append((want, magnitude, sink_dtype))
@@ -353,17 +376,28 @@ PRESET_HEAD_DIMS = {90: tuple(range(8, 257, 8)), 100: (8, 40, 64, 72, 96, 120, 1
     if part == "dq" or (arch, dtype) == (90, "bf16")])
 def test_presets_at_every_head_dim(rng, platform, part, dtype, arch):
     """dQ at every head dim; with dK and dV, dK at every head dim and dV at the next one where the preset's dK/dV
-    layout takes it (every head dim once)."""
-    calls, rest = [], list(PRESET_HEAD_DIMS[arch])
+    layout takes it (every head dim once). On sm90 this includes 4.0.0b36's tiles of 16-column multiples in rows
+    allocated for 32 (head dims 8, 16, 40, 48, 72, 80, 104, 112); at 104 and 112 its backward runs only causal (the
+    non-causal presets raise ValueError)."""
+    calls, rest, padded = [], list(PRESET_HEAD_DIMS[arch]), []
     while rest:
         d = rest.pop(0)
-        case = LayoutCase(*fa4_layouts(arch, d, causal=bool(rng.integers(2))), (d,))
+        causal = bool(rng.integers(2))
+        if arch == 90 and d in (104, 112):
+            with pytest.raises(ValueError, match=f"does not run at head_dim={d} with causal=False"):
+                fa4_layouts(arch, d, causal=False)
+            causal = True
+        case = LayoutCase(*fa4_layouts(arch, d, causal=causal), (d,))
         dv = d
         if part == "dqkv":
             dv = next((x for x in rest if _takes(case.dkv, x)), d)
             rest.remove(dv) if dv != d else None
         seqlens = (int(rng.integers(1, 2 * case.dq.pad_rows)), int(rng.integers(1, 2 * case.dkv.pad_rows)))
         calls.append(make_call(rng, part, None, "dense", "static", dtype, case, d, dv, seqlens=seqlens, batch=1))
+        # the head dims run with rows allocated wider than the tiles (dQ's, dK's and dV's)
+        runs = [(case.dq, d)] + ([(case.dkv, d), (case.dkv, dv)] if part == "dqkv" else [])
+        padded += [x for layout, x in runs if layout.alloc_head_dim(x) != layout.padded_head_dim(x)]
+    assert sorted(set(padded)) == ([8, 16, 40, 48, 72, 80, 104, 112] if arch == 90 else []), padded
     check(platform, calls)
 
 
@@ -501,7 +535,7 @@ def test_dsink_same_bits_in_every_launch(rng, packing):
         cu_q, cu_k = oracle.random_offsets(rng, 9, 300), oracle.random_offsets(rng, 9, 300)
         q_acc, _ = oracle.varlen_case(rng, case.dq, cu_q, None, cu_q[-1], heads, d, 1.0, jnp.bfloat16)
         k_acc, _ = oracle.varlen_case(rng, case.dkv, cu_k, None, cu_k[-1], kv_heads, d, 1.0, jnp.bfloat16)
-        tp = case.dq.varlen_accum_shape(9, heads, cu_q[-1], d)[1] // case.dq.padded_head_dim(d)
+        tp = case.dq.varlen_accum_shape(9, heads, cu_q[-1], d)[1] // case.dq.alloc_head_dim(d)
         sink = oracle.sink_inputs(rng, heads, np.float32, (heads, cu_q[-1]), (heads, tp), 0)
         q_kw = dict(total_q=cu_q[-1], cu_seqlens_q=cu_q)
         k_kw = dict(total_k=cu_k[-1], cu_seqlens_k=cu_k)

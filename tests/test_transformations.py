@@ -9,7 +9,7 @@
   the float64 formula says;
 - sharding over batch and heads without a collective (a batch-sharded dsink adds one reduction), a sharded sequence
   axis gathered, packed heads sharded; the bits of the unsharded op;
-- dq_accum_from_dq (the op's transpose) against the producer emulation.
+- dq_accum_from_dq (the op's transpose) against the producer emulation, also in rows allocated wider than the tiles.
 """
 
 from __future__ import annotations
@@ -316,6 +316,48 @@ def test_dq_accum_from_dq_varlen(rng, platform, offsets):
     assert_same_bits(back, want_dq, f"varlen round trip, {offsets} offsets")
     nonzero = int((np.asarray(acc) != 0).sum())
     assert nonzero == int((want_dq.astype(np.float32) != 0).sum()), "entries outside the read positions"
+
+
+# Tiles of Dr in rows allocated for Da > Dr (alloc_hdim_multiple_of), and the head dims where the two differ.
+ALLOC_CASES = [(AccumLayout(90, 64, 128, 1, False, 16, alloc_hdim_multiple_of=32), 72),
+               (AccumLayout(90, 128, 256, 2, False, 16, alloc_hdim_multiple_of=32), 48),
+               (AccumLayout(90, 64, 256, 1, False, 16, alloc_hdim_multiple_of=32), 104),
+               (AccumLayout(None, 64, 256, 1, False, 16, alloc_hdim_multiple_of=64), 40)]
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize("layout, d", ALLOC_CASES, ids=["sm90-1wg-hd72", "sm90-2wg-hd48", "sm90-2wg-hd104",
+                                                         "row-major-hd40"])
+def test_dq_accum_from_dq_allocates_rows_wider_than_the_tiles(rng, platform, layout, d):
+    """With ``alloc_hdim_multiple_of`` the transpose writes rows of ``Sr*Da`` (``Tp*Da``, packed), the tiles in the
+    first ``Sr*Dr`` floats and zeros after them, as the producer emulation places them, and the op reads them back."""
+    device = jax.devices(platform)[0]
+    dr, da = -(-d // 16) * 16, -(-d // layout.alloc_hdim_multiple_of) * layout.alloc_hdim_multiple_of
+    assert da > dr
+    B, S, H = 2, 150, 3
+    dq = jax.device_put(oracle.random_logical(rng, (B, S, H, d), specials=False).astype(jnp.bfloat16), device)
+    acc = np.asarray(jax.jit(lambda x: dq_accum_from_dq(x, 1.0, layout=layout))(dq))
+    sr = -(-S // layout.tile_m) * layout.tile_m
+    assert acc.shape == layout.accum_shape(B, H, S, d) == (B, H, sr * da) and acc.dtype == np.float32
+    assert not acc[..., sr * dr:].any(), "the unread tail"
+    want = oracle.build_accumulator(np.asarray(dq).astype(np.float32), oracle.layout_args(layout), rng=rng,
+                                    padding="zeros", **oracle.padding_args(layout))
+    np.testing.assert_array_equal(acc, want)
+    back = jax.jit(lambda a: dq_postprocess(a, 1.0, seqlen_q=S, head_dim=d, layout=layout))(acc)
+    assert_same_bits(back, dq, "op(dq_accum_from_dq(dq)) == dq")
+    # packed: (H, Tp*Da), the tiles in the first Tp*Dr floats of each head's row
+    cu, used, T = [0, 40, 40, 250], [40, 0, 100], 260
+    packed = oracle.random_logical(rng, (T, H, d), specials=False).astype(jnp.bfloat16)
+    acc = np.asarray(jax.jit(lambda x: dq_accum_from_dq(x, 1.0, cu_seqlens_q=cu, seqused_q=used, layout=layout))(
+        jax.device_put(packed, device)))
+    tp = -(-(T + 3 * layout.tile_m) // layout.tile_m) * layout.tile_m
+    assert acc.shape == layout.varlen_accum_shape(3, H, T, d) == (H, tp * da)
+    assert not acc[:, tp * dr:].any(), "the unread tail"
+    _, want_dq = oracle.varlen_case(rng, layout, cu, used, T, H, d, 1.0, jnp.bfloat16,
+                                    logical=np.asarray(packed, np.float32))
+    back = jax.jit(lambda a: dq_postprocess(a, 1.0, head_dim=d, total_q=T, cu_seqlens_q=cu, seqused_q=used,
+                                            layout=layout))(acc)
+    assert_same_bits(back, want_dq, "varlen round trip")
 
 
 # ---- sharding: 8 CPU devices, and every GPU of a machine with two or more

@@ -11,8 +11,9 @@ combination. Without a sink, dense runs every layout in both dtypes (dQ alone at
 the tile boundaries); varlen runs each layout of VARLEN_A and VARLEN_B in both dtypes in each part, with seqused and
 without, with static offsets and traced ones (all four combinations over the two parts). The layouts whose rows are
 allocated wider than their tiles (ALLOC_LAYOUTS: the oracle fills the unread tail with garbage) run dense, dense with
-seqused and varlen in both dtypes, dQ alone and with dK and dV. dQ alone runs every packing with every sink dtype. FlashAttention-4's presets run at every head dim (test_presets_at_every_head_dim); rounding
-ties, scales, empty shapes, corrupt traced offsets and many short sequences have their own tests, through both parts.
+seqused and varlen in both dtypes, dQ alone and with dK and dV. dQ alone runs every packing with every sink dtype.
+FlashAttention-4's presets run at every head dim (test_presets_at_every_head_dim); rounding ties, scales, empty
+shapes, corrupt traced offsets and many short sequences have their own tests, through both parts.
 
 On CPU this checks the jax.numpy reference; where a CUDA GPU is present the same tests run the kernels, each output
 written over a poisoned buffer (run).

@@ -114,8 +114,8 @@ DTYPES = [jnp.bfloat16, jnp.float16]
 """The output dtypes (parameter ids: ``ids=["bf16", "f16"]``)."""
 
 # FlashAttention's Hopper dQ configurations: (tile_m, num_threads, atom_layout, swap_ab, hdim_multiple_of)
-# FlashAttention-4's CuTe DSL backward (flash_attn/cute/interface.py) and C++ FA3's (hopper/flash_bwd_launch_template.h),
-# as docs/design.md lists them.
+# FlashAttention-4's CuTe DSL backward (flash_attn/cute/interface.py) and C++ FA3's
+# (hopper/flash_bwd_launch_template.h), as docs/design.md lists them.
 FA_HOPPER_CONFIGS = {
     "cute-hd64": (128, 256, 2, False, 32),
     "cute-hd96-single-wg": (64, 128, 1, False, 32),
@@ -159,7 +159,8 @@ FA4_PAIRS = {
 
 def fa4_layouts(arch: int, head_dim: int, causal: bool = False) -> tuple[AccumLayout, AccumLayout]:
     """FlashAttention-4's preset pair on GPU ``arch`` at ``head_dim``: (dQ layout, dK/dV layout)."""
-    return tuple(AccumLayout.flash_attention(arch, head_dim, causal=causal, tensor=t, version="4.0.0b36") for t in ("dq", "dkv"))
+    return tuple(AccumLayout.flash_attention(arch, head_dim, causal=causal, tensor=t, version="4.0.0b36")
+                 for t in ("dq", "dkv"))
 
 
 def fa4_pair(name: str):

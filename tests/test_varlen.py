@@ -105,7 +105,8 @@ def test_concrete_arrays_outside_jit_are_validated_like_static_values(rng, side)
 @pytest.mark.parametrize("layout", [
     AccumLayout.flash_attention(90, 128, causal=False, tensor="dq", version="4.0.0b36"),
     AccumLayout.flash_attention(90, 256, causal=False, tensor="dkv", version="4.0.0b36"),
-    AccumLayout.flash_attention(90, 128, causal=True, tensor="dq", version="4.0.0b36"), AccumLayout(90, 16, 128, 1, True, 64)],
+    AccumLayout.flash_attention(90, 128, causal=True, tensor="dq", version="4.0.0b36"),
+    AccumLayout(90, 16, 128, 1, True, 64)],
     ids=["hd128-short", "dkv-hd256-short", "hd128-causal", "tile16-short"])
 def test_work_list_slots_take_every_tile_once(rng, layout):
     """The kernel's reading of the work list (kernel.py): long-tile slot i < tile_start[K] converts tile i -

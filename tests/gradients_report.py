@@ -65,7 +65,9 @@ def table(records: list[dict]) -> str:
             theirs, ours = r["measured"]["producer"], r["measured"]["ours"]
             cells = [_cell(theirs, t) for t in TENSORS]
             if ours is None:
-                cells += [f"refused: {(r.get('refused') or '')[:60]}"] + [""] * (len(TENSORS) - 1)
+                why = r.get("refused") or ""
+                why = "packed dQ lost by the producer" if "no reading recovers dQ" in why else why[:60]
+                cells += [f"refused: {why}"] + [""] * (len(TENSORS) - 1)
             else:
                 cells += [_cell(ours, t) for t in TENSORS]
             lines.append(f"| {r['case']} | " + " | ".join(cells) + " |")

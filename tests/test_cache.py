@@ -92,8 +92,9 @@ _SCRIPT = textwrap.dedent("""
 
 
 def _run(cache, n=1):
+    env = {**__import__("os").environ, "JAX_DQPOST_CACHE_DIR": str(cache)}
     procs = [subprocess.Popen([sys.executable, "-c", _SCRIPT], cwd="/", text=True, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, env={**__import__("os").environ, "JAX_DQPOST_CACHE_DIR": str(cache)})
+                              stderr=subprocess.PIPE, env=env)
              for _ in range(n)]
     outs = [p.communicate(timeout=600) for p in procs]
     assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]

@@ -253,7 +253,7 @@ def _anchors(text: str) -> set[str]:
     return anchors
 
 
-DOCS = ["README.md", "CHANGELOG.md", "docs/design.md", "docs/performance.md", "benchmarks/README.md"]
+DOCS = ["README.md", "CHANGELOG.md", "docs/design.md", "docs/performance.md", "docs/gradients.md", "benchmarks/README.md"]
 
 
 @pytest.mark.parametrize("doc", DOCS)
@@ -319,3 +319,33 @@ def test_api_reference_is_what_the_docstrings_give():
     for name in ("dq_postprocess", "flash_attention_postprocess", "dq_accum_from_dq"):
         section = page.split(f"### `jax_dqpost.{name}`", 1)[1].split("\n### ", 1)[0]
         assert all(s in section for s in ("**Args**", "**Returns**", "**Raises**")), name
+
+
+def test_the_gradients_table_says_what_the_data_says():
+    """docs/gradients.md's table and tests/data/producer_gradients.json (which test_gradients.py checks on a GPU)
+    give the same verdicts: the producer's wrong tensors starred, its cases that cannot run, ours refused where the
+    data says, and no tensor of ours beyond the tolerance."""
+    import json
+
+    data = json.loads((ROOT / "tests" / "data" / "producer_gradients.json").read_text())
+    tensors = ("dq", "dk", "dv", "dsink")
+    sections = re.split(r"^### ", (ROOT / "docs" / "gradients.md").read_text(), flags=re.M)[1:]
+    assert sorted(s.split("\n", 1)[0] for s in sections) == sorted(data), "one table per producer release"
+    for section in sections:
+        producer, body = section.split("\n", 1)
+        want = data[producer]
+        rows = {cells[0]: cells[1:] for cells in ([c.strip() for c in line.strip("|").split("|")]
+                                                  for line in body.splitlines() if line.startswith("| hd"))}
+        assert rows, producer
+        for case, cells in rows.items():
+            if case.endswith("-dkv-alone"):
+                assert not any(c.endswith("*") for c in cells), (producer, case)
+                continue
+            if case in want["cannot_run"]:
+                assert cells[0].startswith("cannot run"), (producer, case)
+                continue
+            theirs, ours = cells[:len(tensors)], cells[len(tensors):]
+            starred = [t for t, c in zip(tensors, theirs) if c.endswith("*")]
+            assert starred == sorted(want["wrong"].get(case, []), key=tensors.index), (producer, case, starred)
+            assert ours[0].startswith("refused") == (case in want["refused_by_us"]), (producer, case)
+            assert not any(c.endswith("*") for c in ours), (producer, case, ours)

@@ -424,6 +424,7 @@ class TileConverter:
     @cute.jit
     def _store_rows(self, g_out, s_tile, rows: cutlass.Constexpr, per_row: cutlass.Constexpr, vec: cutlass.Constexpr,
                     rows_total, rows_conv, head_dim, tidx):
+        """The stores of thread ``tidx`` of the ``rows x per_row`` storing threads."""
         tile_m, padded_head_dim = self.tile_m, self.padded_head_dim
         store_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
         s2g = cute.make_tiled_copy_tv(

@@ -8,6 +8,7 @@ import numbers
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import checkify
 
 from . import abi
 from ._static_args import describe, static_int
@@ -41,6 +42,8 @@ def part(layout, head_dim, dtype, seqlen, total, cu_seqlens, seqused,
         used, values = _int_array(used_n, seqused), _visible_ints(used_n, seqused)
         if values is not None:  # still an operand the kernel reads at run time; the values seen now are checked
             _check_dense_seqused(values, plan.seqlen, names)
+        else:
+            _device_check_dense_seqused(used, plan.seqlen, names)
         return plan, used
 
     if seqlen is not None:
@@ -73,6 +76,8 @@ def part(layout, head_dim, dtype, seqlen, total, cu_seqlens, seqused,
     batch = cu.shape[0] - 1
     if used is not None and used.shape != (batch,):
         raise ValueError(f"{used_n} must have shape ({batch},) to match {cu_n}, got {used.shape}")
+    if cu_values is None or (used is not None and used_values is None):
+        _device_check_offsets(cu, used, total, names)
     _check_rows_fit_int32(total_n, total, _varlen_rows(total, batch, layout))
     work, meta = WorkList.build(jnp, cu, used, total=total, layout=layout,
                                 num_tiles=WorkList.max_tiles(total, batch, layout))
@@ -141,6 +146,34 @@ def _host_visible(x) -> bool:
     return _is_static(x) or isinstance(x, np.generic)
 
 
+# ---- checks of traced values, on the device under jax.experimental.checkify (checkify.debug_check: dropped,
+# with the predicates XLA then removes as dead code, in a function that is not checkified). The same rules and
+# messages as the trace-time checks of the values a host can see, with the first bad index and its value.
+def _device_check_offsets(cu, used, total: int, names: ArgNames) -> None:
+    cu_n, used_n, total_n = names.cu_seqlens, names.seqused, names.total
+    checkify.debug_check(cu[0] >= 0, f"{cu_n}[0] must be >= 0, got {{}}", cu[0])
+    if cu.shape[0] > 1:
+        decreasing = cu[1:] < cu[:-1]
+        b = jnp.argmax(decreasing)
+        checkify.debug_check(~decreasing.any(), f"{cu_n} must be non-decreasing, got {cu_n}[{{}}]={{}} > "
+                             f"{cu_n}[{{}}]={{}}", b, cu[b], b + 1, cu[b + 1])
+    checkify.debug_check(cu[-1] <= total, f"{cu_n}[-1]={{}} exceeds {total_n}={total}", cu[-1])
+    if used is not None and used.shape[0]:
+        lengths = cu[1:] - cu[:-1]
+        outside = (used < 0) | (used > lengths)
+        b = jnp.argmax(outside)
+        checkify.debug_check(~outside.any(), f"{used_n}[{{}}]={{}} must be in [0, {{}}] (the length of sequence {{}} "
+                             f"in {cu_n})", b, used[b], lengths[b], b)
+
+
+def _device_check_dense_seqused(used, seqlen: int, names: ArgNames) -> None:
+    if used.shape[0]:
+        outside = (used < 0) | (used > seqlen)
+        b = jnp.argmax(outside)
+        checkify.debug_check(~outside.any(), f"{names.seqused}[{{}}]={{}} must be in [0, {names.seqlen}={seqlen}]",
+                             b, used[b])
+
+
 def _check_dense_seqused(used: list[int], seqlen: int, names: ArgNames) -> None:
     bad = [(b, u) for b, u in enumerate(used) if not 0 <= u <= seqlen]
     if bad:
@@ -148,6 +181,11 @@ def _check_dense_seqused(used: list[int], seqlen: int, names: ArgNames) -> None:
 
 
 def _static_ints(name: str, x) -> list[int]:
+    if isinstance(x, (list, tuple)) and any(isinstance(v, jax.core.Tracer) for v in x):
+        raise TypeError(f"{name} is a Python {type(x).__name__} of traced values (a list passed through jax.jit "
+                        "has traced items): pass a jax int32 array for offsets read at run time, or keep the list "
+                        "static (static_argnums or static_argnames of jax.jit, or a closure) for a launch grid "
+                        "fitted to its values")
     arr = np.asarray(x)
     if arr.ndim != 1 or not (np.issubdtype(arr.dtype, np.integer) or arr.size == 0):
         raise TypeError(f"{name} must be a 1-D sequence of ints, got {describe(x)}")
@@ -185,7 +223,8 @@ def _check_rows_fit_int32(name: str, value: int, rows: int) -> None:
 def scale_operand(scale, name: str = "scale"):
     """``scale`` as a float32 scalar operand: a Python real or a floating-point scalar array, traced or not. A value
     this host can see (a Python or numpy scalar, a concrete array) must be finite in float32: ``ValueError`` naming
-    ``name`` and the value otherwise. A traced scale is used as it is (a NaN or an infinity gives such gradients)."""
+    ``name`` and the value otherwise. A traced scale is used as it is (a NaN or an infinity gives such gradients),
+    checked only under checkify."""
     if isinstance(scale, numbers.Real) and not isinstance(scale, (bool, np.bool_)):
         _check_finite_f32(name, scale)
         return jnp.float32(scale)
@@ -197,7 +236,10 @@ def scale_operand(scale, name: str = "scale"):
         raise ValueError(f"{name} must be a scalar, got shape {np.shape(scale)}")
     if _host_visible(scale):  # numpy, or a concrete jax array (read back from its device)
         _check_finite_f32(name, np.asarray(scale).item())
-    return jnp.asarray(scale).astype(jnp.float32)
+        return jnp.asarray(scale).astype(jnp.float32)
+    scale = jnp.asarray(scale).astype(jnp.float32)
+    checkify.debug_check(jnp.isfinite(scale), f"{name} must be finite in float32, got {{}}", scale)
+    return scale
 
 
 def _check_finite_f32(name: str, value) -> None:

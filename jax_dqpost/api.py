@@ -42,7 +42,8 @@ def dq_postprocess(dq_accum, scale, *, head_dim: int, seqlen_q: int | None = Non
       dq_accum: the accumulator as the producer described by ``layout`` wrote it (shapes above).
       scale: the softmax scale: a Python float or a floating-point scalar, traced or not; converted to
         float32 (round-to-nearest) first. Changing it never recompiles the kernel. A value this host can see (a
-        Python or numpy scalar, a concrete array) must be finite in float32; a traced one is used as it is.
+        Python or numpy scalar, a concrete array) must be finite in float32; a traced one is used as it is (but
+        under ``checkify``, see ``cu_seqlens_q``).
       head_dim: ``D``, a multiple of 8, at most 256.
       seqlen_q: ``S`` (dense).
       total_q: ``T``, rows of the packed output (varlen).
@@ -50,7 +51,9 @@ def dq_postprocess(dq_accum, scale, *, head_dim: int, seqlen_q: int | None = Non
         jax int32 array (an operand: new values never retrace or recompile). Values this host can read now (a jax
         array passed outside ``jit``, read back with a device-to-host copy) are validated like static ones (lengths
         against traced offsets: only their sign); traced values are not: corrupt ones are clamped into a partition
-        of the rows, never read or written out of bounds.
+        of the rows, never read or written out of bounds. Under ``jax.experimental.checkify.checkify`` traced
+        offsets, lengths and scales are checked on the device by the same rules (``checkify.debug_check``: no
+        cost otherwise), and the error names the first bad index and its value.
       seqused_q: lengths actually used, ``(B,)``: static ints or an int32 array, like ``cu_seqlens_q``.
       dtype: ``jnp.bfloat16`` or ``jnp.float16`` (or their names, ``"bf16"``/``"bfloat16"``,
         ``"f16"``/``"float16"``), the type of dQ.

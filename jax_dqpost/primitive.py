@@ -254,6 +254,9 @@ def _transpose(cts, *args, plan: Plan):
 
 # ---- vmap: fold the mapped axis into each tensor's batch (dense) or heads -----------------------------
 def _batch(args, dims, *, plan: Plan):
+    # The shapes of one element first, so that a mistake is reported in the shapes the user wrote, not folded ones.
+    _abstract_eval(*(a if d is _NOT_MAPPED else jax.core.ShapedArray(a.shape[:d] + a.shape[d + 1:], a.dtype)
+                     for a, d in zip(args, dims)), plan=plan)
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not _NOT_MAPPED)
     ops, ds = plan.split(args), plan.split(dims)
     q_heads_fold = plan.dq.work is not None or plan.has_sink

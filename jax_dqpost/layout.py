@@ -23,6 +23,8 @@ per-tile index map ``F[i, j]`` = position of logical element ``(row i, column j)
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
 
 import numpy as np
 
@@ -413,7 +415,32 @@ class AccumLayout:
         two along dQ's rows with ``swap_ab``), ``tile_m`` is a multiple of 16, the kernel's threads tile the dQ
         tile's 16-byte stores exactly, and the tile fits in shared memory (:data:`SMEM_LIMIT`). What passes
         compiles for sm_80, sm_90a and sm_100a alike (``tests/test_accepted_layouts.py``). ``name``: the argument
-        the messages name."""
+        the messages name. The message of a head dim the order cannot hold lists those it can, and the presets it
+        is FlashAttention-4's for: a layout made for another head dim is the usual cause."""
+        head_dim = _static_args.head_dim(head_dim, name)
+        try:
+            self._check_kernel(head_dim, name)
+        except ValueError as e:
+            raise ValueError(f"{e}. {self._made_for(head_dim, name)}") from None
+
+    def _made_for(self, head_dim: int, name: str) -> str:
+        """Which head dims this order holds, and whose preset it is: the hint of ``check_head_dim``'s errors."""
+        fits = []
+        for d in range(8, MAX_HEAD_DIM + 1, 8):
+            try:
+                self._check_kernel(d, "head_dim")
+                fits.append(d)
+            except ValueError:
+                pass
+        if not fits:
+            return "This layout holds no head dim"
+        presets = [f"sm{gpu} {'dK/dV' if dkv else 'dQ'}{' causal' if causal else ''} at head dims "
+                   f"{_head_dim_ranges(dims)}" for (gpu, dkv, causal), dims in _presets_of(self).items()]
+        return (f"This layout holds head dims {_head_dim_ranges(fits)}, so it was probably made for another head dim"
+                + (f" (it is FlashAttention-4's preset for {'; '.join(presets)})" if presets else "")
+                + f": build the layout for {name}={head_dim}")
+
+    def _check_kernel(self, head_dim: int, name: str) -> None:
         head_dim, dr, what = self._check_order(head_dim, name)
         self._check_fragment_stores(head_dim, what)
         if self.tile_m % _SMEM_ROWS:
@@ -637,6 +664,28 @@ def _preset(arch: int, head_dim: int, causal: bool, dkv: bool) -> AccumLayout:
         return AccumLayout(100, 128, 128, 1, False, 32, two_cta=two_cta and not dkv,
                            cluster_size=2 if two_cta and dkv else 1)
     return AccumLayout(80, 64, 128, 4, False, 32)
+
+
+def _presets_of(layout: AccumLayout) -> dict:
+    """``{(gpu, dkv, causal): head dims}`` for which FlashAttention-4's presets (of every known release) are
+    ``layout``; causal only where it differs from the non-causal preset."""
+    return _preset_table().get(layout, {})
+
+
+@functools.cache
+def _preset_table() -> dict:
+    """``{layout: {(gpu, dkv, causal): head dims}}``, every preset of every known release (see ``_presets_of``)."""
+    table = {}
+    for gpu, dkv, causal in itertools.product(dict.fromkeys(a // 10 * 10 for a in FLASH_ATTENTION_ARCHS),
+                                              (False, True), (False, True)):
+        for d in range(8, MAX_HEAD_DIM + 1, 8):
+            preset = _preset(gpu, d, causal, dkv)
+            if not has_postprocess(gpu, d) or causal and preset == _preset(gpu, d, False, dkv):
+                continue
+            for release in FLASH_ATTENTION_RELEASES.values():
+                dims = table.setdefault(_release_layout(preset, gpu, d, release, not dkv), {})
+                dims.setdefault((gpu, dkv, causal), []).append(d)
+    return {layout: {where: sorted(set(d)) for where, d in found.items()} for layout, found in table.items()}
 
 
 def _head_dim_ranges(head_dims) -> str:

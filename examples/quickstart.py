@@ -15,22 +15,22 @@ from jax_dqpost import AccumLayout, dq_postprocess
 B, S, H, D = 2, 1000, 4, 128
 scale = D ** -0.5
 
-# The layout FlashAttention's Hopper backward uses for head_dim 128 (non-causal): 80-row tiles,
-# two warpgroups, dQ computed transposed (dQ_swapAB).
-layout = AccumLayout(arch=90, tile_m=80, num_threads=256, atom_layout=1, swap_ab=True, hdim_multiple_of=32)
+# The order in which FlashAttention-4 (release 4.0.0b36)'s Hopper backward writes dQ at this head dim, non-causal.
+layout = AccumLayout.flash_attention(90, D, causal=False, tensor="dq", version="4.0.0b36")
 
 # Build an accumulator the way the producer would have stored a known dQ: tile by tile, each (row, col)
 # at the position the layout's index map gives. (FlashAttention's backward writes this buffer for you.)
 rng = np.random.default_rng(0)
 dq_true = rng.standard_normal((B, S, H, D)).astype(np.float32)
-Sr, Dr = layout.padded_seqlen(S), layout.padded_head_dim(D)
+Sr, Dr, Da = layout.padded_seqlen(S), layout.padded_head_dim(D), layout.alloc_head_dim(D)
 padded = np.zeros((B, H, Sr, Dr), np.float32)
 padded[:, :, :S, :D] = dq_true.transpose(0, 2, 1, 3)
 tiles = padded.reshape(B, H, Sr // layout.tile_m, layout.tile_m * Dr)
 index = layout.tile_index_map(D).ravel()
-acc = np.empty_like(tiles)
-acc[..., index] = tiles
-acc = acc.reshape(layout.accum_shape(B, H, S, D))
+tiled = np.empty_like(tiles)
+tiled[..., index] = tiles
+acc = np.zeros(layout.accum_shape(B, H, S, D), np.float32)  # (B, H, Sr * Da): the tiles fill the first Sr * Dr
+acc[..., :Sr * Dr] = tiled.reshape(B, H, Sr * Dr)
 
 
 @jax.jit

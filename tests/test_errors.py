@@ -361,3 +361,78 @@ def test_dtype_names_in_either_spelling(rng, spelling):
     dtype = jnp.bfloat16 if spelling.startswith("b") else jnp.float16
     got = dq_postprocess(acc, 0.3, seqlen_q=80, head_dim=d, layout=layout, dtype=spelling)
     assert_same_bits(got, dq_postprocess(acc, 0.3, seqlen_q=80, head_dim=d, layout=layout, dtype=dtype), spelling)
+
+
+# ---- first contact: the mistakes a new user makes, each refused with what to do -------------------
+def test_export_for_cuda_without_the_disabled_checks_says_what_to_pass():
+    """jax's own refusal prints the custom call with its kernel (tens of thousands of characters) and names neither
+    the package nor what to pass; ours is short and names ``jax_dqpost.DISABLED_CHECKS``. With it, the export
+    works."""
+    from jax_dqpost import DISABLED_CHECKS
+
+    layout = AccumLayout.row_major()
+    spec = jax.ShapeDtypeStruct(layout.accum_shape(2, H, 64, 64), jnp.float32)
+    op = lambda a: dq_postprocess(a, 0.5, head_dim=64, seqlen_q=64, layout=layout)
+    for platforms, checks in ((["cuda"], ()), (["cpu", "cuda"], ()), (["cuda"], [c for c in DISABLED_CHECKS[1:]])):
+        with pytest.raises(ValueError) as caught:
+            jax.export.export(jax.jit(op), platforms=platforms, disabled_checks=checks)(spec)
+        message = str(caught.value)
+        assert "disabled_checks=jax_dqpost.DISABLED_CHECKS" in message and len(message) < 400, message[:600]
+    exported = jax.export.export(jax.jit(op), platforms=["cuda"], disabled_checks=DISABLED_CHECKS)(spec)
+    assert exported.platforms == ("cuda",)
+
+
+@pytest.mark.parametrize("argument", ["cu_seqlens_q", "seqused_q", "cu_seqlens_k"])
+def test_a_list_of_traced_offsets_names_the_argument_and_what_to_do(argument):
+    """A Python list passed through ``jax.jit`` arrives with traced items: the error names the argument and the two
+    ways out, instead of jax's TracerArrayConversionError about an ``int32[]``."""
+    dq_layout, dkv_layout, d, _ = fa4_pair("sm90-hd64")
+    values = {"cu_seqlens_q": [0, 50, 100], "seqused_q": [40, 64], "cu_seqlens_k": [0, 30, 100]}[argument]
+
+    def op(listed):
+        q = (dict(total_q=100, cu_seqlens_q=listed) if argument == "cu_seqlens_q" else
+             dict(seqlen_q=64, seqused_q=listed) if argument == "seqused_q" else dict(seqlen_q=64))
+        k = dict(total_k=100, cu_seqlens_k=listed) if argument == "cu_seqlens_k" else dict(seqlen_k=64)
+        q_shape = (dq_layout.varlen_accum_shape(2, H, 100, d) if "total_q" in q else dq_layout.accum_shape(2, H, 64, d))
+        k_shape = (dkv_layout.varlen_accum_shape(2, H_KV, 100, d) if "total_k" in k
+                   else dkv_layout.accum_shape(2, H_KV, 64, d))
+        dk = jnp.zeros(k_shape, jnp.float32)
+        return flash_attention_postprocess(jnp.zeros(q_shape, jnp.float32), dk, dk, 0.5, head_dim=d,
+                                           dq_layout=dq_layout, dkv_layout=dkv_layout, **q, **k)
+
+    op(values)  # outside jit the list is static
+    with pytest.raises(TypeError, match=rf"^{argument} is a Python list of traced values .* pass a jax int32 array "
+                                        r".*static_argnums or static_argnames of jax.jit"):
+        jax.jit(op)(values)
+
+
+def test_errors_under_vmap_speak_of_the_shapes_the_user_wrote():
+    """vmap folds its axis into the batch; a mistake is still reported in one element's shapes."""
+    layout = AccumLayout.row_major()
+    acc = jnp.zeros((3,) + layout.accum_shape(2, H, 64, 64), jnp.float32)  # vmapped over 3, inner batch 2
+    op = lambda a, used: dq_postprocess(a, 0.5, head_dim=64, seqlen_q=64, seqused_q=used, layout=layout)
+    for used, axes in ((jnp.full((3, 3), 8, jnp.int32), (0, 0)), (jnp.full((3,), 8, jnp.int32), (0, None))):
+        with pytest.raises(ValueError, match=r"seqused_q must have shape \(2,\) \(dq_accum has batch 2\), got \(3,\)"):
+            jax.vmap(op, in_axes=axes)(acc, used)
+    wrong = jnp.zeros((3, 2, H, 65 * 64), jnp.float32)
+    with pytest.raises(ValueError, match=r"dq_accum.shape\[2\] must be Sr\*Dr = 64\*64 .* got shape \(2, 4, 4160\)"):
+        jax.vmap(lambda a: dq_postprocess(a, 0.5, head_dim=64, seqlen_q=64, layout=layout))(wrong)
+
+
+def test_a_layout_made_for_another_head_dim_says_so():
+    """FlashAttention-4's sm90 dQ preset for head dim 128 used at 64: the error says which head dims the layout
+    holds and whose preset it is."""
+    for_128 = AccumLayout.flash_attention(90, 128, causal=False, tensor="dq", version="4.0.0b36")
+    acc = jnp.zeros((1, H, for_128.padded_seqlen(64) * 64), jnp.float32)
+    with pytest.raises(ValueError, match=r"64-row WGMMA atoms .*\. This layout holds head dims 104\.\.128, 232\.\.256, "
+                                         r"so it was probably made for another head dim \(it is FlashAttention-4's "
+                                         r"preset for sm90 dQ at head dims 120\.\.128\): build the layout for "
+                                         r"head_dim=64$"):
+        dq_postprocess(acc, 1.0, head_dim=64, seqlen_q=64, layout=for_128)
+    dkv_256 = AccumLayout.flash_attention(90, 256, causal=False, tensor="dkv", version="4.0.0b36")
+    with pytest.raises(ValueError, match=r"holds head dims 72\.\.128, 200\.\.256, .* preset for sm90 dK/dV at "
+                                         r"head dims 200\.\.256\): build the layout for head_dim_v=64$"):
+        dkv_256.check_head_dim(64, "head_dim_v")
+    with pytest.raises(ValueError, match=r"holds head dims 72\.\.128, 200\.\.256, so it was probably made for another "
+                                         r"head dim: build the layout for head_dim=64$"):  # no preset's
+        AccumLayout(90, 80, 256, 1, True, 64).check_head_dim(64)

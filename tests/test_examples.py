@@ -2,6 +2,7 @@
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -87,3 +88,12 @@ def test_transformations(tmp_path):
 
     if not arch.cuda_devices():
         assert not (tmp_path / ".cache").exists(), list((tmp_path / ".cache").rglob("*"))
+
+
+def test_examples_take_their_layouts_from_the_presets():
+    """The examples teach what the README recommends: FlashAttention-4's layouts from its presets
+    (``AccumLayout.flash_attention``), an accumulator made in JAX with ``AccumLayout.row_major``; never the fields
+    spelled by hand."""
+    by_hand = {path.name: re.findall(r"AccumLayout\((?!\))[^)]*\)", path.read_text())
+               for path in sorted(EXAMPLES.glob("*.py"))}
+    assert {name: found for name, found in by_hand.items() if found} == {}

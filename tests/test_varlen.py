@@ -6,10 +6,14 @@ Their results against the oracle: tests/test_postprocess.py; static validation e
 
 from __future__ import annotations
 
+import re
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import checkify
 
 from conftest import FA_HOPPER_CONFIGS, fa4_pair
 from jax_dqpost import AccumLayout, dq_postprocess, flash_attention_postprocess
@@ -83,6 +87,8 @@ def test_concrete_arrays_outside_jit_are_validated_like_static_values(rng, side)
         with pytest.raises(ValueError, match=match):
             call(jnp.asarray(values, jnp.int32))  # concrete, outside jit
         jax.block_until_ready(jax.jit(call)(jnp.asarray(values, jnp.int32)))  # traced: clamped, no error
+        error, _ = checkify.checkify(jax.jit(call))(jnp.asarray(values, jnp.int32))  # traced, checked on the device
+        assert re.match(match, error.get() or ""), (values, error.get())
     # Readable lengths with traced offsets: only their sign can be checked (the bound needs the offsets).
     bad_lengths, lengths_ok = jnp.asarray([500, -7], jnp.int32), jnp.asarray([500, 7], jnp.int32)  # closed over
     with pytest.raises(ValueError, match=rf"seqused_{s}\[1\]=-7 must be >= 0"):
@@ -99,6 +105,39 @@ def test_concrete_arrays_outside_jit_are_validated_like_static_values(rng, side)
     assert eqn.params["plan"].side_parts[("q", "k").index(side)].work.num_tiles == WorkList.max_tiles(T, 2, layout)
     for j, (got, want) in enumerate(zip(dense_used(concrete[1]), dense_used(used), strict=True)):
         assert_same_bits(got, want, f"output {j}: dense seqused concrete vs static")
+    error, checked = checkify.checkify(jax.jit(varlen))(*concrete)  # valid traced values: no error, the same bits
+    assert error.get() is None
+    for j, (got, want) in enumerate(zip(checked, varlen(cu, used), strict=True)):
+        assert_same_bits(got, want, f"output {j}: checked traced vs static")
+
+
+def test_traced_scales_are_checked_under_checkify_and_the_checks_cost_nothing_without_it(rng, monkeypatch):
+    """A traced NaN or infinite scale is used as it is, and reported under checkify; unchecked, the compiled
+    program is the one without the checks (XLA removes their predicates)."""
+    from jax_dqpost import _operands
+
+    layout, T, D = _layout("cute-hd128"), 100, 128
+    acc = jnp.asarray(rng.standard_normal(layout.varlen_accum_shape(2, 2, T, D)), jnp.float32)
+    op = lambda a, cu, used, s: flash_attention_postprocess(
+        a, None, None, s, head_dim=D, dq_layout=layout, total_q=T, cu_seqlens_q=cu, seqused_q=used)
+    args = (acc, jnp.asarray([0, 40, 100], jnp.int32), jnp.asarray([40, 7], jnp.int32))
+    for scale, shown in ((np.nan, "nan"), (np.inf, "inf"), (-np.inf, "-inf")):
+        error, _ = checkify.checkify(jax.jit(op))(*args, jnp.float32(scale))
+        assert error.get() == f"softmax_scale must be finite in float32, got {shown} (`check` failed)"
+    gqa_layout, dkv_layout, _, _ = fa4_pair("sm90-hd128")
+    k = jnp.zeros(dkv_layout.accum_shape(1, 1, 64, D), jnp.float32)
+    error, _ = checkify.checkify(jax.jit(lambda s: flash_attention_postprocess(
+        jnp.zeros(gqa_layout.accum_shape(1, 2, 64, D), jnp.float32), k, k, 0.5, dk_scale=s, head_dim=D,
+        dq_layout=gqa_layout, dkv_layout=dkv_layout, seqlen_q=64, seqlen_k=64)))(jnp.float32(np.nan))
+    assert error.get() == "dk_scale must be finite in float32, got nan (`check` failed)"
+
+    def compiled_ops():
+        text = jax.jit(op).lower(*args, jnp.float32(0.5)).compile().as_text()
+        return sorted(re.findall(r"= (\S+) ([\w-]+)\(", text))
+
+    with_checks = compiled_ops()
+    monkeypatch.setattr(_operands, "checkify", types.SimpleNamespace(debug_check=lambda *args, **kwargs: None))
+    assert compiled_ops() == with_checks and len(with_checks) > 100
 
 
 

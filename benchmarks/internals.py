@@ -70,3 +70,18 @@ def launch_args(p: Plan, acc_shapes, buffers: dict) -> tuple:
     from jax_dqpost.kernel import entry_args  # imports cutlass
 
     return entry_args(dtype, len(p.parts), sink, addresses, extents)
+
+
+def launch_ctas(head_dim: int, batch: int, heads: int, seqlen: int, cu=None) -> int:
+    """CTAs of our launch for FlashAttention-4's sm90 dQ preset (non-causal) at ``head_dim``: dense ``(batch, heads,
+    seqlen)``, or packed ``cu`` over ``batch * seqlen`` tokens (static offsets)."""
+    from jax_dqpost import AccumLayout
+
+    layout = AccumLayout.flash_attention(90, head_dim, causal=False, tensor="dq", version="4.0.0b36")
+    if cu is None:
+        part, shape = dense_part(layout, head_dim, np.float32, seqlen), layout.accum_shape(batch, heads, seqlen,
+                                                                                             head_dim)
+    else:
+        part, _ = varlen_part(layout, head_dim, np.float32, cu, batch * seqlen)
+        shape = layout.varlen_accum_shape(len(cu) - 1, heads, batch * seqlen, head_dim)
+    return plan([part]).launch([shape])[1]

@@ -32,13 +32,12 @@ import jax
 from . import _fa4jax
 from .api import flash_attention_postprocess
 from .layout import AccumLayout
+from .presets import ORDER_OF_FAMILY
 
 __all__ = ["BACKEND", "accum_layout", "flash_attn", "flash_attn_varlen", "postprocess", "register"]
 
 BACKEND = "jax_dqpost"
 """The name this backend has in fa4-jax's backend registry."""
-
-_ORDER_OF_FAMILY = {8: 80, 12: 80, 9: 90, 10: 100, 11: 100}
 
 
 def accum_layout(order: tuple) -> AccumLayout:
@@ -48,7 +47,7 @@ def accum_layout(order: tuple) -> AccumLayout:
     mma.sync kernel, also where it is the fallback on sm90; 10x/11x tcgen05, one CTA); fa4-jax pads every head
     dim to a multiple of 32."""
     order_arch, rows, threads, atom_layout, swap_ab = order
-    family = _ORDER_OF_FAMILY.get(int(order_arch) // 10)
+    family = ORDER_OF_FAMILY.get(int(order_arch) // 10)
     if family is None:
         raise ValueError(f"fa4-jax postprocess configuration {order!r}: no accumulator order for arch {order_arch}")
     return AccumLayout(family, rows, threads, atom_layout, bool(swap_ab), _fa4jax.HDIM_MULTIPLE_OF, two_cta=False,

@@ -16,7 +16,8 @@ import sys
 import time
 
 from . import _static_args, abi, arch as arch_, kernel_cache
-from .layout import FLASH_ATTENTION_ARCHS, FLASH_ATTENTION_RELEASES, GPU_ARCHS, AccumLayout, has_postprocess
+from .layout import AccumLayout
+from .presets import FLASH_ATTENTION_ARCHS, FLASH_ATTENTION_RELEASES, GPU_ARCHS, has_postprocess
 from .abi import Tiling
 
 _DTYPE_NAMES = tuple(abi.DTYPE_NAMES[d] for d in abi.OUT_DTYPES)

@@ -14,7 +14,7 @@ repository root:
         lengths. --l2-fetch sets this process's cudaLimitMaxL2FetchGranularity first (an experiment: does the L2
         fetch DRAM in 64-byte granules?)
     ncu --clock-control none --profile-from-start off --set full python -m benchmarks.ncu_kernels profile hd96 hd128
-        one launch of ours (the first two variants) and one of FlashAttention-4 per dense configuration,
+        one launch of ours (each of VARIANTS) and one of FlashAttention-4 per dense configuration,
         between cudaProfilerStart/Stop (after warm-up), for Nsight Compute's counters
 
 Configuration names are the benchmark's (``cases.CONFIGS``).
@@ -31,9 +31,8 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 from . import cases as bench_cases, harness  # noqa: E402
 
-# Variants tried per configuration by `sweep` (the first, {}, is the package's default). The bulk-load ones
-# (jax_dqpost/bulk.py) apply to the dense packing only: on varlen they raise, and are reported and skipped.
-VARIANTS = [{}, {"min_ctas_per_sm": 0}, {"bulk_stages": 1}, {"bulk_stages": 2}, {"bulk_stages": 3}]
+# Variants tried per configuration by `sweep` (the first, {}, is the package's default).
+VARIANTS = [{}, {"min_ctas_per_sm": 0}]
 # ... and by `short` (varlen only).
 SHORT_VARIANTS = [{}, {"short_heads": 4}, {"short_heads": 16}, {"short_heads": 32}, {"min_ctas_per_sm": 3}]
 
@@ -130,7 +129,7 @@ def short(names, torch, fa4, samples=15):
 
 def profile(names, torch, fa4):
     for case in cases(names, torch, fa4):
-        runs = [case.ours(**t) for t in VARIANTS[:2]] + ([case.fa4_run()] if fa4 is not None else [])
+        runs = [case.ours(**t) for t in VARIANTS] + ([case.fa4_run()] if fa4 is not None else [])
         for run in runs:
             run(2)  # compile, load, first touch
         torch.cuda.synchronize()
@@ -139,7 +138,7 @@ def profile(names, torch, fa4):
             run(1)
         torch.cuda.synchronize()
         torch.cuda.cudart().cudaProfilerStop()
-        print(f"profiled {case.name}: ours {VARIANTS[:2]}{' and FlashAttention-4' if fa4 else ''}", flush=True)
+        print(f"profiled {case.name}: ours {VARIANTS}{' and FlashAttention-4' if fa4 else ''}", flush=True)
 
 
 def main(argv):

@@ -91,15 +91,11 @@ class Postprocess:
     ``parts``: a :class:`PartSpec` per part (dQ's, or dQ's, dK's and dV's). ``sink``: ``(sink type, dsink type)``
     (CuTe numeric types), or None. The binary depends on these, the output dtype and the target GPU only
     (``Plan.kernel_key``). Tuning, for experiments (benchmarks/ncu_kernels.py; the package compiles with the defaults):
-    ``min_ctas_per_sm`` (:class:`TileConverter`), ``short_heads`` (``schedule.ShortTileScheduler``), and
-    ``bulk_stages`` with ``bulk_ctas`` (``bulk.BulkLoader``: 0, the default, converts from global memory; from 1 on
-    each tile comes into shared memory with one bulk copy, from 2 on into persistent CTAs, at most ``bulk_ctas`` of
-    them, with ``bulk_stages`` tiles in flight; a dense arch-90 part alone, compiled for sm_90a, only).
+    ``min_ctas_per_sm`` (:class:`TileConverter`) and ``short_heads`` (``schedule.ShortTileScheduler``).
     """
 
     def __init__(self, dtype, parts: tuple[PartSpec, ...], sink=None, *, target_sm: int = 90,
-                 min_ctas_per_sm: int | None = None, short_heads: int = varlen.SHORT_HEADS, bulk_stages: int = 0,
-                 bulk_ctas: int | None = None):
+                 min_ctas_per_sm: int | None = None, short_heads: int = varlen.SHORT_HEADS):
         self.names = abi.part_names(len(parts))
         self.dtype = dtype
         self.parts = tuple(TileConverter(dtype, p.layout, p.padded_head_dim, tiling=p.tiling, target_sm=target_sm,
@@ -115,33 +111,6 @@ class Postprocess:
         self.alone = len(parts) == 1 and sink is None  # the part's own grid (module docstring)
         self.batch_on_grid_z = self.alone and parts[0].tiling != Tiling.VARLEN  # Plan.batch_on_grid_z
         self.pointer_at = {name: k for k, name in enumerate(abi.pointers(len(parts), sink is not None))}
-        self.bulk = None  # bulk.BulkLoader, when asked for
-        if bulk_stages != 0 or bulk_ctas is not None:
-            self.bulk = self._bulk_loader(bulk_stages, bulk_ctas, target_sm)
-            self.smem_bytes = self.bulk.smem_bytes
-        self.persistent = self.bulk is not None and self.bulk.persistent  # the grid: bulk.BulkLoader.grid_ctas
-
-    def _bulk_loader(self, stages, ctas, target_sm: int):
-        """The ``bulk.BulkLoader`` of ``bulk_stages=stages``, ``bulk_ctas=ctas``, or ValueError where it does not
-        apply."""
-        from .bulk import MAX_BULK_STAGES, SMEM_PER_CTA_RESERVED, SMEM_PER_SM, BulkLoader
-
-        if isinstance(stages, bool) or not isinstance(stages, int) or not 0 <= stages <= MAX_BULK_STAGES:
-            raise ValueError(f"bulk_stages must be an int from 0 to {MAX_BULK_STAGES}, got {stages!r}")
-        if ctas is not None and (isinstance(ctas, bool) or not isinstance(ctas, int) or ctas < 1):
-            raise ValueError(f"bulk_ctas must be None or a positive int, got {ctas!r}")
-        if ctas is not None and stages < 2:
-            raise ValueError(f"bulk_ctas={ctas} needs persistent CTAs, bulk_stages >= 2; got bulk_stages={stages}")
-        part = self.parts[0]
-        if not (self.alone and part.tiling == Tiling.DENSE and part.layout.arch == 90 and target_sm == 90):
-            raise ValueError(f"bulk_stages={stages} needs one dense part of an arch-90 layout, no sink, compiled for "
-                             f"sm_90a; got {len(self.parts)} part(s), tiling {part.tiling.name}, {part.layout}, sink "
-                             f"{self.sink is not None}, target sm_{target_sm}")
-        loader = BulkLoader(part, self.schedulers[0], stages, ctas)
-        if loader.smem_bytes + SMEM_PER_CTA_RESERVED > SMEM_PER_SM:
-            raise ValueError(f"bulk_stages={stages}: {loader.smem_bytes} bytes of shared memory per CTA for "
-                             f"{part.layout}, Dr={part.padded_head_dim}, more than an SM has")
-        return loader
 
     @cute.jit
     def __call__(self, *args):
@@ -150,14 +119,12 @@ class Postprocess:
         pointers, extents, stream = args[:num], args[num:-1], args[-1]
         per = len(abi.EXTENTS)
         grid_x = extents[1] if const_expr(self.sink is not None) else 0
-        if const_expr(self.persistent):
-            grid_x = self.bulk.grid_ctas(*extents[0:2], extents[4])
-        elif const_expr(self.alone):
+        if const_expr(self.alone):
             grid_x = self.schedulers[0].num_ctas(*extents[0:2], extents[4])  # per batch when dense: z is the batch
         else:
             for i in cutlass.range_constexpr(len(self.parts)):
                 grid_x = grid_x + self._part_ctas(i, extents[per * i:per * (i + 1)])
-        grid_z = extents[0] if const_expr(self.batch_on_grid_z and not self.persistent) else 1
+        grid_z = extents[0] if const_expr(self.batch_on_grid_z) else 1
         self.kernel(tuple(pointers), tuple(extents)).launch(
             grid=[grid_x, 1, grid_z],
             block=[self.num_threads, 1, 1],
@@ -179,14 +146,7 @@ class Postprocess:
     def kernel(self, pointers: tuple, extents: tuple):
         tidx, _, _ = cute.arch.thread_idx()
         bid, _, bz = cute.arch.block_idx()
-        if const_expr(self.bulk is not None):
-            part = self._part_args(0, pointers, extents)
-            if const_expr(self.persistent):
-                grid, _, _ = cute.arch.grid_dim()
-                self.bulk.run(part, bid, grid, tidx)
-            else:  # the default grid: one tile, CTA bid of batch bz; no next one
-                self.bulk.run(part, bz * part.heads * part.grid_x + bid, part.dim0 * part.heads * part.grid_x, tidx)
-        elif const_expr(self.alone):
+        if const_expr(self.alone):
             # The whole grid is the part's: no CTA count to compare, the tile allocated by the part (a count and a
             # shared buffer cost 20-100 ns a launch)
             self._cta(0, self._part_args(0, pointers, extents), bid, bz, tidx, cutlass.memory.SmemAllocator())

@@ -34,7 +34,7 @@ from . import abi, arch as arch_
 from ._version import __version__
 from .abi import Tiling
 
-KERNEL_SOURCES = ("kernel.py", "schedule.py", "tile.py", "bulk.py", "abi.py", "layout.py", "varlen.py", "arch.py",
+KERNEL_SOURCES = ("kernel.py", "schedule.py", "tile.py", "abi.py", "layout.py", "presets.py", "varlen.py", "arch.py",
                   "_static_args.py")
 """The modules the compiled kernel is made from (``kernel.py`` and what it imports): part of a disk entry's name."""
 
@@ -202,8 +202,8 @@ def compile_executor(dtype: str, parts: tuple, sink, arch: str, **tuning):
     """``cute.compile`` the kernel (:func:`get_kernel`'s key); CuTe's executor, callable from Python with
     ``kernel.entry_args`` and a stream. Callers serialise through ``_lock`` or accept that the DSL's global arch is
     set here (and restored afterwards). ``tuning``: ``kernel.Postprocess``'s tuning keywords (``min_ctas_per_sm``,
-    ``short_heads``, ``bulk_stages``, ``bulk_ctas``) for experiments (benchmarks/ncu_kernels.py); the package itself
-    always compiles with the defaults, which is why they are not part of the key."""
+    ``short_heads``) for experiments (benchmarks/ncu_kernels.py); the package itself always compiles with the
+    defaults, which is why they are not part of the key."""
     from .kernel import PartSpec, Postprocess, cute_type, entry_args
     from .tile import TileConverter
 

@@ -279,9 +279,7 @@ class TileConverter:
         return 64 * (w % atoms_m) + 64 * atoms_m * mm + 16 * (t // 32) + (t % 32) // 4
 
     @cute.jit
-    def _convert_mma(self, acc_ptr, tile_elem, scale, s_tile, s_layout, rows_conv, tidx, staged=None):
-        """``staged``: this thread's arch-90 fragment, ``(4, regs / 4)`` floats in a shared-memory copy of the tile
-        (``bulk.py``), read instead of the accumulator; None: read from the accumulator."""
+    def _convert_mma(self, acc_ptr, tile_elem, scale, s_tile, s_layout, rows_conv, tidx):
         tile_m, padded_head_dim = self.tile_m, self.padded_head_dim
         # ---- 1. the fp32 fragment, in the producer's thread order ------------------------------
         if const_expr(self.wgmma_atoms):
@@ -290,13 +288,10 @@ class TileConverter:
         else:
             acc = cute.make_rmem_tensor(cute.make_layout(self.regs), Float32)
         if const_expr(self.layout.arch == 90):
-            if const_expr(staged is None):
-                wg, t = tidx // 128, tidx % 128
-                src_base = _aligned(acc_ptr + tile_elem + Int64(wg * self.chunk + 4 * t), cute.AddressSpace.gmem)
-                # (4 floats of one 16-byte vector, vectors 512 floats apart) -> registers r = 4 * k + e
-                src = cute.make_tensor(src_base, cute.make_layout((4, self.regs // 4), stride=(1, 512)))
-            else:
-                src = staged
+            wg, t = tidx // 128, tidx % 128
+            src_base = _aligned(acc_ptr + tile_elem + Int64(wg * self.chunk + 4 * t), cute.AddressSpace.gmem)
+            # (4 floats of one 16-byte vector, vectors 512 floats apart) -> registers r = 4 * k + e
+            src = cute.make_tensor(src_base, cute.make_layout((4, self.regs // 4), stride=(1, 512)))
             acc_flat = cute.make_tensor(acc.iterator, cute.make_layout((4, self.regs // 4)))
             load_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128)
             if const_expr(self.tiling == Tiling.DENSE):

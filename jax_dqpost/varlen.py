@@ -34,8 +34,8 @@ short-tile slot converts it, for up to :data:`SHORT_HEADS` heads per CTA (:func:
 for traced ones), plus ``K`` short-tile slots for orders with short tiles. :meth:`WorkList.build` makes the list from
 static Python ints (numpy, at trace time) or from traced int32 arrays (jax.numpy, inside the computation);
 :meth:`WorkList.decode` is the one reader on the JAX side, and the kernel reads the same offsets through
-:func:`sections`. The C++ handler checks the size at its boundary with its own copy of :meth:`WorkList.size`, pinned
-to this one by a test.
+:func:`sections`. The C++ handler holds no work-list arithmetic: it checks the work list's byte count, as every
+buffer's, against the call's ``bytes`` attribute, which the lowering takes from the buffers' shapes (``lowering.py``).
 """
 
 from __future__ import annotations

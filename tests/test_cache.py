@@ -332,4 +332,4 @@ def test_a_disk_entry_is_named_by_every_module_the_kernel_is_made_from():
                 modules = [node.module] if node.module else [a.name for a in node.names]
                 todo += [f"{m}.py" for m in modules if (package / f"{m}.py").is_file()]
     assert seen <= set(kernel_cache.KERNEL_SOURCES), sorted(seen - set(kernel_cache.KERNEL_SOURCES))
-    assert {"kernel.py", "schedule.py", "tile.py", "bulk.py"} <= seen
+    assert {"kernel.py", "schedule.py", "tile.py"} <= seen

@@ -334,26 +334,3 @@ def test_export_for_cuda_emits_one_fused_custom_call(packing):
     assert "bytes = dense<[" + ", ".join(map(str, sizes)) + "]>" in text, "buffers in abi.py's order"
     assert [o.shape for o in exp.out_avals] == [*outs, (H,)]
     assert jax.export.deserialize(exp.serialize()).out_avals == exp.out_avals
-
-
-def test_the_bulk_load_experiment_compiles_and_is_refused_where_it_does_not_apply():
-    """kernel.Postprocess(bulk_stages=...), measured by benchmarks/ncu_kernels.py and checked bit for bit by
-    benchmarks/bulk_check.py on a GPU: compiles for sm_90a one tile per CTA and persistent; every other combination
-    is a ValueError naming the keyword."""
-    layout = AccumLayout.flash_attention(90, 128, causal=False, tensor="dq", version="4.0.0b36")
-    dense = ((layout, 128, Tiling.DENSE),)
-    modules = {bytes(kernel_cache.compile_executor("bf16", dense, None, "sm_90a", **tuning).dump_to_object("x"))
-               for tuning in ({}, {"bulk_stages": 1}, {"bulk_stages": 2, "bulk_ctas": 7})}
-    assert len(modules) == 3  # three kernels: the default and two bulk paths
-    one_part = "bulk_stages=. needs one dense part of an arch-90 layout, no sink, compiled for sm_90a"
-    refused = [(((layout, 128, Tiling.VARLEN),), None, "sm_90a", {"bulk_stages": 1}, one_part),
-               (dense, ("f32", "f32"), "sm_90a", {"bulk_stages": 1}, one_part),
-               (dense, None, "sm_100a", {"bulk_stages": 2}, one_part),
-               (dense, None, "sm_90a", {"bulk_stages": 5}, "bulk_stages must be an int from 0 to 4, got 5"),
-               (dense, None, "sm_90a", {"bulk_stages": True}, "bulk_stages must be an int from 0 to 4, got True"),
-               (dense, None, "sm_90a", {"bulk_stages": 1, "bulk_ctas": 8}, "bulk_ctas=8 needs .* got bulk_stages=1"),
-               (dense, None, "sm_90a", {"bulk_ctas": 8}, "bulk_ctas=8 needs .* got bulk_stages=0"),
-               (dense, None, "sm_90a", {"bulk_stages": 2, "bulk_ctas": 0}, "bulk_ctas must be .* got 0")]
-    for parts, sink, arch, tuning, message in refused:
-        with pytest.raises(ValueError, match=message):
-            kernel_cache.compile_executor("bf16", parts, sink, arch, **tuning)

@@ -42,16 +42,15 @@ def plan(parts, sink_dtype=None) -> Plan:
 
 def get_kernel(p: Plan):
     """The package's own kernel lookup for ``p`` (memory, disk, else a compile), as its first lowering does it."""
-    return kernel_cache.get_kernel(p.kernel_key)
+    return kernel_cache.get_kernel(p.kernel)
 
 
 def executor(p: Plan, **tuning):
     """CuTe's executor of ``p``'s kernel for this GPU, compiled once per kernel and tuning; ``tuning``:
     ``kernel.Postprocess`` keyword arguments (experiments: the package compiles with the defaults)."""
-    key = (p.kernel_key, tuple(sorted(tuning.items())))
+    key = (p.kernel, tuple(sorted(tuning.items())))
     if key not in _EXECUTORS:
-        dtype, parts, sink = p.kernel_key
-        _EXECUTORS[key] = kernel_cache.compile_executor(dtype, parts, sink, arch.target_arch(), **tuning)
+        _EXECUTORS[key] = kernel_cache.compile_executor(p.kernel, arch.target_arch(), **tuning)
     return _EXECUTORS[key]
 
 
@@ -64,12 +63,12 @@ def launch_args(p: Plan, acc_shapes, buffers: dict) -> tuple:
     """:func:`executor`'s arguments but the stream, for accumulators of ``acc_shapes``: the device address of each
     of the kernel's pointers (``buffers``: torch tensors by ``abi.pointers`` name, extra ones unused), then the
     extents."""
-    dtype, _, sink = p.kernel_key
+    spec = p.kernel
     extents, _ = p.launch(acc_shapes)
     addresses = [buffers[name].data_ptr() for name in abi.pointers(len(p.parts), p.has_sink)]
     from jax_dqpost.kernel import entry_args  # imports cutlass
 
-    return entry_args(dtype, len(p.parts), sink, addresses, extents)
+    return entry_args(spec.dtype, len(p.parts), spec.sink, addresses, extents)
 
 
 def launch_ctas(head_dim: int, batch: int, heads: int, seqlen: int, cu=None) -> int:

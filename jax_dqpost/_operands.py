@@ -8,13 +8,12 @@ import numbers
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import checkify
 
-from . import abi
-from ._static_args import describe, static_int
+from . import _checks, abi
+from ._checks import ARG_NAMES, ArgNames, describe, static_int
 from .layout import CONSTRUCTORS, NO_DEFAULT, AccumLayout
-from .plan import ARG_NAMES, ArgNames, Part
-from .varlen import INT32_MAX, WorkList, check_static, padded_total
+from .plan import Part
+from .varlen import WorkList, padded_total
 
 LAYOUT_HINT = f"the AccumLayout of the producer's accumulator ({NO_DEFAULT}); {CONSTRUCTORS}"
 """What a missing layout argument's error says."""
@@ -31,19 +30,19 @@ def part(layout, head_dim, dtype, seqlen, total, cu_seqlens, seqused,
         if seqlen is None:
             raise ValueError(f"{seqlen_n} is required for dense batches (or pass {cu_n} and {total_n})")
         seqlen = static_int(seqlen_n, seqlen, minimum=0)
-        _check_rows_fit_int32(seqlen_n, seqlen, layout.padded_seqlen(seqlen))
+        _checks.check_rows_fit_int32(seqlen_n, seqlen, layout.padded_seqlen(seqlen))
         plan = Part(layout, head_dim, dtype, seqlen=seqlen, seqused=seqused is not None)
         if seqused is None:
             return plan, jnp.zeros((0,), jnp.int32)
         if _is_static(seqused):
-            used = _static_ints(used_n, seqused)
-            _check_dense_seqused(used, plan.seqlen, names)
+            used = _checks.static_ints(used_n, seqused)
+            _checks.check_dense_seqused(used, plan.seqlen, names)
             return plan, jnp.asarray(np.asarray(used, np.int32).reshape(-1))
         used, values = _int_array(used_n, seqused), _visible_ints(used_n, seqused)
         if values is not None:  # still an operand the kernel reads at run time; the values seen now are checked
-            _check_dense_seqused(values, plan.seqlen, names)
+            _checks.check_dense_seqused(values, plan.seqlen, names)
         else:
-            _device_check_dense_seqused(used, plan.seqlen, names)
+            _checks.device_check_dense_seqused(used, plan.seqlen, names)
         return plan, used
 
     if seqlen is not None:
@@ -54,10 +53,10 @@ def part(layout, head_dim, dtype, seqlen, total, cu_seqlens, seqused,
         raise ValueError(f"{total_n} (rows of the packed output) is required with {cu_n}")
     total = static_int(total_n, total, minimum=0)
     if _is_static(cu_seqlens) and (seqused is None or _is_static(seqused)):
-        cu = _static_ints(cu_n, cu_seqlens)
-        used = None if seqused is None else _static_ints(used_n, seqused)
-        check_static(cu, used, total, names)
-        _check_rows_fit_int32(total_n, total, _varlen_rows(total, len(cu) - 1, layout))
+        cu = _checks.static_ints(cu_n, cu_seqlens)
+        used = None if seqused is None else _checks.static_ints(used_n, seqused)
+        _checks.check_offsets(cu, used, total, names)
+        _checks.check_rows_fit_int32(total_n, total, _varlen_rows(total, len(cu) - 1, layout))
         work, meta = WorkList.build(np, np.asarray(cu), None if used is None else np.asarray(used),
                                     total=total, layout=layout)
         return Part(layout, head_dim, dtype, work=work), jnp.asarray(meta)
@@ -66,7 +65,7 @@ def part(layout, head_dim, dtype, seqlen, total, cu_seqlens, seqused,
     cu_values = _visible_ints(cu_n, cu_seqlens)
     used_values = None if used is None else _visible_ints(used_n, seqused)
     if cu_values is not None:  # still operands the kernel reads at run time; the values seen now are checked
-        check_static(cu_values, used_values, total, names)
+        _checks.check_offsets(cu_values, used_values, total, names)
     elif used_values is not None:  # traced offsets: only the lengths' sign can be checked without them
         bad = [(b, u) for b, u in enumerate(used_values) if u < 0]
         if bad:
@@ -77,8 +76,8 @@ def part(layout, head_dim, dtype, seqlen, total, cu_seqlens, seqused,
     if used is not None and used.shape != (batch,):
         raise ValueError(f"{used_n} must have shape ({batch},) to match {cu_n}, got {used.shape}")
     if cu_values is None or (used is not None and used_values is None):
-        _device_check_offsets(cu, used, total, names)
-    _check_rows_fit_int32(total_n, total, _varlen_rows(total, batch, layout))
+        _checks.device_check_offsets(cu, used, total, names)
+    _checks.check_rows_fit_int32(total_n, total, _varlen_rows(total, batch, layout))
     work, meta = WorkList.build(jnp, cu, used, total=total, layout=layout,
                                 num_tiles=WorkList.max_tiles(total, batch, layout))
     return Part(layout, head_dim, dtype, work=work), meta
@@ -115,18 +114,6 @@ def sink_operands(learnable_sink, lse, dpsum):
     return (jnp.asarray(learnable_sink), accumulator("lse", lse), accumulator("dpsum", dpsum))
 
 
-def out_dtype(dtype) -> np.dtype:
-    """dQ's dtype: bfloat16 or float16, as a dtype or a name in either spelling (``"bf16"``, ``"bfloat16"``, ``"f16"``,
-    ``"float16"``); ``None`` is not float64 here."""
-    want = "dtype must be jnp.bfloat16 or jnp.float16 (or 'bf16', 'bfloat16', 'f16', 'float16')"
-    out = abi.dtype_of(dtype)
-    if out is None:
-        raise TypeError(f"{want}, got {describe(dtype)}")
-    if out not in abi.OUT_DTYPES:
-        raise ValueError(f"{want}, got {out.name}")
-    return out
-
-
 def _is_static(x) -> bool:
     """Python sequences of ints and numpy arrays are static; jax arrays (and tracers) are device data."""
     return isinstance(x, (list, tuple, range, np.ndarray))
@@ -135,7 +122,7 @@ def _is_static(x) -> bool:
 def _visible_ints(name: str, x) -> list[int] | None:
     """The values of offsets or lengths if this host can read them now: static ones, or a jax array that is not a
     tracer (outside jit, or a constant inside it); None for traced values."""
-    return _static_ints(name, x) if _host_visible(x) else None
+    return _checks.static_ints(name, x) if _host_visible(x) else None
 
 
 def _host_visible(x) -> bool:
@@ -144,52 +131,6 @@ def _host_visible(x) -> bool:
     if isinstance(x, jax.Array):
         return not isinstance(x, jax.core.Tracer) and x.is_fully_addressable
     return _is_static(x) or isinstance(x, np.generic)
-
-
-# ---- checks of traced values, on the device under jax.experimental.checkify (checkify.debug_check: dropped,
-# with the predicates XLA then removes as dead code, in a function that is not checkified). The same rules and
-# messages as the trace-time checks of the values a host can see, with the first bad index and its value.
-def _device_check_offsets(cu, used, total: int, names: ArgNames) -> None:
-    cu_n, used_n, total_n = names.cu_seqlens, names.seqused, names.total
-    checkify.debug_check(cu[0] >= 0, f"{cu_n}[0] must be >= 0, got {{}}", cu[0])
-    if cu.shape[0] > 1:
-        decreasing = cu[1:] < cu[:-1]
-        b = jnp.argmax(decreasing)
-        checkify.debug_check(~decreasing.any(), f"{cu_n} must be non-decreasing, got {cu_n}[{{}}]={{}} > "
-                             f"{cu_n}[{{}}]={{}}", b, cu[b], b + 1, cu[b + 1])
-    checkify.debug_check(cu[-1] <= total, f"{cu_n}[-1]={{}} exceeds {total_n}={total}", cu[-1])
-    if used is not None and used.shape[0]:
-        lengths = cu[1:] - cu[:-1]
-        outside = (used < 0) | (used > lengths)
-        b = jnp.argmax(outside)
-        checkify.debug_check(~outside.any(), f"{used_n}[{{}}]={{}} must be in [0, {{}}] (the length of sequence {{}} "
-                             f"in {cu_n})", b, used[b], lengths[b], b)
-
-
-def _device_check_dense_seqused(used, seqlen: int, names: ArgNames) -> None:
-    if used.shape[0]:
-        outside = (used < 0) | (used > seqlen)
-        b = jnp.argmax(outside)
-        checkify.debug_check(~outside.any(), f"{names.seqused}[{{}}]={{}} must be in [0, {names.seqlen}={seqlen}]",
-                             b, used[b])
-
-
-def _check_dense_seqused(used: list[int], seqlen: int, names: ArgNames) -> None:
-    bad = [(b, u) for b, u in enumerate(used) if not 0 <= u <= seqlen]
-    if bad:
-        raise ValueError(f"{names.seqused}[{bad[0][0]}]={bad[0][1]} must be in [0, {names.seqlen}={seqlen}]")
-
-
-def _static_ints(name: str, x) -> list[int]:
-    if isinstance(x, (list, tuple)) and any(isinstance(v, jax.core.Tracer) for v in x):
-        raise TypeError(f"{name} is a Python {type(x).__name__} of traced values (a list passed through jax.jit "
-                        "has traced items): pass a jax int32 array for offsets read at run time, or keep the list "
-                        "static (static_argnums or static_argnames of jax.jit, or a closure) for a launch grid "
-                        "fitted to its values")
-    arr = np.asarray(x)
-    if arr.ndim != 1 or not (np.issubdtype(arr.dtype, np.integer) or arr.size == 0):
-        raise TypeError(f"{name} must be a 1-D sequence of ints, got {describe(x)}")
-    return [int(v) for v in arr]
 
 
 def _static_as_array(x):
@@ -212,21 +153,13 @@ def _varlen_rows(total: int, batch: int, layout) -> int:
     return padded_total(total, batch, layout.pad_rows) + layout.pad_rows
 
 
-def _check_rows_fit_int32(name: str, value: int, rows: int) -> None:
-    """The one check that a side's rows fit the kernel's int32 row offsets, for dense and packed sides alike:
-    ``rows`` is what the accumulator holds with its padding."""
-    if rows > INT32_MAX:
-        raise ValueError(f"{name}={value} is too large: the accumulator's {rows} rows (with padding) do not fit the "
-                         f"kernel's int32 row offsets (at most {INT32_MAX})")
-
-
 def scale_operand(scale, name: str = "scale"):
     """``scale`` as a float32 scalar operand: a Python real or a floating-point scalar array, traced or not. A value
     this host can see (a Python or numpy scalar, a concrete array) must be finite in float32: ``ValueError`` naming
     ``name`` and the value otherwise. A traced scale is used as it is (a NaN or an infinity gives such gradients),
     checked only under checkify."""
     if isinstance(scale, numbers.Real) and not isinstance(scale, (bool, np.bool_)):
-        _check_finite_f32(name, scale)
+        _checks.check_finite_f32(name, scale)
         return jnp.float32(scale)
     dtype = getattr(scale, "dtype", None)
     if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
@@ -235,21 +168,8 @@ def scale_operand(scale, name: str = "scale"):
     if np.shape(scale) != ():
         raise ValueError(f"{name} must be a scalar, got shape {np.shape(scale)}")
     if _host_visible(scale):  # numpy, or a concrete jax array (read back from its device)
-        _check_finite_f32(name, np.asarray(scale).item())
+        _checks.check_finite_f32(name, np.asarray(scale).item())
         return jnp.asarray(scale).astype(jnp.float32)
     scale = jnp.asarray(scale).astype(jnp.float32)
-    checkify.debug_check(jnp.isfinite(scale), f"{name} must be finite in float32, got {{}}", scale)
+    _checks.device_check_finite(name, scale)
     return scale
-
-
-def _check_finite_f32(name: str, value) -> None:
-    """``ValueError`` unless ``value`` (a Python real) rounds to a finite float32."""
-    try:
-        as_float = float(value)
-    except OverflowError:  # an int beyond float64
-        as_float = float("inf")
-    with np.errstate(over="ignore", invalid="ignore"):
-        finite = bool(np.isfinite(np.float32(as_float)))
-    if not finite:
-        shown = repr(value)
-        raise ValueError(f"{name} must be finite in float32, got {shown if len(shown) <= 40 else shown[:37] + '...'}")

@@ -7,14 +7,14 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from . import _static_args, _operands
+from . import _checks, _operands
 from .layout import AccumLayout
 from .plan import ARG_NAMES, Operands, Plan
 from .primitive import postprocess_p
 from .reference import accum_from_dq_reference
 
 
-@_static_args.required_arguments(layout=_operands.LAYOUT_HINT)
+@_checks.required_arguments(layout=_operands.LAYOUT_HINT)
 def dq_postprocess(dq_accum, scale, *, head_dim: int, seqlen_q: int | None = None, total_q: int | None = None,
                    cu_seqlens_q=None, seqused_q=None, dtype=jnp.bfloat16, layout: AccumLayout,
                    learnable_sink=None, lse=None, dpsum=None):
@@ -51,9 +51,10 @@ def dq_postprocess(dq_accum, scale, *, head_dim: int, seqlen_q: int | None = Non
         jax int32 array (an operand: new values never retrace or recompile). Values this host can read now (a jax
         array passed outside ``jit``, read back with a device-to-host copy) are validated like static ones (lengths
         against traced offsets: only their sign); traced values are not: corrupt ones are clamped into a partition
-        of the rows, never read or written out of bounds. Under ``jax.experimental.checkify.checkify`` traced
-        offsets, lengths and scales are checked on the device by the same rules (``checkify.debug_check``: no
-        cost otherwise), and the error names the first bad index and its value.
+        of the rows, never read or written out of bounds. With ``JAX_DQPOST_CHECKIFY=1`` (read once per process)
+        traced offsets, lengths and scales are checked on the device by the same rules in a function that
+        ``jax.experimental.checkify.checkify`` transforms, the error naming the first bad index and its value
+        (``checkify.debug_check``: dropped elsewhere; unset, nothing is traced).
       seqused_q: lengths actually used, ``(B,)``: static ints or an int32 array, like ``cu_seqlens_q``.
       dtype: ``jnp.bfloat16`` or ``jnp.float16`` (or their names, ``"bf16"``/``"bfloat16"``,
         ``"f16"``/``"float16"``), the type of dQ.
@@ -77,9 +78,9 @@ def dq_postprocess(dq_accum, scale, *, head_dim: int, seqlen_q: int | None = Non
         (batch above 65535, 2^31 tiles).
     """
     _operands.check_layout(layout, "layout")
-    head_dim = _static_args.head_dim(head_dim)
+    head_dim = _checks.head_dim(head_dim)
     layout.check_head_dim(head_dim)
-    out_dtype = _operands.out_dtype(dtype)
+    out_dtype = _checks.out_dtype(dtype)
     dq_accum = _operands.accumulator("dq_accum", dq_accum)
     scale = _operands.scale_operand(scale)
     part, aux = _operands.part(layout, head_dim, out_dtype, seqlen_q, total_q, cu_seqlens_q, seqused_q)
@@ -90,7 +91,7 @@ def dq_postprocess(dq_accum, scale, *, head_dim: int, seqlen_q: int | None = Non
     return outs[0] if sink is None else (outs[0], outs[1])
 
 
-@_static_args.required_arguments(dq_layout=_operands.LAYOUT_HINT)
+@_checks.required_arguments(dq_layout=_operands.LAYOUT_HINT)
 def flash_attention_postprocess(dq_accum, dk_accum, dv_accum, softmax_scale, *, head_dim: int,
                                 head_dim_v: int | None = None, dtype=jnp.bfloat16, dq_layout: AccumLayout,
                                 dkv_layout: AccumLayout | None = None, dk_scale=None, seqlen_q: int | None = None,
@@ -148,9 +149,9 @@ def flash_attention_postprocess(dq_accum, dk_accum, dv_accum, softmax_scale, *, 
         different batches, key/value heads that do not divide the query heads, sink operands of the wrong
         shapes or only some of them.
     """
-    head_dim = _static_args.head_dim(head_dim)
+    head_dim = _checks.head_dim(head_dim)
     head_dim_v_arg = head_dim_v
-    head_dim_v = head_dim if head_dim_v is None else _static_args.head_dim(head_dim_v, name="head_dim_v")
+    head_dim_v = head_dim if head_dim_v is None else _checks.head_dim(head_dim_v, name="head_dim_v")
     q_part, dq_accum, q_aux, scale = _q_side(dq_accum, softmax_scale, head_dim, dtype, dq_layout, seqlen_q, total_q,
                                              cu_seqlens_q, seqused_q)
     k_scale = scale if dk_scale is None else _operands.scale_operand(dk_scale, "dk_scale")
@@ -183,7 +184,7 @@ def _q_side(dq_accum, scale, head_dim, dtype, layout, seqlen, total, cu_seqlens,
     """``(part, dq_accum, q_aux, scale)`` of :func:`flash_attention_postprocess`'s q side, checked."""
     _operands.check_layout(layout, "dq_layout")
     layout.check_head_dim(head_dim)
-    out_dtype = _operands.out_dtype(dtype)
+    out_dtype = _checks.out_dtype(dtype)
     dq_accum = _operands.accumulator("dq_accum", dq_accum)
     scale = _operands.scale_operand(scale, "softmax_scale")
     part, aux = _operands.part(layout, head_dim, out_dtype, seqlen, total, cu_seqlens, seqused)
@@ -211,7 +212,7 @@ def _bind(plan: Plan, accs, side_aux, scales, sink) -> list:
     return postprocess_p.bind(*plan.join(Operands(tuple(accs), tuple(side_aux), scales, *(sink or ()))), plan=plan)
 
 
-@_static_args.required_arguments(layout=_operands.LAYOUT_HINT)
+@_checks.required_arguments(layout=_operands.LAYOUT_HINT)
 def dq_accum_from_dq(dq, scale, *, layout: AccumLayout, cu_seqlens_q=None, seqused_q=None):
     """The transpose of :func:`dq_postprocess`: build the float32 accumulator a producer would have written.
 

@@ -26,7 +26,6 @@ bits on every run.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
@@ -34,7 +33,7 @@ from cutlass import Float32, Int32, Int64, const_expr
 
 from . import abi, varlen
 from .abi import Tiling
-from .layout import AccumLayout
+from .kernel_spec import KernelSpec
 from .schedule import PartArgs, VarlenScheduler, read_span, scheduler
 from .tile import TileConverter
 
@@ -66,14 +65,6 @@ def entry_args(dtype: str, num_parts: int, sink, addresses, extents) -> tuple:
     return tuple(ptrs) + tuple(Int32(e) for e in extents)
 
 
-class PartSpec(NamedTuple):
-    """One part of the kernel: the accumulator's layout, its padded head dim and the tiling (``Part.kernel_key``)."""
-
-    layout: AccumLayout
-    padded_head_dim: int
-    tiling: Tiling
-
-
 class _SharedTile:
     """Hands each part its shared-memory tile on one common buffer (duck-types ``SmemAllocator.allocate_tensor``,
     which ``TileConverter.tile`` calls)."""
@@ -88,16 +79,17 @@ class _SharedTile:
 class Postprocess:
     """The kernel of a call (module docstring).
 
-    ``parts``: a :class:`PartSpec` per part (dQ's, or dQ's, dK's and dV's). ``sink``: ``(sink type, dsink type)``
-    (CuTe numeric types), or None. The binary depends on these, the output dtype and the target GPU only
-    (``Plan.kernel_key``). Tuning, for experiments (benchmarks/ncu_kernels.py; the package compiles with the defaults):
+    ``spec``: the :class:`~jax_dqpost.kernel_spec.KernelSpec` (``Plan.kernel``); the binary depends on it and the
+    target GPU only. Tuning, for experiments (benchmarks/ncu_kernels.py; the package compiles with the defaults):
     ``min_ctas_per_sm`` (:class:`TileConverter`) and ``short_heads`` (``schedule.ShortTileScheduler``).
     """
 
-    def __init__(self, dtype, parts: tuple[PartSpec, ...], sink=None, *, target_sm: int = 90,
-                 min_ctas_per_sm: int | None = None, short_heads: int = varlen.SHORT_HEADS):
-        self.names = abi.part_names(len(parts))
-        self.dtype = dtype
+    def __init__(self, spec: KernelSpec, *, target_sm: int = 90, min_ctas_per_sm: int | None = None,
+                 short_heads: int = varlen.SHORT_HEADS):
+        parts = spec.tensors
+        sink = None if spec.sink is None else (cute_type(spec.sink[0]), cute_type(spec.sink[1]))
+        self.names = spec.names
+        self.dtype = dtype = cute_type(spec.dtype)
         self.parts = tuple(TileConverter(dtype, p.layout, p.padded_head_dim, tiling=p.tiling, target_sm=target_sm,
                                          min_ctas_per_sm=min_ctas_per_sm) for p in parts)
         self.schedulers = tuple(scheduler(p.layout, p.padded_head_dim, p.tiling, short_heads) for p in parts)

@@ -1,7 +1,8 @@
 """Compile the CuTe DSL kernel once per binary-changing configuration; cutlass is imported lazily here.
 
-The key (``Plan.kernel_key`` and the target GPU) holds what changes the binary: output dtype, each part's
-accumulator layout, padded head dim and tiling, the sink's dtypes and the GPU architecture. Batch, heads, sequence
+The key (``Plan.kernel``, a :class:`~jax_dqpost.kernel_spec.KernelSpec`, and the target GPU) holds what changes the
+binary: output dtype, each part's accumulator layout, padded head dim and tiling, the sink's dtypes and the GPU
+architecture. Batch, heads, sequence
 lengths, head dims and scales are run-time arguments of the compiled module, so they never trigger a compile.
 
 Two caches: in memory (per process), and on disk (``$JAX_DQPOST_CACHE_DIR``, default
@@ -32,10 +33,10 @@ from pathlib import Path
 
 from . import abi, arch as arch_
 from ._version import __version__
-from .abi import Tiling
+from .kernel_spec import KernelSpec
 
-KERNEL_SOURCES = ("kernel.py", "schedule.py", "tile.py", "abi.py", "layout.py", "presets.py", "varlen.py", "arch.py",
-                  "_static_args.py")
+KERNEL_SOURCES = ("kernel.py", "kernel_spec.py", "schedule.py", "tile.py", "abi.py", "layout.py", "presets.py",
+                  "varlen.py", "arch.py", "_checks.py")
 """The modules the compiled kernel is made from (``kernel.py`` and what it imports): part of a disk entry's name."""
 
 FUNCTION_PREFIX = "jax_dqpost"
@@ -53,23 +54,13 @@ _lock = threading.Lock()  # CuTe tracing mutates process-global DSL state: one c
 _cache: dict[tuple, CompiledKernel] = {}
 
 
-def dtype_name(dtype) -> str:
-    """'bf16' or 'f16' for the output dtype (a dtype, or a name in either spelling), else ValueError."""
-    out = abi.dtype_of(dtype)
-    if out not in abi.OUT_DTYPES:
-        raise ValueError(f"dtype must be bfloat16 or float16, got {dtype!r}")
-    return abi.DTYPE_NAMES[out]
-
-
-def get_kernel(key: tuple, *, arch: str | None = None, persist: bool | None = None) -> CompiledKernel:
-    """The compiled module for ``key`` (``Plan.kernel_key``: ``(dtype, parts, sink)``, ``parts`` a ``(layout,
-    padded head dim, tiling)`` per part, ``sink`` the names of the sink's and dsink's dtypes or None), from a cache
-    or compiled now.
+def get_kernel(spec: KernelSpec, *, arch: str | None = None, persist: bool | None = None) -> CompiledKernel:
+    """The compiled module of ``spec`` (``Plan.kernel``), from a cache or compiled now.
 
     ``arch``: the target GPU (default: :func:`jax_dqpost.arch.target_arch`). ``persist``: write a new module to
     the default on-disk cache even without a local GPU (None: see the module docstring).
     """
-    key = _full_key(key, arch)
+    key = _key(spec, arch)
     arch = key[-1]
     damaged = None
     with _lock:
@@ -86,20 +77,18 @@ def get_kernel(key: tuple, *, arch: str | None = None, persist: bool | None = No
     return hit
 
 
-def on_disk(key: tuple, *, arch: str | None = None) -> bool:
-    """Whether the on-disk cache holds a verified entry for ``key`` (:func:`get_kernel`'s) compiled for ``arch``; a
-    damaged entry is not one (:func:`get_kernel` heals it, with its warning)."""
-    directory, full = cache_dir(), _full_key(key, arch)
+def on_disk(spec: KernelSpec, *, arch: str | None = None) -> bool:
+    """Whether the on-disk cache holds a verified entry for ``spec`` compiled for ``arch``; a damaged entry is not
+    one (:func:`get_kernel` heals it, with its warning)."""
+    directory, full = cache_dir(), _key(spec, arch)
     return directory is not None and _read(directory / _disk_name(full), full[-1])[0] is not None
 
 
-def _full_key(key: tuple, arch: str | None) -> tuple:
-    """``(dtype name, parts, sink, arch)``, normalised: :func:`get_kernel`'s key with the target GPU."""
-    arch = arch_.check_arch(arch, f"arch={arch!r}") if arch else arch_.target_arch()
-    dtype, parts, sink = key
-    abi.part_names(len(parts))
-    parts = tuple((layout, int(dr), Tiling(tiling)) for layout, dr, tiling in parts)
-    return dtype_name(dtype), parts, None if sink is None else tuple(sink), arch
+def _key(spec: KernelSpec, arch: str | None) -> tuple[KernelSpec, str]:
+    """``(spec, arch)``: a cache key, with the target GPU (default :func:`jax_dqpost.arch.target_arch`)."""
+    if not isinstance(spec, KernelSpec):
+        raise TypeError(f"jax_dqpost: a kernel is a KernelSpec, got {type(spec).__name__}")
+    return spec, arch_.check_arch(arch, f"arch={arch!r}") if arch else arch_.target_arch()
 
 
 def cache_dir() -> Path | None:
@@ -131,9 +120,8 @@ def _disk_name(key: tuple) -> str:
     here = Path(__file__).parent
     source = b"".join((here / name).read_bytes() for name in KERNEL_SOURCES)
     digest = hashlib.sha256(repr((key, __version__, dsl, FUNCTION_PREFIX, _ENTRY_MAGIC)).encode() + source).hexdigest()
-    dtype, parts, sink, arch = key
-    label = "-".join([dtype] + [tiling.name.lower() for _, _, tiling in parts] + (["sink"] if sink else []))
-    return f"{label}-{arch}-{digest[:40]}.cute"
+    spec, arch = key
+    return f"{spec.label}-{arch}-{digest[:40]}.cute"
 
 
 def _load(key: tuple) -> tuple[CompiledKernel | None, str | None]:
@@ -198,25 +186,18 @@ def _store(key: tuple, kernel: CompiledKernel, persist: bool | None) -> None:
             os.unlink(tmp)
 
 
-def compile_executor(dtype: str, parts: tuple, sink, arch: str, **tuning):
-    """``cute.compile`` the kernel (:func:`get_kernel`'s key); CuTe's executor, callable from Python with
+def compile_executor(spec: KernelSpec, arch: str, **tuning):
+    """``cute.compile`` the kernel of ``spec`` for ``arch``; CuTe's executor, callable from Python with
     ``kernel.entry_args`` and a stream. Callers serialise through ``_lock`` or accept that the DSL's global arch is
     set here (and restored afterwards). ``tuning``: ``kernel.Postprocess``'s tuning keywords (``min_ctas_per_sm``,
     ``short_heads``) for experiments (benchmarks/ncu_kernels.py); the package itself always compiles with the
     defaults, which is why they are not part of the key."""
-    from .kernel import PartSpec, Postprocess, cute_type, entry_args
-    from .tile import TileConverter
+    from .kernel import Postprocess, entry_args
 
-    out = cute_type(dtype_name(dtype))
-    for layout, dr, _ in parts:
-        if not TileConverter.can_implement(out, layout, dr):
-            raise ValueError(f"jax_dqpost: no kernel for dtype={dtype}, {layout}, padded head dim {dr}")
-    kernel = Postprocess(out, tuple(PartSpec(*p) for p in parts),
-                         None if sink is None else (cute_type(sink[0]), cute_type(sink[1])),
-                         target_sm=arch_.sm_version(arch), **tuning)
+    kernel = Postprocess(spec, target_sm=arch_.sm_version(arch), **tuning)
     # placeholder addresses and extents: the executor takes the real ones at every call
-    n = len(parts)
-    args = entry_args(dtype_name(dtype), n, sink, [16] * len(abi.pointers(n, sink is not None)), [1, 1, 1, 8, 1] * n)
+    n, sink = len(spec.tensors), spec.sink
+    args = entry_args(spec.dtype, n, sink, [16] * len(abi.pointers(n, sink is not None)), [1, 1, 1, 8, 1] * n)
     return _cute_compile(kernel, args, arch)
 
 

@@ -26,8 +26,8 @@ import dataclasses
 
 import numpy as np
 
-from . import _static_args
-from ._static_args import MAX_HEAD_DIM
+from . import _checks
+from ._checks import MAX_HEAD_DIM
 from .varlen import padded_total
 
 __all__ = ["AccumLayout"]
@@ -36,21 +36,17 @@ _SUPPORTED_ARCHS = (80, 90, 100, None)
 _WARPGROUP = 128
 _WGMMA_M = 64
 _MMA_SYNC_TILE = 16  # m16n8k16 atoms, 16 x 16 permutation tile per warp
-_VEC_BYTES = 16  # the kernel's global loads and stores are 16-byte vectors
-_OUT_BYTES = 2  # bf16 and fp16
 _MAX_CLUSTER = 8
-_SMEM_ROWS = 16  # the kernel's swizzled dQ tile takes whole 16-row blocks (odd multiples of 8 do not compile)
-SMEM_LIMIT = 99 * 1024
 """Shared memory a CTA may use on every supported GPU (the opt-in maximum of sm_86, sm_89 and sm_120; sm_80
 has 163 KiB, sm_90 and sm_100 227 KiB). The kernel stages one ``tile_m x Dr`` dQ tile there."""
 
 
 def _check_int(name: str, value, *, minimum: int = 1) -> int:
-    return _static_args.static_int(f"AccumLayout.{name}", value, minimum=minimum)
+    return _checks.static_int(f"AccumLayout.{name}", value, minimum=minimum)
 
 
 def _check_bool(name: str, value) -> bool:
-    return _static_args.static_bool(f"AccumLayout.{name}", value)
+    return _checks.static_bool(f"AccumLayout.{name}", value)
 
 
 CONSTRUCTORS = ("AccumLayout.flash_attention(gpu, head_dim, causal=..., tensor='dq' or 'dkv', version=...) gives "
@@ -157,7 +153,7 @@ class AccumLayout:
                              f"allocated row holds the tiles) and at most {MAX_HEAD_DIM}, got {alloc}")
         if self.varlen_unreadable is not None and not isinstance(self.varlen_unreadable, str):
             raise TypeError(f"AccumLayout.varlen_unreadable must be None or a str (the reason), got "
-                            f"{_static_args.describe(self.varlen_unreadable)}")
+                            f"{_checks.describe(self.varlen_unreadable)}")
         # Normalise numpy scalars so equal layouts hash equal.
         for name, value in (("arch", arch), ("tile_m", tile_m), ("num_threads", num_threads),
                             ("atom_layout", atom_layout), ("hdim_multiple_of", mult), ("swap_ab", swap_ab),
@@ -196,7 +192,7 @@ class AccumLayout:
 
     # ----------------------------------------------------------------------------------------------
     @classmethod
-    @_static_args.required_arguments(causal=lambda: _hint("causal"), tensor=lambda: _hint("tensor"),
+    @_checks.required_arguments(causal=lambda: _hint("causal"), tensor=lambda: _hint("tensor"),
                                      version=lambda: _hint("version"))
     def flash_attention(cls, gpu: int, head_dim: int, *, causal: bool, tensor: str, version: str,
                         head_dim_v: int | None = None) -> "AccumLayout":
@@ -335,44 +331,16 @@ class AccumLayout:
             regs=self.tile_m * dr // self.num_threads,
         )
 
-    def store_tiling(self, padded_head_dim: int) -> tuple[int, int] | None:
-        """Threads ``(rows, per_row)`` of the kernel's 16-byte dQ stores over a ``(tile_m, Dr)`` tile, or None.
-
-        ``per_row`` divides the row's vector count and the storing threads, and the rows covered per pass divide
-        ``tile_m``, so the tile is covered exactly; among those, the widest rows win (coalescing). All
-        ``num_threads`` threads store where such a tiling exists, else the first half, quarter... that has one (the
-        others wait). The swizzled shared-memory tile is partitioned in 16-row blocks: a pass covers at least two
-        rows and whole blocks or a divisor of one (the DSL refuses, or aborts on, other row counts).
-        """
-        vecs_per_row = padded_head_dim * _OUT_BYTES // _VEC_BYTES
-        threads = self.num_threads
-        while threads >= 32:
-            best = None
-            for per_row in range(1, vecs_per_row + 1):
-                if vecs_per_row % per_row or threads % per_row:
-                    continue
-                rows = threads // per_row
-                if rows >= 2 and self.tile_m % rows == 0 and (rows % _SMEM_ROWS == 0 or _SMEM_ROWS % rows == 0):
-                    best = (rows, per_row)
-            if best is not None or threads % 2:
-                return best
-            threads //= 2
-        return None
-
-    def smem_bytes(self, head_dim: int) -> int:
-        """Shared memory of the kernel's dQ tile: ``tile_m * Dr`` bf16/fp16 values."""
-        return self.tile_m * self.padded_head_dim(head_dim) * _OUT_BYTES
-
     def check_head_dim(self, head_dim: int, name: str = "head_dim") -> None:
         """Raise ``ValueError`` unless ``head_dim`` can be stored in this accumulator order and postprocessed on
         every supported GPU: the MMA tiling divides, the padded head dim is at most 256, the kernel can place the
         fragment (wgmma: 16-column multiples per warpgroup; mma.sync: a power-of-two number of warps, and at least
         two along dQ's rows with ``swap_ab``), ``tile_m`` is a multiple of 16, the kernel's threads tile the dQ
-        tile's 16-byte stores exactly, and the tile fits in shared memory (:data:`SMEM_LIMIT`). What passes
+        tile's 16-byte stores exactly, and the tile fits in shared memory (``kernel_spec.SMEM_LIMIT``). What passes
         compiles for sm_80, sm_90a and sm_100a alike (``tests/test_accepted_layouts.py``). ``name``: the argument
         the messages name. The message of a head dim the order cannot hold lists those it can, and the presets it
         is FlashAttention-4's for: a layout made for another head dim is the usual cause."""
-        head_dim = _static_args.head_dim(head_dim, name)
+        head_dim = _checks.head_dim(head_dim, name)
         try:
             self._check_kernel(head_dim, name)
         except ValueError as e:
@@ -398,23 +366,15 @@ class AccumLayout:
                 + f": build the layout for {name}={head_dim}")
 
     def _check_kernel(self, head_dim: int, name: str) -> None:
+        from . import kernel_spec
+
         head_dim, dr, what = self._check_order(head_dim, name)
-        self._check_fragment_stores(head_dim, what)
-        if self.tile_m % _SMEM_ROWS:
-            raise ValueError(f"{what}: the kernel's swizzled shared-memory dQ tile needs tile_m to be a multiple of "
-                             f"{_SMEM_ROWS}, got {self.tile_m}")
-        if self.smem_bytes(head_dim) > SMEM_LIMIT:
-            raise ValueError(f"{what}: the kernel's dQ tile needs {self.smem_bytes(head_dim)} bytes of shared memory "
-                             f"(tile_m * Dr * 2), more than the {SMEM_LIMIT} a CTA may use on every supported GPU")
-        if self.store_tiling(dr) is None:
-            raise ValueError(f"{what}: num_threads={self.num_threads} cannot store the ({self.tile_m}, {dr}) dQ tile "
-                             f"as 16-byte vectors exactly (threads per row must divide the {dr // 8} vectors of a "
-                             f"row and the rows per pass must divide tile_m)")
+        kernel_spec.check_limits(self, head_dim, what)
 
     def _check_order(self, head_dim: int, name: str = "head_dim"):
         """The order itself is defined for ``head_dim`` (the producer's MMA tiling divides, Dr <= 256):
         ``(head_dim, Dr, description)``, else ``ValueError``. What the index map needs; the kernel needs more."""
-        head_dim = _static_args.head_dim(head_dim, name)
+        head_dim = _checks.head_dim(head_dim, name)
         dr = self.padded_head_dim(head_dim)
         what = f"{name}={head_dim} (padded to {dr}) with {self}"
         if dr > MAX_HEAD_DIM:
@@ -443,23 +403,6 @@ class AccumLayout:
                 f"{what}: the MMA's N mode ({g['n']}) split over {g['atoms_n']} warpgroups does not give "
                 "a WGMMA N that is a multiple of 8 and at most 256"
             )
-
-    def _check_fragment_stores(self, head_dim: int, what: str) -> None:
-        """How the kernel places an MMA fragment into shared memory limits the orders it takes (each limit found
-        by compiling: outside it the DSL refuses the copy, or aborts the process)."""
-        if self.arch == 90 and self.swap_ab:
-            n_atom = self.mma_geometry(head_dim)["n_atom"]
-            if n_atom % 16:
-                raise ValueError(f"{what}: each warpgroup's WGMMA tile is {n_atom} wide along N; the kernel's "
-                                 "transposed (swap_ab) stmatrix stores need a multiple of 16")
-        elif self.arch == 80:
-            warps = self.num_threads // 32
-            if warps & (warps - 1):
-                raise ValueError(f"{what}: the kernel places mma.sync fragments for a power-of-two number of warps, "
-                                 f"got {warps}")
-            if self.swap_ab and self.atom_layout < 2:
-                raise ValueError(f"{what}: a transposed (swap_ab) mma.sync fragment needs atom_layout >= 2 (at least "
-                                 "two warps along dQ's rows) for the 16-bit stores used on GPUs without stmatrix")
 
     # ----------------------------------------------------------------------------------------------
     # The index map
@@ -535,7 +478,7 @@ class AccumLayout:
                 + (f", varlen_unreadable={self.varlen_unreadable!r}" if self.varlen_unreadable else "") + ")")
 
 
-AccumLayout.__init__ = _static_args.required_arguments(
+AccumLayout.__init__ = _checks.required_arguments(
     **{f.name: f"the fields of the producer's order ({NO_DEFAULT}); {CONSTRUCTORS}"
        for f in dataclasses.fields(AccumLayout) if not f.kw_only})(AccumLayout.__init__)
 

@@ -25,7 +25,7 @@ def cuda_lowering(ctx, *args, plan: Plan):
         _check_export_allows_target()
     accs = plan.split(ctx.avals_in).acc
     extents, ctas = plan.launch([a.shape for a in accs])  # CUDA's grid limits, checked before any compile
-    kernel = kernel_cache.get_kernel(plan.kernel_key)
+    kernel = kernel_cache.get_kernel(plan.kernel)
     if arch.cuda_devices():  # lowering for export on a machine without a GPU needs no registration
         _ffi.register()
     sizes = [int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in list(ctx.avals_in) + list(ctx.avals_out)]

@@ -2,8 +2,8 @@
 dV) and the learnable sink's dtype.
 
 The API builds the plan from the arguments (``api.py``); it is the primitive's only parameter, and every rule asks
-it: the operand and result shapes (abstract evaluation), the reference (``reference.py``), the kernel's compile key,
-launch grid and extents (``lowering.py``), the sharding rule and the vmap folding (``primitive.py``). Batch and
+it: the operand and result shapes (abstract evaluation), the reference (``reference.py``), the kernel it compiles
+(``Plan.kernel``), its launch grid and extents (``lowering.py``), the sharding rule and the vmap folding (``primitive.py``). Batch and
 heads are not part of it: they come from the operands' shapes, so vmap and sharding change them without a new plan.
 The operands and results are in the order of the calling convention (``abi.py``).
 
@@ -30,29 +30,12 @@ import numpy as np
 
 from . import abi
 from .abi import Tiling
+from .kernel_spec import KernelSpec, TensorKernel
 from .layout import AccumLayout
+from ._checks import ARG_NAMES, ArgNames
 from .varlen import INT32_MAX, WorkList
 
 MAX_GRID_Z = 65535  # CUDA's limit on gridDim.z: the batch of dense parts
-
-
-class ArgNames(NamedTuple):
-    """What the API calls one tensor's arguments: errors name the argument the caller passed."""
-
-    accum: str
-    seqlen: str
-    total: str
-    cu_seqlens: str
-    seqused: str
-    head_dim: str
-
-
-ARG_NAMES = {
-    "dq": ArgNames("dq_accum", "seqlen_q", "total_q", "cu_seqlens_q", "seqused_q", "head_dim"),
-    "dk": ArgNames("dk_accum", "seqlen_k", "total_k", "cu_seqlens_k", "seqused_k", "head_dim"),
-    "dv": ArgNames("dv_accum", "seqlen_k", "total_k", "cu_seqlens_k", "seqused_k", "head_dim_v"),
-}
-"""The names of each tensor's arguments (``dq_postprocess`` and ``dq_accum_from_dq`` use dQ's)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,9 +74,9 @@ class Part:
         return self.layout.alloc_head_dim(self.padded_head_dim)
 
     @property
-    def kernel_key(self) -> tuple:
+    def kernel(self) -> TensorKernel:
         """What of this part changes the compiled binary."""
-        return self.layout, self.padded_head_dim, self.tiling
+        return TensorKernel(self.layout, self.padded_head_dim, self.tiling)
 
     # ---- shapes ----------------------------------------------------------------------------------
     def aux_shape(self, batch: int) -> tuple[int]:
@@ -332,11 +315,11 @@ class Plan:
         return len(self.parts) == 1 and not self.has_sink and self.dq.work is None
 
     @property
-    def kernel_key(self) -> tuple:
-        """What changes the compiled binary (with the target GPU): ``(dtype name, part keys, sink)``."""
+    def kernel(self) -> KernelSpec:
+        """The kernel the call compiles (with the target GPU): what of it changes the binary."""
         sink = None if not self.has_sink else (abi.DTYPE_NAMES[np.dtype(self.sink_dtype)],
                                                abi.DTYPE_NAMES[np.dtype(self.dsink_dtype)])
-        return abi.DTYPE_NAMES[np.dtype(self.dq.dtype)], tuple(p.kernel_key for p in self.parts), sink
+        return KernelSpec(abi.DTYPE_NAMES[np.dtype(self.dq.dtype)], tuple(p.kernel for p in self.parts), sink)
 
     def launch(self, acc_shapes) -> tuple[tuple[int, ...], int]:
         """``(extents, ctas)``: the kernel's int32 extents (``abi.EXTENTS`` of each part, ``Part.launch_extents``)

@@ -15,7 +15,8 @@ import itertools
 import sys
 import time
 
-from . import _static_args, abi, arch as arch_, kernel_cache
+from . import _checks, abi, arch as arch_, kernel_cache
+from .kernel_spec import KernelSpec, TensorKernel
 from .layout import AccumLayout
 from .presets import FLASH_ATTENTION_ARCHS, FLASH_ATTENTION_RELEASES, GPU_ARCHS, has_postprocess
 from .abi import Tiling
@@ -84,7 +85,7 @@ def _preset_arch(text: str) -> int:
 
 
 def _head_dim(text: str) -> int:
-    return _static_args.head_dim(_int(text))
+    return _checks.head_dim(_int(text))
 
 
 def _arch(text: str) -> str:
@@ -96,10 +97,10 @@ def _arch(text: str) -> str:
 
 def _dtype(text: str) -> str:
     """A dQ type in either spelling (``bf16`` or ``bfloat16``, ``f16`` or ``float16``), as its short name."""
-    dtype = abi.dtype_of(text)
-    if dtype not in abi.OUT_DTYPES:
-        raise ValueError(f"choose from {', '.join(_DTYPE_SPELLINGS)}")
-    return abi.DTYPE_NAMES[dtype]
+    try:
+        return abi.DTYPE_NAMES[_checks.out_dtype(text)]
+    except (TypeError, ValueError):
+        raise ValueError(f"choose from {', '.join(_DTYPE_SPELLINGS)}") from None
 
 
 def _choice(names):
@@ -165,7 +166,8 @@ def main(argv=None) -> int:
                       f"{len(fused)} layout pairs x {len(args.dtypes)} dtypes x {len(tilings)} tilings x "
                       f"{len(sinks)} sinks"))
     for what, part_sets, sinks, shape in kinds:
-        keys = [(dtype, parts, sink) for parts in part_sets for dtype in args.dtypes for sink in sinks]
+        keys = [KernelSpec(dtype, tuple(TensorKernel(*p) for p in parts), sink)
+                for parts in part_sets for dtype in args.dtypes for sink in sinks]
         start, compiled = time.perf_counter(), 0
         for key in keys:
             if not kernel_cache.on_disk(key, arch=arch):

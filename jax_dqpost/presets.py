@@ -8,8 +8,8 @@ import dataclasses
 import functools
 import itertools
 
-from . import _static_args
-from ._static_args import MAX_HEAD_DIM
+from . import _checks
+from ._checks import MAX_HEAD_DIM
 from .arch import SUPPORTED_ARCHS, sm_version
 from .layout import AccumLayout
 
@@ -175,12 +175,12 @@ def flash_attention(gpu: int, head_dim: int, *, causal: bool, tensor: str, versi
                     head_dim_v: int | None = None) -> AccumLayout:
     """``AccumLayout.flash_attention`` (its docstring): the arguments checked, the preset and the release's
     padding."""
-    gpu = _static_args.static_int("gpu", gpu, minimum=1)
-    head_dim = _static_args.head_dim(head_dim)
-    head_dim_v = head_dim if head_dim_v is None else _static_args.head_dim(head_dim_v, name="head_dim_v")
-    causal = _static_args.static_bool("causal", causal)
+    gpu = _checks.static_int("gpu", gpu, minimum=1)
+    head_dim = _checks.head_dim(head_dim)
+    head_dim_v = head_dim if head_dim_v is None else _checks.head_dim(head_dim_v, name="head_dim_v")
+    causal = _checks.static_bool("causal", causal)
     if tensor not in ("dq", "dkv"):
-        raise ValueError(f"tensor must be 'dq' or 'dkv', got {_static_args.describe(tensor)}")
+        raise ValueError(f"tensor must be 'dq' or 'dkv', got {_checks.describe(tensor)}")
     if gpu not in GPU_ARCHS:
         raise ValueError(f"gpu={gpu} is not a GPU architecture; the known ones are "
                          f"{', '.join(map(str, GPU_ARCHS))} (FlashAttention-4's backward runs on "
@@ -197,7 +197,7 @@ def flash_attention(gpu: int, head_dim: int, *, causal: bool, tensor: str, versi
     layout = _preset(gpu, head_dim, causal, tensor == "dkv")
     if not isinstance(version, str):
         raise TypeError(f"version must be a str, a flash-attn-4 release such as "
-                        f"{next(iter(FLASH_ATTENTION_RELEASES))!r}, got {_static_args.describe(version)}")
+                        f"{next(iter(FLASH_ATTENTION_RELEASES))!r}, got {_checks.describe(version)}")
     release = FLASH_ATTENTION_RELEASES.get(version.strip())
     where = f"gpu={gpu}, head_dim={head_dim}, causal={causal}, tensor={tensor!r}"
     if release is None:

@@ -34,6 +34,7 @@ from cutlass import Float32, Int64, const_expr
 from cutlass.cute.nvgpu import warp, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
+from . import kernel_spec
 from .abi import Tiling
 from .layout import AccumLayout
 from .schedule import PartArgs, ShortTile, Tile
@@ -53,7 +54,7 @@ class TileConverter:
     """The conversion of one part's tiles, for an accumulator in any :class:`AccumLayout` order.
 
     Its code depends on the output dtype, the layout, the padded head dim, the tiling and the target GPU only
-    (``Part.kernel_key``); batch, heads, sequence lengths and head_dim are run-time arguments.
+    (``kernel_spec.TensorKernel``); batch, heads, sequence lengths and head_dim are run-time arguments.
 
     How the fragment is read, by order family:
 
@@ -74,9 +75,8 @@ class TileConverter:
         """``padded_head_dim``: ``Dr``, the head dim as padded in the accumulator. ``tiling``: the part's
         (``schedule.py``; outside ``DENSE`` the loads of rows past ``rows_conv`` are skipped). ``target_sm``: the GPU
         generation compiled for (e.g. 80, 90, 100). Tuning (benchmarks/ncu_kernels.py compares it):
-        ``min_ctas_per_sm``, the launch-bounds hint given to ptxas (None: chosen here; 0: none)."""
-        if not self.can_implement(dtype, layout, padded_head_dim):
-            raise ValueError(f"cannot implement dtype={dtype}, {layout}, padded_head_dim={padded_head_dim}")
+        ``min_ctas_per_sm``, the launch-bounds hint given to ptxas (None: chosen here; 0: none). The layout and
+        ``Dr`` are a :class:`~jax_dqpost.kernel_spec.KernelSpec`'s, which checked that the kernel exists."""
         self.tiling = Tiling(tiling)
         self.family = {90: "mma", 80: "mma", 100: "rows", None: "rowmajor"}[layout.arch]
         self.use_stmatrix = target_sm >= 90
@@ -104,25 +104,13 @@ class TileConverter:
         else:
             live = self.regs if self.family == "mma" else 16
         self.chunk = self.tile_m * padded_head_dim // max(1, layout.num_threads // 128)  # arch 90: per warpgroup
-        self.store_threads = layout.store_tiling(padded_head_dim)
-        self.smem_bytes = layout.smem_bytes(padded_head_dim)
+        self.store_threads = kernel_spec.store_tiling(layout, padded_head_dim)
+        self.smem_bytes = kernel_spec.smem_bytes(layout, padded_head_dim)
         if min_ctas_per_sm is None:
             # Room for the whole fp32 fragment (all its loads in flight at once) plus ~24 registers of
             # addresses and converted values, and as many CTAs per SM as that allows.
             min_ctas_per_sm = _REGS_PER_SM // (self.num_threads * (live + 24))
         self.min_ctas_per_sm = max(0, min(min_ctas_per_sm, _THREADS_PER_SM // self.num_threads))
-
-    @staticmethod
-    def can_implement(dtype, layout: AccumLayout, padded_head_dim: int) -> bool:
-        if dtype not in (cutlass.BFloat16, cutlass.Float16):
-            return False
-        if padded_head_dim % layout.hdim_multiple_of:
-            return False
-        try:
-            layout.check_head_dim(padded_head_dim)  # every rule the kernel relies on, as the API checks it
-        except ValueError:
-            return False
-        return True
 
     # ----------------------------------------------------------------------------------------------
     def _tiled_mma(self):

@@ -197,27 +197,3 @@ class WorkList:
         spans_at, tile_span_at = sections(self.num_spans)
         spans = meta[spans_at:tile_span_at].reshape(self.num_spans, len(SPAN_FIELDS))
         return Spans(meta[:spans_at], *(spans[:, f] for f in range(len(SPAN_FIELDS))), meta[tile_span_at:])
-
-
-def check_static(cu_seqlens, seqused, total: int, names) -> None:
-    """Validate static offsets at trace time: ValueError naming the argument and the bad value (``names``: the
-    arguments' names, a ``plan.ArgNames``)."""
-    cu_n, used_n, total_n = names.cu_seqlens, names.seqused, names.total
-    cu = list(cu_seqlens)
-    if not cu:
-        raise ValueError(f"{cu_n} must have batch + 1 entries (at least 1), got {cu}")
-    if cu[0] < 0:
-        raise ValueError(f"{cu_n}[0] must be >= 0, got {cu[0]}")
-    for b in range(len(cu) - 1):
-        if cu[b + 1] < cu[b]:
-            raise ValueError(f"{cu_n} must be non-decreasing, got {cu_n}[{b}]={cu[b]} > {cu_n}[{b + 1}]={cu[b + 1]}")
-    if cu[-1] > total:
-        raise ValueError(f"{cu_n}[-1]={cu[-1]} exceeds {total_n}={total}")
-    if seqused is not None:
-        used = list(seqused)
-        if len(used) != len(cu) - 1:
-            raise ValueError(f"{used_n} must have batch={len(cu) - 1} entries, got {len(used)}")
-        for b, u in enumerate(used):
-            if not 0 <= u <= cu[b + 1] - cu[b]:
-                raise ValueError(f"{used_n}[{b}]={u} must be in [0, {cu[b + 1] - cu[b]}] (the length of sequence "
-                                 f"{b} in {cu_n})")

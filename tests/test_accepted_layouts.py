@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from jax_dqpost import AccumLayout, dq_postprocess, kernel_cache, varlen
-from jax_dqpost.layout import SMEM_LIMIT
+from jax_dqpost.kernel_spec import SMEM_LIMIT, KernelSpec, TensorKernel, store_tiling
 from jax_dqpost.abi import Tiling
 
 ARCHS = ("sm_80", "sm_90a", "sm_100a")
@@ -46,7 +46,7 @@ EDGES = [
 ]
 assert all(layout.alloc_hdim_multiple_of == 32 and layout.hdim_multiple_of == 16 for layout, _ in EDGES[-7:-3])
 assert [layout.mma_geometry(d)["n_atom"] for layout, d in EDGES[-7:-1]] == [48, 80, 56, 112, 8, 40]
-assert EDGES[-1][0].store_tiling(96) == (16, 4)
+assert store_tiling(EDGES[-1][0], 96) == (16, 4)
 
 
 def _random_accepted(rng, count):
@@ -86,8 +86,8 @@ def compile_all(seed: int, count: int) -> None:
             print(f"compiling {layout} head_dim={head_dim} {tiling.name} {arch}", flush=True)
             with warnings.catch_warnings():
                 warnings.simplefilter("error")  # a user sees no warning from compiling
-                parts = ((layout, layout.padded_head_dim(head_dim), tiling),)
-                kernel = kernel_cache.get_kernel((jnp.bfloat16, parts, None), arch=arch)
+                tensor = TensorKernel(layout, layout.padded_head_dim(head_dim), tiling)
+                kernel = kernel_cache.get_kernel(KernelSpec(jnp.bfloat16, (tensor,)), arch=arch)
             assert kernel.module[:4] == b"\x7fELF", (layout, head_dim, arch)
     print("compiled", len(cases), "cases", flush=True)
 

@@ -16,8 +16,14 @@ import pytest
 
 from jax_dqpost import DISABLED_CHECKS, AccumLayout, cuda_arch, dq_postprocess
 from jax_dqpost import arch as arch_, kernel_cache
+from jax_dqpost.kernel_spec import KernelSpec, TensorKernel
 
 LAYOUT = AccumLayout.flash_attention(90, 128, causal=False, tensor="dq", version="4.0.0b36")
+
+
+def _spec(layout=LAYOUT, padded_head_dim=128, tiling=0):
+    """The kernel of a one-part bf16 call without a sink."""
+    return KernelSpec(jnp.bfloat16, (TensorKernel(layout, padded_head_dim, tiling),))
 
 
 def _export(seqlen=100):
@@ -30,11 +36,11 @@ def test_cuda_arch_chooses_the_target_and_validates():
     for arch in ("sm_80", "sm_100a"):
         with cuda_arch(arch):
             text = _export().mlir_module()
-        assert kernel_cache.get_kernel((jnp.bfloat16, ((LAYOUT, 128, 0),), None), arch=arch).fingerprint in text
+        assert kernel_cache.get_kernel(_spec(), arch=arch).fingerprint in text
     with cuda_arch("sm_90"):  # the Hopper kernel needs sm_90a code: sm_90 means sm_90a
         assert arch_.target_arch() == "sm_90a"
         text = _export().mlir_module()
-    assert kernel_cache.get_kernel((jnp.bfloat16, ((LAYOUT, 128, 0),), None), arch="sm_90a").fingerprint in text
+    assert kernel_cache.get_kernel(_spec(), arch="sm_90a").fingerprint in text
     for bad in ("hopper", "sm_75", "sm_90f", "sm_107a", "sm_90a "):
         with pytest.raises(ValueError, match=rf"^arch={bad!r} is not a GPU architecture the kernel compiles for; "
                                              r"the accepted names are sm_80, sm_86, .*sm_90a, .*sm_120a, .*"
@@ -53,7 +59,7 @@ def test_every_accepted_arch_compiles_and_is_the_dsls():
 
     for name in arch_.SUPPORTED_ARCHS:
         assert name in Arch.__members__, name
-        kernel = kernel_cache.get_kernel((jnp.bfloat16, ((LAYOUT, 128, 0),), None), arch=name)
+        kernel = kernel_cache.get_kernel(_spec(), arch=name)
         assert kernel.arch == name and kernel.module[:4] == b"\x7fELF"
     assert "sm_90" in Arch.__members__ and arch_.check_arch("sm_90") == "sm_90a"
 
@@ -85,8 +91,9 @@ _SCRIPT = textwrap.dedent("""
     import sys, jax, jax.numpy as jnp
     from jax_dqpost import AccumLayout, kernel_cache as c
     from jax_dqpost.abi import Tiling
+    from jax_dqpost.kernel_spec import KernelSpec, TensorKernel
     layout = AccumLayout.flash_attention(90, 128, causal=False, tensor="dq", version="4.0.0b36")
-    k = c.get_kernel((jnp.bfloat16, ((layout, 128, Tiling.VARLEN),), None), arch="sm_90a")
+    k = c.get_kernel(KernelSpec("bf16", (TensorKernel(layout, 128, Tiling.VARLEN),)), arch="sm_90a")
     print(k.fingerprint, "cutlass" in sys.modules)
 """)
 
@@ -145,7 +152,7 @@ def test_a_damaged_entry_is_recompiled_and_rewritten_with_one_warning(tmp_path, 
 
     monkeypatch.setenv("JAX_DQPOST_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(kernel_cache, "_cache", {})
-    key = (jnp.bfloat16, ((LAYOUT, 128, Tiling.VARLEN),), None)
+    key = _spec(tiling=Tiling.VARLEN)
     good = kernel_cache.get_kernel(key, arch="sm_90a")
     (entry,) = tmp_path.glob("*.cute")
     intact = entry.read_bytes()
@@ -297,9 +304,10 @@ def test_cross_compiling_without_a_gpu_leaves_the_default_cache_alone(tmp_path):
     if arch.cuda_devices():
         pytest.skip("this machine has a GPU: kernels for it are cached by default")
     code = ("import jax, jax.numpy as jnp; from jax_dqpost import kernel_cache, arch, AccumLayout\n"
+            "from jax_dqpost.kernel_spec import KernelSpec, TensorKernel\n"
             "assert not arch.cuda_devices()\n"
             "layout = AccumLayout.flash_attention(90, 64, causal=False, tensor='dq', version='4.0.0b36')\n"
-            "kernel_cache.get_kernel((jnp.bfloat16, ((layout, 64, 0),), None), arch='sm_90a')\n")
+            "kernel_cache.get_kernel(KernelSpec(jnp.bfloat16, (TensorKernel(layout, 64, 0),)), arch='sm_90a')\n")
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_DQPOST_CACHE_DIR", "XDG_CACHE_HOME")}
     out = subprocess.run([sys.executable, "-c", code], env={**env, "HOME": str(tmp_path)}, cwd="/",
                          capture_output=True, text=True, timeout=600)

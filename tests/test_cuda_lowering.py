@@ -20,13 +20,14 @@ import jax_dqpost
 from jax_dqpost import DISABLED_CHECKS, AccumLayout, dq_postprocess
 from jax_dqpost import _ffi, kernel_cache
 from jax_dqpost.abi import Tiling
+from jax_dqpost.kernel_spec import KernelSpec, TensorKernel
 
 LAYOUT = AccumLayout(90, 80, 256, 1, True, 32)
 
 
 def _key(dtype, layout, padded_head_dim, tiling=Tiling.DENSE):
-    """The kernel cache's key of a one-part call without a sink (``Plan.kernel_key``)."""
-    return (dtype, ((layout, padded_head_dim, tiling),), None)
+    """The kernel of a one-part call without a sink (``Plan.kernel``)."""
+    return KernelSpec(dtype, (TensorKernel(layout, padded_head_dim, tiling),))
 
 
 def _export(platforms, head_dim=128, seqlen=1000, dtype=jnp.bfloat16):
@@ -193,7 +194,7 @@ def test_compiling_for_another_arch_leaves_the_dsl_setting_alone():
     envar = CuTeDSL._get_dsl().envar
     before = envar.arch
     for arch in ("sm_100a", "sm_80"):
-        kernel_cache.compile_executor("bf16", ((LAYOUT, 128, Tiling.VARLEN),), None, arch)
+        kernel_cache.compile_executor(_key("bf16", LAYOUT, 128, Tiling.VARLEN), arch)
         assert envar.arch == before, (arch, envar.arch, before)
 
 

@@ -53,15 +53,14 @@ def _kernel_on_poisoned_output(rng, layout, head_dim, seqlen, dtype, what):
     scale = float(rng.uniform(0.05, 2.0))
     want = oracle.expected_dq(logical, scale, dtype)
     plan = Plan((Part(layout, D, np.dtype(dtype), seqlen=S),))
-    name, parts, _ = plan.kernel_key
-    executor = kernel_cache.compile_executor(name, parts, None, arch.target_arch())
+    executor = kernel_cache.compile_executor(plan.kernel, arch.target_arch())
     t_acc = torch.from_numpy(acc).cuda()
     t_out = torch.full((B * S * H * D + GUARD,), np.uint16(POISON).view(np.int16).item(), dtype=torch.int16,
                        device="cuda")
     t_scale = torch.tensor([scale], dtype=torch.float32).cuda()
     # abi.pointers(1, False): dq_accum, q_aux (unused when dense), scales, dq
     addresses = [t_acc.data_ptr(), t_scale.data_ptr(), t_scale.data_ptr(), t_out.data_ptr()]
-    executor(*entry_args(name, 1, None, addresses, plan.launch([acc.shape])[0]),
+    executor(*entry_args(plan.kernel.dtype, 1, None, addresses, plan.launch([acc.shape])[0]),
              cuda.CUstream(torch.cuda.current_stream().cuda_stream))
     torch.cuda.synchronize()
     out = t_out.cpu().numpy().view(np.uint16)
@@ -125,13 +124,12 @@ def test_short_varlen_tiles_on_poisoned_output(rng, name, dtype, heads):
     for num_tiles in (None, varlen.WorkList.max_tiles(T, batch, layout)):  # static offsets' slots, traced ones'
         work, meta = varlen.WorkList.build(np, cu, used, total=T, layout=layout, num_tiles=num_tiles)
         plan = Plan((Part(layout, D, np.dtype(dtype), work=work),))
-        kind, parts, _ = plan.kernel_key
-        executor = executor or kernel_cache.compile_executor(kind, parts, None, arch.target_arch())
+        executor = executor or kernel_cache.compile_executor(plan.kernel, arch.target_arch())
         t_meta = torch.from_numpy(meta).cuda()
         n = T * H * D
         t_out = torch.full((n + GUARD,), np.uint16(POISON).view(np.int16).item(), dtype=torch.int16, device="cuda")
         addresses = [t_acc.data_ptr(), t_meta.data_ptr(), t_scale.data_ptr(), t_out.data_ptr()]
-        executor(*entry_args(kind, 1, None, addresses, plan.launch([acc.shape])[0]),
+        executor(*entry_args(plan.kernel.dtype, 1, None, addresses, plan.launch([acc.shape])[0]),
                  cuda.CUstream(torch.cuda.current_stream().cuda_stream))
         torch.cuda.synchronize()
         out = t_out.cpu().numpy().view(np.uint16)
@@ -166,9 +164,10 @@ def test_jax_output_poisoned_by_allocator_reuse(rng, dtype):
 def test_ffi_rejects_inconsistent_attributes(rng):
     """The handler validates the buffers against its attributes and returns an error, never launches."""
     from jax_dqpost import _ffi, kernel_cache
+    from jax_dqpost.kernel_spec import KernelSpec, TensorKernel
 
     layout = AccumLayout(90, 64, 256, 1, False, 32)
-    kernel = kernel_cache.get_kernel((jnp.bfloat16, ((layout, 128, 0),), None))
+    kernel = kernel_cache.get_kernel(KernelSpec(jnp.bfloat16, (TensorKernel(layout, 128, 0),)))
     _ffi.register()
     acc = jnp.zeros(layout.accum_shape(1, 2, 64, 128), jnp.float32)
     out_bytes = 64 * 2 * 128 * 2

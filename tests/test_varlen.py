@@ -7,7 +7,6 @@ Their results against the oracle: tests/test_postprocess.py; static validation e
 from __future__ import annotations
 
 import re
-import types
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +15,7 @@ import pytest
 from jax.experimental import checkify
 
 from conftest import FA_HOPPER_CONFIGS, fa4_pair
-from jax_dqpost import AccumLayout, dq_postprocess, flash_attention_postprocess
+from jax_dqpost import AccumLayout, _checks, dq_postprocess, flash_attention_postprocess
 from oracle import assert_same_bits
 
 
@@ -50,7 +49,7 @@ def test_new_traced_values_do_not_retrace_or_recompile(rng):
 
 
 @pytest.mark.parametrize("side", ["q", "k"])
-def test_concrete_arrays_outside_jit_are_validated_like_static_values(rng, side):
+def test_concrete_arrays_outside_jit_are_validated_like_static_values(rng, side, monkeypatch):
     """A jax array passed outside jit has values this host can read: they are checked as static ones (the same
     error, naming the side's arguments), while the array stays the kernel's operand (the traced work list's bound);
     traced values are clamped. The q side through dq_postprocess, the k side through flash_attention_postprocess
@@ -81,13 +80,14 @@ def test_concrete_arrays_outside_jit_are_validated_like_static_values(rng, side)
         (dense_used, [200, 50], rf"seqused_{s}\[0\]=200 must be in \[0, seqlen_{s}=100\]"),
         (dense_used, [5, -1], rf"seqused_{s}\[1\]=-1 must be in \[0, seqlen_{s}=100\]"),
     ]
+    monkeypatch.setattr(_checks, "device_checks", lambda: True)  # JAX_DQPOST_CHECKIFY=1
     for call, values, match in cases:
         with pytest.raises(ValueError, match=match):
             call(values)  # static
         with pytest.raises(ValueError, match=match):
             call(jnp.asarray(values, jnp.int32))  # concrete, outside jit
         jax.block_until_ready(jax.jit(call)(jnp.asarray(values, jnp.int32)))  # traced: clamped, no error
-        error, _ = checkify.checkify(jax.jit(call))(jnp.asarray(values, jnp.int32))  # traced, checked on the device
+        error, _ = checkify.checkify(jax.jit(call))(jnp.asarray(values, jnp.int32))  # checked on the device
         assert re.match(match, error.get() or ""), (values, error.get())
     # Readable lengths with traced offsets: only their sign can be checked (the bound needs the offsets).
     bad_lengths, lengths_ok = jnp.asarray([500, -7], jnp.int32), jnp.asarray([500, 7], jnp.int32)  # closed over
@@ -112,17 +112,30 @@ def test_concrete_arrays_outside_jit_are_validated_like_static_values(rng, side)
 
 
 def test_traced_scales_are_checked_under_checkify_and_the_checks_cost_nothing_without_it(rng, monkeypatch):
-    """A traced NaN or infinite scale is used as it is, and reported under checkify; unchecked, the compiled
-    program is the one without the checks (XLA removes their predicates)."""
-    from jax_dqpost import _operands
-
+    """With ``JAX_DQPOST_CHECKIFY=1`` a traced NaN or infinite scale is reported under checkify; outside checkify
+    the compiled program is the one without the checks (XLA removes their predicates). Off (the default), nothing
+    is traced: no effect, so jax.export serializes the function."""
     layout, T, D = _layout("cute-hd128"), 100, 128
     acc = jnp.asarray(rng.standard_normal(layout.varlen_accum_shape(2, 2, T, D)), jnp.float32)
-    op = lambda a, cu, used, s: flash_attention_postprocess(
-        a, None, None, s, head_dim=D, dq_layout=layout, total_q=T, cu_seqlens_q=cu, seqused_q=used)
     args = (acc, jnp.asarray([0, 40, 100], jnp.int32), jnp.asarray([40, 7], jnp.int32))
+
+    def op():  # a new function each time: jax caches traces by the function, and the flag is read at trace time
+        return lambda a, cu, used, s: flash_attention_postprocess(
+            a, None, None, s, head_dim=D, dq_layout=layout, total_q=T, cu_seqlens_q=cu, seqused_q=used)
+
+    def compiled_ops():
+        text = jax.jit(op()).lower(*args, jnp.float32(0.5)).compile().as_text()
+        return sorted(re.findall(r"= (\S+) ([\w-]+)\(", text))
+
+    checks = lambda: [e for e in jax.make_jaxpr(op())(*args, jnp.float32(0.5)).eqns if "check" in e.primitive.name]
+    without = compiled_ops()
+    assert not checks() and len(without) > 100
+    error, _ = checkify.checkify(jax.jit(op()))(*args, jnp.float32(np.nan))
+    assert error.get() is None  # off: nothing checked
+    monkeypatch.setattr(_checks, "device_checks", lambda: True)  # JAX_DQPOST_CHECKIFY=1
+    assert checks() and compiled_ops() == without
     for scale, shown in ((np.nan, "nan"), (np.inf, "inf"), (-np.inf, "-inf")):
-        error, _ = checkify.checkify(jax.jit(op))(*args, jnp.float32(scale))
+        error, _ = checkify.checkify(jax.jit(op()))(*args, jnp.float32(scale))
         assert error.get() == f"softmax_scale must be finite in float32, got {shown} (`check` failed)"
     gqa_layout, dkv_layout, _, _ = fa4_pair("sm90-hd128")
     k = jnp.zeros(dkv_layout.accum_shape(1, 1, 64, D), jnp.float32)
@@ -130,14 +143,6 @@ def test_traced_scales_are_checked_under_checkify_and_the_checks_cost_nothing_wi
         jnp.zeros(gqa_layout.accum_shape(1, 2, 64, D), jnp.float32), k, k, 0.5, dk_scale=s, head_dim=D,
         dq_layout=gqa_layout, dkv_layout=dkv_layout, seqlen_q=64, seqlen_k=64)))(jnp.float32(np.nan))
     assert error.get() == "dk_scale must be finite in float32, got nan (`check` failed)"
-
-    def compiled_ops():
-        text = jax.jit(op).lower(*args, jnp.float32(0.5)).compile().as_text()
-        return sorted(re.findall(r"= (\S+) ([\w-]+)\(", text))
-
-    with_checks = compiled_ops()
-    monkeypatch.setattr(_operands, "checkify", types.SimpleNamespace(debug_check=lambda *args, **kwargs: None))
-    assert compiled_ops() == with_checks and len(with_checks) > 100
 
 
 

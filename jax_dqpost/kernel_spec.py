@@ -1,0 +1,148 @@
+"""The kernel a call compiles: :class:`KernelSpec`, everything that changes the binary but the target GPU, and the
+rules of which kernels exist (:func:`check_limits`, beyond the order's own, ``AccumLayout.check_head_dim``). No
+cutlass here: the plan builds the record (``Plan.kernel``), the cache keys on it with the GPU (``kernel_cache.py``),
+and the kernel is made from it alone (``kernel.Postprocess``). Batch, heads, sequence lengths, head dims and scales
+are run-time arguments of the compiled module: never part of it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+from . import abi
+from .abi import Tiling
+from .layout import AccumLayout
+
+VEC_BYTES = 16
+"""The kernel's global loads and stores are 16-byte vectors."""
+OUT_BYTES = 2
+"""bf16 and fp16."""
+SMEM_ROWS = 16
+"""The kernel's swizzled dQ tile takes whole 16-row blocks (odd multiples of 8 do not compile)."""
+SMEM_LIMIT = 99 * 1024
+"""Shared memory a CTA may use on every supported GPU."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorKernel:
+    """What of one tensor (dQ, dK or dV) changes the binary: its accumulator's order, its padded head dim ``Dr``
+    (``AccumLayout.padded_head_dim``) and how a CTA finds its tile."""
+
+    layout: AccumLayout
+    padded_head_dim: int
+    tiling: Tiling
+
+    def __post_init__(self):
+        object.__setattr__(self, "padded_head_dim", int(self.padded_head_dim))
+        object.__setattr__(self, "tiling", Tiling(self.tiling))
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSpec:
+    """A kernel: the output dtype's name (``"bf16"`` or ``"f16"``; a dtype or its numpy name is taken for it), one
+    :class:`TensorKernel` per tensor (dQ's, or dQ's, dK's and dV's: ``abi.PARTS``) and the names of the learnable
+    sink's and ``dsink``'s dtypes (None without a sink). ``ValueError`` on construction for a kernel that does not
+    exist, naming what."""
+
+    dtype: str
+    tensors: tuple[TensorKernel, ...]
+    sink: tuple[str, str] | None = None
+
+    def __post_init__(self):
+        names = tuple(abi.DTYPE_NAMES[d] for d in abi.OUT_DTYPES)
+        object.__setattr__(self, "dtype", abi.DTYPE_NAMES.get(abi.dtype_of(self.dtype), self.dtype))
+        object.__setattr__(self, "tensors", tuple(self.tensors))
+        if self.sink is not None:
+            object.__setattr__(self, "sink", tuple(self.sink))
+        if self.dtype not in names:
+            raise ValueError(f"jax_dqpost: a kernel's dtype is one of {names}, got {self.dtype!r}")
+        abi.part_names(len(self.tensors))
+        sink_names = tuple(abi.DTYPE_NAMES[d] for d in abi.SINK_DTYPES)
+        if self.sink is not None and (len(self.sink) != 2 or not set(self.sink) <= set(sink_names)):
+            raise ValueError(f"jax_dqpost: a kernel's sink dtypes are two of {sink_names}, got {self.sink!r}")
+        for t in self.tensors:
+            why = None
+            if t.padded_head_dim % t.layout.hdim_multiple_of:
+                why = f"not a multiple of hdim_multiple_of={t.layout.hdim_multiple_of}"
+            else:
+                try:
+                    t.layout.check_head_dim(t.padded_head_dim)
+                except ValueError as e:
+                    why = str(e)
+            if why:
+                raise ValueError(f"jax_dqpost: no kernel for {t.layout}, padded head dim {t.padded_head_dim}: {why}")
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return abi.part_names(len(self.tensors))
+
+    @property
+    def label(self) -> str:
+        """A short name: the dtype, each tensor's tiling, ``sink`` (``"bf16-dense-sink"``)."""
+        return "-".join([self.dtype] + [t.tiling.name.lower() for t in self.tensors] + (["sink"] if self.sink else []))
+
+
+def check_limits(layout: AccumLayout, head_dim: int, what: str) -> None:
+    """``ValueError`` (``what`` first) unless the kernel can convert ``layout``'s tiles at ``head_dim``, an order
+    already defined for it: how it places fragments into shared memory, the shared tile's rows and size, and its
+    16-byte stores (``AccumLayout.check_head_dim`` lists them)."""
+    dr = layout.padded_head_dim(head_dim)
+    _check_fragment_stores(layout, head_dim, what)
+    if layout.tile_m % SMEM_ROWS:
+        raise ValueError(f"{what}: the kernel's swizzled shared-memory dQ tile needs tile_m to be a multiple of "
+                         f"{SMEM_ROWS}, got {layout.tile_m}")
+    if smem_bytes(layout, head_dim) > SMEM_LIMIT:
+        raise ValueError(f"{what}: the kernel's dQ tile needs {smem_bytes(layout, head_dim)} bytes of shared memory "
+                         f"(tile_m * Dr * 2), more than the {SMEM_LIMIT} a CTA may use on every supported GPU")
+    if store_tiling(layout, dr) is None:
+        raise ValueError(f"{what}: num_threads={layout.num_threads} cannot store the ({layout.tile_m}, {dr}) dQ tile "
+                         f"as 16-byte vectors exactly (threads per row must divide the {dr // 8} vectors of a "
+                         f"row and the rows per pass must divide tile_m)")
+
+
+def store_tiling(layout: AccumLayout, padded_head_dim: int) -> tuple[int, int] | None:
+    """Threads ``(rows, per_row)`` of the kernel's 16-byte dQ stores over a ``(tile_m, Dr)`` tile, or None.
+
+    ``per_row`` divides the row's vector count and the storing threads, and the rows covered per pass divide
+    ``tile_m``, so the tile is covered exactly; among those, the widest rows win (coalescing). All
+    ``num_threads`` threads store where such a tiling exists, else the first half, quarter... that has one (the
+    others wait). The swizzled shared-memory tile is partitioned in 16-row blocks: a pass covers at least two
+    rows and whole blocks or a divisor of one (the DSL refuses, or aborts on, other row counts).
+    """
+    vecs_per_row = padded_head_dim * OUT_BYTES // VEC_BYTES
+    threads = layout.num_threads
+    while threads >= 32:
+        best = None
+        for per_row in range(1, vecs_per_row + 1):
+            if vecs_per_row % per_row or threads % per_row:
+                continue
+            rows = threads // per_row
+            if rows >= 2 and layout.tile_m % rows == 0 and (rows % SMEM_ROWS == 0 or SMEM_ROWS % rows == 0):
+                best = (rows, per_row)
+        if best is not None or threads % 2:
+            return best
+        threads //= 2
+    return None
+
+
+def smem_bytes(layout: AccumLayout, head_dim: int) -> int:
+    """Shared memory of the kernel's dQ tile: ``tile_m * Dr`` bf16/fp16 values."""
+    return layout.tile_m * layout.padded_head_dim(head_dim) * OUT_BYTES
+
+
+def _check_fragment_stores(layout: AccumLayout, head_dim: int, what: str) -> None:
+    """How the kernel places an MMA fragment into shared memory limits the orders it takes (each limit found
+    by compiling: outside it the DSL refuses the copy, or aborts the process)."""
+    if layout.arch == 90 and layout.swap_ab:
+        n_atom = layout.mma_geometry(head_dim)["n_atom"]
+        if n_atom % 16:
+            raise ValueError(f"{what}: each warpgroup's WGMMA tile is {n_atom} wide along N; the kernel's "
+                             "transposed (swap_ab) stmatrix stores need a multiple of 16")
+    elif layout.arch == 80:
+        warps = layout.num_threads // 32
+        if warps & (warps - 1):
+            raise ValueError(f"{what}: the kernel places mma.sync fragments for a power-of-two number of warps, "
+                             f"got {warps}")
+        if layout.swap_ab and layout.atom_layout < 2:
+            raise ValueError(f"{what}: a transposed (swap_ab) mma.sync fragment needs atom_layout >= 2 (at least "
+                             "two warps along dQ's rows) for the 16-bit stores used on GPUs without stmatrix")

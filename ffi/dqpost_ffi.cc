@@ -124,12 +124,87 @@ bool FitsExtents(ffi::Span<const int64_t> extents, int32_t* out) {
   return true;
 }
 
-// The device address of every operand, then of every result, each checked against its expected size in bytes
-// (so a buffer never disagrees with the extents the kernel indexes it by) and for 16-byte alignment.
+constexpr int64_t kExtentsPerPart = 5;  // abi.EXTENTS
+constexpr int64_t kMaxParts = 3;        // abi.PARTS
+constexpr size_t kMaxBuffers = 16;      // more than any call has (abi.pointers: at most 13)
+
+// ------------------------------------------------------------------------------------------------
+// The call's buffers, as jax_dqpost/abi.py's BUFFERS table orders them: each one's role, which gives its element
+// types and ranks. A call has 1 part (dQ) or 3 (dQ, dK, dV), 1 side (q) or 2 (q, k), and a sink or not.
+enum class Role : int { kAccum, kAux, kScales, kSink, kLse, kDpsum, kOut, kDsink };
+constexpr const char* kRoleNames[] = {"accum", "aux", "scales", "learnable_sink", "lse", "dpsum", "out", "dsink"};
+
+// The roles of a call's buffers, in order, into roles[0..]; their count (0 if parts is neither 1 nor 3).
+size_t Roles(size_t parts, bool sink, Role* roles) {
+  if (parts != 1 && parts != 3) return 0;
+  const size_t sides = parts == 1 ? 1 : 2;
+  size_t n = 0;
+  for (size_t i = 0; i < parts; ++i) roles[n++] = Role::kAccum;
+  for (size_t i = 0; i < sides; ++i) roles[n++] = Role::kAux;
+  roles[n++] = Role::kScales;
+  if (sink) roles[n++] = Role::kSink, roles[n++] = Role::kLse, roles[n++] = Role::kDpsum;
+  for (size_t i = 0; i < parts; ++i) roles[n++] = Role::kOut;
+  if (sink) roles[n++] = Role::kDsink;
+  return n;
+}
+
+struct View {
+  ffi::DataType type;
+  size_t rank;
+};
+
+std::string TypeName(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::F32:
+      return "float32";
+    case ffi::DataType::BF16:
+      return "bfloat16";
+    case ffi::DataType::F16:
+      return "float16";
+    case ffi::DataType::S32:
+      return "int32";
+    default:
+      return "element type " + std::to_string(static_cast<int>(t));
+  }
+}
+
+// Whether a buffer of this element type and rank can have this role, given the call's output and sink types:
+// the accumulators (and lse, dpsum) float32 of rank 3 (dense) or 2 (packed), each output one rank more than its
+// accumulator in bf16 or fp16, the int32 sides and the scales of rank 1, dsink in the sink's type or float32.
+bool Fits(Role role, View v, View accum, ffi::DataType out, ffi::DataType sink) {
+  using T = ffi::DataType;
+  switch (role) {
+    case Role::kAccum:
+    case Role::kLse:
+    case Role::kDpsum:
+      return v.type == T::F32 && (v.rank == 2 || v.rank == 3);
+    case Role::kAux:
+      return v.type == T::S32 && v.rank == 1;
+    case Role::kScales:
+      return v.type == T::F32 && v.rank == 1;
+    case Role::kSink:
+      return (v.type == T::F32 || v.type == T::BF16 || v.type == T::F16) && v.rank == 1;
+    case Role::kOut:
+      return v.type == out && (out == T::BF16 || out == T::F16) && v.rank == accum.rank + 1;
+    case Role::kDsink:
+      return (v.type == sink || v.type == T::F32) && v.rank == 1;
+  }
+  return false;
+}
+
+// The device address of every operand, then of every result, each checked against its role (element type and
+// rank), its expected size in bytes (so a buffer never disagrees with the extents the kernel indexes it by) and for
+// 16-byte alignment.
 ffi::Error CollectBuffers(ffi::RemainingArgs args, ffi::RemainingRets rets, ffi::Span<const int64_t> bytes,
-                          void** out) {
+                          size_t parts, void** out) {
   const size_t n = args.size() + rets.size();
   if (bytes.size() != n) return ffi::Error::InvalidArgument("jax_dqpost: bytes does not match the call's buffers");
+  Role roles[kMaxBuffers] = {};
+  const bool sink = rets.size() == parts + 1;
+  if (Roles(parts, sink, roles) != n || rets.size() != parts + (sink ? 1 : 0)) {
+    return ffi::Error::InvalidArgument("jax_dqpost: the call's buffers do not fit its parts");
+  }
+  View views[kMaxBuffers] = {};
   for (size_t i = 0; i < n; ++i) {
     void* data = nullptr;
     size_t size = 0;
@@ -137,10 +212,12 @@ ffi::Error CollectBuffers(ffi::RemainingArgs args, ffi::RemainingRets rets, ffi:
       auto buf = args.get<ffi::AnyBuffer>(i);
       if (buf.has_error()) return buf.error();
       data = buf->untyped_data(), size = buf->size_bytes();
+      views[i] = {buf->element_type(), buf->dimensions().size()};
     } else {
       auto buf = rets.get<ffi::AnyBuffer>(i - args.size());
       if (buf.has_error()) return buf.error();
       data = (*buf)->untyped_data(), size = (*buf)->size_bytes();
+      views[i] = {(*buf)->element_type(), (*buf)->dimensions().size()};
     }
     if (static_cast<int64_t>(size) != bytes[i]) {
       return ffi::Error::InvalidArgument("jax_dqpost: buffer " + std::to_string(i) + " has " + std::to_string(size) +
@@ -148,6 +225,18 @@ ffi::Error CollectBuffers(ffi::RemainingArgs args, ffi::RemainingRets rets, ffi:
     }
     if (!Aligned16(data)) return ffi::Error::InvalidArgument("jax_dqpost: buffers must be 16-byte aligned");
     out[i] = data;
+  }
+  const size_t first_out = n - rets.size();
+  const ffi::DataType out_type = views[first_out].type;
+  const ffi::DataType sink_type = sink ? views[parts + (parts == 1 ? 1 : 2) + 1].type : ffi::DataType::INVALID;
+  for (size_t i = 0; i < n; ++i) {
+    const View accum = roles[i] == Role::kOut ? views[i - first_out] : views[i];
+    if (!Fits(roles[i], views[i], accum, out_type, sink_type)) {
+      return ffi::Error::InvalidArgument("jax_dqpost: buffer " + std::to_string(i) + " (" +
+                                         kRoleNames[static_cast<int>(roles[i])] + ") is " + TypeName(views[i].type) +
+                                         " of rank " + std::to_string(views[i].rank) +
+                                         ", not what its role takes (abi.BUFFERS)");
+    }
   }
   return ffi::Error::Success();
 }
@@ -167,9 +256,6 @@ ffi::Error Run(LoadedKernel* kernel, void** call, size_t count) {
 // every result, as a device pointer; then kExtentsPerPart int32 extents per part; then the stream. Attributes:
 // "bytes", each buffer's size; "extents" (Plan.launch); "ctas", the launch's CTAs (0: nothing to do). Its
 // compatibility rule: docs/design.md, "Compatibility".
-constexpr int64_t kExtentsPerPart = 5;  // abi.EXTENTS
-constexpr int64_t kMaxParts = 3;        // abi.PARTS
-constexpr size_t kMaxBuffers = 16;      // more than any call has (abi.pointers: at most 13)
 
 ffi::Error Execute(CudaStream stream, LoadedKernel* kernel, ffi::RemainingArgs args, ffi::RemainingRets rets,
                    std::string_view /*module: the instantiate stage's*/, std::string_view /*fingerprint*/,
@@ -181,7 +267,8 @@ ffi::Error Execute(CudaStream stream, LoadedKernel* kernel, ffi::RemainingArgs a
     return ffi::Error::InvalidArgument("jax_dqpost: the call's buffers or extents do not fit the kernel");
   }
   void* ptrs[kMaxBuffers] = {};
-  if (ffi::Error err = CollectBuffers(args, rets, bytes, ptrs); err.failure()) return err;
+  const size_t parts = num_extents / kExtentsPerPart;
+  if (ffi::Error err = CollectBuffers(args, rets, bytes, parts, ptrs); err.failure()) return err;
   int32_t ext[kMaxParts * kExtentsPerPart];
   if (!FitsExtents(extents, ext)) return ffi::Error::InvalidArgument("jax_dqpost: extent out of int32 range");
   if (!FitsInt32(ctas)) return ffi::Error::InvalidArgument("jax_dqpost: too many CTAs for one launch");
@@ -223,6 +310,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDqpostExecuteCapturable, Execute, JAX_DQPOST_EX
 extern "C" int64_t jax_dqpost_extents_per_part() { return kExtentsPerPart; }
 extern "C" int64_t jax_dqpost_max_parts() { return kMaxParts; }
 extern "C" int64_t jax_dqpost_max_buffers() { return static_cast<int64_t>(kMaxBuffers); }
+// The roles (Role values) of the buffers of a call of `parts` parts, with a sink or not, into roles[0..]: their count.
+extern "C" int64_t jax_dqpost_buffer_roles(int64_t parts, int32_t sink, int32_t* roles) {
+  Role r[kMaxBuffers];
+  const size_t n = Roles(static_cast<size_t>(parts), sink != 0, r);
+  for (size_t i = 0; i < n; ++i) roles[i] = static_cast<int32_t>(r[i]);
+  return static_cast<int64_t>(n);
+}
+// The names of the roles, by value, as abi.BUFFERS calls the kinds.
+extern "C" const char* jax_dqpost_role_name(int32_t role) {
+  return role >= 0 && role < static_cast<int32_t>(sizeof(kRoleNames) / sizeof(kRoleNames[0])) ? kRoleNames[role]
+                                                                                             : nullptr;
+}
 
 // The state's type, registered with XLA by Python (jax.ffi.register_ffi_type) before the target.
 extern "C" void* jax_dqpost_state_type_id() { return &LoadedKernel::id; }

@@ -2,9 +2,9 @@
 module and launches it with the buffers in the order of ``abi.py``.
 
 Attributes of the call (``ffi/dqpost_ffi.cc``, ``Execute``): ``module`` (the object module) and ``fingerprint`` (its
-sha256, the handler's load-cache key), ``bytes`` (each buffer's size, checked by the handler, so a buffer never
-disagrees with the extents the kernel indexes it by), ``extents`` (``Plan.launch``) and ``ctas`` (the launch's CTAs;
-0: nothing to do).
+sha256, the handler's load-cache key), ``bytes`` (each buffer's size, checked by the handler with its element type
+and rank, so a buffer never disagrees with the extents the kernel indexes it by), ``extents`` (``Plan.launch``) and
+``ctas`` (the launch's CTAs; 0: nothing to do).
 """
 
 from __future__ import annotations

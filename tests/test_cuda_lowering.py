@@ -5,6 +5,7 @@ does not import cutlass."""
 from __future__ import annotations
 
 import ctypes
+import itertools
 import re
 import os
 import subprocess
@@ -220,6 +221,23 @@ def test_ffi_handler_passes_the_calling_convention_of_abi():
     assert abi.pointers(3, True) == ("dq_accum", "dk_accum", "dv_accum", "q_aux", "k_aux", "scales", "learnable_sink",
                                      "lse", "dpsum", "dq", "dk", "dv", "dsink")
     assert abi.arguments(1, False)[-5:] == tuple(f"dq_{e}" for e in abi.EXTENTS)
+
+
+def test_the_handler_reads_each_buffer_by_the_buffers_table():
+    """The handler checks every buffer's element type and rank by its role (not only its size), the roles in
+    abi.BUFFERS' order for each kind of call (its table, read through the library, here without a GPU)."""
+    from jax_dqpost import abi
+
+    lib = ctypes.CDLL(str(_ffi.library_path()))
+    lib.jax_dqpost_buffer_roles.restype = ctypes.c_int64
+    lib.jax_dqpost_role_name.restype = ctypes.c_char_p
+    roles = (ctypes.c_int32 * 16)()
+    for parts, sink in itertools.product((1, 3), (False, True)):
+        n = lib.jax_dqpost_buffer_roles(parts, int(sink), roles)
+        assert [lib.jax_dqpost_role_name(r).decode() for r in roles[:n]] == [
+            b.kind for b in abi.buffers(parts, sink)], (parts, sink)
+    assert lib.jax_dqpost_buffer_roles(2, 0, roles) == 0
+    assert lib.jax_dqpost_role_name(8) is None
 
 
 def test_split_and_join_follow_the_buffers_table():

@@ -180,6 +180,16 @@ def test_ffi_rejects_inconsistent_attributes(rng):
             acc, jnp.zeros((0,), jnp.int32), jnp.ones((1,), jnp.float32), **{**base, **attrs})
 
     call().block_until_ready()  # consistent: runs
+    with pytest.raises(Exception, match=r"buffer 0 \(accum\) is int32 of rank 3, not what its role takes"):
+        jax.ffi.ffi_call(_ffi.TARGET_NAME, jax.ShapeDtypeStruct((1, 64, 2, 128), jnp.bfloat16))(
+            acc.view(jnp.int32), jnp.zeros((0,), jnp.int32), jnp.ones((1,), jnp.float32), module=kernel.module,
+            fingerprint=kernel.fingerprint, bytes=np.asarray([acc.size * 4, 0, 4, out_bytes], np.int64),
+            extents=np.asarray([1, 2, 64, 128, 1], np.int64), ctas=np.int64(2)).block_until_ready()  # same bytes
+    with pytest.raises(Exception, match=r"buffer 3 \(out\) is bfloat16 of rank 3"):  # an output of another rank
+        jax.ffi.ffi_call(_ffi.TARGET_NAME, jax.ShapeDtypeStruct((64, 2, 128), jnp.bfloat16))(
+            acc, jnp.zeros((0,), jnp.int32), jnp.ones((1,), jnp.float32), module=kernel.module,
+            fingerprint=kernel.fingerprint, bytes=np.asarray([acc.size * 4, 0, 4, out_bytes], np.int64),
+            extents=np.asarray([1, 2, 64, 128, 1], np.int64), ctas=np.int64(2)).block_until_ready()
     for attrs, msg in [
         ({"bytes": np.asarray([acc.size * 4, 0, 4, out_bytes + 2], np.int64)}, "buffer 3 has"),
         ({"bytes": np.asarray([acc.size * 4, 0, 4], np.int64)}, "bytes does not match"),

@@ -31,8 +31,8 @@ def varlen_part(layout, head_dim: int, dtype, cu, total: int, traced: bool = Fal
     """``(part, work list)`` of packed sequences ``cu`` (``cu_seqlens``) over ``total`` tokens: the work list (the
     aux operand) of static offsets, the exact grid, or with ``traced`` the grid of traced ones (its bound)."""
     grid = WorkList.max_tiles(total, len(cu) - 1, layout) if traced else None
-    work, meta = WorkList.build(np, cu, None, total=total, layout=layout, num_tiles=grid)
-    return Part(layout, head_dim, np.dtype(dtype), work=work), meta
+    work, work_list = WorkList.build(np, cu, None, total=total, layout=layout, num_tiles=grid)
+    return Part(layout, head_dim, np.dtype(dtype), work=work), work_list
 
 
 def plan(parts, sink_dtype=None) -> Plan:

@@ -1,8 +1,8 @@
-"""Every check of what a user passes, in one place: static (Python) arguments of the API, ``AccumLayout``, the presets,
-``arch`` and precompile; the output dtype; offsets and lengths a host can see; and, under
-``jax.experimental.checkify``, traced ones on the device. Errors name the argument and show the value (``TypeError``,
-``ValueError``). It imports only ``abi`` and ``varlen`` (leaves) of the package; ``_operands.py`` turns the API's arguments into operands by
-these rules."""
+"""Every check of what a user passes, in one place: static (Python) arguments of the API, ``AccumLayout``, the
+presets, ``arch`` and precompile; the output dtype; offsets and lengths a host can see; and, under
+``jax.experimental.checkify``, traced ones on the device. Errors name the argument and show the value
+(``TypeError``, ``ValueError``). It imports only ``abi`` and ``varlen`` (leaves) of the package; ``_operands.py``
+turns the API's arguments into operands by these rules."""
 
 from __future__ import annotations
 

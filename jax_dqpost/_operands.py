@@ -57,9 +57,9 @@ def part(layout, head_dim, dtype, seqlen, total, cu_seqlens, seqused,
         used = None if seqused is None else _checks.static_ints(used_n, seqused)
         _checks.check_offsets(cu, used, total, names)
         _checks.check_rows_fit_int32(total_n, total, _varlen_rows(total, len(cu) - 1, layout))
-        work, meta = WorkList.build(np, np.asarray(cu), None if used is None else np.asarray(used),
+        work, work_list = WorkList.build(np, np.asarray(cu), None if used is None else np.asarray(used),
                                     total=total, layout=layout)
-        return Part(layout, head_dim, dtype, work=work), jnp.asarray(meta)
+        return Part(layout, head_dim, dtype, work=work), jnp.asarray(work_list)
     cu = _int_array(cu_n, _static_as_array(cu_seqlens))
     used = None if seqused is None else _int_array(used_n, _static_as_array(seqused))
     cu_values = _visible_ints(cu_n, cu_seqlens)
@@ -78,9 +78,9 @@ def part(layout, head_dim, dtype, seqlen, total, cu_seqlens, seqused,
     if cu_values is None or (used is not None and used_values is None):
         _checks.device_check_offsets(cu, used, total, names)
     _checks.check_rows_fit_int32(total_n, total, _varlen_rows(total, batch, layout))
-    work, meta = WorkList.build(jnp, cu, used, total=total, layout=layout,
+    work, work_list = WorkList.build(jnp, cu, used, total=total, layout=layout,
                                 num_tiles=WorkList.max_tiles(total, batch, layout))
-    return Part(layout, head_dim, dtype, work=work), meta
+    return Part(layout, head_dim, dtype, work=work), work_list
 
 
 def check_layout(layout, name: str = "layout") -> None:

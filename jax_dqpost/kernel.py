@@ -34,7 +34,7 @@ from cutlass import Float32, Int32, Int64, const_expr
 from . import abi, varlen
 from .abi import Tiling
 from .kernel_spec import KernelSpec
-from .schedule import PartArgs, VarlenScheduler, read_span, scheduler
+from .schedule import TensorArgs, VarlenScheduler, read_span, scheduler
 from .tile import TileConverter
 
 _WARP = 32
@@ -90,18 +90,18 @@ class Postprocess:
         sink = None if spec.sink is None else (cute_type(spec.sink[0]), cute_type(spec.sink[1]))
         self.names = spec.names
         self.dtype = dtype = cute_type(spec.dtype)
-        self.parts = tuple(TileConverter(dtype, p.layout, p.padded_head_dim, tiling=p.tiling, target_sm=target_sm,
+        self.converters = tuple(TileConverter(dtype, p.layout, p.padded_head_dim, tiling=p.tiling, target_sm=target_sm,
                                          min_ctas_per_sm=min_ctas_per_sm) for p in parts)
         self.schedulers = tuple(scheduler(p.layout, p.padded_head_dim, p.tiling, short_heads) for p in parts)
-        self.num_threads = max(p.num_threads for p in self.parts)
-        for part in self.parts:
+        self.num_threads = max(p.num_threads for p in self.converters)
+        for part in self.converters:
             part.cta_threads = self.num_threads
         self.sink = sink
-        self.sink_threads = self.parts[0].num_threads  # FlashAttention-4 reduces with the dQ postprocess's CTA
-        self.smem_bytes = max(max(p.smem_bytes for p in self.parts), 4 * _WARP)
-        self.min_ctas_per_sm = min(p.min_ctas_per_sm for p in self.parts)
-        self.alone = len(parts) == 1 and sink is None  # the part's own grid (module docstring)
-        self.batch_on_grid_z = self.alone and parts[0].tiling != Tiling.VARLEN  # Plan.batch_on_grid_z
+        self.sink_threads = self.converters[0].num_threads  # FlashAttention-4 reduces with the dQ postprocess's CTA
+        self.smem_bytes = max(max(p.smem_bytes for p in self.converters), 4 * _WARP)
+        self.min_ctas_per_sm = min(p.min_ctas_per_sm for p in self.converters)
+        self.own_grid = len(parts) == 1 and sink is None  # the part's own grid (module docstring)
+        self.batch_on_grid_z = self.own_grid and parts[0].tiling != Tiling.VARLEN  # Plan.batch_on_grid_z
         self.pointer_at = {name: k for k, name in enumerate(abi.pointers(len(parts), sink is not None))}
 
     @cute.jit
@@ -111,10 +111,10 @@ class Postprocess:
         pointers, extents, stream = args[:num], args[num:-1], args[-1]
         per = len(abi.EXTENTS)
         grid_x = extents[1] if const_expr(self.sink is not None) else 0
-        if const_expr(self.alone):
+        if const_expr(self.own_grid):
             grid_x = self.schedulers[0].num_ctas(*extents[0:2], extents[4])  # per batch when dense: z is the batch
         else:
-            for i in cutlass.range_constexpr(len(self.parts)):
+            for i in cutlass.range_constexpr(len(self.converters)):
                 grid_x = grid_x + self._part_ctas(i, extents[per * i:per * (i + 1)])
         grid_z = extents[0] if const_expr(self.batch_on_grid_z) else 1
         self.kernel(tuple(pointers), tuple(extents)).launch(
@@ -128,17 +128,17 @@ class Postprocess:
             preferred_smem_carveout=100,  # streamed once: no use for L1, all of it to shared memory
         )
 
-    def _part_args(self, i: int, pointers, extents) -> PartArgs:
+    def _part_args(self, i: int, pointers, extents) -> TensorArgs:
         """Part ``i``'s record, its pointers found by name in the entry's list (``abi.pointers``)."""
         name, at, per = self.names[i], self.pointer_at, len(abi.EXTENTS)
-        return PartArgs(pointers[at[f"{name}_accum"]], pointers[at[name]], pointers[at["scales"]] + i,
+        return TensorArgs(pointers[at[f"{name}_accum"]], pointers[at[name]], pointers[at["scales"]] + i,
                         pointers[at[f"{abi.SIDE[name]}_aux"]], *extents[per * i:per * (i + 1)])
 
     @cute.kernel
     def kernel(self, pointers: tuple, extents: tuple):
         tidx, _, _ = cute.arch.thread_idx()
         bid, _, bz = cute.arch.block_idx()
-        if const_expr(self.alone):
+        if const_expr(self.own_grid):
             # The whole grid is the part's: no CTA count to compare, the tile allocated by the part (a count and a
             # shared buffer cost 20-100 ns a launch)
             self._cta(0, self._part_args(0, pointers, extents), bid, bz, tidx, cutlass.memory.SmemAllocator())
@@ -159,7 +159,7 @@ class Postprocess:
                 if tidx < self.sink_threads:
                     self._reduce_sink(bid, tidx, pointers[at["learnable_sink"]], pointers[at["lse"]],
                                       pointers[at["dpsum"]], pointers[at["dsink"]], q, base)
-        for i in cutlass.range_constexpr(len(self.parts)):
+        for i in cutlass.range_constexpr(len(self.converters)):
             part = self._part_args(i, pointers, extents)
             count = self._part_ctas(i, part[4:])
             self._part_tile(i, bid - start, count, tidx, part, base)
@@ -169,39 +169,39 @@ class Postprocess:
         """CTAs of part ``i`` in the one-dimensional grid with these extents (dense: every batch's)."""
         dim0, heads, _, _, grid_x = extents
         count = self.schedulers[i].num_ctas(dim0, heads, grid_x)
-        return count if const_expr(self.parts[i].tiling == Tiling.VARLEN) else count * dim0
+        return count if const_expr(self.converters[i].tiling == Tiling.VARLEN) else count * dim0
 
     @cute.jit
-    def _part_tile(self, i: cutlass.Constexpr, local, count, tidx, part: PartArgs, base):
+    def _part_tile(self, i: cutlass.Constexpr, local, count, tidx, part: TensorArgs, base):
         """CTA ``local`` of part ``i``'s ``count`` CTAs, if it is one (numbered as ``schedule.py`` describes)."""
-        if local >= 0 and local < count and tidx < self.parts[i].num_threads:
-            if const_expr(self.parts[i].tiling == Tiling.VARLEN):
+        if local >= 0 and local < count and tidx < self.converters[i].num_threads:
+            if const_expr(self.converters[i].tiling == Tiling.VARLEN):
                 self._cta(i, part, local, Int32(0), tidx, _SharedTile(base))
             else:
                 per_batch = part.heads * part.grid_x
                 self._cta(i, part, local % per_batch, local // per_batch, tidx, _SharedTile(base))
 
     @cute.jit
-    def _cta(self, i: cutlass.Constexpr, part: PartArgs, x, bz, tidx, smem):
+    def _cta(self, i: cutlass.Constexpr, part: TensorArgs, x, bz, tidx, smem):
         """CTA ``x`` of part ``i``'s scheduler (and batch ``bz``, dense tilings): the tile it gives, converted. Only
         the CTA's first ``num_threads`` threads of the part call it; ``smem`` allocates the shared-memory tile."""
-        # (self.parts[i] and self.schedulers[i] are not bound to locals out here: the DSL would carry them through
+        # (self.converters[i] and self.schedulers[i] are not bound to locals out here: the DSL would carry them through
         # the ifs)
         if const_expr(isinstance(self.schedulers[i], VarlenScheduler) and self.schedulers[i].short is not None):
             short_ctas = self.schedulers[i].short.num_ctas(part)
             if x < short_ctas:
                 span, group = x % part.dim0, x // part.dim0
                 short = self.schedulers[i].short
-                self.parts[i].short_tile(part, group, short.tile(part, span), tidx, short.short_heads)
+                self.converters[i].short_tile(part, group, short.tile(part, span), tidx, short.short_heads)
             else:
                 slot = (x - short_ctas) // part.heads
                 if slot < self.schedulers[i].long_tiles(part):  # the slots past them (traced offsets' bound) stop
                     head = (x - short_ctas) % part.heads
                     tile = self.schedulers[i].tile(part, slot, head)
-                    self.parts[i].tile(part, head, tile, tidx, smem, may_be_empty=True)
+                    self.converters[i].tile(part, head, tile, tidx, smem, may_be_empty=True)
         else:
             bx, head = x // part.heads, x % part.heads
-            self.parts[i].tile(part, head, self.schedulers[i].tile(part, bx, head, bz), tidx, smem)
+            self.converters[i].tile(part, head, self.schedulers[i].tile(part, bx, head, bz), tidx, smem)
 
     # ---- the sink gradient ------------------------------------------------------------------------
     def _sink_sync(self):
@@ -211,16 +211,16 @@ class Postprocess:
             cute.arch.barrier(barrier_id=1, number_of_threads=self.sink_threads)
 
     @cute.jit
-    def _reduce_sink(self, head, tidx, sink_ptr, lse_ptr, dpsum_ptr, dsink_ptr, q: PartArgs, base):
+    def _reduce_sink(self, head, tidx, sink_ptr, lse_ptr, dpsum_ptr, dsink_ptr, q: TensorArgs, base):
         """``dsink[head]`` in FlashAttention-4's order (module docstring); threads ``< sink_threads`` only."""
         n = self.sink_threads
-        conv = self.parts[0]
+        q_converter = self.converters[0]
         aux_ptr, dim0, heads, rows = q.aux, q.dim0, q.heads, q.rows
         sink_val = Float32(cute.make_tensor(sink_ptr, cute.make_layout(heads))[head])
         total = Float32(0.0)
-        if const_expr(conv.tiling == Tiling.VARLEN):
+        if const_expr(q_converter.tiling == Tiling.VARLEN):
             num_spans = dim0
-            padded_total = varlen.padded_total(rows, num_spans - 2, conv.layout.pad_rows)
+            padded_total = varlen.padded_total(rows, num_spans - 2, q_converter.layout.pad_rows)
             lse_t = cute.make_tensor(lse_ptr, cute.make_layout(Int64(heads) * Int64(rows)))
             dpsum_t = cute.make_tensor(dpsum_ptr, cute.make_layout(Int64(heads) * Int64(padded_total)))
             b = Int32(0)
@@ -239,14 +239,14 @@ class Postprocess:
                 b += 1
         else:
             batch = dim0
-            pad = conv.layout.pad_rows
+            pad = q_converter.layout.pad_rows
             padded_rows = (rows + pad - 1) // pad * pad
             lse_t = cute.make_tensor(lse_ptr, cute.make_layout(Int64(batch) * Int64(heads) * Int64(rows)))
             dpsum_t = cute.make_tensor(dpsum_ptr, cute.make_layout(Int64(batch) * Int64(heads) * Int64(padded_rows)))
             b = Int32(0)
             while b < batch:
                 length = rows
-                if const_expr(conv.tiling == Tiling.DENSE_SEQUSED):
+                if const_expr(q_converter.tiling == Tiling.DENSE_SEQUSED):
                     seqused = cute.make_tensor(aux_ptr, cute.make_layout(batch))
                     length = cutlass.max(cutlass.min(seqused[b], rows), 0)
                 bh = Int64(b) * Int64(heads) + Int64(head)

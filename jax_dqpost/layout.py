@@ -32,7 +32,7 @@ from .varlen import padded_total
 
 __all__ = ["AccumLayout"]
 
-_SUPPORTED_ARCHS = (80, 90, 100, None)
+ORDERS = (80, 90, 100, None)
 _WARPGROUP = 128
 _WGMMA_M = 64
 _MMA_SYNC_TILE = 16  # m16n8k16 atoms, 16 x 16 permutation tile per warp
@@ -114,7 +114,7 @@ class AccumLayout:
 
     def __post_init__(self):
         arch = None if self.arch is None else _check_int("arch", self.arch)
-        if arch not in _SUPPORTED_ARCHS:
+        if arch not in ORDERS:
             hint = ""
             from .presets import FLASH_ATTENTION_ARCHS, ORDER_OF_FAMILY
 
@@ -123,7 +123,7 @@ class AccumLayout:
                         f"(AccumLayout.flash_attention({arch}, head_dim, causal=..., tensor=..., version=...) gives "
                         "its layouts)")
             raise ValueError(f"AccumLayout.arch={arch} is not an accumulator order; the orders are "
-                             f"{_SUPPORTED_ARCHS} (90 Hopper wgmma, 80 mma.sync, 100 Blackwell tcgen05, None "
+                             f"{ORDERS} (90 Hopper wgmma, 80 mma.sync, 100 Blackwell tcgen05, None "
                              f"row-major){hint}")
         missing = [f"{name}=" for name in ("two_cta", "cluster_size") if getattr(self, name) is None]
         if arch == 100 and missing:

@@ -159,10 +159,10 @@ def _row_spans(w, s):
     return k, r - s.row_start[k]
 
 
-def _varlen_gather(acc, meta, part: Part):
+def _varlen_gather(acc, work_list, part: Part):
     heads, w = acc.shape[0], part.work
     tile_m, dr, head_dim = part.layout.tile_m, part.padded_head_dim, part.head_dim
-    s = w.decode(meta)
+    s = w.decode(work_list)
     k, i = _row_spans(w, s)
     converted = i < s.conv_rows[k]
     # Accumulator tile of each row, and each element's position inside its tile.

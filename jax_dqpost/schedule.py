@@ -39,7 +39,7 @@ from .abi import Tiling
 from .layout import AccumLayout
 
 
-class PartArgs(NamedTuple):
+class TensorArgs(NamedTuple):
     """One part's arguments of the kernel entry: its device pointers and its extents (``abi.EXTENTS``)."""
 
     acc: cute.Pointer  # fp32 accumulator: (B, H, Sr * Da), varlen (H, Tp * Da)
@@ -95,7 +95,7 @@ class DenseScheduler:
         return heads * grid_x
 
     @cute.jit
-    def tile(self, part: PartArgs, m_block, head, batch) -> Tile:
+    def tile(self, part: TensorArgs, m_block, head, batch) -> Tile:
         """Tile ``m_block`` of head ``head`` of sequence ``batch``."""
         tile_m, padded_head_dim = self.layout.tile_m, self.padded_head_dim
         rows, heads, grid_x = part.rows, part.heads, part.grid_x
@@ -134,7 +134,7 @@ class VarlenScheduler:
         return varlen.grid_ctas(heads, grid_x, dim0, short_rows, short_heads)
 
     @cute.jit
-    def tile(self, part: PartArgs, slot, head, _batch=None) -> Tile:
+    def tile(self, part: TensorArgs, slot, head, _batch=None) -> Tile:
         """Long-tile slot ``slot`` of head ``head``; no rows (``rows_total = 0``) for a slot past the long tiles."""
         tile_m, padded_head_dim = self.layout.tile_m, self.padded_head_dim
         aux_ptr, num_spans, rows, grid_x = part.aux, part.dim0, part.rows, part.grid_x
@@ -161,7 +161,7 @@ class VarlenScheduler:
         return Tile(acc_elem, Int64(row0), rows_total, rows_conv)
 
     @cute.jit
-    def long_tiles(self, part: PartArgs):
+    def long_tiles(self, part: TensorArgs):
         """``tile_start[K]``: the slots holding a long tile (traced offsets' bound on them is larger)."""
         return cute.make_tensor(part.aux, cute.make_layout(part.dim0 + 1))[part.dim0]
 
@@ -172,12 +172,12 @@ class ShortTileScheduler:
     def __init__(self, layout: AccumLayout, short_heads: int):
         self.layout, self.short_rows, self.short_heads = layout, varlen.short_rows(layout), short_heads
 
-    def num_ctas(self, part: PartArgs):
+    def num_ctas(self, part: TensorArgs):
         """One per span and group of ``short_heads`` heads."""
         return part.dim0 * ((part.heads + self.short_heads - 1) // self.short_heads)
 
     @cute.jit
-    def tile(self, part: PartArgs, span) -> ShortTile:
+    def tile(self, part: TensorArgs, span) -> ShortTile:
         """Span ``span``'s short tile; ``rows_total = 0`` if it has none (its last tile is long, or it is empty)."""
         tile_m = self.layout.tile_m
         aux_ptr, num_spans, rows = part.aux, part.dim0, part.rows

@@ -37,7 +37,7 @@ from cutlass.tensor_utils import LayoutEnum
 from . import kernel_spec
 from .abi import Tiling
 from .layout import AccumLayout
-from .schedule import PartArgs, ShortTile, Tile
+from .schedule import TensorArgs, ShortTile, Tile
 
 _VEC_BYTES = 16
 _REGS_PER_SM = 65536
@@ -146,7 +146,7 @@ class TileConverter:
         return cute.tile_to_shape(atom, (self.tile_m, self.padded_head_dim), (0, 1))
 
     @cute.jit
-    def tile(self, part: PartArgs, head, t: Tile, tidx, smem, may_be_empty: cutlass.Constexpr = False):
+    def tile(self, part: TensorArgs, head, t: Tile, tidx, smem, may_be_empty: cutlass.Constexpr = False):
         """Converts tile ``t`` of head ``head`` through the shared-memory tile, which ``smem`` allocates
         (``allocate_tensor``). Only the CTA's first ``num_threads`` threads call it. ``may_be_empty``: a tile of no
         rows does nothing (a varlen slot past the long tiles)."""
@@ -159,7 +159,7 @@ class TileConverter:
             self._tile_via_smem(part, head, t, s_tile, s_layout, tidx)
 
     @cute.jit
-    def _tile_via_smem(self, part: PartArgs, head, t: Tile, s_tile, s_layout, tidx):
+    def _tile_via_smem(self, part: TensorArgs, head, t: Tile, s_tile, s_layout, tidx):
         """Steps 1-4 (module docstring): the fragment into the shared-memory tile, then its rows out."""
         heads, head_dim = part.heads, part.head_dim
         if t.rows_conv > 0:
@@ -169,7 +169,7 @@ class TileConverter:
         self._store_tile(part.out, out_offset, heads * head_dim, head_dim, s_tile, t.rows_total, t.rows_conv, tidx)
 
     @cute.jit
-    def short_tile(self, part: PartArgs, group, t: ShortTile, tidx, short_heads: cutlass.Constexpr):
+    def short_tile(self, part: TensorArgs, group, t: ShortTile, tidx, short_heads: cutlass.Constexpr):
         """Converts short tile ``t`` (``schedule.ShortTileScheduler``) for heads ``group * short_heads ..`` (at most
         ``short_heads`` of them), without shared memory or a barrier.
 

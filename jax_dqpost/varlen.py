@@ -192,8 +192,8 @@ class WorkList:
         return work, xp.concatenate([tile_start, spans, tile_span,
                                      xp.arange(short_slots, dtype=np.int32)]).astype(np.int32)
 
-    def decode(self, meta) -> Spans:
-        """The sections of the work list ``meta`` (numpy or jax array of :attr:`size` entries)."""
+    def decode(self, work_list) -> Spans:
+        """The sections of the work list ``work_list`` (numpy or jax array of :attr:`size` entries)."""
         spans_at, tile_span_at = sections(self.num_spans)
-        spans = meta[spans_at:tile_span_at].reshape(self.num_spans, len(SPAN_FIELDS))
-        return Spans(meta[:spans_at], *(spans[:, f] for f in range(len(SPAN_FIELDS))), meta[tile_span_at:])
+        spans = work_list[spans_at:tile_span_at].reshape(self.num_spans, len(SPAN_FIELDS))
+        return Spans(work_list[:spans_at], *(spans[:, f] for f in range(len(SPAN_FIELDS))), work_list[tile_span_at:])

@@ -5,7 +5,8 @@
     python -m jax_dqpost.precompile --fused none,f32      # also the dQ + dK + dV kernels, with and without sink
 
 Works without a GPU when ``--arch`` (or ``CUTE_DSL_ARCH``) names the target. Prints what it compiled. Bad
-arguments, and requests that select no kernel, exit with status 2 and a message naming the value.
+arguments (and bad values of ``CUTE_DSL_ARCH`` or ``JAX_DQPOST_CACHE_DIR``), and requests that select no kernel,
+exit with status 2 and a message naming the value; a disk cache that is off or cannot be written, with status 1.
 """
 
 from __future__ import annotations
@@ -149,9 +150,16 @@ def main(argv=None) -> int:
                          f"orders to compile for {arch} with --presets (e.g. --presets 120: the mma.sync order)")
         which = f"--presets {','.join(map(str, presets))}" if args.presets else f"--arch {arch} (its presets)"
         parser.error(f"{which} with --head-dims {','.join(map(str, args.head_dims))} selects no kernel: {fa4}")
-    directory = kernel_cache.cache_dir()
+    try:
+        directory = kernel_cache.cache_dir()
+    except ValueError as e:  # JAX_DQPOST_CACHE_DIR names no directory
+        parser.error(str(e))
     if directory is None:
         print("the on-disk cache is off (JAX_DQPOST_CACHE_DIR=none): nothing would be kept", file=sys.stderr)
+        return 1
+    unusable = kernel_cache.unusable(directory)
+    if unusable:
+        print(f"{parser.prog}: error: {unusable}: nothing would be kept", file=sys.stderr)
         return 1
     tilings = [Tiling[name.upper()] for name in args.tilings]
     kinds = [("kernels", [((layout, dr, t),) for layout, dr in configs for t in tilings], [None],

@@ -44,6 +44,9 @@ KERNEL_SOURCES = ("kernel.py", "schedule.py", "tile.py", "bulk.py", "abi.py", "l
 CACHE_DIR_ENV = "JAX_DQPOST_CACHE_DIR"
 """The variable naming the on-disk cache's directory (the module docstring says what it takes)."""
 
+DSL_MODULES = {"cutlass": "nvidia-cutlass-dsl", "cuda.bindings": "cuda-python"}
+"""The modules a compile imports (lazily: a CPU-only user needs neither) and the distribution that installs each."""
+
 FUNCTION_PREFIX = "jax_dqpost"
 """Symbol prefix of the compiled entry point; ffi/dqpost_ffi.cc looks the function up by it."""
 
@@ -269,8 +272,11 @@ def compile_executor(dtype: str, parts: tuple, sink, arch: str, **tuning):
     set here (and restored afterwards). ``tuning``: ``kernel.Postprocess``'s tuning keywords (``min_ctas_per_sm``,
     ``short_heads``, ``bulk_stages``, ``bulk_ctas``) for experiments (benchmarks/ncu_kernels.py); the package itself
     always compiles with the defaults, which is why they are not part of the key."""
-    from .kernel import PartSpec, Postprocess, cute_type, entry_args
-    from .tile import TileConverter
+    try:
+        from .kernel import PartSpec, Postprocess, cute_type, entry_args
+        from .tile import TileConverter
+    except ModuleNotFoundError as e:
+        raise dsl_missing(e.name) or e from None
 
     out = cute_type(dtype_name(dtype))
     for layout, dr, _ in parts:
@@ -286,10 +292,13 @@ def compile_executor(dtype: str, parts: tuple, sink, arch: str, **tuning):
 
 
 def _cute_compile(kernel, args: tuple, arch: str):
-    import cuda.bindings.driver as cuda
-    import cutlass.cute as cute
-    from cutlass.base_dsl.ast_helpers import DSLOptimizationWarning
-    from cutlass.cutlass_dsl.cutlass import CuTeDSL
+    try:
+        import cuda.bindings.driver as cuda
+        import cutlass.cute as cute
+        from cutlass.base_dsl.ast_helpers import DSLOptimizationWarning
+        from cutlass.cutlass_dsl.cutlass import CuTeDSL
+    except ModuleNotFoundError as e:
+        raise dsl_missing(e.name) or e from None
 
     # Arch-dependent code paths inside the DSL read a process-wide setting: set it for this compile only,
     # so that other users of the DSL in this process (e.g. FlashAttention) keep theirs.
@@ -312,3 +321,41 @@ def _cute_compile(kernel, args: tuple, arch: str):
         else:
             envar.arch = previous
 
+
+def dsl_missing(module: str | None) -> ModuleNotFoundError | None:
+    """The error to raise where importing ``module`` failed, if it is (in) one of ``DSL_MODULES``: it names its
+    distribution and every other of theirs that is missing (an install with ``--no-deps`` has none) and the command
+    that installs them, with the version ranges of jax-dqpost's requirements. None for any other module."""
+    import importlib.util
+
+    def within(name: str) -> bool:  # the module, one inside it, or a missing parent package of it
+        return bool(module) and (module == name or module.startswith(name + ".") or name.startswith(module + "."))
+
+    def findable(name: str) -> bool:
+        try:
+            return importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):  # a parent package missing, or a module set to None in sys.modules
+            return False
+
+    if not any(map(within, DSL_MODULES)):
+        return None
+    missing = [d for m, d in DSL_MODULES.items() if within(m) or not findable(m)]
+    install = " ".join(f'"{r}"' if any(c in r for c in "<>=!~[") else r for r in map(_requirement, missing))
+    return ModuleNotFoundError(
+        f"jax_dqpost compiles its CUDA kernels with {' and '.join(missing)}, not installed here (no module named "
+        f"{module!r}). Install {'them' if len(missing) > 1 else 'it'}: python -m pip install {install}", name=module)
+
+
+def _requirement(distribution: str) -> str:
+    """``distribution`` as jax-dqpost's metadata requires it, e.g. ``nvidia-cutlass-dsl>=4.8`` (else its name)."""
+    import re
+    from importlib import metadata
+
+    try:
+        requires = metadata.requires("jax-dqpost") or []
+    except metadata.PackageNotFoundError:
+        requires = []
+    for requirement in requires:
+        if ";" not in requirement and re.match(rf"{re.escape(distribution)}(?![\w.-])", requirement, re.I):
+            return requirement.replace(" ", "")
+    return distribution

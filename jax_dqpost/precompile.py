@@ -6,7 +6,8 @@
 
 Works without a GPU when ``--arch`` (or ``CUTE_DSL_ARCH``) names the target. Prints what it compiled. Bad
 arguments (and bad values of ``CUTE_DSL_ARCH`` or ``JAX_DQPOST_CACHE_DIR``), and requests that select no kernel,
-exit with status 2 and a message naming the value; a disk cache that is off or cannot be written, with status 1.
+exit with status 2 and a message naming the value; a disk cache that is off or cannot be written, and a missing
+CuTe DSL (nvidia-cutlass-dsl), with status 1 and a message saying what to do.
 """
 
 from __future__ import annotations
@@ -176,7 +177,13 @@ def main(argv=None) -> int:
         start, compiled = time.perf_counter(), 0
         for key in keys:
             if not kernel_cache.on_disk(key, arch=arch):
-                kernel_cache.get_kernel(key, arch=arch, persist=True)
+                try:
+                    kernel_cache.get_kernel(key, arch=arch, persist=True)
+                except ModuleNotFoundError as e:  # the CuTe DSL is not installed: say which distribution, no traceback
+                    if kernel_cache.dsl_missing(e.name) is None:
+                        raise
+                    print(f"{parser.prog}: error: {e}", file=sys.stderr)
+                    return 1
                 compiled += 1
         if compiled:
             print(f"{len(keys)} {what} for {arch} ({shape}): {compiled} compiled in {time.perf_counter() - start:.1f} "

@@ -160,6 +160,14 @@ def test_the_build_configuration():
     assert PYPROJECT["tool"]["scikit-build"]["wheel"]["py-api"] == "py3"
 
 
+def test_the_test_extra_brings_pytest_xdist():
+    """``pip install ".[test]"`` brings what the tests run with: pytest-xdist too (``-n``; test_hygiene.py runs a
+    session on two workers sharing one kernel cache, which it does not skip)."""
+    names = [re.match(r"[\w.-]+", r).group(0).lower() for r in PYPROJECT["project"]["optional-dependencies"]["test"]]
+    assert "pytest-xdist" in names, names
+    assert "importorskip" not in (ROOT / "tests" / "test_hygiene.py").read_text()
+
+
 def test_warnings_do_not_fail_a_users_build():
     """A newer compiler's new warnings must not break a user's install: -Werror only on request (CI asks)."""
     cmake = (ROOT / "ffi" / "CMakeLists.txt").read_text()

@@ -40,13 +40,14 @@ def _readme_commands() -> list[str]:
 
 def test_ci_runs_the_readme_commands_verbatim():
     """.ci/run runs the README's two commands as written, on the oldest supported pair (Python 3.11 and the jax
-    pyproject names as the minimum, pinned) and on the newest (Python 3.12, the jax pip picks)."""
+    pyproject names as the minimum, pinned) and on the newest (Python 3.12, the jax pip picks), then builds the
+    manylinux wheel on the newest."""
     commands = _readme_commands()
     assert len(commands) == 2, commands
     ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
     for command in commands:
         assert command in ci, f"{command!r} is not in .ci/run"
-    assert ci[-2:] == ["check 3.11 .ci/oldest.txt", "check 3.12"], ci[-2:]
+    assert ci[-3:] == ["check 3.11 .ci/oldest.txt", "check 3.12", "manylinux_wheel 3.12"], ci[-3:]  # newest only
     minimum = next(r for r in _pyproject()["project"]["dependencies"] if r.startswith("jax>="))[len("jax>="):]
     pins = (ROOT / ".ci" / "oldest.txt").read_text().split()
     assert f"jax=={minimum}.0" in pins and f"jaxlib=={minimum}.0" in pins, (minimum, pins)

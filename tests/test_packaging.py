@@ -168,6 +168,19 @@ def test_the_test_extra_brings_pytest_xdist():
     assert "importorskip" not in (ROOT / "tests" / "test_hygiene.py").read_text()
 
 
+def test_the_license_is_in_the_tree_and_the_metadata():
+    """LICENSE holds the Apache License 2.0 as apache.org publishes it (LICENSE-2.0.txt, by its sha256), and
+    pyproject declares it as PEP 639 does (an SPDX expression and the file, which the wheel's and the sdist's
+    metadata then carry: .ci/run checks the built wheel's)."""
+    import hashlib
+
+    text = (ROOT / "LICENSE").read_bytes()
+    assert hashlib.sha256(text).hexdigest() == "cfc7749b96f63bd31c3c42b5c471bf756814053e847c10f3eb003417bc523d30"
+    assert PYPROJECT["project"]["license"] == "Apache-2.0" and PYPROJECT["project"]["license-files"] == ["LICENSE"]
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "auditwheel repair" in ci and "License-Expression: Apache-2.0" in ci and "licenses/LICENSE" in ci
+
+
 def test_warnings_do_not_fail_a_users_build():
     """A newer compiler's new warnings must not break a user's install: -Werror only on request (CI asks)."""
     cmake = (ROOT / "ffi" / "CMakeLists.txt").read_text()

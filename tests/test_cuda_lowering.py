@@ -223,7 +223,7 @@ if "cutlass" in sys.argv:
     except ModuleNotFoundError as e:
         print("runtime:", e)
 os.environ["JAX_DQPOST_CACHE_DIR"] = os.environ["CACHE"]
-print("precompile:", precompile.main(["--presets", "90", "--head-dims", "64", "--dtypes", "bf16", "--tilings", "dense"]))
+print("precompile:", precompile.main(["--presets", "90", "--head-dims", "64", "--dtypes", "bf16"]))
 """
 
 

@@ -159,9 +159,14 @@ def cute_runtime_path() -> Path:
         return Path(override)
     # Found, not imported: importing cutlass costs seconds, and a warm start (kernels from the on-disk
     # cache) needs none of it. .../nvidia_cutlass_dsl/dsl_packages/cutlass/__init__.py -> .../cu*/lib/
-    spec = importlib.util.find_spec("cutlass")
+    try:
+        spec = importlib.util.find_spec("cutlass")
+    except (ImportError, ValueError):
+        spec = None
     if spec is None or not spec.origin:
-        raise RuntimeError("jax_dqpost: the CUDA path needs nvidia-cutlass-dsl (package `cutlass` not found)")
+        from .kernel_cache import dsl_missing
+
+        raise dsl_missing("cutlass")
     root = Path(spec.origin).resolve().parents[2]
     found = sorted(root.glob("cu*/lib/libcute_dsl_runtime.so"), reverse=True)  # prefer cu13 over cu12
     if not found:

@@ -2,21 +2,24 @@
 
 The key (``Plan.kernel``, a :class:`~jax_dqpost.kernel_spec.KernelSpec`, and the target GPU) holds what changes the
 binary: output dtype, each part's accumulator layout, padded head dim and tiling, the sink's dtypes and the GPU
-architecture. Batch, heads, sequence
-lengths, head dims and scales are run-time arguments of the compiled module, so they never trigger a compile.
+architecture. Batch, heads, sequence lengths, head dims and scales are run-time arguments of the compiled module, so
+they never trigger a compile.
 
-Two caches: in memory (per process), and on disk (``$JAX_DQPOST_CACHE_DIR``, default
-``$XDG_CACHE_HOME/jax_dqpost`` or ``~/.cache/jax_dqpost``; ``JAX_DQPOST_CACHE_DIR=none`` turns it off). A disk
+Two caches: in memory (per process), and on disk. ``JAX_DQPOST_CACHE_DIR`` names the disk cache's directory, an
+absolute path; ``none`` (that spelling only) turns it off; unset or empty, it is ``$XDG_CACHE_HOME/jax_dqpost``
+(an absolute ``XDG_CACHE_HOME``; else ``~/.cache/jax_dqpost``). Any other value (a relative path, ``off``, ``0``)
+raises ``ValueError`` where the cache is first read. A directory that cannot be made, read or written is reported
+by one ``RuntimeWarning`` per process, naming it and why; the kernels are then compiled but not kept. A disk
 entry's name hashes the key with the package version, the kernel source and the CuTe DSL version, so a change
 to any of them misses; entries are written to a temporary file and renamed into place, so processes sharing the
 directory never see a partial file. An entry holds a header and the sha256 of the module before the module
 itself, and is verified on every read: a damaged one (truncated, overwritten) is discarded, compiled again and
 rewritten, and only then reported by one ``RuntimeWarning`` at the user's call (the first frame outside
-jax_dqpost, jax and jaxlib), so that a filter turning warnings into errors cannot stop the heal. A disk hit does
-not import cutlass. Kernels are written to the default
-directory only on a machine with a CUDA GPU (a CPU-only machine that exports for CUDA leaves the user's cache
-alone) or when asked to (``python -m jax_dqpost.precompile``); a configured ``JAX_DQPOST_CACHE_DIR`` is always
-written.
+jax_dqpost, jax and jaxlib), so that a filter turning warnings into errors cannot stop the heal (the warning of an
+unusable directory is issued there too, after the compile). A disk hit does not import cutlass. Kernels are
+written to the default directory only on a machine with a CUDA GPU (a CPU-only machine that exports for CUDA
+leaves the user's cache alone) or when asked to (``python -m jax_dqpost.precompile``); a configured
+``JAX_DQPOST_CACHE_DIR`` is always written.
 """
 
 from __future__ import annotations
@@ -39,6 +42,12 @@ KERNEL_SOURCES = ("kernel.py", "kernel_spec.py", "schedule.py", "tile.py", "abi.
                   "varlen.py", "arch.py", "_checks.py")
 """The modules the compiled kernel is made from (``kernel.py`` and what it imports): part of a disk entry's name."""
 
+CACHE_DIR_ENV = "JAX_DQPOST_CACHE_DIR"
+"""The variable naming the on-disk cache's directory (the module docstring says what it takes)."""
+
+DSL_MODULES = {"cutlass": "nvidia-cutlass-dsl", "cuda.bindings": "cuda-python"}
+"""The modules a compile imports (lazily: a CPU-only user needs neither) and the distribution that installs each."""
+
 FUNCTION_PREFIX = "jax_dqpost"
 """Symbol prefix of the compiled entry point; ffi/dqpost_ffi.cc looks the function up by it."""
 
@@ -52,6 +61,7 @@ class CompiledKernel:
 
 _lock = threading.Lock()  # CuTe tracing mutates process-global DSL state: one compile at a time
 _cache: dict[tuple, CompiledKernel] = {}
+_unusable_reported = False  # the warning of a cache directory that cannot be used: once per process
 
 
 def get_kernel(spec: KernelSpec, *, arch: str | None = None, persist: bool | None = None) -> CompiledKernel:
@@ -62,18 +72,19 @@ def get_kernel(spec: KernelSpec, *, arch: str | None = None, persist: bool | Non
     """
     key = _key(spec, arch)
     arch = key[-1]
-    damaged = None
+    notes = []  # warnings: a damaged entry, a directory that cannot be used
     with _lock:
         hit = _cache.get(key)
         if hit is None:
-            hit, damaged = _load(key)
+            hit, note = _load(key)
+            notes.append(note)
         if hit is None:
             module = bytes(compile_executor(*key).dump_to_object(FUNCTION_PREFIX))
             hit = CompiledKernel(module=module, fingerprint=hashlib.sha256(module).hexdigest(), arch=arch)
-            _store(key, hit, persist)
+            notes.append(_store(key, hit, persist))
         _cache[key] = hit
-    if damaged is not None:  # only now, healed: a warning filter that raises cannot stop the rewrite
-        _warn_at_caller(damaged, RuntimeWarning)
+    for note in filter(None, notes):  # only now, healed: a warning filter that raises cannot stop the rewrite
+        _warn_at_caller(note, RuntimeWarning)
     return hit
 
 
@@ -81,7 +92,10 @@ def on_disk(spec: KernelSpec, *, arch: str | None = None) -> bool:
     """Whether the on-disk cache holds a verified entry for ``spec`` compiled for ``arch``; a damaged entry is not
     one (:func:`get_kernel` heals it, with its warning)."""
     directory, full = cache_dir(), _key(spec, arch)
-    return directory is not None and _read(directory / _disk_name(full), full[-1])[0] is not None
+    try:
+        return directory is not None and _read(directory / _disk_name(full), full[-1])[0] is not None
+    except OSError:  # a directory that cannot be read holds nothing (get_kernel says why)
+        return False
 
 
 def _key(spec: KernelSpec, arch: str | None) -> tuple[KernelSpec, str]:
@@ -92,12 +106,40 @@ def _key(spec: KernelSpec, arch: str | None) -> tuple[KernelSpec, str]:
 
 
 def cache_dir() -> Path | None:
-    """The on-disk cache directory, or None when ``JAX_DQPOST_CACHE_DIR=none``."""
-    configured = os.environ.get("JAX_DQPOST_CACHE_DIR")
-    if configured is not None:
-        return None if configured.strip().lower() in ("", "none", "off", "0") else Path(configured)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    """The on-disk cache directory (see the module docstring), or None when ``JAX_DQPOST_CACHE_DIR=none``;
+    ``ValueError`` naming the variable for a value that is neither ``none`` nor an absolute path."""
+    configured = os.environ.get(CACHE_DIR_ENV, "")
+    if configured == "none":
+        return None
+    if configured:
+        if not os.path.isabs(configured):  # relative to each process's working directory: refused, not guessed
+            raise ValueError(f"{CACHE_DIR_ENV} must be an absolute path, or none to turn the on-disk kernel cache "
+                             f"off (unset or empty: the default directory), got {configured!r}")
+        return Path(configured)
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(base):  # the XDG base directory specification ignores a relative path
+        base = os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "jax_dqpost"
+
+
+def _unusable(directory: Path, what: str, error: OSError) -> str | None:
+    """The warning that ``directory`` cannot be used as the cache (``what`` failed with ``error``), the first time
+    in this process; None after (callers hold ``_lock``)."""
+    global _unusable_reported
+    if _unusable_reported:
+        return None
+    _unusable_reported = True
+    return (f"jax_dqpost: {_cannot(directory, what, error)}: kernels are compiled but not kept. Set {CACHE_DIR_ENV} "
+            "to a directory this process can write, or to none to turn the cache off")
+
+
+def _cannot(directory: Path, what: str, error: OSError) -> str:
+    """``'JAX_DQPOST_CACHE_DIR=... cannot be used as the kernel cache (why)'``: ``what`` failed with ``error``."""
+    where = (f"{CACHE_DIR_ENV}={directory}" if os.environ.get(CACHE_DIR_ENV) else
+             f"the default kernel cache directory {directory} ({CACHE_DIR_ENV} is unset)")
+    is_file = os.path.exists(directory) and not os.path.isdir(directory)
+    why = "it is not a directory" if is_file else f"cannot {what}: {error.strerror or error}"
+    return f"{where} cannot be used as the kernel cache ({why})"
 
 
 def cache_size() -> int:
@@ -126,12 +168,17 @@ def _disk_name(key: tuple) -> str:
 
 def _load(key: tuple) -> tuple[CompiledKernel | None, str | None]:
     """``(module, None)`` for a verified disk entry; ``(None, None)`` for no entry or no cache; ``(None, warning)``
-    for a damaged entry, which is removed."""
+    for a damaged entry, which is removed, or a directory that cannot be read (its warning once per process)."""
     directory = cache_dir()
     if directory is None:
         return None, None
     path = directory / _disk_name(key)
-    kernel, damaged = _read(path, key[-1])
+    try:
+        kernel, damaged = _read(path, key[-1])
+    except OSError as e:
+        if not os.path.isdir(directory):  # no directory holds no entry: a miss (the write says why it makes none)
+            return None, None
+        return None, _unusable(directory, f"read {path.name}", e)
     if damaged is not None:
         with contextlib.suppress(OSError):
             path.unlink()
@@ -140,10 +187,10 @@ def _load(key: tuple) -> tuple[CompiledKernel | None, str | None]:
 
 def _read(path: Path, arch: str) -> tuple[CompiledKernel | None, str | None]:
     """The entry at ``path``, verified against its sha256: ``(module, None)``, ``(None, None)`` if there is none,
-    ``(None, warning)`` if it is damaged."""
+    ``(None, warning)`` if it is damaged; ``OSError`` if it cannot be read."""
     try:
         entry = path.read_bytes()
-    except OSError:
+    except FileNotFoundError:
         return None, None
     head = len(_ENTRY_MAGIC)
     module, digest = entry[head + 32:], entry[head:head + 32]
@@ -167,23 +214,44 @@ def _warn_at_caller(message: str, category: type[Warning]) -> None:
     warnings.warn(message, category, stacklevel=level)
 
 
-def _store(key: tuple, kernel: CompiledKernel, persist: bool | None) -> None:
+def _store(key: tuple, kernel: CompiledKernel, persist: bool | None) -> str | None:
+    """Write ``kernel``'s entry (where the module docstring says); the warning of a directory that cannot be used,
+    once per process, or None."""
     directory = cache_dir()
     if directory is None:
-        return
+        return None
     if persist is None:
-        persist = "JAX_DQPOST_CACHE_DIR" in os.environ or bool(arch_.cuda_devices())
+        persist = bool(os.environ.get(CACHE_DIR_ENV)) or bool(arch_.cuda_devices())
     if not persist:
-        return
+        return None
+    what, tmp = "create it", None
     try:
         directory.mkdir(parents=True, exist_ok=True)
+        what = "write a file in it"
         fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
         with os.fdopen(fd, "wb") as f:
             f.write(_ENTRY_MAGIC + bytes.fromhex(kernel.fingerprint) + kernel.module)
         os.replace(tmp, directory / _disk_name(key))  # atomic: readers see the old file or the whole new one
-    except OSError:  # a read-only or full cache is not an error: the kernel is compiled, just not kept
-        with contextlib.suppress(OSError, UnboundLocalError):
-            os.unlink(tmp)
+    except OSError as e:  # a read-only or full cache is no error: the kernel is compiled, not kept, and we say so
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        return _unusable(directory, what, e)
+    return None
+
+
+def unusable(directory: Path) -> str | None:
+    """None if ``directory`` can hold the cache (made if missing; a file is written in it and removed), else a
+    sentence saying why not (``python -m jax_dqpost.precompile`` asks before it compiles)."""
+    what = "create it"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        what = "write a file in it"
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".tmp-"):
+            pass
+    except OSError as e:
+        return _cannot(directory, what, e)
+    return None
 
 
 def compile_executor(spec: KernelSpec, arch: str, **tuning):
@@ -192,7 +260,10 @@ def compile_executor(spec: KernelSpec, arch: str, **tuning):
     set here (and restored afterwards). ``tuning``: ``kernel.Postprocess``'s tuning keywords (``min_ctas_per_sm``,
     ``short_heads``) for experiments (benchmarks/ncu_kernels.py); the package itself always compiles with the
     defaults, which is why they are not part of the key."""
-    from .kernel import Postprocess, entry_args
+    try:
+        from .kernel import Postprocess, entry_args
+    except ModuleNotFoundError as e:
+        raise dsl_missing(e.name) or e from None
 
     kernel = Postprocess(spec, target_sm=arch_.sm_version(arch), **tuning)
     # placeholder addresses and extents: the executor takes the real ones at every call
@@ -202,10 +273,13 @@ def compile_executor(spec: KernelSpec, arch: str, **tuning):
 
 
 def _cute_compile(kernel, args: tuple, arch: str):
-    import cuda.bindings.driver as cuda
-    import cutlass.cute as cute
-    from cutlass.base_dsl.ast_helpers import DSLOptimizationWarning
-    from cutlass.cutlass_dsl.cutlass import CuTeDSL
+    try:
+        import cuda.bindings.driver as cuda
+        import cutlass.cute as cute
+        from cutlass.base_dsl.ast_helpers import DSLOptimizationWarning
+        from cutlass.cutlass_dsl.cutlass import CuTeDSL
+    except ModuleNotFoundError as e:
+        raise dsl_missing(e.name) or e from None
 
     # Arch-dependent code paths inside the DSL read a process-wide setting: set it for this compile only,
     # so that other users of the DSL in this process (e.g. FlashAttention) keep theirs.
@@ -227,3 +301,42 @@ def _cute_compile(kernel, args: tuple, arch: str):
             envar._arch = previous
         else:
             envar.arch = previous
+
+
+def dsl_missing(module: str | None) -> ModuleNotFoundError | None:
+    """The error to raise where importing ``module`` failed, if it is (in) one of ``DSL_MODULES``: it names its
+    distribution and every other of theirs that is missing (an install with ``--no-deps`` has none) and the command
+    that installs them, with the version ranges of jax-dqpost's requirements. None for any other module."""
+    import importlib.util
+
+    def within(name: str) -> bool:  # the module, one inside it, or a missing parent package of it
+        return bool(module) and (module == name or module.startswith(name + ".") or name.startswith(module + "."))
+
+    def findable(name: str) -> bool:
+        try:
+            return importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):  # a parent package missing, or a module set to None in sys.modules
+            return False
+
+    if not any(map(within, DSL_MODULES)):
+        return None
+    missing = [d for m, d in DSL_MODULES.items() if within(m) or not findable(m)]
+    install = " ".join(f'"{r}"' if any(c in r for c in "<>=!~[") else r for r in map(_requirement, missing))
+    return ModuleNotFoundError(
+        f"jax_dqpost compiles its CUDA kernels with {' and '.join(missing)}, not installed here (no module named "
+        f"{module!r}). Install {'them' if len(missing) > 1 else 'it'}: python -m pip install {install}", name=module)
+
+
+def _requirement(distribution: str) -> str:
+    """``distribution`` as jax-dqpost's metadata requires it, e.g. ``nvidia-cutlass-dsl>=4.8`` (else its name)."""
+    import re
+    from importlib import metadata
+
+    try:
+        requires = metadata.requires("jax-dqpost") or []
+    except metadata.PackageNotFoundError:
+        requires = []
+    for requirement in requires:
+        if ";" not in requirement and re.match(rf"{re.escape(distribution)}(?![\w.-])", requirement, re.I):
+            return requirement.replace(" ", "")
+    return distribution

@@ -5,7 +5,9 @@
     python -m jax_dqpost.precompile --fused none,f32      # also the dQ + dK + dV kernels, with and without sink
 
 Works without a GPU when ``--arch`` (or ``CUTE_DSL_ARCH``) names the target. Prints what it compiled. Bad
-arguments, and requests that select no kernel, exit with status 2 and a message naming the value.
+arguments (and bad values of ``CUTE_DSL_ARCH`` or ``JAX_DQPOST_CACHE_DIR``), and requests that select no kernel,
+exit with status 2 and a message naming the value; a disk cache that is off or cannot be written, and a missing
+CuTe DSL (nvidia-cutlass-dsl), with status 1 and a message saying what to do.
 """
 
 from __future__ import annotations
@@ -151,9 +153,16 @@ def main(argv=None) -> int:
                          f"orders to compile for {arch} with --presets (e.g. --presets 120: the mma.sync order)")
         which = f"--presets {','.join(map(str, presets))}" if args.presets else f"--arch {arch} (its presets)"
         parser.error(f"{which} with --head-dims {','.join(map(str, args.head_dims))} selects no kernel: {fa4}")
-    directory = kernel_cache.cache_dir()
+    try:
+        directory = kernel_cache.cache_dir()
+    except ValueError as e:  # JAX_DQPOST_CACHE_DIR names no directory
+        parser.error(str(e))
     if directory is None:
         print("the on-disk cache is off (JAX_DQPOST_CACHE_DIR=none): nothing would be kept", file=sys.stderr)
+        return 1
+    unusable = kernel_cache.unusable(directory)
+    if unusable:
+        print(f"{parser.prog}: error: {unusable}: nothing would be kept", file=sys.stderr)
         return 1
     tilings = [Tiling[name.upper()] for name in args.tilings]
     kinds = [("kernels", [((layout, dr, t),) for layout, dr in configs for t in tilings], [None],
@@ -171,7 +180,13 @@ def main(argv=None) -> int:
         start, compiled = time.perf_counter(), 0
         for key in keys:
             if not kernel_cache.on_disk(key, arch=arch):
-                kernel_cache.get_kernel(key, arch=arch, persist=True)
+                try:
+                    kernel_cache.get_kernel(key, arch=arch, persist=True)
+                except ModuleNotFoundError as e:  # the CuTe DSL is not installed: say which distribution, no traceback
+                    if kernel_cache.dsl_missing(e.name) is None:
+                        raise
+                    print(f"{parser.prog}: error: {e}", file=sys.stderr)
+                    return 1
                 compiled += 1
         if compiled:
             print(f"{len(keys)} {what} for {arch} ({shape}): {compiled} compiled in {time.perf_counter() - start:.1f} "

@@ -8,7 +8,9 @@ import re
 import subprocess
 import sys
 import textwrap
+import types
 import warnings
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -341,3 +343,105 @@ def test_a_disk_entry_is_named_by_every_module_the_kernel_is_made_from():
                 todo += [f"{m}.py" for m in modules if (package / f"{m}.py").is_file()]
     assert seen <= set(kernel_cache.KERNEL_SOURCES), sorted(seen - set(kernel_cache.KERNEL_SOURCES))
     assert {"kernel.py", "schedule.py", "tile.py"} <= seen
+
+
+@pytest.mark.parametrize("value", ["cache", "./cache", "~/cache", "0", "off", "None", "NONE", " none", "false", " "])
+def test_the_cache_directory_is_an_absolute_path_or_none(value, tmp_path, monkeypatch):
+    """``none`` (that spelling) turns the disk cache off; unset or empty is the default directory; any other value
+    that is not an absolute path (relative to each process's working directory, or another spelling of off) is
+    refused before anything is made, by an error naming the variable and the value."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setenv("JAX_DQPOST_CACHE_DIR", "none")
+    assert kernel_cache.cache_dir() is None
+    monkeypatch.setenv("JAX_DQPOST_CACHE_DIR", str(tmp_path / "mine"))
+    assert kernel_cache.cache_dir() == tmp_path / "mine"
+    for default in ("", None):
+        if default is None:
+            monkeypatch.delenv("JAX_DQPOST_CACHE_DIR")
+        else:
+            monkeypatch.setenv("JAX_DQPOST_CACHE_DIR", default)
+        assert kernel_cache.cache_dir() == tmp_path / "xdg" / "jax_dqpost"
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative")  # the XDG specification: a relative path is ignored
+    assert kernel_cache.cache_dir() == Path(os.path.expanduser("~")) / ".cache" / "jax_dqpost"
+    monkeypatch.setenv("JAX_DQPOST_CACHE_DIR", value)
+    message = (rf"^JAX_DQPOST_CACHE_DIR must be an absolute path, or none to turn the on-disk kernel cache off "
+               rf"\(unset or empty: the default directory\), got {re.escape(repr(value))}$")
+    with pytest.raises(ValueError, match=message):
+        kernel_cache.cache_dir()
+    monkeypatch.setattr(kernel_cache, "_cache", {})  # (a kernel in memory needs no disk cache)
+    with pytest.raises(ValueError, match=message):  # where the cache is used: lowering for CUDA
+        _export()
+    assert list(tmp_path.iterdir()) == []
+
+
+def _fake_compile(*key):
+    """Stands in for the CuTe compile in the tests of the directory (they test the cache, not the kernel)."""
+    return types.SimpleNamespace(dump_to_object=lambda prefix: b"\x7fELF module of " + repr(key).encode())
+
+
+@pytest.mark.parametrize("where", ["a file", "under a file", "proc", "entry unreadable", "default"])
+def test_a_cache_that_cannot_be_used_is_reported_once(where, tmp_path, monkeypatch):
+    """A directory that cannot be made, read or written: the kernel is compiled and not kept, and the first time in
+    the process one RuntimeWarning at the user's call names the variable, the path and why (root writes in any
+    directory: the directories here are unusable for root too)."""
+    from jax_dqpost.abi import Tiling
+
+    file = tmp_path / "file"
+    file.write_text("not a directory")
+    directory = {"a file": file, "under a file": file / "cache", "proc": Path(f"/proc/jax_dqpost_test_{os.getpid()}"),
+                 "entry unreadable": tmp_path / "cache", "default": file / "jax_dqpost"}[where]
+    why = {"a file": "it is not a directory", "proc": "cannot create it: No such file or directory",
+           "entry unreadable": r"cannot read bf16-varlen-sm_90a-\w+\.cute: Is a directory"}.get(
+        where, "cannot create it: Not a directory")
+    named = rf"JAX_DQPOST_CACHE_DIR={re.escape(str(directory))}"
+    if where == "default":  # XDG_CACHE_HOME a file
+        monkeypatch.delenv("JAX_DQPOST_CACHE_DIR")
+        monkeypatch.setenv("XDG_CACHE_HOME", str(file))
+        named = rf"the default kernel cache directory {re.escape(str(directory))} \(JAX_DQPOST_CACHE_DIR is unset\)"
+    else:
+        monkeypatch.setenv("JAX_DQPOST_CACHE_DIR", str(directory))
+    monkeypatch.setattr(kernel_cache, "compile_executor", _fake_compile)
+    monkeypatch.setattr(kernel_cache, "_unusable_reported", False)
+    key = _spec(tiling=Tiling.VARLEN)
+    if where == "entry unreadable":  # a directory where the entry would be: reading it fails, not as a miss
+        (directory / kernel_cache._disk_name(kernel_cache._key(key, "sm_90a"))).mkdir(parents=True)
+    for name in ("first", "second"):
+        monkeypatch.setattr(kernel_cache, "_cache", {})  # a disk lookup each time
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            kernel = kernel_cache.get_kernel(key, arch="sm_90a", persist=True)
+        assert kernel.module.startswith(b"\x7fELF module of ")
+        if name == "first":
+            (w,) = caught
+            assert w.category is RuntimeWarning and w.filename == __file__, (w.category, w.filename)
+            assert re.fullmatch(rf"jax_dqpost: {named} cannot be used as the kernel cache \({why}\): kernels are "
+                                r"compiled but not kept\. Set JAX_DQPOST_CACHE_DIR to a directory this process can "
+                                r"write, or to none to turn the cache off", str(w.message)), str(w.message)
+        else:
+            assert caught == [], [str(w.message) for w in caught]  # once per process
+    assert not kernel_cache.on_disk(key, arch="sm_90a") and file.read_text() == "not a directory"
+
+
+def test_precompile_refuses_a_cache_it_cannot_use(tmp_path, monkeypatch, capsys):
+    """precompile's work is the disk cache: a directory it cannot write exits 1 before any compile, a value that
+    names no directory exits 2 (as a bad argument), each with one line and no traceback."""
+    from jax_dqpost import precompile
+
+    file = tmp_path / "file"
+    file.write_text("")
+    small = ["--arch", "sm_90a", "--presets", "90", "--head-dims", "64", "--dtypes", "bf16", "--tilings", "dense"]
+    monkeypatch.setattr(kernel_cache, "compile_executor", None)  # nothing may be compiled
+    monkeypatch.setenv("JAX_DQPOST_CACHE_DIR", str(file / "cache"))
+    assert precompile.main(small) == 1
+    assert capsys.readouterr().err == (f"python -m jax_dqpost.precompile: error: JAX_DQPOST_CACHE_DIR={file}/cache "
+                                       "cannot be used as the kernel cache (cannot create it: Not a directory): "
+                                       "nothing would be kept\n")
+    monkeypatch.setenv("JAX_DQPOST_CACHE_DIR", "off")
+    with pytest.raises(SystemExit) as exit_:
+        precompile.main(small)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == ("python -m jax_dqpost.precompile: error: JAX_DQPOST_CACHE_DIR must be an "
+                                            "absolute path, or none to turn the on-disk kernel cache off (unset or "
+                                            "empty: the default directory), got 'off'"), err

@@ -40,13 +40,14 @@ def _readme_commands() -> list[str]:
 
 def test_ci_runs_the_readme_commands_verbatim():
     """.ci/run runs the README's two commands as written, on the oldest supported pair (Python 3.11 and the jax
-    pyproject names as the minimum, pinned) and on the newest (Python 3.12, the jax pip picks)."""
+    pyproject names as the minimum, pinned) and on the newest (Python 3.12, the jax pip picks), then builds the
+    manylinux wheel on the newest."""
     commands = _readme_commands()
     assert len(commands) == 2, commands
     ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
     for command in commands:
         assert command in ci, f"{command!r} is not in .ci/run"
-    assert ci[-2:] == ["check 3.11 .ci/oldest.txt", "check 3.12"], ci[-2:]
+    assert ci[-3:] == ["check 3.11 .ci/oldest.txt", "check 3.12", "manylinux_wheel 3.12"], ci[-3:]  # newest only
     minimum = next(r for r in _pyproject()["project"]["dependencies"] if r.startswith("jax>="))[len("jax>="):]
     pins = (ROOT / ".ci" / "oldest.txt").read_text().split()
     assert f"jax=={minimum}.0" in pins and f"jaxlib=={minimum}.0" in pins, (minimum, pins)
@@ -209,7 +210,7 @@ def test_preset_table_is_what_the_code_returns():
 
 def test_readme_layout_section_is_what_the_code_takes():
     """The README's "Which layout" table names the constructors, not the presets (their one home is the docstring
-    above, rendered into docs/api.md, where the README links): its GPU list is FlashAttention-4's, and the sm90
+    above, rendered into docs/api.md, which the README names): its GPU list is FlashAttention-4's, and the sm90
     head dims it names for ``causal`` are those where the two dQ presets differ."""
     from jax_dqpost.presets import FLASH_ATTENTION_ARCHS
 
@@ -220,7 +221,18 @@ def test_readme_layout_section_is_what_the_code_takes():
     lo, hi = map(int, re.search(r"on sm90 at head dims (\d+)\.\.(\d+) the\s+two dQ orders differ", section).groups())
     differ = [d for d in range(8, 257, 8) if _preset(90, d, False, "dq") != _preset(90, d, True, "dq")]
     assert differ == list(range(lo, hi + 1, 8)), differ
-    assert "api.md#jax_dqpostaccumlayoutflash_attention" in section
+    assert "`help(AccumLayout.flash_attention)` (docs/api.md)" in section
+
+
+def test_the_readme_has_no_relative_links():
+    """The README is also the project's page on a package index (the wheel's and the sdist's description), where a
+    relative link or image leads nowhere, and so does a link to a heading (an index gives headings no ids). With no
+    URL of the repository in pyproject.toml to make them absolute, files of the source tree are named in text."""
+    inline = re.findall(r"\]\(\s*<?([^)\s>]+)", README)  # [text](target), ![alt](target)
+    defined = re.findall(r"^ {0,3}\[[^\]]+\]:\s*<?([^\s>]+)", README, re.M)  # [label]: target
+    html = re.findall(r"(?:href|src)\s*=\s*[\"']([^\"']*)", README, re.I)
+    assert len(inline) >= 1, inline  # fa4-jax's
+    assert [t for t in inline + defined + html if not re.match(r"https?://", t)] == []
 
 
 def _numbers(text: str) -> set[str]:

@@ -6,6 +6,7 @@ as a user needs it."""
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import re
 import subprocess
@@ -115,17 +116,32 @@ def test_the_installed_wheel_is_for_any_python3():
     assert tags and all(t.startswith("py3-none-") and not t.endswith("-any") for t in tags), wheel
 
 
+def _editable(dist: metadata.Distribution) -> bool:
+    """Whether ``dist`` is an editable install (``pip install -e``; PEP 660's direct_url.json says so)."""
+    direct = dist.read_text("direct_url.json")
+    return bool(direct) and json.loads(direct).get("dir_info", {}).get("editable", False)
+
+
 def test_the_wheel_holds_the_package_alone():
     """The installed files are the flat package jax_dqpost (its modules, the handler library and the stamp of its
-    source) and its metadata: no subpackage, nothing of the source tree's benchmarks/, tests/ or docs/."""
+    source) and its metadata: no subpackage, nothing of the source tree's benchmarks/, tests/ or docs/. An editable
+    install (``pip install -e .``) holds the library, its stamp and scikit-build-core's import hook (a .pth file and
+    its module), which finds the modules in the source tree."""
     dist = _installed()
+    editable = _editable(dist)
     files = [f for f in dist.files if "__pycache__" not in f.parts]
     tops = {f.parts[0] for f in files}
-    assert len(tops - {"jax_dqpost"}) == 1 and (tops - {"jax_dqpost"}).pop().endswith(".dist-info"), sorted(tops)
+    info = {t for t in tops if t.endswith(".dist-info")}
+    hook = {t for t in tops if editable and re.fullmatch(r"_\w*editable\w*\.(py|pth)", t)}
+    assert len(info) == 1 and tops - info - hook == {"jax_dqpost"}, sorted(tops)
+    assert {Path(t).suffix for t in hook} == ({".py", ".pth"} if editable else set()), sorted(tops)
     package = [f for f in files if f.parts[0] == "jax_dqpost"]
     assert all(len(f.parts) == 2 for f in package), [str(f) for f in package if len(f.parts) != 2]
-    names = {f.name for f in package}
-    assert {"__init__.py", _ffi._LIBRARY_NAME, _ffi._SOURCE_HASH_NAME} <= names, sorted(names)
+    names, built = {f.name for f in package}, {_ffi._LIBRARY_NAME, _ffi._SOURCE_HASH_NAME}
+    if editable:
+        assert names == built, sorted(names)  # the modules are the tree's
+    else:
+        assert {"__init__.py", *built} <= names, sorted(names)
 
 
 def test_the_installed_metadata_is_the_projects():
@@ -142,6 +158,27 @@ def test_the_build_configuration():
     assert [e["field"] for e in PYPROJECT["tool"]["dynamic-metadata"]] == ["version"]
     assert "scikit-build-core>=1.0" in PYPROJECT["build-system"]["requires"]
     assert PYPROJECT["tool"]["scikit-build"]["wheel"]["py-api"] == "py3"
+
+
+def test_the_test_extra_brings_pytest_xdist():
+    """``pip install ".[test]"`` brings what the tests run with: pytest-xdist too (``-n``; test_hygiene.py runs a
+    session on two workers sharing one kernel cache, which it does not skip)."""
+    names = [re.match(r"[\w.-]+", r).group(0).lower() for r in PYPROJECT["project"]["optional-dependencies"]["test"]]
+    assert "pytest-xdist" in names, names
+    assert "importorskip" not in (ROOT / "tests" / "test_hygiene.py").read_text()
+
+
+def test_the_license_is_in_the_tree_and_the_metadata():
+    """LICENSE holds the Apache License 2.0 as apache.org publishes it (LICENSE-2.0.txt, by its sha256), and
+    pyproject declares it as PEP 639 does (an SPDX expression and the file, which the wheel's and the sdist's
+    metadata then carry: .ci/run checks the built wheel's)."""
+    import hashlib
+
+    text = (ROOT / "LICENSE").read_bytes()
+    assert hashlib.sha256(text).hexdigest() == "cfc7749b96f63bd31c3c42b5c471bf756814053e847c10f3eb003417bc523d30"
+    assert PYPROJECT["project"]["license"] == "Apache-2.0" and PYPROJECT["project"]["license-files"] == ["LICENSE"]
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "auditwheel repair" in ci and "License-Expression: Apache-2.0" in ci and "licenses/LICENSE" in ci
 
 
 def test_warnings_do_not_fail_a_users_build():

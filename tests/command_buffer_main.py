@@ -7,7 +7,7 @@ and a chain of the fused op (dQ, dK, dV and dsink); runs them and checks every r
 oracle (dsink: against the same call outside any graph), and reports where XLA put our FFI call:
 in command buffers (CUDA graphs) formed on the HLO (`command_buffer` computations) or, in current XLA, on
 the thunk sequence (`*thunk_sequence_after_thunk_passes*.txt` in the dump directory). Prints one JSON
-object (test_gpu.py reads it).
+object (test_gpu_runtime.py reads it).
 """
 
 from __future__ import annotations

@@ -402,3 +402,23 @@ def assert_dsink_close(got, want, magnitude, sink_dtype, what=""):
     if np.dtype(sink_dtype) != np.float32:
         tol = tol + np.abs(want) * (2.0**-8 if np.dtype(sink_dtype) == ml_dtypes.bfloat16 else 2.0**-11)
     assert (np.abs(got - want) <= tol).all(), (what, got, want, tol)
+
+
+def hopper_case(rng, name, dtype, seqlen, batch=2, heads=3):
+    """A random dense problem in the Hopper order ``conftest.FA_HOPPER_CONFIGS[name]``: ``(layout, head_dim,
+    logical dQ, accumulator, scale, expected dQ)``."""
+    from conftest import FA_HOPPER_CONFIGS, FA_HOPPER_HEAD_DIM
+    from jax_dqpost import AccumLayout
+
+    tile_m, threads, atom, swap, mult = FA_HOPPER_CONFIGS[name]
+    head_dim = FA_HOPPER_HEAD_DIM[name]
+    layout = AccumLayout(90, tile_m, threads, atom, swap, mult)
+    logical = random_logical(rng, (batch, seqlen, heads, head_dim))
+    acc = build_accumulator(logical, (tile_m, threads, atom, swap), hdim_multiple_of=mult, rng=rng)
+    scale = float(rng.uniform(0.05, 2.0))
+    return layout, head_dim, logical, acc, scale, expected_dq(logical, scale, dtype)
+
+
+POISON_BITS = {2: 0xFFFF, 4: 0xFFFFFFFF}
+"""By element size: a NaN in bf16 and fp16, and in float32. Outputs are filled with it before a kernel runs, so an
+element the kernel leaves unwritten shows."""

@@ -64,8 +64,8 @@ def test_export_for_cuda_emits_our_custom_call(dtype, name):
 
 @pytest.mark.parametrize("name", ["dense", "varlen"])
 def test_stored_artifacts_call_the_registered_target(name):
-    """tests/data's artifacts (run on a GPU by tests/test_gpu.py) call the target the package registers, so the GPU
-    test checks the handler that calls use; they are exported again when the target changes."""
+    """tests/data's artifacts (run on a GPU by tests/test_gpu_runtime.py) call the target the package registers, so
+    the GPU test checks the handler that calls use; they are exported again when the target changes."""
     blob = (Path(__file__).parent / "data" / f"exported_{name}.bin").read_bytes()
     text = jax.export.deserialize(bytearray(blob)).mlir_module()
     assert re.findall(r"stablehlo.custom_call @(\w+)\(", text) == [_ffi.TARGET_NAME]

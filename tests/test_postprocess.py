@@ -285,7 +285,6 @@ def make_call(rng, part, sink, packing, offsets, dtype, layout: LayoutCase, head
 
 # ---- running calls: one program per test, each output over a poisoned buffer where a kernel writes it
 
-POISON_BITS = {2: 0xFFFF, 4: 0xFFFFFFFF}  # a NaN in bf16, fp16 and float32
 
 
 def run(platform, calls: list[Call]):
@@ -307,7 +306,7 @@ def run(platform, calls: list[Call]):
     if platform == "cpu":
         return jax.jit(program)(*operands)
     avals = jax.tree.leaves(jax.eval_shape(program, *operands))
-    poison = [jax.device_put(np.full(a.shape, POISON_BITS[a.dtype.itemsize],
+    poison = [jax.device_put(np.full(a.shape, oracle.POISON_BITS[a.dtype.itemsize],
                                      f"uint{8 * a.dtype.itemsize}").view(a.dtype), device) for a in avals]
     addresses = [p.unsafe_buffer_pointer() for p in poison]
     # keep_unused: jit would drop the unused poison, and with it the aliasing

@@ -1,4 +1,4 @@
-"""Export jax-dqpost programs for CUDA on a machine without a GPU, for tests/test_gpu.py to run on one:
+"""Export jax-dqpost programs for CUDA on a machine without a GPU, for tests/test_gpu_runtime.py to run on one:
 
     JAX_PLATFORMS=cpu python tests/data/export_artifacts.py        (writes exported_*.bin + manifest beside it)
 

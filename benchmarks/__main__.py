@@ -84,6 +84,9 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer sizes and samples")
     parser.add_argument("--samples", type=int, default=None, help="samples per measurement (median)")
     parser.add_argument("--plot", metavar="JSON", help="only redraw the plot of a saved bench.json into --out")
+    parser.add_argument("--resume", metavar="JSON",
+                        help="go on with a bench.json cut short (its measurements kept, the missing ones taken; the "
+                             "package must be the one it measured: the same jax_dqpost/ and ffi/)")
     parser.add_argument("--fused-only", action="store_true",
                         help="only the fused dQ/dK/dV(/dsink) cases at grouped-query attention shapes")
     parser.add_argument("--devices", type=int, metavar="N",
@@ -134,6 +137,13 @@ def main(argv=None) -> int:
               "flash_attn": _version("flash-attn-4") or _version("flash_attn"), "samples": samples,
               "method": cases.METHOD, "reference": [], "sweep": []}
     out.mkdir(parents=True, exist_ok=True)
+    kept = {}
+    if args.resume:
+        kept = json.loads(Path(args.resume).read_text())
+        why = _cannot_resume(kept, report)
+        if why:
+            parser.error(f"--resume {args.resume}: {why}")
+        report = {**kept, "resumed": {"date": report["date"], "commit": report["commit"]}}
 
     def save(done: bool = False):  # after every measurement: a run cut short keeps what it measured
         (out / "bench.json").write_text(json.dumps({**report, "complete": done}, indent=1) + "\n")
@@ -150,7 +160,8 @@ def main(argv=None) -> int:
         print(f"\nwrote {out / 'bench.json'}")
         return 0 if "error" not in report["devices"] else 1
     report["fused_method"] = fused.METHOD
-    report["fused"] = fused.measure(samples, torch, fa4, rng)
+    if "fused" not in kept:
+        report["fused"] = fused.measure(samples, torch, fa4, rng)
     save(done=args.fused_only)
     if args.fused_only:
         print(fused.table(report["fused"]))
@@ -160,29 +171,51 @@ def main(argv=None) -> int:
     todo = [(c, p, s) for s in [None] for c in cases.CONFIGS for p in cases.PACKINGS]
     todo += [(c, p, s) for c in cases.CONFIGS for p in cases.PACKINGS for s in sizes]
     for k, ((name, D, causal), packing, size) in enumerate(todo):
+        if k < len(kept.get("reference", [])) + len(kept.get("sweep", [])):
+            continue  # measured before the run was cut short
         harness.log(f"[{k + 1}/{len(todo)}] {name} {packing} "
                     f"{'B,H,S=' + str(cases.REFERENCE_SHAPE) if size is None else size}")
         r = cases.measure(cases.Case(name, D, causal, packing, size, rng, torch, fa4), samples)
         report["reference" if size is None else "sweep"].append(r)
         save()
-    report["short"] = []
-    for case in cases.short_cases(rng, torch, fa4):
+    report["short"] = list(kept.get("short", []))
+    for k, case in enumerate(cases.short_cases(rng, torch, fa4)):
+        if k < len(kept.get("short", [])):
+            continue
         harness.log(f"short sequences: {case.name} {'traced' if case.traced else 'static'}")
         report["short"].append(cases.measure_short(case, samples))
         save()
-    harness.log("chain of 200 tiny calls")
-    report["chain"] = probes.chain_cost(samples)
-    save()
-    harness.log("cold and warm start")
-    report["start"] = probes.start_costs()
-    harness.log("jax path with and without command buffers")
-    report["jax_path"] = probes.jax_path_costs()
+    for name, what, probe in (("chain", "chain of 200 tiny calls", lambda: probes.chain_cost(samples)),
+                              ("start", "cold and warm start", probes.start_costs),
+                              ("jax_path", "jax path with and without command buffers", probes.jax_path_costs)):
+        if name not in kept:
+            harness.log(what)
+            report[name] = probe()
+            save()
     save(done=True)
     if has_plot:
         report_.plot(report, out / "bench.png")
     print(report_.summary(report))
     print(f"\nwrote {out / 'bench.json'}" + (f" and {out / 'bench.png'}" if has_plot else ""))
     return 0
+
+
+def _cannot_resume(kept: dict, now: dict) -> str | None:
+    """Why a run cut short (``kept``, its bench.json) cannot go on in this one (``now``'s header), or None: it must
+    be unfinished, of the same GPU, jax, FlashAttention and samples, and of a package with the same sources."""
+    if kept.get("complete"):
+        return "that run is complete"
+    for key in ("gpu", "jax", "flash_attn", "samples"):
+        if kept.get(key) != now[key]:
+            return f"its {key} is {kept.get(key)!r}, this run's {now[key]!r}"
+    if kept.get("commit") != now["commit"]:
+        root = Path(__file__).resolve().parents[1]
+        diff = subprocess.run(["git", "diff", "--quiet", kept.get("commit", ""), "--", "jax_dqpost", "ffi"], cwd=root,
+                              capture_output=True)
+        if diff.returncode != 0:
+            return (f"it measured commit {kept.get('commit')}, whose jax_dqpost/ or ffi/ differ from this tree's "
+                    f"(or git cannot tell)")
+    return None
 
 
 if __name__ == "__main__":

@@ -287,3 +287,18 @@ def test_only_internals_imports_private_apis():
             if path.name != "internals.py":
                 assert not private, f"benchmarks/{path.name}: {ast.unparse(node)}"
     assert seen > 5
+
+
+def test_resume_goes_on_only_with_an_unfinished_run_of_the_same_setup_and_package(tmp_path):
+    """``--resume`` keeps a cut-short run's measurements only where the new ones are comparable: an unfinished run of
+    the same GPU, jax, FlashAttention and samples, and a package of the same sources (by git, where the commits
+    differ)."""
+    _cannot_resume = bench_main._cannot_resume
+    now = {"gpu": "NVIDIA H200", "jax": "0.11.2", "flash_attn": "4.0.0b36", "samples": 25, "commit": "abc1234"}
+    kept = {**now, "complete": False}
+    assert _cannot_resume(kept, now) is None
+    assert _cannot_resume({**kept, "complete": True}, now) == "that run is complete"
+    assert _cannot_resume({**kept, "samples": 9}, now) == "its samples is 9, this run's 25"
+    assert _cannot_resume({**kept, "gpu": "NVIDIA H100"}, now) == "its gpu is 'NVIDIA H100', this run's 'NVIDIA H200'"
+    why = _cannot_resume({**kept, "commit": "0000000"}, now)  # no such commit: git cannot tell
+    assert why.startswith("it measured commit 0000000, whose jax_dqpost/ or ffi/ differ"), why

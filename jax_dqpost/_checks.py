@@ -193,10 +193,16 @@ def device_checks() -> bool:
     other value). Read once per process: every trace agrees. On, each check is a ``checkify.debug_check``, reported
     in a function ``jax.experimental.checkify.checkify`` transforms and dropped in one it does not; but it is an
     effect of the traced function (``jax.export`` cannot serialize it), so off (the default) nothing is traced."""
-    value = os.environ.get(CHECKIFY_ENV, "").strip()
+    return env_flag(CHECKIFY_ENV, "checks traced offsets, lengths and scales on the device under "
+                                  "jax.experimental.checkify")
+
+
+def env_flag(name: str, what: str) -> bool:
+    """Whether the environment variable ``name`` is 1 (unset, empty or 0: no); ``ValueError`` naming it, its value
+    and what 1 does (``what``) for any other value."""
+    value = os.environ.get(name, "").strip()
     if value not in ("", "0", "1"):
-        raise ValueError(f"{CHECKIFY_ENV} must be 0 or 1 (or unset), got {value!r} (1 checks traced offsets, lengths "
-                         "and scales on the device under jax.experimental.checkify)")
+        raise ValueError(f"{name} must be 0 or 1 (or unset), got {value!r} (1 {what})")
     return value == "1"
 
 

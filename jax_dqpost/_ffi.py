@@ -20,6 +20,8 @@ from pathlib import Path
 
 import jax
 
+from . import _checks
+
 TARGET_NAME = "jax_dqpost_postprocess_v3"
 """The custom-call target every call lowers to (its compatibility rule: docs/design.md, "Compatibility")."""
 DISABLED_CHECKS = (jax.export.DisabledSafetyCheck.custom_call(TARGET_NAME),)
@@ -42,11 +44,8 @@ def command_buffers() -> bool:
     """Whether ``JAX_DQPOST_COMMAND_BUFFERS=1`` asks for the command-buffer compatible handler (unset, empty or
     0: no; ``ValueError`` for any other value). Read once per process, at import: the registration and every
     lowering agree."""
-    value = os.environ.get(COMMAND_BUFFERS_ENV, "").strip()
-    if value not in ("", "0", "1"):
-        raise ValueError(f"{COMMAND_BUFFERS_ENV} must be 0 or 1 (or unset), got {value!r} (1 lets XLA capture the "
-                         "kernel into its command buffers, docs/design.md)")
-    return value == "1"
+    return _checks.env_flag(COMMAND_BUFFERS_ENV, "lets XLA capture the kernel into its command buffers, "
+                                                 "docs/design.md")
 
 
 command_buffers()  # a bad JAX_DQPOST_COMMAND_BUFFERS fails here, at import, on every platform

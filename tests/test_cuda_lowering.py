@@ -341,16 +341,18 @@ def test_command_buffers_mode_is_in_the_lowered_call(command_buffers_env):
 
 
 
-def test_a_bad_command_buffers_value_fails_at_import_on_every_platform():
-    """JAX_DQPOST_COMMAND_BUFFERS is read once, at import: a value other than 0/1 is one clear error there, also on a
+@pytest.mark.parametrize("name, does", [
+    ("JAX_DQPOST_COMMAND_BUFFERS", "lets XLA capture the kernel into its command buffers, docs/design.md"),
+    ("JAX_DQPOST_CHECKIFY", "checks traced offsets, lengths and scales on the device under jax.experimental.checkify")])
+def test_a_bad_flag_value_fails_at_import_on_every_platform(name, does):
+    """The package's flags are read once, at import: a value other than 0/1 is one clear error there, also on a
     machine that never lowers for CUDA."""
-    env = {**os.environ, _ffi.COMMAND_BUFFERS_ENV: "2", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, name: "2", "JAX_PLATFORMS": "cpu"}
     out = subprocess.run([sys.executable, "-c", "import jax_dqpost"], cwd="/", env=env, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 1
     assert out.stderr.strip().splitlines()[-1] == (
-        "ValueError: JAX_DQPOST_COMMAND_BUFFERS must be 0 or 1 (or unset), got '2' (1 lets XLA capture the kernel into "
-        "its command buffers, docs/design.md)"), out.stderr[-2000:]
+        f"ValueError: {name} must be 0 or 1 (or unset), got '2' (1 {does})"), out.stderr[-2000:]
 
 
 @pytest.mark.parametrize("packing", ["dense", "varlen"])

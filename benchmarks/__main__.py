@@ -161,7 +161,7 @@ def main(argv=None) -> int:
         return 0 if "error" not in report["devices"] else 1
     report["fused_method"] = fused.METHOD
     if "fused" not in kept:
-        report["fused"] = fused.measure(samples, torch, fa4, rng)
+        report["fused"] = fused.measure(samples, torch, fa4, np.random.default_rng(2))
     save(done=args.fused_only)
     if args.fused_only:
         print(fused.table(report["fused"]))
@@ -171,15 +171,16 @@ def main(argv=None) -> int:
     todo = [(c, p, s) for s in [None] for c in cases.CONFIGS for p in cases.PACKINGS]
     todo += [(c, p, s) for c in cases.CONFIGS for p in cases.PACKINGS for s in sizes]
     for k, ((name, D, causal), packing, size) in enumerate(todo):
+        case = cases.Case(name, D, causal, packing, size, rng, torch, fa4)  # its random lengths, measured or not
         if k < len(kept.get("reference", [])) + len(kept.get("sweep", [])):
             continue  # measured before the run was cut short
         harness.log(f"[{k + 1}/{len(todo)}] {name} {packing} "
                     f"{'B,H,S=' + str(cases.REFERENCE_SHAPE) if size is None else size}")
-        r = cases.measure(cases.Case(name, D, causal, packing, size, rng, torch, fa4), samples)
+        r = cases.measure(case, samples)
         report["reference" if size is None else "sweep"].append(r)
         save()
     report["short"] = list(kept.get("short", []))
-    for k, case in enumerate(cases.short_cases(rng, torch, fa4)):
+    for k, case in enumerate(cases.short_cases(np.random.default_rng(1), torch, fa4)):
         if k < len(kept.get("short", [])):
             continue
         harness.log(f"short sequences: {case.name} {'traced' if case.traced else 'static'}")
@@ -202,19 +203,20 @@ def main(argv=None) -> int:
 
 def _cannot_resume(kept: dict, now: dict) -> str | None:
     """Why a run cut short (``kept``, its bench.json) cannot go on in this one (``now``'s header), or None: it must
-    be unfinished, of the same GPU, jax, FlashAttention and samples, and of a package with the same sources."""
+    be unfinished, of the same GPU, jax, FlashAttention, samples and method, and of the same package and benchmark
+    sources (each section draws from its own random generator, so the cases go on as in a run never cut short)."""
     if kept.get("complete"):
         return "that run is complete"
-    for key in ("gpu", "jax", "flash_attn", "samples"):
+    for key in ("gpu", "jax", "flash_attn", "samples", "method"):
         if kept.get(key) != now[key]:
             return f"its {key} is {kept.get(key)!r}, this run's {now[key]!r}"
     if kept.get("commit") != now["commit"]:
         root = Path(__file__).resolve().parents[1]
-        diff = subprocess.run(["git", "diff", "--quiet", kept.get("commit", ""), "--", "jax_dqpost", "ffi"], cwd=root,
-                              capture_output=True)
+        diff = subprocess.run(["git", "diff", "--quiet", kept.get("commit", ""), "--", "jax_dqpost", "ffi",
+                               "benchmarks"], cwd=root, capture_output=True)
         if diff.returncode != 0:
-            return (f"it measured commit {kept.get('commit')}, whose jax_dqpost/ or ffi/ differ from this tree's "
-                    f"(or git cannot tell)")
+            return (f"it measured commit {kept.get('commit')}, whose jax_dqpost/, ffi/ or benchmarks/ differ from "
+                    f"this tree's (or git cannot tell)")
     return None
 
 

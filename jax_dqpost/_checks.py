@@ -1,8 +1,9 @@
-"""Every check of what a user passes, in one place: static (Python) arguments of the API, ``AccumLayout``, the
-presets, ``arch`` and precompile; the output dtype; offsets and lengths a host can see; and, under
-``jax.experimental.checkify``, traced ones on the device. Errors name the argument and show the value
-(``TypeError``, ``ValueError``). It imports only ``abi`` and ``varlen`` (leaves) of the package; ``_operands.py``
-turns the API's arguments into operands by these rules."""
+"""The rules for what a user passes, in one place, for every entry point: static (Python) arguments of the API,
+``AccumLayout``, the presets, ``arch`` and precompile; the output dtype; offsets and lengths a host can see; and,
+under ``jax.experimental.checkify``, traced ones on the device. Errors name the argument and show the value
+(``TypeError``, ``ValueError``). It imports only ``abi`` and ``varlen`` (leaves) of the package. Where an argument
+becomes an operand (``_operands.py``), its type is checked as it is converted; the shapes are checked by the plan
+in abstract evaluation, also under vmap and sharding (``plan.py``)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The API's arguments coerced into the primitive's operands and the parts of its plan: every check of user input,
-with errors that name the argument and show the bad value (``TypeError``/``ValueError`` at trace time)."""
+"""The API's arguments coerced into the primitive's operands and the parts of its plan, by the rules of
+``_checks.py``: errors name the argument and show the bad value (``TypeError``/``ValueError`` at trace time)."""
 
 from __future__ import annotations
 
@@ -58,10 +58,10 @@ def part(layout, head_dim, dtype, seqlen, total, cu_seqlens, seqused,
         _checks.check_offsets(cu, used, total, names)
         _checks.check_rows_fit_int32(total_n, total, _varlen_rows(total, len(cu) - 1, layout))
         work, work_list = WorkList.build(np, np.asarray(cu), None if used is None else np.asarray(used),
-                                    total=total, layout=layout)
+                                         total=total, layout=layout)
         return Part(layout, head_dim, dtype, work=work), jnp.asarray(work_list)
-    cu = _int_array(cu_n, _static_as_array(cu_seqlens))
-    used = None if seqused is None else _int_array(used_n, _static_as_array(seqused))
+    cu = _int_array(cu_n, _static_as_array(cu_n, cu_seqlens))
+    used = None if seqused is None else _int_array(used_n, _static_as_array(used_n, seqused))
     cu_values = _visible_ints(cu_n, cu_seqlens)
     used_values = None if used is None else _visible_ints(used_n, seqused)
     if cu_values is not None:  # still operands the kernel reads at run time; the values seen now are checked
@@ -133,8 +133,9 @@ def _host_visible(x) -> bool:
     return _is_static(x) or isinstance(x, np.generic)
 
 
-def _static_as_array(x):
-    return np.asarray(x) if isinstance(x, (list, tuple, range)) else x
+def _static_as_array(name: str, x):
+    """A Python sequence as a numpy array (its items checked: ints, none traced), anything else as it is."""
+    return np.asarray(_checks.static_ints(name, x)) if isinstance(x, (list, tuple, range)) else x
 
 
 def _int_array(name: str, x):

@@ -11,7 +11,8 @@ custom call's operands and results, and the compiled module's entry point, follo
 ``[...]``: only with dK/dV (three parts) or with a sink. ``q_aux``/``k_aux``: the int32 operand of the q side and of
 the k side (empty, ``seqused`` or the varlen work list; ``plan.Part.aux_shape``); dK and dV share the k side's.
 ``scales``: float32 ``(parts,)``, one per part. The FFI handler (``ffi/dqpost_ffi.cc``, ``Execute``) passes the
-buffers in exactly this order and knows nothing else of it. :data:`BUFFERS` is the table of them (kind, how many,
+buffers in exactly this order and checks each one's element type and rank by its row's kind (its ``Roles``, pinned
+to this table by ``tests/test_cuda_lowering.py``). :data:`BUFFERS` is the table of them (kind, how many,
 dtype, axes), from which every other list is derived.
 """
 

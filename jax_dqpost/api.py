@@ -9,7 +9,8 @@ import jax.numpy as jnp
 
 from . import _checks, _operands
 from .layout import AccumLayout
-from .plan import ARG_NAMES, Operands, Plan
+from ._checks import ARG_NAMES
+from .plan import Operands, Plan
 from .primitive import postprocess_p
 from .reference import accum_from_dq_reference
 

@@ -20,7 +20,8 @@ OUT_BYTES = 2
 SMEM_ROWS = 16
 """The kernel's swizzled dQ tile takes whole 16-row blocks (odd multiples of 8 do not compile)."""
 SMEM_LIMIT = 99 * 1024
-"""Shared memory a CTA may use on every supported GPU."""
+"""Shared memory a CTA may use on every supported GPU (the opt-in maximum of sm_86, sm_89 and sm_120; sm_80 has 163
+KiB, sm_90 and sm_100 227 KiB). The kernel stages one ``tile_m x Dr`` dQ tile there."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,8 +59,10 @@ class KernelSpec:
             raise ValueError(f"jax_dqpost: a kernel's dtype is one of {names}, got {self.dtype!r}")
         abi.part_names(len(self.tensors))
         sink_names = tuple(abi.DTYPE_NAMES[d] for d in abi.SINK_DTYPES)
-        if self.sink is not None and (len(self.sink) != 2 or not set(self.sink) <= set(sink_names)):
-            raise ValueError(f"jax_dqpost: a kernel's sink dtypes are two of {sink_names}, got {self.sink!r}")
+        if self.sink is not None and (len(self.sink) != 2 or self.sink[0] not in sink_names
+                                      or self.sink[1] not in (self.sink[0], "f32")):
+            raise ValueError(f"jax_dqpost: a kernel's sink dtypes are the sink's, one of {sink_names}, and dsink's, "
+                             f"the same or f32; got {self.sink!r}")
         for t in self.tensors:
             why = None
             if t.padded_head_dim % t.layout.hdim_multiple_of:

@@ -37,8 +37,6 @@ _WARPGROUP = 128
 _WGMMA_M = 64
 _MMA_SYNC_TILE = 16  # m16n8k16 atoms, 16 x 16 permutation tile per warp
 _MAX_CLUSTER = 8
-"""Shared memory a CTA may use on every supported GPU (the opt-in maximum of sm_86, sm_89 and sm_120; sm_80
-has 163 KiB, sm_90 and sm_100 227 KiB). The kernel stages one ``tile_m x Dr`` dQ tile there."""
 
 
 def _check_int(name: str, value, *, minimum: int = 1) -> int:
@@ -481,7 +479,6 @@ class AccumLayout:
 AccumLayout.__init__ = _checks.required_arguments(
     **{f.name: f"the fields of the producer's order ({NO_DEFAULT}); {CONSTRUCTORS}"
        for f in dataclasses.fields(AccumLayout) if not f.kw_only})(AccumLayout.__init__)
-
 
 
 def _hint(argument: str) -> str:

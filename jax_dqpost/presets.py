@@ -109,7 +109,7 @@ def presets_of(layout: AccumLayout) -> dict:
 
 @functools.cache
 def _preset_table() -> dict:
-    """``{layout: {(gpu, dkv, causal): head dims}}``, every preset of every known release (see ``_presets_of``)."""
+    """``{layout: {(gpu, dkv, causal): head dims}}``, every preset of every known release (see :func:`presets_of`)."""
     table = {}
     for gpu, dkv, causal in itertools.product(dict.fromkeys(a // 10 * 10 for a in FLASH_ATTENTION_ARCHS),
                                               (False, True), (False, True)):

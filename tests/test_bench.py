@@ -294,11 +294,14 @@ def test_resume_goes_on_only_with_an_unfinished_run_of_the_same_setup_and_packag
     the same GPU, jax, FlashAttention and samples, and a package of the same sources (by git, where the commits
     differ)."""
     _cannot_resume = bench_main._cannot_resume
-    now = {"gpu": "NVIDIA H200", "jax": "0.11.2", "flash_attn": "4.0.0b36", "samples": 25, "commit": "abc1234"}
+    now = {"gpu": "NVIDIA H200", "jax": "0.11.2", "flash_attn": "4.0.0b36", "samples": 25, "method": "m",
+           "commit": "abc1234"}
     kept = {**now, "complete": False}
     assert _cannot_resume(kept, now) is None
     assert _cannot_resume({**kept, "complete": True}, now) == "that run is complete"
     assert _cannot_resume({**kept, "samples": 9}, now) == "its samples is 9, this run's 25"
     assert _cannot_resume({**kept, "gpu": "NVIDIA H100"}, now) == "its gpu is 'NVIDIA H100', this run's 'NVIDIA H200'"
     why = _cannot_resume({**kept, "commit": "0000000"}, now)  # no such commit: git cannot tell
-    assert why.startswith("it measured commit 0000000, whose jax_dqpost/ or ffi/ differ"), why
+    assert why.startswith("it measured commit 0000000, whose jax_dqpost/, ffi/ or benchmarks/ differ"), why
+    assert _cannot_resume({**kept, "method": "other"}, {**now, "method": "ours"}) == ("its method is 'other', this "
+                                                                                      "run's 'ours'")

@@ -404,6 +404,15 @@ def test_a_list_of_traced_offsets_names_the_argument_and_what_to_do(argument):
     with pytest.raises(TypeError, match=rf"^{argument} is a Python list of traced values .* pass a jax int32 array "
                                         r".*static_argnums or static_argnames of jax.jit"):
         jax.jit(op)(values)
+    # beside a jax array on the same side (the other argument traced or concrete): the same error
+    with pytest.raises(TypeError, match=r"^cu_seqlens_q is a Python list of traced values"):
+        jax.jit(lambda cu: dq_postprocess(jnp.zeros(dq_layout.varlen_accum_shape(2, H, 100, d), jnp.float32), 0.5,
+                                          head_dim=d, total_q=100, cu_seqlens_q=cu, seqused_q=jnp.asarray([5, 5]),
+                                          layout=dq_layout))([0, 50, 100])
+    with pytest.raises(TypeError, match=r"^seqused_q is a Python list of traced values"):
+        jax.jit(lambda used: dq_postprocess(jnp.zeros(dq_layout.varlen_accum_shape(2, H, 100, d), jnp.float32), 0.5,
+                                            head_dim=d, total_q=100, cu_seqlens_q=jnp.asarray([0, 50, 100]),
+                                            seqused_q=used, layout=dq_layout))([5, 5])
 
 
 def test_errors_under_vmap_speak_of_the_shapes_the_user_wrote():

@@ -173,7 +173,7 @@ def main(argv=None) -> int:
     for k, ((name, D, causal), packing, size) in enumerate(todo):
         case = cases.Case(name, D, causal, packing, size, rng, torch, fa4)  # its random lengths, measured or not
         if k < len(kept.get("reference", [])) + len(kept.get("sweep", [])):
-            continue  # measured before the run was cut short
+            continue  # kept from the run that was cut short
         harness.log(f"[{k + 1}/{len(todo)}] {name} {packing} "
                     f"{'B,H,S=' + str(cases.REFERENCE_SHAPE) if size is None else size}")
         r = cases.measure(case, samples)

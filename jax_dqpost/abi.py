@@ -42,6 +42,10 @@ OUT_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 SINK_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 """Types of ``learnable_sink`` and ``dsink``."""
 
+OUT_DTYPE_NAMES = tuple(DTYPE_NAMES[d] for d in OUT_DTYPES)
+SINK_DTYPE_NAMES = tuple(DTYPE_NAMES[d] for d in SINK_DTYPES)
+"""The types' names (:data:`DTYPE_NAMES`), as the kernel's record and precompile's options spell them."""
+
 def dtype_of(value) -> np.dtype | None:
     """The dtype ``value`` is or names: a dtype (or anything numpy takes for one), or a string in either spelling,
     the short one of :data:`DTYPE_NAMES` (``"bf16"``) or numpy's (``"bfloat16"``); None if it is none."""

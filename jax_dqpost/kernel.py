@@ -3,7 +3,7 @@
 Imports cutlass at module import: load this module lazily (``kernel_cache.py`` does).
 
 The entry point takes its arguments in the order of ``abi.py`` (:func:`entry_args`). A call of one part without a
-sink launches that part's own grid: ``(H * grid_x, 1, B)`` dense (``Plan.batch_on_grid_z``),
+sink launches that part's own grid: ``(H * grid_x, 1, B)`` dense (``KernelSpec.batch_on_grid_z``),
 ``(varlen.grid_ctas(...), 1, 1)`` varlen, every CTA the part's, with a shared-memory allocator of its own. Any other
 call launches a one-dimensional grid: with a sink, first ``H`` CTAs (one per query head) reducing ``dsink``, first
 because each reads every row of its head; then the CTAs of dQ, of dK and of dV, each part's numbered by its
@@ -100,8 +100,7 @@ class Postprocess:
         self.sink_threads = self.converters[0].num_threads  # FlashAttention-4 reduces with the dQ postprocess's CTA
         self.smem_bytes = max(max(p.smem_bytes for p in self.converters), 4 * _WARP)
         self.min_ctas_per_sm = min(p.min_ctas_per_sm for p in self.converters)
-        self.own_grid = len(parts) == 1 and sink is None  # the part's own grid (module docstring)
-        self.batch_on_grid_z = self.own_grid and parts[0].tiling != Tiling.VARLEN  # Plan.batch_on_grid_z
+        self.own_grid, self.batch_on_grid_z = spec.own_grid, spec.batch_on_grid_z  # the grid (module docstring)
         self.pointer_at = {name: k for k, name in enumerate(abi.pointers(len(parts), sink is not None))}
 
     @cute.jit

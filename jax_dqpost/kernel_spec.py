@@ -50,7 +50,7 @@ class KernelSpec:
     sink: tuple[str, str] | None = None
 
     def __post_init__(self):
-        names = tuple(abi.DTYPE_NAMES[d] for d in abi.OUT_DTYPES)
+        names = abi.OUT_DTYPE_NAMES
         object.__setattr__(self, "dtype", abi.DTYPE_NAMES.get(abi.dtype_of(self.dtype), self.dtype))
         object.__setattr__(self, "tensors", tuple(self.tensors))
         if self.sink is not None:
@@ -58,7 +58,7 @@ class KernelSpec:
         if self.dtype not in names:
             raise ValueError(f"jax_dqpost: a kernel's dtype is one of {names}, got {self.dtype!r}")
         abi.part_names(len(self.tensors))
-        sink_names = tuple(abi.DTYPE_NAMES[d] for d in abi.SINK_DTYPES)
+        sink_names = abi.SINK_DTYPE_NAMES
         if self.sink is not None and (len(self.sink) != 2 or self.sink[0] not in sink_names
                                       or self.sink[1] not in (self.sink[0], "f32")):
             raise ValueError(f"jax_dqpost: a kernel's sink dtypes are the sink's, one of {sink_names}, and dsink's, "
@@ -80,9 +80,27 @@ class KernelSpec:
         return abi.part_names(len(self.tensors))
 
     @property
+    def own_grid(self) -> bool:
+        return own_grid(len(self.tensors), self.sink is not None)
+
+    @property
+    def batch_on_grid_z(self) -> bool:
+        return batch_on_grid_z(len(self.tensors), self.sink is not None, self.tensors[0].tiling)
+
+    @property
     def label(self) -> str:
         """A short name: the dtype, each tensor's tiling, ``sink`` (``"bf16-dense-sink"``)."""
         return "-".join([self.dtype] + [t.tiling.name.lower() for t in self.tensors] + (["sink"] if self.sink else []))
+
+
+def own_grid(num_tensors: int, sink: bool) -> bool:
+    """One tensor and no sink: the launch is that tensor's own grid (``kernel.py``'s docstring)."""
+    return num_tensors == 1 and not sink
+
+
+def batch_on_grid_z(num_tensors: int, sink: bool, tiling: Tiling) -> bool:
+    """An own grid of a dense tensor: the batch is the grid's z (the plan's launch and the kernel ask it)."""
+    return own_grid(num_tensors, sink) and tiling != Tiling.VARLEN
 
 
 def check_limits(layout: AccumLayout, head_dim: int, what: str) -> None:

@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import abi
+from . import abi, kernel_spec
 from .abi import Tiling
 from .kernel_spec import KernelSpec, TensorKernel
 from .layout import AccumLayout
@@ -310,11 +310,6 @@ class Plan:
 
     # ---- the CUDA kernel -------------------------------------------------------------------------
     @property
-    def batch_on_grid_z(self) -> bool:
-        """One dense part and no sink: the launch is the part's own grid, the batch on its z (``kernel.py``)."""
-        return len(self.parts) == 1 and not self.has_sink and self.dq.work is None
-
-    @property
     def kernel(self) -> KernelSpec:
         """The kernel the call compiles (with the target GPU): what of it changes the binary."""
         sink = None if not self.has_sink else (abi.DTYPE_NAMES[np.dtype(self.sink_dtype)],
@@ -324,13 +319,14 @@ class Plan:
     def launch(self, acc_shapes) -> tuple[tuple[int, ...], int]:
         """``(extents, ctas)``: the kernel's int32 extents (``abi.EXTENTS`` of each part, ``Part.launch_extents``)
         and the CTAs of its launch: with a sink ``H`` sink CTAs, then every part's, every batch's (the grid's z is
-        the batch when :attr:`batch_on_grid_z`). ``ValueError`` if CUDA cannot launch it."""
+        the batch when ``KernelSpec.batch_on_grid_z``). ``ValueError`` if CUDA cannot launch it."""
         extents, ctas = [], self.dq.heads(acc_shapes[0]) if self.has_sink else 0
         for p, shape in zip(self.parts, acc_shapes):
             ext = p.launch_extents(shape)
             extents += ext
             ctas += p.ctas(shape) * (1 if p.work is not None else ext[0])
-        grid_x = ctas // extents[0] if self.batch_on_grid_z and extents[0] else ctas
+        on_z = kernel_spec.batch_on_grid_z(len(self.parts), self.has_sink, self.dq.tiling)
+        grid_x = ctas // extents[0] if on_z and extents[0] else ctas
         if grid_x > INT32_MAX:
             raise ValueError(f"jax_dqpost: {grid_x} CTAs along the grid's x, more than CUDA launches (2^31 - 1)")
         return tuple(extents), ctas

@@ -23,7 +23,6 @@ from .layout import AccumLayout
 from .presets import FLASH_ATTENTION_ARCHS, FLASH_ATTENTION_RELEASES, GPU_ARCHS, has_postprocess
 from .abi import Tiling
 
-_DTYPE_NAMES = tuple(abi.DTYPE_NAMES[d] for d in abi.OUT_DTYPES)
 _DTYPE_SPELLINGS = tuple(n for d in abi.OUT_DTYPES for n in (abi.DTYPE_NAMES[d], d.name))
 _TILING_NAMES = tuple(t.name.lower() for t in Tiling)
 _SINK_NAMES = ("none", "f32", "bf16", "f16")
@@ -123,7 +122,7 @@ def _parser() -> argparse.ArgumentParser:
                         "(default: the target's, e.g. 90 for sm_90a)")
     p.add_argument("--head-dims", type=_list_of(_head_dim), default=list(range(8, 257, 8)),
                    help="comma-separated head dimensions (multiples of 8, at most 256; default: all of them)")
-    p.add_argument("--dtypes", type=_list_of(_dtype), default=list(_DTYPE_NAMES),
+    p.add_argument("--dtypes", type=_list_of(_dtype), default=list(abi.OUT_DTYPE_NAMES),
                    help=f"comma-separated dQ types, from {', '.join(_DTYPE_SPELLINGS)} (default: both)")
     p.add_argument("--tilings", type=_list_of(_choice(_TILING_NAMES)), default=list(_TILING_NAMES),
                    help=f"comma-separated kernel tilings, from {', '.join(_TILING_NAMES)} (default: all)")

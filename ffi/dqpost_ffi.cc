@@ -3,8 +3,10 @@
 // The kernel arrives as an attribute of the custom call: an object module produced by
 // `cute.compile(...).dump_to_object(kFunctionPrefix)` at lowering time, so compiled executables and
 // `jax.export` artifacts carry their own binary. Modules are loaded once per process through the CuTe
-// runtime C API (libcute_dsl_runtime.so, shipped by nvidia-cutlass-dsl and opened with dlopen at a path
-// given by Python). Each custom call instance resolves its function once, in the instantiate stage (outside
+// runtime C API (libcute_dsl_runtime.so, shipped by nvidia-cutlass-dsl): Python gives its path when it registers
+// the target (at `import jax_dqpost`), and the first instance to need it opens it with dlopen, so that a process
+// that never runs the kernel never loads CUDA, and one that cannot load it gets the cause as the call's error.
+// Each custom call instance resolves its function once, in the instantiate stage (outside
 // any CUDA graph capture), into its own FFI state; execute takes it from there (no lock, no lookup) and
 // enqueues one launch. Nothing here blocks on the stream.
 //
@@ -58,6 +60,8 @@ struct CuteRuntime {
 std::mutex g_mutex;  // guards everything below
 CuteRuntime g_runtime;
 bool g_runtime_loaded = false;
+std::string g_runtime_path;     // set by jax_dqpost_set_runtime, opened at the first need
+std::string g_runtime_problem;  // why there is no runtime to open (set by Python, or a failed dlopen)
 // fingerprint (sha256 of the module bytes) -> launchable function. Modules live until process exit.
 std::unordered_map<std::string, CuteFunction*> g_functions;
 
@@ -67,13 +71,38 @@ std::string RuntimeError(const char* what, int code) {
   return msg;
 }
 
+// Opens the runtime at g_runtime_path (once; callers hold g_mutex). An empty string on success, else why not.
+std::string LoadRuntime() {
+  if (g_runtime_loaded) return "";
+  if (!g_runtime_problem.empty()) return g_runtime_problem;
+  if (g_runtime_path.empty()) {
+    return "jax_dqpost: no CuTe DSL runtime library was given to the handler (import jax_dqpost registers it)";
+  }
+  void* handle = dlopen(g_runtime_path.c_str(), RTLD_NOW | RTLD_LOCAL);
+  if (handle == nullptr) {
+    g_runtime_problem = "jax_dqpost: cannot load the CuTe DSL runtime " + g_runtime_path + ": dlopen failed: " +
+                        dlerror();
+    return g_runtime_problem;
+  }
+  CuteRuntime rt;
+  rt.create = reinterpret_cast<CreateFn>(dlsym(handle, "CuteDSLRT_Module_Create_From_Bytes"));
+  rt.get_function = reinterpret_cast<GetFunctionFn>(dlsym(handle, "CuteDSLRT_Module_Get_Function"));
+  rt.run = reinterpret_cast<RunFn>(dlsym(handle, "CuteDSLRT_Function_Run"));
+  rt.error_string = reinterpret_cast<ErrorStringFn>(dlsym(handle, "CuteDSLRT_GetErrorString"));
+  if (rt.create == nullptr || rt.get_function == nullptr || rt.run == nullptr) {
+    g_runtime_problem = "jax_dqpost: missing CuteDSLRT_* symbols in " + g_runtime_path;
+    return g_runtime_problem;
+  }
+  g_runtime = rt;
+  g_runtime_loaded = true;
+  return "";
+}
+
 // Loads (once) the module with this fingerprint and returns its function.
 ffi::ErrorOr<CuteFunction*> GetFunction(std::string_view module, std::string_view fingerprint) {
   std::lock_guard<std::mutex> lock(g_mutex);
-  if (!g_runtime_loaded) {
-    return ffi::Unexpected(ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                                      "jax_dqpost: the CuTe DSL runtime library is not loaded "
-                                      "(jax_dqpost._ffi.register() sets it up)"));
+  if (std::string problem = LoadRuntime(); !problem.empty()) {
+    return ffi::Unexpected(ffi::Error(ffi::ErrorCode::kFailedPrecondition, problem));
   }
   std::string key(fingerprint);
   auto it = g_functions.find(key);
@@ -334,30 +363,26 @@ extern "C" void jax_dqpost_ffi_api_version(int* major, int* minor) {
   *minor = XLA_FFI_API_MINOR;
 }
 
-// Called once from Python (ctypes) with the path of libcute_dsl_runtime.so. Returns 0 on success,
-// else writes a message into err (size errlen) and returns -1. Idempotent.
-extern "C" int jax_dqpost_load_runtime(const char* path, char* err, size_t errlen) {
+// Called from Python (ctypes) when it registers the target: the path of libcute_dsl_runtime.so to open at the
+// first need, or (path null) the problem that leaves none, which every instance then returns as its error. Ignored
+// once the runtime is loaded.
+extern "C" void jax_dqpost_set_runtime(const char* path, const char* problem) {
   std::lock_guard<std::mutex> lock(g_mutex);
-  if (g_runtime_loaded) return 0;
-  auto fail = [&](const std::string& msg) {
-    if (err != nullptr && errlen > 0) {
-      const size_t n = msg.size() < errlen - 1 ? msg.size() : errlen - 1;
-      msg.copy(err, n);
-      err[n] = '\0';
-    }
-    return -1;
-  };
-  void* handle = dlopen(path, RTLD_NOW | RTLD_LOCAL);
-  if (handle == nullptr) return fail(std::string("dlopen failed: ") + dlerror());
-  CuteRuntime rt;
-  rt.create = reinterpret_cast<CreateFn>(dlsym(handle, "CuteDSLRT_Module_Create_From_Bytes"));
-  rt.get_function = reinterpret_cast<GetFunctionFn>(dlsym(handle, "CuteDSLRT_Module_Get_Function"));
-  rt.run = reinterpret_cast<RunFn>(dlsym(handle, "CuteDSLRT_Function_Run"));
-  rt.error_string = reinterpret_cast<ErrorStringFn>(dlsym(handle, "CuteDSLRT_GetErrorString"));
-  if (rt.create == nullptr || rt.get_function == nullptr || rt.run == nullptr) {
-    return fail(std::string("missing CuteDSLRT_* symbols in ") + path);
+  if (g_runtime_loaded) return;
+  g_runtime_path = path != nullptr ? path : "";
+  g_runtime_problem = path != nullptr ? "" : (problem != nullptr ? problem : "jax_dqpost: no CuTe DSL runtime");
+}
+
+// Opens the runtime now (see jax_dqpost_set_runtime). Returns 0 on success, else writes why into err (size errlen)
+// and returns -1. Idempotent.
+extern "C" int jax_dqpost_load_runtime(char* err, size_t errlen) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  const std::string problem = LoadRuntime();
+  if (problem.empty()) return 0;
+  if (err != nullptr && errlen > 0) {
+    const size_t n = problem.size() < errlen - 1 ? problem.size() : errlen - 1;
+    problem.copy(err, n);
+    err[n] = '\0';
   }
-  g_runtime = rt;
-  g_runtime_loaded = true;
-  return 0;
+  return -1;
 }

@@ -7,11 +7,14 @@ attention) and the learnable sink's gradient in one launch. On CUDA they run CuT
 XLA FFI target; on every other platform, a bit-identical jax.numpy reference.
 """
 
+from . import _ffi
 from ._ffi import DISABLED_CHECKS
 from ._version import __version__
 from .api import dq_accum_from_dq, dq_postprocess, flash_attention_postprocess
 from .arch import cuda_arch
 from .layout import AccumLayout
+
+_ffi.register_at_import()  # where jax has a CUDA plugin: artifacts exported with our calls find their handler
 
 __all__ = ["dq_postprocess", "flash_attention_postprocess", "dq_accum_from_dq", "AccumLayout", "cuda_arch",
            "DISABLED_CHECKS", "__version__"]  # in the order docs/api.md presents them

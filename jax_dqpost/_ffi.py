@@ -1,5 +1,14 @@
 """Find the built FFI library and register its CUDA target with XLA, once (locked, idempotent).
 
+``import jax_dqpost`` registers the target where jax has a CUDA plugin (:func:`register_at_import`), so that a
+process that only deserializes and calls a ``jax.export`` artifact finds its handler; registering loads the handler
+library (a few kilobytes, no CUDA) and hands it the path of the CuTe DSL runtime (:mod:`.cute_runtime`), which the
+handler opens at the first call that needs it. It does not import the CuTe DSL or start jax's backends (XLA keeps
+registrations made before then). Where no runtime can be had (no CuTe DSL, no flavour of it for this driver), the
+handler returns that cause as the error of every call; a lowering (:func:`register`) raises it at once. A handler
+library that cannot be loaded or does not fit the running jaxlib is reported by one ``RuntimeWarning`` at import,
+since XLA then has no handler of ours to report with, and raised by every lowering for CUDA.
+
 By default the target's handler is not command-buffer compatible: XLA launches our kernel itself, between its
 command buffers (CUDA graphs), never by stream capture. ``JAX_DQPOST_COMMAND_BUFFERS=1`` (read at registration,
 once per process) registers the command-buffer compatible handler instead, which XLA records into its graphs;
@@ -12,15 +21,16 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
-import importlib.util
 import os
+import pkgutil
 import re
 import threading
+import warnings
 from pathlib import Path
 
 import jax
 
-from . import _checks
+from . import _checks, cute_runtime
 
 TARGET_NAME = "jax_dqpost_postprocess_v3"
 """The custom-call target every call lowers to (its compatibility rule: docs/design.md, "Compatibility")."""
@@ -37,6 +47,7 @@ STATE_TYPE_NAME = "jax_dqpost_loaded_kernel"
 _LIBRARY_NAME = "libjax_dqpost_ffi.so"
 _lock = threading.Lock()
 _registered = False
+_library: ctypes.CDLL | None = None  # the handler library, once registered
 
 
 @functools.cache
@@ -152,42 +163,67 @@ def check_ffi_api_version(handler: tuple[int, int], runtime: tuple[int, int], li
 
 
 def cute_runtime_path() -> Path:
-    """``libcute_dsl_runtime.so`` of the installed nvidia-cutlass-dsl (``$JAX_DQPOST_CUTE_RUNTIME`` wins)."""
-    override = os.environ.get("JAX_DQPOST_CUTE_RUNTIME")
-    if override:
-        return Path(override)
-    # Found, not imported: importing cutlass costs seconds, and a warm start (kernels from the on-disk
-    # cache) needs none of it. .../nvidia_cutlass_dsl/dsl_packages/cutlass/__init__.py -> .../cu*/lib/
-    try:
-        spec = importlib.util.find_spec("cutlass")
-    except (ImportError, ValueError):
-        spec = None
-    if spec is None or not spec.origin:
-        from .kernel_cache import dsl_missing
+    """The CuTe DSL runtime the handler loads: :func:`jax_dqpost.cute_runtime.runtime_path`."""
+    return cute_runtime.runtime_path()
 
-        raise dsl_missing("cutlass")
-    root = Path(spec.origin).resolve().parents[2]
-    found = sorted(root.glob("cu*/lib/libcute_dsl_runtime.so"), reverse=True)  # prefer cu13 over cu12
-    if not found:
-        raise RuntimeError(f"jax_dqpost: libcute_dsl_runtime.so not found under {root}/cu*/lib")
-    return found[0]
+
+def jax_has_cuda_plugin() -> bool:
+    """Whether jax has a CUDA plugin installed (``jax_plugins.xla_cuda<N>``), found without starting a backend."""
+    try:
+        import jax_plugins
+    except ImportError:
+        return False
+    return any(re.fullmatch(r"xla_cuda\d+", m.name) for m in pkgutil.iter_modules(getattr(jax_plugins, "__path__", [])))
+
+
+def register_at_import() -> None:
+    """At ``import jax_dqpost``, where jax has a CUDA plugin: :func:`register` without opening the CuTe runtime.
+    A failure is reported by one ``RuntimeWarning`` (see the module docstring); each lowering for CUDA tries again
+    and raises it."""
+    if not jax_has_cuda_plugin():
+        return
+    try:
+        _register_target()
+    except Exception as e:  # noqa: BLE001 -- any cause: import goes on, the lowering raises it
+        warnings.warn(f"jax_dqpost: the CUDA target is not registered, so calls of jax_dqpost on CUDA (also in "
+                      f"exported artifacts) cannot run in this process: {e}", RuntimeWarning, stacklevel=2)
 
 
 def register() -> None:
-    """Load the handler library, point it at the CuTe runtime and register the CUDA target."""
-    global _registered
+    """Register the CUDA target (once) and open the CuTe runtime now, raising what stops either: the lowering's,
+    so that a call fails where it is lowered, naming the cause."""
+    lib = _register_target()
+    with _lock:
+        _give_runtime(lib)
+        err = ctypes.create_string_buffer(2048)
+        if lib.jax_dqpost_load_runtime(err, len(err)) != 0:
+            raise RuntimeError(err.value.decode())
+
+
+def _give_runtime(lib: ctypes.CDLL) -> None:
+    """Hand the handler the runtime's path, or why there is none (the handler ignores it once loaded)."""
+    try:
+        path, problem = str(cute_runtime.runtime_path()).encode(), None
+    except (ModuleNotFoundError, cute_runtime.NoRuntime) as e:
+        path, problem = None, str(e).encode()
+    lib.jax_dqpost_set_runtime(path, problem)
+
+
+def _register_target() -> ctypes.CDLL:
+    """Load the handler library, give it the CuTe runtime and register the CUDA target (once); the library."""
+    global _registered, _library
     with _lock:
         if _registered:
-            return
+            return _library
         suffix = "Capturable" if command_buffers() else ""  # a bad value fails before anything is loaded
         path = library_path()
         lib = ctypes.CDLL(str(path))
         check_ffi_api_version(ffi_api_version(lib), runtime_ffi_api_version(), path)
-        err = ctypes.create_string_buffer(1024)
-        lib.jax_dqpost_load_runtime.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
+        lib.jax_dqpost_set_runtime.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
+        lib.jax_dqpost_set_runtime.restype = None
+        lib.jax_dqpost_load_runtime.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
         lib.jax_dqpost_load_runtime.restype = ctypes.c_int
-        if lib.jax_dqpost_load_runtime(str(cute_runtime_path()).encode(), err, len(err)) != 0:
-            raise RuntimeError(f"jax_dqpost: cannot load the CuTe DSL runtime: {err.value.decode()}")
+        _give_runtime(lib)
         # The handler's per-instance state (the loaded kernel function), then the target using it.
         for getter in (lib.jax_dqpost_state_type_id, lib.jax_dqpost_state_type_info):
             getter.restype = ctypes.c_void_p
@@ -203,4 +239,5 @@ def register() -> None:
             {"instantiate": jax.ffi.pycapsule(lib.JaxDqpostInstantiate), "execute": jax.ffi.pycapsule(execute)},
             platform="CUDA",
         )
-        _registered = True
+        _registered, _library = True, lib
+        return lib

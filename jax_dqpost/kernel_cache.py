@@ -10,8 +10,8 @@ absolute path; ``none`` (that spelling only) turns it off; unset or empty, it is
 (an absolute ``XDG_CACHE_HOME``; else ``~/.cache/jax_dqpost``). Any other value (a relative path, ``off``, ``0``)
 raises ``ValueError`` where the cache is first read. A directory that cannot be made, read or written is reported
 by one ``RuntimeWarning`` per process, naming it and why; the kernels are then compiled but not kept. A disk
-entry's name hashes the key with the package version, the kernel source and the CuTe DSL version, so a change
-to any of them misses; entries are written to a temporary file and renamed into place, so processes sharing the
+entry's name hashes the key with the package version, the kernel source and the CuTe DSL's version and flavour
+(cu12 or cu13, :mod:`.cute_runtime`), so a change to any of them misses; entries are written to a temporary file and renamed into place, so processes sharing the
 directory never see a partial file. An entry holds a header and the sha256 of the module before the module
 itself, and is verified on every read: a damaged one (truncated, overwritten) is discarded, compiled again and
 rewritten, and only then reported by one ``RuntimeWarning`` at the user's call (the first frame outside
@@ -34,7 +34,7 @@ import threading
 import warnings
 from pathlib import Path
 
-from . import abi, arch as arch_
+from . import abi, arch as arch_, cute_runtime
 from ._version import __version__
 from .kernel_spec import KernelSpec
 
@@ -44,9 +44,6 @@ KERNEL_SOURCES = ("kernel.py", "kernel_spec.py", "schedule.py", "tile.py", "abi.
 
 CACHE_DIR_ENV = "JAX_DQPOST_CACHE_DIR"
 """The variable naming the on-disk cache's directory (the module docstring says what it takes)."""
-
-DSL_MODULES = {"cutlass": "nvidia-cutlass-dsl", "cuda.bindings": "cuda-python"}
-"""The modules a compile imports (lazily: a CPU-only user needs neither) and the distribution that installs each."""
 
 FUNCTION_PREFIX = "jax_dqpost"
 """Symbol prefix of the compiled entry point; ffi/dqpost_ffi.cc looks the function up by it."""
@@ -153,17 +150,22 @@ _ENTRY_MAGIC = b"jax_dqpost module v2\n"
 
 
 def _disk_name(key: tuple) -> str:
+    """The entry's file name: the key, the CuTe DSL flavour that compiles it (a cu12 and a cu13 module of one kernel
+    differ, and each runs only through its own flavour's runtime) and a hash of everything that changes the module's
+    bytes: the key, the package version and kernel sources, the DSL's version and flavour."""
     from importlib import metadata
 
+    flavour = cute_runtime.flavour()
     try:
         dsl = metadata.version("nvidia-cutlass-dsl")
     except metadata.PackageNotFoundError:  # a DSL on PYTHONPATH, not installed as a distribution
         dsl = "unknown"
     here = Path(__file__).parent
     source = b"".join((here / name).read_bytes() for name in KERNEL_SOURCES)
-    digest = hashlib.sha256(repr((key, __version__, dsl, FUNCTION_PREFIX, _ENTRY_MAGIC)).encode() + source).hexdigest()
+    ident = (key, __version__, dsl, flavour, FUNCTION_PREFIX, _ENTRY_MAGIC)
+    digest = hashlib.sha256(repr(ident).encode() + source).hexdigest()
     spec, arch = key
-    return f"{spec.label}-{arch}-{digest[:40]}.cute"
+    return f"{spec.label}-{arch}-cu{flavour}-{digest[:40]}.cute"
 
 
 def _load(key: tuple) -> tuple[CompiledKernel | None, str | None]:
@@ -263,7 +265,7 @@ def compile_executor(spec: KernelSpec, arch: str, **tuning):
     try:
         from .kernel import Postprocess, entry_args
     except ModuleNotFoundError as e:
-        raise dsl_missing(e.name) or e from None
+        raise cute_runtime.dsl_missing(e.name) or e from None
 
     kernel = Postprocess(spec, target_sm=arch_.sm_version(arch), **tuning)
     # placeholder addresses and extents: the executor takes the real ones at every call
@@ -279,7 +281,7 @@ def _cute_compile(kernel, args: tuple, arch: str):
         from cutlass.base_dsl.ast_helpers import DSLOptimizationWarning
         from cutlass.cutlass_dsl.cutlass import CuTeDSL
     except ModuleNotFoundError as e:
-        raise dsl_missing(e.name) or e from None
+        raise cute_runtime.dsl_missing(e.name) or e from None
 
     # Arch-dependent code paths inside the DSL read a process-wide setting: set it for this compile only,
     # so that other users of the DSL in this process (e.g. FlashAttention) keep theirs.
@@ -301,42 +303,3 @@ def _cute_compile(kernel, args: tuple, arch: str):
             envar._arch = previous
         else:
             envar.arch = previous
-
-
-def dsl_missing(module: str | None) -> ModuleNotFoundError | None:
-    """The error to raise where importing ``module`` failed, if it is (in) one of ``DSL_MODULES``: it names its
-    distribution and every other of theirs that is missing (an install with ``--no-deps`` has none) and the command
-    that installs them, with the version ranges of jax-dqpost's requirements. None for any other module."""
-    import importlib.util
-
-    def within(name: str) -> bool:  # the module, one inside it, or a missing parent package of it
-        return bool(module) and (module == name or module.startswith(name + ".") or name.startswith(module + "."))
-
-    def findable(name: str) -> bool:
-        try:
-            return importlib.util.find_spec(name) is not None
-        except (ImportError, ValueError):  # a parent package missing, or a module set to None in sys.modules
-            return False
-
-    if not any(map(within, DSL_MODULES)):
-        return None
-    missing = [d for m, d in DSL_MODULES.items() if within(m) or not findable(m)]
-    install = " ".join(f'"{r}"' if any(c in r for c in "<>=!~[") else r for r in map(_requirement, missing))
-    return ModuleNotFoundError(
-        f"jax_dqpost compiles its CUDA kernels with {' and '.join(missing)}, not installed here (no module named "
-        f"{module!r}). Install {'them' if len(missing) > 1 else 'it'}: python -m pip install {install}", name=module)
-
-
-def _requirement(distribution: str) -> str:
-    """``distribution`` as jax-dqpost's metadata requires it, e.g. ``nvidia-cutlass-dsl>=4.8`` (else its name)."""
-    import re
-    from importlib import metadata
-
-    try:
-        requires = metadata.requires("jax-dqpost") or []
-    except metadata.PackageNotFoundError:
-        requires = []
-    for requirement in requires:
-        if ";" not in requirement and re.match(rf"{re.escape(distribution)}(?![\w.-])", requirement, re.I):
-            return requirement.replace(" ", "")
-    return distribution

@@ -17,7 +17,7 @@ import itertools
 import sys
 import time
 
-from . import _checks, abi, arch as arch_, kernel_cache
+from . import _checks, abi, arch as arch_, cute_runtime, kernel_cache
 from .kernel_spec import KernelSpec, TensorKernel
 from .layout import AccumLayout
 from .presets import FLASH_ATTENTION_ARCHS, FLASH_ATTENTION_RELEASES, GPU_ARCHS, has_postprocess
@@ -178,15 +178,16 @@ def main(argv=None) -> int:
                 for parts in part_sets for dtype in args.dtypes for sink in sinks]
         start, compiled = time.perf_counter(), 0
         for key in keys:
-            if not kernel_cache.on_disk(key, arch=arch):
-                try:
-                    kernel_cache.get_kernel(key, arch=arch, persist=True)
-                except ModuleNotFoundError as e:  # the CuTe DSL is not installed: say which distribution, no traceback
-                    if kernel_cache.dsl_missing(e.name) is None:
-                        raise
-                    print(f"{parser.prog}: error: {e}", file=sys.stderr)
-                    return 1
-                compiled += 1
+            try:
+                if kernel_cache.on_disk(key, arch=arch):
+                    continue
+                kernel_cache.get_kernel(key, arch=arch, persist=True)
+            except ModuleNotFoundError as e:  # the CuTe DSL is not installed: say which distribution, no traceback
+                if cute_runtime.dsl_missing(e.name) is None:
+                    raise
+                print(f"{parser.prog}: error: {e}", file=sys.stderr)
+                return 1
+            compiled += 1
         if compiled:
             print(f"{len(keys)} {what} for {arch} ({shape}): {compiled} compiled in {time.perf_counter() - start:.1f} "
                   f"s, {len(keys) - compiled} already cached; in {directory}")

@@ -392,7 +392,7 @@ def test_a_cache_that_cannot_be_used_is_reported_once(where, tmp_path, monkeypat
     directory = {"a file": file, "under a file": file / "cache", "proc": Path(f"/proc/jax_dqpost_test_{os.getpid()}"),
                  "entry unreadable": tmp_path / "cache", "default": file / "jax_dqpost"}[where]
     why = {"a file": "it is not a directory", "proc": "cannot create it: No such file or directory",
-           "entry unreadable": r"cannot read bf16-varlen-sm_90a-\w+\.cute: Is a directory"}.get(
+           "entry unreadable": r"cannot read bf16-varlen-sm_90a-cu\d+-\w+\.cute: Is a directory"}.get(
         where, "cannot create it: Not a directory")
     named = rf"JAX_DQPOST_CACHE_DIR={re.escape(str(directory))}"
     if where == "default":  # XDG_CACHE_HOME a file

@@ -162,15 +162,9 @@ def test_ffi_library_is_built_and_exports_its_handlers():
     if (Path(jax_dqpost.__file__).parent / path.name).is_file():
         assert path.parent == Path(jax_dqpost.__file__).parent
     lib = ctypes.CDLL(str(path))
-    for symbol in ["JaxDqpostExecute", "JaxDqpostExecuteCapturable", "JaxDqpostInstantiate", "jax_dqpost_load_runtime",
-                   "jax_dqpost_state_type_id", "jax_dqpost_state_type_info"]:
+    for symbol in ["JaxDqpostExecute", "JaxDqpostExecuteCapturable", "JaxDqpostInstantiate", "jax_dqpost_set_runtime",
+                   "jax_dqpost_load_runtime", "jax_dqpost_state_type_id", "jax_dqpost_state_type_info"]:
         assert hasattr(lib, symbol), symbol
-    # In a fresh process (loading is once per process): a bad runtime path is reported, not fatal.
-    code = ("import ctypes, sys; lib = ctypes.CDLL(sys.argv[1]); err = ctypes.create_string_buffer(256); "
-            "f = lib.jax_dqpost_load_runtime; f.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]; "
-            "print(f(b'/nonexistent/libcute_dsl_runtime.so', err, 256), err.value.decode())")
-    out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True)
-    assert out.stdout.startswith("-1 dlopen failed"), (out.stdout, out.stderr)
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a", "sm_100a"])

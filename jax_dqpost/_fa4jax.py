@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -84,6 +85,14 @@ class Accumulators:
 
 
 HDIM_MULTIPLE_OF = 32
+
+
+def is_compile_error(error: BaseException) -> bool:
+    """Whether ``error`` is the CuTe DSL failing to compile one of fa4-jax's kernels (an ``MLIRError``, or one of
+    the DSL's own errors), which cutejax lets through as it is."""
+    common = sys.modules.get("cutlass.base_dsl.common")
+    dsl_error = getattr(common, "DSLBaseError", ())
+    return type(error).__name__ == "MLIRError" or (bool(dsl_error) and isinstance(error, dsl_error))
 
 
 def orders(cfg, q, k, v) -> tuple[tuple, tuple]:

@@ -16,20 +16,30 @@ Usage (a CUDA GPU, and fa4-jax: ``pip install fa4-jax==0.1.0``, or the ``[fa4-ja
 
 or ``fa4_jax.flash_attn(..., backend=fa4jax.BACKEND)`` once :func:`register` has run. What fa4-jax does not take
 (no cotangent through ``return_lse``; vmap over varlen; the head dims and GPUs its kernels refuse) this backend
-does not take either, with fa4-jax's errors. Where fa4-jax writes an accumulator in an order our kernel does not
-take (on sm90, dK/dV under grouped-query attention at head dims 136..160: a 64-row WGMMA atom over a head dim padded
-to 160), the backward raises ValueError naming the head dims. Its gradients match plain attention's wherever fa4-jax
-runs (fa4-jax pads its sm90 tiles to 32, as its accumulators; ``tests/test_gradients.py``, docs/gradients.md).
-Without fa4-jax, or without a GPU, each call raises one line that says so.
+does not take either, with fa4-jax's errors.
+
+Head dims 136..160 on Hopper (sm90): fa4-jax 0.1.0's kernels do not compile there with CuTe DSL 4.8 (its own
+backend fails the same way), and its dK/dV order under grouped-query attention is one our kernel does not take.
+This backend runs them padded: q and k (for ``head_dim`` in that range) and v (for ``head_dim_v``) are zero-padded
+to :data:`PADDED_HEAD_DIM` with the softmax scale of the real head dim, and the output is sliced back. Zero columns
+add nothing to ``q k^T``, give zero output columns, and their gradients are sliced off, so the result is the
+attention of the real head dims; the cost is the arithmetic of head dim 192 (1.2x that of 160, 1.41x that of 136). Any other
+failure of fa4-jax's kernels to compile is a ValueError naming the head dims, the GPU and the compiler's first line.
+Where fa4-jax writes an accumulator in an order our kernel does not take, the backward raises ValueError naming the
+head dims. Its gradients match plain attention's wherever it runs (fa4-jax pads its sm90 tiles to 32, as its
+accumulators; ``tests/test_gradients.py``, docs/gradients.md). Without fa4-jax, or without a GPU, each call raises
+one line that says so.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
+import jax.numpy as jnp
 
-from . import _fa4jax
+from . import _fa4jax, arch
 from .api import flash_attention_postprocess
 from .layout import AccumLayout
 from .presets import ORDER_OF_FAMILY
@@ -38,6 +48,34 @@ __all__ = ["BACKEND", "accum_layout", "flash_attn", "flash_attn_varlen", "postpr
 
 BACKEND = "jax_dqpost"
 """The name this backend has in fa4-jax's backend registry."""
+
+PADDED_HEAD_DIM = 192
+"""The head dim that head dims 136..160 run at on Hopper (see the module docstring)."""
+_PADDED = {9: range(136, 161)}  # GPU family (compute capability major) -> the head dims run padded there
+
+
+def padded_head_dim(head_dim: int, family: int) -> int:
+    """The head dim fa4-jax's kernels run ``head_dim`` at on GPUs of compute capability ``family`` (9: Hopper)."""
+    return PADDED_HEAD_DIM if head_dim in _PADDED.get(family, ()) else head_dim
+
+
+@contextlib.contextmanager
+def _compiling(q, v):
+    """Turn fa4-jax's kernels failing to compile into a ValueError naming the head dims (no compiler traceback)."""
+    try:
+        yield
+    except Exception as e:
+        if not _fa4jax.is_compile_error(e):
+            raise
+        first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        raise ValueError(
+            f"jax_dqpost.fa4jax: fa4-jax's FlashAttention-4 kernels do not compile for head_dim={q.shape[-1]}, "
+            f"head_dim_v={v.shape[-1]} ({q.dtype}) on {_gpu()} with the installed CuTe DSL: {first}") from None
+
+
+def _gpu() -> str:
+    devices = arch.cuda_devices()
+    return f"sm_{str(devices[0].compute_capability).replace('.', '')}" if devices else "this GPU"
 
 
 def accum_layout(order: tuple) -> AccumLayout:
@@ -103,17 +141,21 @@ def register():
     class Backend(cute):
         """fa4-jax's kernel backend, its kernels shared with fa4-jax's own, and jax-dqpost's postprocess."""
 
-        def fwd(self, cfg, *args, **kwargs):
-            return super().fwd(_fa4jax.as_cute(cfg), *args, **kwargs)
+        def fwd(self, cfg, q, k, v, *args, **kwargs):
+            with _compiling(q, v):
+                return super().fwd(_fa4jax.as_cute(cfg), q, k, v, *args, **kwargs)
 
-        def fwd_lse(self, cfg, *args, **kwargs):
-            return super().fwd_lse(_fa4jax.as_cute(cfg), *args, **kwargs)
+        def fwd_lse(self, cfg, q, k, v, *args, **kwargs):
+            with _compiling(q, v):
+                return super().fwd_lse(_fa4jax.as_cute(cfg), q, k, v, *args, **kwargs)
 
-        def tangent(self, cfg, *args, **kwargs):
-            return super().tangent(_fa4jax.as_cute(cfg), *args, **kwargs)
+        def tangent(self, cfg, q, k, v, *args, **kwargs):
+            with _compiling(q, v):
+                return super().tangent(_fa4jax.as_cute(cfg), q, k, v, *args, **kwargs)
 
         def vjp(self, cfg, q, k, v, out, lse, d_out, d_lse, aux, seqlens=None):
-            acc = _fa4jax.accumulators(cfg, q, k, v, out, lse, d_out, d_lse, aux, seqlens)
+            with _compiling(q, v):
+                acc = _fa4jax.accumulators(cfg, q, k, v, out, lse, d_out, d_lse, aux, seqlens)
             return postprocess(cfg, q, k, v, acc, seqlens)
 
     _fa4jax.register_backend(BACKEND, Backend())
@@ -130,12 +172,33 @@ def _ready(kwargs):
     return fa4_jax
 
 
+def _run(attention, q, k, v, *args, **kwargs):
+    """``attention(q, k, v, *args, backend=BACKEND, **kwargs)``, at the head dims fa4-jax's kernels compile for
+    (padded where they do not: the module docstring) and with their compile failures as ValueError."""
+    family = int(str(arch.cuda_devices()[0].compute_capability).split(".")[0]) if arch.cuda_devices() else 0
+    d, d_v = q.shape[-1], v.shape[-1]
+    to, to_v = padded_head_dim(d, family), padded_head_dim(d_v, family)
+    if (to, to_v) != (d, d_v):
+        def pad(x, n):
+            return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, n - x.shape[-1])])
+
+        q, k, v = pad(q, to), pad(k, to), pad(v, to_v)
+        kwargs = {**kwargs, "scale": d ** -0.5 if kwargs.get("scale") is None else kwargs["scale"]}
+    with _compiling(q, v):
+        result = attention(q, k, v, *args, backend=BACKEND, **kwargs)
+    if to_v == d_v:
+        return result
+    if kwargs.get("return_lse"):
+        return result[0][..., :d_v], result[1]
+    return result[..., :d_v]
+
+
 def flash_attn(q, k, v, **kwargs):
     """``fa4_jax.flash_attn(q, k, v, **kwargs)`` on this backend: q ``(B, S, H, D)``, k ``(B, Sk, Hkv, D)``,
     v ``(B, Sk, Hkv, Dv)`` in bf16/fp16, ``Hkv`` dividing ``H``; returns ``(B, S, H, Dv)`` (and the lse
     ``(B, H, S)`` with ``return_lse=True``). Keywords as fa4-jax's (``causal``, ``window_size``, ``scale``,
-    ``mask_mod``, ``return_lse``), except ``backend``."""
-    return _ready(kwargs).flash_attn(q, k, v, backend=BACKEND, **kwargs)
+    ``mask_mod``, ``return_lse``), except ``backend``. Head dims 136..160 run padded on Hopper (module docstring)."""
+    return _run(_ready(kwargs).flash_attn, q, k, v, **kwargs)
 
 
 def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, **kwargs):
@@ -143,5 +206,5 @@ def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, **kwargs):
     Dv)``, int32 ``cu_seqlens_q``/``cu_seqlens_k`` ``(B + 1,)`` (traced or not); returns ``(T, H, Dv)``. Keywords
     as fa4-jax's (``seqused_q``, ``seqused_k``, ``defined_padding``, ...), except ``backend``. Rows of dq (and of
     dk, dv under grouped-query attention) that no sequence uses are 0 whatever ``defined_padding`` says; fa4-jax
-    leaves them unspecified without it."""
-    return _ready(kwargs).flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, backend=BACKEND, **kwargs)
+    leaves them unspecified without it. Head dims 136..160 run padded on Hopper (module docstring)."""
+    return _run(_ready(kwargs).flash_attn_varlen, q, k, v, cu_seqlens_q, cu_seqlens_k, **kwargs)

@@ -17,7 +17,7 @@ import numpy as np
 
 from . import _checks, fragments, kernel_spec, presets
 from ._checks import MAX_HEAD_DIM
-from .fragments import MMA_SYNC_TILE as _MMA_SYNC_TILE, WARPGROUP as _WARPGROUP, WGMMA_M as _WGMMA_M
+from .fragments import MMA_SYNC_TILE, WARPGROUP, WGMMA_M
 from .varlen import padded_total
 
 __all__ = ["AccumLayout"]
@@ -151,15 +151,15 @@ class AccumLayout:
         if two_cta and arch != 100:
             raise ValueError(f"AccumLayout.two_cta=True is a Blackwell (arch=100) order, got arch={arch}")
         if arch == 90:
-            if num_threads % _WARPGROUP or num_threads > 4 * _WARPGROUP:
+            if num_threads % WARPGROUP or num_threads > 4 * WARPGROUP:
                 raise ValueError("AccumLayout.num_threads must be 128, 256, 384 or 512 (whole warpgroups) for "
                                  f"arch=90, got {num_threads}")
-            self._check_atoms(num_threads // _WARPGROUP, "warpgroups num_threads/128", _WGMMA_M)
+            self._check_atoms(num_threads // WARPGROUP, "warpgroups num_threads/128", WGMMA_M)
         elif arch == 80:
             if num_threads % 32 or num_threads > 1024:
                 raise ValueError(f"AccumLayout.num_threads must be a multiple of 32 (whole warps), at most 1024, "
                                  f"for arch=80, got {num_threads}")
-            self._check_atoms(num_threads // 32, "warps num_threads/32", _MMA_SYNC_TILE)
+            self._check_atoms(num_threads // 32, "warps num_threads/32", MMA_SYNC_TILE)
         else:
             fixed = dict(atom_layout=1, swap_ab=False)
             if arch == 100:
@@ -202,7 +202,7 @@ class AccumLayout:
     # Derived geometry
     @property
     def num_warpgroups(self) -> int:
-        return self.num_threads // _WARPGROUP
+        return self.num_threads // WARPGROUP
 
     def padded_head_dim(self, head_dim: int) -> int:
         """``Dr``: the head dimension as padded in the producer's tiles."""
@@ -247,14 +247,14 @@ class AccumLayout:
         atoms per warpgroup along M (90); ``regs``: fp32 registers per thread.
         """
         dr = self.padded_head_dim(head_dim)
-        units = self.num_threads // (_WARPGROUP if self.arch == 90 else 32)
+        units = self.num_threads // (WARPGROUP if self.arch == 90 else 32)
         m, n = (dr, self.tile_m) if self.swap_ab else (self.tile_m, dr)
         atoms_m, atoms_n = (units // self.atom_layout, self.atom_layout) if self.swap_ab else (
             self.atom_layout, units // self.atom_layout)
         return dict(
             m=m, n=n, atoms_m=atoms_m, atoms_n=atoms_n,
             n_atom=n // atoms_n if n % atoms_n == 0 else None,
-            m_repeats=m // (_WGMMA_M * atoms_m) if m % (_WGMMA_M * atoms_m) == 0 else None,
+            m_repeats=m // (WGMMA_M * atoms_m) if m % (WGMMA_M * atoms_m) == 0 else None,
             regs=self.tile_m * dr // self.num_threads,
         )
 
@@ -310,7 +310,7 @@ class AccumLayout:
             return
         g = self.mma_geometry(int(head_dim))
         if self.arch == 80:
-            if g["m"] % (_MMA_SYNC_TILE * g["atoms_m"]) or g["n"] % (_MMA_SYNC_TILE * g["atoms_n"]):
+            if g["m"] % (MMA_SYNC_TILE * g["atoms_m"]) or g["n"] % (MMA_SYNC_TILE * g["atoms_n"]):
                 raise ValueError(f"{what}: the MMA problem ({g['m']}, {g['n']}) is not a whole number of 16 x 16 "
                                  f"tiles per warp over ({g['atoms_m']}, {g['atoms_n']}) warps")
             return

@@ -55,9 +55,8 @@ def head_dim(value, name: str = "head_dim") -> int:
 
 def required_arguments(**hints: str):
     """Decorate a function whose parameters without a default must be passed: a call that leaves one out raises
-    ``TypeError`` naming it, followed by ``hints[name]`` (how to choose it: a string, or a function that returns one,
-    called only then), instead of Python's bare message. ``inspect.signature`` and ``help`` show the function's own
-    signature."""
+    ``TypeError`` naming it, followed by ``hints[name]`` (how to choose it), instead of Python's bare message.
+    ``inspect.signature`` and ``help`` show the function's own signature."""
     def wrap(fn):
         signature = inspect.signature(fn)
         required = [name for name, p in signature.parameters.items() if p.default is p.empty
@@ -76,7 +75,6 @@ def required_arguments(**hints: str):
             missing = [name for name in required if name not in given]
             if missing:
                 texts = {name: hints.get(name) for name in missing}
-                texts = {name: t() if callable(t) else t for name, t in texts.items()}
                 needs = " and ".join(", ".join(f"{name}=" for name in missing).rsplit(", ", 1))
                 why = set(texts.values())
                 if len(why) == 1:

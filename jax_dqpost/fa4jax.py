@@ -41,8 +41,7 @@ import jax.numpy as jnp
 
 from . import _fa4jax, arch
 from .api import flash_attention_postprocess
-from .layout import AccumLayout
-from .presets import ORDER_OF_FAMILY
+from .layout import ORDER_OF_FAMILY, AccumLayout
 
 __all__ = ["BACKEND", "accum_layout", "flash_attn", "flash_attn_varlen", "postprocess", "register"]
 

@@ -38,8 +38,8 @@ from . import abi, arch as arch_, cute_runtime
 from ._version import __version__
 from .kernel_spec import KernelSpec
 
-KERNEL_SOURCES = ("kernel.py", "kernel_spec.py", "schedule.py", "tile.py", "abi.py", "layout.py", "presets.py",
-                  "varlen.py", "arch.py", "_checks.py")
+KERNEL_SOURCES = ("kernel.py", "kernel_spec.py", "schedule.py", "tile.py", "fragments.py", "abi.py", "layout.py",
+                  "presets.py", "varlen.py", "arch.py", "_checks.py")
 """The modules the compiled kernel is made from (``kernel.py`` and what it imports): part of a disk entry's name."""
 
 CACHE_DIR_ENV = "JAX_DQPOST_CACHE_DIR"

@@ -1,17 +1,16 @@
 """The kernel a call compiles: :class:`KernelSpec`, everything that changes the binary but the target GPU, and the
-rules of which kernels exist (:func:`check_limits`, beyond the order's own, ``AccumLayout.check_head_dim``). No
-cutlass here: the plan builds the record (``Plan.kernel``), the cache keys on it with the GPU (``kernel_cache.py``),
-and the kernel is made from it alone (``kernel.Postprocess``). Batch, heads, sequence lengths, head dims and scales
-are run-time arguments of the compiled module: never part of it."""
+rules of which kernels exist (:func:`check_limits`, beyond the order's own; ``AccumLayout.check_head_dim`` asks
+both, so this module does not import ``layout.py``: a layout here is an ``AccumLayout``). No cutlass here: the
+plan builds the record (``Plan.kernel``), the cache keys on it with the GPU (``kernel_cache.py``), and the kernel is
+made from it alone (``kernel.Postprocess``). Batch, heads, sequence lengths, head dims and scales are run-time
+arguments of the compiled module: never part of it."""
 
 from __future__ import annotations
 
 import dataclasses
 
-
 from . import abi
 from .abi import Tiling
-from .layout import AccumLayout
 
 VEC_BYTES = 16
 """The kernel's global loads and stores are 16-byte vectors."""
@@ -29,7 +28,7 @@ class TensorKernel:
     """What of one tensor (dQ, dK or dV) changes the binary: its accumulator's order, its padded head dim ``Dr``
     (``AccumLayout.padded_head_dim``) and how a CTA finds its tile."""
 
-    layout: AccumLayout
+    layout: object  # an AccumLayout
     padded_head_dim: int
     tiling: Tiling
 
@@ -103,7 +102,7 @@ def batch_on_grid_z(num_tensors: int, sink: bool, tiling: Tiling) -> bool:
     return own_grid(num_tensors, sink) and tiling != Tiling.VARLEN
 
 
-def check_limits(layout: AccumLayout, head_dim: int, what: str) -> None:
+def check_limits(layout, head_dim: int, what: str) -> None:
     """``ValueError`` (``what`` first) unless the kernel can convert ``layout``'s tiles at ``head_dim``, an order
     already defined for it: how it places fragments into shared memory, the shared tile's rows and size, and its
     16-byte stores (``AccumLayout.check_head_dim`` lists them)."""
@@ -121,7 +120,7 @@ def check_limits(layout: AccumLayout, head_dim: int, what: str) -> None:
                          f"row and the rows per pass must divide tile_m)")
 
 
-def store_tiling(layout: AccumLayout, padded_head_dim: int) -> tuple[int, int] | None:
+def store_tiling(layout, padded_head_dim: int) -> tuple[int, int] | None:
     """Threads ``(rows, per_row)`` of the kernel's 16-byte dQ stores over a ``(tile_m, Dr)`` tile, or None.
 
     ``per_row`` divides the row's vector count and the storing threads, and the rows covered per pass divide
@@ -146,12 +145,12 @@ def store_tiling(layout: AccumLayout, padded_head_dim: int) -> tuple[int, int] |
     return None
 
 
-def smem_bytes(layout: AccumLayout, head_dim: int) -> int:
+def smem_bytes(layout, head_dim: int) -> int:
     """Shared memory of the kernel's dQ tile: ``tile_m * Dr`` bf16/fp16 values."""
     return layout.tile_m * layout.padded_head_dim(head_dim) * OUT_BYTES
 
 
-def _check_fragment_stores(layout: AccumLayout, head_dim: int, what: str) -> None:
+def _check_fragment_stores(layout, head_dim: int, what: str) -> None:
     """How the kernel places an MMA fragment into shared memory limits the orders it takes (each limit found
     by compiling: outside it the DSL refuses the copy, or aborts the process)."""
     if layout.arch == 90 and layout.swap_ab:

@@ -1,23 +1,12 @@
-"""Who wrote the accumulator: :class:`AccumLayout` and the shapes it implies.
+"""Who wrote the accumulator: :class:`AccumLayout`, the record of a producer's accumulator order, its validation and
+the geometry it implies (padded shapes, the producer's MMA tiling, the per-tile index map ``F[i, j]`` = position of
+logical element ``(row i, column j)`` inside one tile of ``tile_m * Dr`` floats). Plain data: no GPU, no JAX, no
+CuTe.
 
-The FlashAttention backward kernels reduce-add dQ into an fp32 scratch buffer ("dQaccum") in the order
-their MMA accumulator fragments sit in registers, thread by thread. This module describes that order as
-plain data (no GPU, no JAX, no CuTe): the padded shapes, validation and the per-tile index map ``F[i, j]`` =
-position of logical element ``(row i, column j)`` inside one tile of ``tile_m * Dr`` floats (FlashAttention-4's
-presets: ``presets.py``). The orders (``docs/design.md`` derives each one and names its upstream source):
-
-* ``arch=90``, Hopper WGMMA (``flash_bwd_sm90.py``): warpgroup ``w`` owns the contiguous chunk ``w`` of the
-  tile; inside it, thread ``t`` stores registers ``4k .. 4k+3`` as one 16-byte vector at ``512 k + 4 t``.
-  Register ``r`` is element ``r`` of the thread's compact WGMMA C fragment (64 x N_atom atoms, warpgroups
-  tiled ``(atom_layout, nwg / atom_layout)`` over ``(tile_m, Dr)``, both swapped when ``swap_ab``).
-* ``arch=80``, Ampere ``mma.sync`` m16n8k16 (``flash_bwd.py``, FlashAttention's sm80 and sm120 paths): one
-  float per thread per store, ``f = tid + num_threads * r``; warps tiled ``(atom_layout, warps / atom_layout)``
-  with 16 x 16 permutation tiles per warp, swapped when ``swap_ab``.
-* ``arch=100``, Blackwell tcgen05 (``flash_bwd_sm100.py``, ``tile_m = 128``, 128 threads): thread ``t`` holds
-  TMEM lane ``t`` = row ``t`` and stores columns ``4c .. 4c+3`` at ``512 c + 4 t``. With ``two_cta`` (the
-  2-CTA MMA FlashAttention uses by default for head dims 128..192) each CTA of the pair holds 64 rows, lane
-  ``u`` the left half of the columns and lane ``u + 64`` the right half, and the pair's chunks follow each other.
-* ``arch=None``: row-major ``(Sr, Dr)`` per (batch, head), for accumulators made by ordinary JAX code.
+The FlashAttention backward kernels reduce-add dQ into an fp32 scratch buffer ("dQaccum") in the order their MMA
+accumulator fragments sit in registers, thread by thread: ``fragments.py`` holds those maps, ``docs/design.md``
+derives each order and names its upstream source. FlashAttention-4's presets (:meth:`AccumLayout.flash_attention`)
+are ``presets.py``'s; which orders the kernel converts (:meth:`AccumLayout.check_head_dim`) ``kernel_spec.py``'s.
 """
 
 from __future__ import annotations
@@ -26,16 +15,19 @@ import dataclasses
 
 import numpy as np
 
-from . import _checks
+from . import _checks, fragments, kernel_spec, presets
 from ._checks import MAX_HEAD_DIM
+from .fragments import MMA_SYNC_TILE, WARPGROUP, WGMMA_M
 from .varlen import padded_total
 
 __all__ = ["AccumLayout"]
 
 ORDERS = (80, 90, 100, None)
-_WARPGROUP = 128
-_WGMMA_M = 64
-_MMA_SYNC_TILE = 16  # m16n8k16 atoms, 16 x 16 permutation tile per warp
+"""The accumulator orders (:attr:`AccumLayout.arch`): 90 Hopper wgmma, 80 ``mma.sync``, 100 Blackwell tcgen05, None
+row-major."""
+ORDER_OF_FAMILY = {8: 80, 9: 90, 10: 100, 11: 100, 12: 80}
+"""The accumulator order FlashAttention's backward writes on each GPU family (sm80 and sm120: ``mma.sync``, sm90:
+wgmma, sm100 and sm110: tcgen05); fa4-jax's tile plans name the family too."""
 _MAX_CLUSTER = 8
 
 
@@ -114,9 +106,7 @@ class AccumLayout:
         arch = None if self.arch is None else _check_int("arch", self.arch)
         if arch not in ORDERS:
             hint = ""
-            from .presets import FLASH_ATTENTION_ARCHS, ORDER_OF_FAMILY
-
-            if arch in FLASH_ATTENTION_ARCHS:
+            if arch in presets.FLASH_ATTENTION_ARCHS:
                 hint = (f"; FlashAttention's sm{arch} backward writes the arch={ORDER_OF_FAMILY[arch // 10]} order "
                         f"(AccumLayout.flash_attention({arch}, head_dim, causal=..., tensor=..., version=...) gives "
                         "its layouts)")
@@ -161,15 +151,15 @@ class AccumLayout:
         if two_cta and arch != 100:
             raise ValueError(f"AccumLayout.two_cta=True is a Blackwell (arch=100) order, got arch={arch}")
         if arch == 90:
-            if num_threads % _WARPGROUP or num_threads > 4 * _WARPGROUP:
+            if num_threads % WARPGROUP or num_threads > 4 * WARPGROUP:
                 raise ValueError("AccumLayout.num_threads must be 128, 256, 384 or 512 (whole warpgroups) for "
                                  f"arch=90, got {num_threads}")
-            self._check_atoms(num_threads // _WARPGROUP, "warpgroups num_threads/128", _WGMMA_M)
+            self._check_atoms(num_threads // WARPGROUP, "warpgroups num_threads/128", WGMMA_M)
         elif arch == 80:
             if num_threads % 32 or num_threads > 1024:
                 raise ValueError(f"AccumLayout.num_threads must be a multiple of 32 (whole warps), at most 1024, "
                                  f"for arch=80, got {num_threads}")
-            self._check_atoms(num_threads // 32, "warps num_threads/32", _MMA_SYNC_TILE)
+            self._check_atoms(num_threads // 32, "warps num_threads/32", MMA_SYNC_TILE)
         else:
             fixed = dict(atom_layout=1, swap_ab=False)
             if arch == 100:
@@ -190,74 +180,13 @@ class AccumLayout:
 
     # ----------------------------------------------------------------------------------------------
     @classmethod
-    @_checks.required_arguments(causal=lambda: _hint("causal"), tensor=lambda: _hint("tensor"),
-                                     version=lambda: _hint("version"))
+    @_checks.required_arguments(**presets.HINTS)
     def flash_attention(cls, gpu: int, head_dim: int, *, causal: bool, tensor: str, version: str,
                         head_dim_v: int | None = None) -> "AccumLayout":
-        """The layout in which FlashAttention-4's backward, release ``version``, running on GPU architecture ``gpu``
-        (90, 100, 101, 103, 110, 120 or 121: the GPU the backward runs on, not a field of the order), writes the
-        accumulator of ``tensor``: ``"dq"``, or ``"dkv"`` (dK and dV, accumulated in fp32 for grouped-query attention,
-        where several query heads add into one key/value head).
-
-        ``causal`` (True also for local attention), ``tensor`` and ``version`` have no default: for some GPUs and
-        head dims (the table below; the error for a missing ``causal`` lists them) the causal order differs from the
-        non-causal one, and dQ's from dK/dV's, with shapes that agree wherever both tiles divide the sequence; and
-        releases pad the head dim differently (below). A wrong guess gives wrong gradients, not an error. All three
-        are required on every GPU, so that a call is portable. ``head_dim_v`` (default ``head_dim``) only matters
-        for the head dims with no postprocess.
-
-        ``version``: the flash-attn-4 release that wrote the accumulator (``importlib.metadata.version(
-        "flash-attn-4")``; a port of its kernels: the release it was taken from, if its padding is unchanged). The
-        presets know ``jax_dqpost.presets.FLASH_ATTENTION_RELEASES``; another release raises ``ValueError`` naming
-        the layouts to pass instead, as the rows below differ between releases only in the padding:
-
-        * ``"4.0.0b36"``: its sm90 backward tiles the head dim in multiples of 16 (64 where its dK/dV MMA is
-          swapped, head dims above 128) while it allocates the accumulators in multiples of 32 (upstream:
-          Dao-AILab/flash-attention PR #2896, open). At sm90 head dims 8, 16, 40, 48, 72, 80, 104 and 112, where the
-          two differ, its dQ (and dK/dV) accumulators hold ``Dr = ceil(D / 16) * 16`` tiles in rows allocated for
-          ``Da = ceil(D / 32) * 32``: the rows below with ``hdim_multiple_of=16, alloc_hdim_multiple_of=32``, which
-          read them right (its own postprocess reads them as 32-column tiles and returns wrong gradients there).
-          Packed (varlen) dQ there is lost: its preprocess zeroes the 32-column tiles and the backward adds into
-          16-column ones, some never zeroed, so the dQ preset has ``varlen_unreadable`` set and a varlen call
-          raises ValueError (dK/dV, allocated as zeros, are read right). At 104 and 112 without ``causal`` its
-          backward does not compile (a swapped ``(112, 80)`` dQ MMA): ValueError.
-
-        The presets, as ``AccumLayout(...)``'s positional fields (dK/dV's rows are key rows: ``tile_m`` is
-        FlashAttention's ``n_block_size``)::
-
-            | gpu | head dim | causal | dQ (`tensor="dq"`) | dK/dV (`tensor="dkv"`) |
-            |---|---|---|---|---|
-            | 90 | 8..64 | either | `(90, 128, 256, 2, False, 32)` | the same |
-            | 90 | 72..96 | either | `(90, 64, 128, 1, False, 32)` | `(90, 128, 256, 2, False, 32)` |
-            | 90 | 104..128 | no | `(90, 80, 256, 1, True, 32)` | `(90, 128, 256, 2, False, 32)` |
-            | 90 | 104..128 | yes | `(90, 64, 256, 1, False, 32)` | `(90, 128, 256, 2, False, 32)` |
-            | 90 | 136..192 | either | `(90, 64, 256, 1, False, 64)` | `(90, 96, 256, 2, True, 64)` |
-            | 90 | 200..256 | either | `(90, 64, 256, 1, False, 64)` | `(90, 48, 256, 1, True, 64)` |
-            | 100, 101, 103, 110 | 8..120 | either | `(100, 128, 128, 1, False, 32, two_cta=False, cluster_size=1)` | the same |
-            | 100, 101, 103, 110 | 128..192 | either | `(100, 128, 128, 1, False, 32, two_cta=True, cluster_size=1)` | `(100, 128, 128, 1, False, 32, two_cta=False, cluster_size=2)` |
-            | 100, 101, 103, 110 | 200..256 | either | `ValueError`: a dedicated kernel finishes dQ, dK, dV | the same |
-            | 120, 121 | 8..256 | either | `(80, 64, 128, 4, False, 32)` | the same |
-
-        (sm90's hd96 dQ takes one warpgroup; sm120's backward uses the sm80 ``mma.sync`` MMA with 4 warps.)
-
-        From flash_attn/cute/interface.py (flash-attn 4.0.0b36): ``_tile_size_bwd_sm90`` and the postprocess
-        calls of ``_flash_attn_bwd`` (``num_threads_post_dQ``/``num_threads_post_dKV``, ``hdim_multiple_of = 64
-        if sm90 and dKV_swapAB``, dK/dV with ``n_block_size``, ``AtomLayoutNdKV``, ``dKV_swapAB`` and
-        ``cluster_size``), the sm100 branch (``use_2cta_instrs = head_dim >= 128``, ``cluster_size = 2`` with it;
-        ``FlashAttentionBackwardSm100.accum_tile_orders``: dQ in the 1- or 2-CTA fragment order, dK/dV in the
-        1-CTA one) and the sm120 branch (sm80 MMA, 4 warps); flash_bwd_sm90.py's ``tile_hdim`` for the padding.
-
-        Raises:
-          TypeError: ``causal``, ``tensor`` or ``version`` left out, or an argument of the wrong type.
-          ValueError: ``gpu`` is not a GPU architecture (the message lists them) or has no FlashAttention-4
-            backward (sm80..sm89); ``version`` is not a release the presets know; on sm100/sm110, head dims above
-            192 (a dedicated kernel finishes dQ, dK and dV itself, with no separate postprocess); a configuration
-            the release's backward cannot run; a head dim that is not a positive multiple of 8 up to 256.
-        """
-        from . import presets
-
-        return presets.flash_attention(gpu, head_dim, causal=causal, tensor=tensor, version=version,
+        return presets.flash_attention(cls, gpu, head_dim, causal=causal, tensor=tensor, version=version,
                                        head_dim_v=head_dim_v)
+
+    flash_attention.__func__.__doc__ = presets.flash_attention.__doc__  # the presets' table, with their sources
 
     @classmethod
     def row_major(cls, *, tile_m: int = 64, num_threads: int = 256, hdim_multiple_of: int = 32,
@@ -273,7 +202,7 @@ class AccumLayout:
     # Derived geometry
     @property
     def num_warpgroups(self) -> int:
-        return self.num_threads // _WARPGROUP
+        return self.num_threads // WARPGROUP
 
     def padded_head_dim(self, head_dim: int) -> int:
         """``Dr``: the head dimension as padded in the producer's tiles."""
@@ -318,14 +247,14 @@ class AccumLayout:
         atoms per warpgroup along M (90); ``regs``: fp32 registers per thread.
         """
         dr = self.padded_head_dim(head_dim)
-        units = self.num_threads // (_WARPGROUP if self.arch == 90 else 32)
+        units = self.num_threads // (WARPGROUP if self.arch == 90 else 32)
         m, n = (dr, self.tile_m) if self.swap_ab else (self.tile_m, dr)
         atoms_m, atoms_n = (units // self.atom_layout, self.atom_layout) if self.swap_ab else (
             self.atom_layout, units // self.atom_layout)
         return dict(
             m=m, n=n, atoms_m=atoms_m, atoms_n=atoms_n,
             n_atom=n // atoms_n if n % atoms_n == 0 else None,
-            m_repeats=m // (_WGMMA_M * atoms_m) if m % (_WGMMA_M * atoms_m) == 0 else None,
+            m_repeats=m // (WGMMA_M * atoms_m) if m % (WGMMA_M * atoms_m) == 0 else None,
             regs=self.tile_m * dr // self.num_threads,
         )
 
@@ -346,26 +275,20 @@ class AccumLayout:
 
     def _made_for(self, head_dim: int, name: str) -> str:
         """Which head dims this order holds, and whose preset it is: the hint of ``check_head_dim``'s errors."""
-        fits = []
-        for d in range(8, MAX_HEAD_DIM + 1, 8):
-            try:
-                self._check_kernel(d, "head_dim")
-                fits.append(d)
-            except ValueError:
-                pass
+        fits = [d for d in range(8, MAX_HEAD_DIM + 1, 8) if self._holds(d)]
         if not fits:
             return "This layout holds no head dim"
-        from .presets import head_dim_ranges, presets_of
+        return (f"This layout holds head dims {presets.head_dim_ranges(fits)}, so it was probably made for another "
+                f"head dim{presets.preset_hint(self)}: build the layout for {name}={head_dim}")
 
-        found = [f"sm{gpu} {'dK/dV' if dkv else 'dQ'}{' causal' if causal else ''} at head dims "
-                 f"{head_dim_ranges(dims)}" for (gpu, dkv, causal), dims in presets_of(self).items()]
-        return (f"This layout holds head dims {head_dim_ranges(fits)}, so it was probably made for another head dim"
-                + (f" (it is FlashAttention-4's preset for {'; '.join(found)})" if found else "")
-                + f": build the layout for {name}={head_dim}")
+    def _holds(self, head_dim: int) -> bool:
+        try:
+            self._check_kernel(head_dim, "head_dim")
+        except ValueError:
+            return False
+        return True
 
     def _check_kernel(self, head_dim: int, name: str) -> None:
-        from . import kernel_spec
-
         head_dim, dr, what = self._check_order(head_dim, name)
         kernel_spec.check_limits(self, head_dim, what)
 
@@ -387,7 +310,7 @@ class AccumLayout:
             return
         g = self.mma_geometry(int(head_dim))
         if self.arch == 80:
-            if g["m"] % (_MMA_SYNC_TILE * g["atoms_m"]) or g["n"] % (_MMA_SYNC_TILE * g["atoms_n"]):
+            if g["m"] % (MMA_SYNC_TILE * g["atoms_m"]) or g["n"] % (MMA_SYNC_TILE * g["atoms_n"]):
                 raise ValueError(f"{what}: the MMA problem ({g['m']}, {g['n']}) is not a whole number of 16 x 16 "
                                  f"tiles per warp over ({g['atoms_m']}, {g['atoms_n']}) warps")
             return
@@ -407,62 +330,28 @@ class AccumLayout:
     def tile_index_map(self, head_dim: int) -> np.ndarray:
         """``F``: int64 array ``(tile_m, Dr)``; ``F[i, j]`` = float offset of dQ(i, j) in its tile.
 
-        A permutation of ``range(tile_m * Dr)``, computed from the order's closed form (vectorised). Defined for
-        every head dim the order can hold, also where the kernel's own limits (:meth:`check_head_dim`) refuse it.
+        A permutation of ``range(tile_m * Dr)``, computed from the order's closed form (``fragments.py``). Defined
+        for every head dim the order can hold, also where the kernel's own limits (:meth:`check_head_dim`) refuse it.
         """
         self._check_order(head_dim)
         dr = self.padded_head_dim(head_dim)
-        if self.arch == 90:
-            return self._wgmma_map(head_dim, dr)
+        g = self.mma_geometry(head_dim)
         i, j = np.arange(self.tile_m, dtype=np.int64)[:, None], np.arange(dr, dtype=np.int64)[None, :]
         if self.arch is None:
             return i * dr + j
-        if self.arch == 100 and not self.two_cta:
-            return 512 * (j // 4) + 4 * i + j % 4  # thread = TMEM lane = row, 16-byte vectors of 4 columns
         if self.arch == 100:
-            half = dr // 2  # lane u holds the left half of its row, lane u + 64 the right half
-            t = i % 64 + 64 * (j // half)
-            col = j % half
-            return (i // 64) * 64 * dr + 512 * (col // 4) + 4 * t + col % 4
-        return self._mma_sync_map(head_dim, dr, i, j)
-
-    def _wgmma_map(self, head_dim: int, dr: int) -> np.ndarray:
-        """Forward from (thread, register) to accumulator position and C-fragment coordinate."""
-        g = self.mma_geometry(head_dim)
-        regs, n_atom, atoms_m = g["regs"], g["n_atom"], g["atoms_m"]
-        tid = np.arange(self.num_threads)[:, None]
-        r = np.arange(regs)[None, :]
-        w, t = tid // _WARPGROUP, tid % _WARPGROUP
-        # Accumulator position: warpgroup chunk, then one 16-byte vector per thread per 4 registers.
-        f = w * (self.tile_m * dr // self.num_warpgroups) + 512 * (r // 4) + 4 * t + r % 4
-        # C-fragment coordinate (PTX ISA, wgmma .m64nNk16 D fragment, f32 accumulator).
-        per_atom = n_atom // 2  # registers of one 64 x n_atom atom
-        v, mm = r % per_atom, r // per_atom
-        warp, lane = t // 32, t % 32
-        row = 16 * warp + lane // 4 + 8 * ((v // 2) % 2)
-        col = 8 * (v // 4) + 2 * (lane % 4) + v % 2
-        wm, wn = w % atoms_m, w // atoms_m
-        m_coord = _WGMMA_M * wm + _WGMMA_M * atoms_m * mm + row
-        n_coord = n_atom * wn + col
-        i, j = (n_coord, m_coord) if self.swap_ab else (m_coord, n_coord)
+            return fragments.tcgen05_offset(i, j, padded_head_dim=dr, two_cta=self.two_cta)
+        if self.arch == 80:
+            return fragments.mma_sync_offset(i, j, m_extent=g["m"], atoms_m=g["atoms_m"], atoms_n=g["atoms_n"],
+                                             num_threads=self.num_threads, swap_ab=self.swap_ab)
+        # wgmma: forward from (thread, register) to the tile's coordinate and the float offset
+        tid, r = np.arange(self.num_threads, dtype=np.int64)[:, None], np.arange(g["regs"], dtype=np.int64)[None, :]
         out = np.full((self.tile_m, dr), -1, dtype=np.int64)
-        out[i, j] = f
+        out[fragments.wgmma_coord(tid, r, n_atom=g["n_atom"], atoms_m=g["atoms_m"], swap_ab=self.swap_ab)] = (
+            fragments.wgmma_offset(tid, r, chunk=self.tile_m * dr // self.num_warpgroups))
         if (out < 0).any():  # pragma: no cover - guarded by check_head_dim
             raise AssertionError("internal error: index map is not a bijection")
         return out
-
-    def _mma_sync_map(self, head_dim: int, dr: int, i, j) -> np.ndarray:
-        """Inverse of the m16n8k16 fragment (docs/design.md): element (i, j) -> (thread, register)."""
-        g = self.mma_geometry(head_dim)
-        atoms_m, atoms_n = g["atoms_m"], g["atoms_n"]
-        m, n = (j, i) if self.swap_ab else (i, j)
-        pm, pn = _MMA_SYNC_TILE * atoms_m, _MMA_SYNC_TILE * atoms_n  # permutation tile of the tiled MMA
-        mm, wm, u = m // pm, (m % pm) // 16, m % 16
-        nt, a, c = n // pn, (n % pn) // 8, n % 8
-        wn, sub = a % atoms_n, a // atoms_n  # 8-column blocks go round-robin over the warps along N
-        tid = 32 * (wm + atoms_m * wn) + 4 * (u % 8) + c // 2
-        r = c % 2 + 2 * (u // 8) + 4 * (mm + (g["m"] // pm) * (sub + 2 * nt))
-        return tid + self.num_threads * r
 
     # ----------------------------------------------------------------------------------------------
     def __repr__(self) -> str:
@@ -480,9 +369,3 @@ AccumLayout.__init__ = _checks.required_arguments(
     **{f.name: f"the fields of the producer's order ({NO_DEFAULT}); {CONSTRUCTORS}"
        for f in dataclasses.fields(AccumLayout) if not f.kw_only})(AccumLayout.__init__)
 
-
-def _hint(argument: str) -> str:
-    """How to choose ``AccumLayout.flash_attention``'s ``argument`` (the error for a missing one says it)."""
-    from . import presets
-
-    return presets.HINTS[argument]()

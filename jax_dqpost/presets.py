@@ -1,6 +1,7 @@
 """FlashAttention-4's presets: the accumulator orders its backward writes, by GPU, head dim, causality, tensor and
-release (``AccumLayout.flash_attention``, whose docstring is the table and names the sources), and the GPU tables
-they stand on. Plain data, no GPU: ``layout.py`` holds the orders themselves."""
+release (:func:`flash_attention`, ``AccumLayout.flash_attention``'s body and docstring: the table, with its
+sources), the GPU tables they stand on, and the hints of the errors that concern them. Plain data, no GPU; it does
+not import ``layout.py``, which holds the orders themselves and passes its record's class in."""
 
 from __future__ import annotations
 
@@ -11,11 +12,6 @@ import itertools
 from . import _checks
 from ._checks import MAX_HEAD_DIM
 from .arch import SUPPORTED_ARCHS, sm_version
-from .layout import AccumLayout
-
-ORDER_OF_FAMILY = {8: 80, 9: 90, 10: 100, 11: 100, 12: 80}
-"""The accumulator order (``AccumLayout.arch``) FlashAttention's backward writes on each GPU family (sm80 and sm120:
-``mma.sync``, sm90: wgmma, sm100 and sm110: tcgen05); fa4-jax's tile plans name the family too."""
 
 GPU_ARCHS = tuple(sorted({sm_version(a) for a in SUPPORTED_ARCHS}))
 """The GPU architectures the kernel knows, as numbers (``arch.SUPPORTED_ARCHS``)."""
@@ -58,7 +54,7 @@ FLASH_ATTENTION_RELEASES = {
 against the mathematics on an H200)."""
 
 
-def _release_layout(layout: AccumLayout, gpu: int, head_dim: int, release: Release, dq: bool) -> AccumLayout:
+def _release_layout(layout, gpu: int, head_dim: int, release: Release, dq: bool):
     """``layout`` (a preset, allocated in multiples of its ``hdim_multiple_of``) with ``release``'s tiles: where its
     sm90 backward tiles ``head_dim`` narrower than the allocation pads it, ``hdim_multiple_of`` becomes the tiles' and
     ``alloc_hdim_multiple_of`` keeps the allocation's, and dQ's packed (varlen) accumulators are unreadable (its
@@ -79,43 +75,44 @@ def _release_layout(layout: AccumLayout, gpu: int, head_dim: int, release: Relea
     return tiled
 
 
-def _preset(arch: int, head_dim: int, causal: bool, dkv: bool) -> AccumLayout:
-    """FlashAttention-4's order (``AccumLayout.flash_attention``, whose arguments are checked)."""
+def _preset(cls, arch: int, head_dim: int, causal: bool, dkv: bool):
+    """FlashAttention-4's order, an instance of ``cls`` (``AccumLayout``; :func:`flash_attention` checked the
+    arguments)."""
     family = arch // 10
     if family == 9:
         if dkv:
             if head_dim <= 128:
-                return AccumLayout(90, 128, 256, 2, False, 32)
-            return AccumLayout(90, 96, 256, 2, True, 64) if head_dim <= 192 else AccumLayout(90, 48, 256, 1, True, 64)
+                return cls(90, 128, 256, 2, False, 32)
+            return cls(90, 96, 256, 2, True, 64) if head_dim <= 192 else cls(90, 48, 256, 1, True, 64)
         if head_dim <= 64:
-            return AccumLayout(90, 128, 256, 2, False, 32)
+            return cls(90, 128, 256, 2, False, 32)
         if head_dim <= 96:
-            return AccumLayout(90, 64, 128, 1, False, 32)
+            return cls(90, 64, 128, 1, False, 32)
         if head_dim <= 128:
-            return AccumLayout(90, 64, 256, 1, False, 32) if causal else AccumLayout(90, 80, 256, 1, True, 32)
-        return AccumLayout(90, 64, 256, 1, False, 64)
+            return cls(90, 64, 256, 1, False, 32) if causal else cls(90, 80, 256, 1, True, 32)
+        return cls(90, 64, 256, 1, False, 64)
     if family in (10, 11):
         two_cta = head_dim >= 128
-        return AccumLayout(100, 128, 128, 1, False, 32, two_cta=two_cta and not dkv,
+        return cls(100, 128, 128, 1, False, 32, two_cta=two_cta and not dkv,
                            cluster_size=2 if two_cta and dkv else 1)
-    return AccumLayout(80, 64, 128, 4, False, 32)
+    return cls(80, 64, 128, 4, False, 32)
 
 
-def presets_of(layout: AccumLayout) -> dict:
+def presets_of(layout) -> dict:
     """``{(gpu, dkv, causal): head dims}`` for which FlashAttention-4's presets (of every known release) are
     ``layout``; causal only where it differs from the non-causal preset."""
-    return _preset_table().get(layout, {})
+    return _preset_table(type(layout)).get(layout, {})
 
 
 @functools.cache
-def _preset_table() -> dict:
+def _preset_table(cls) -> dict:
     """``{layout: {(gpu, dkv, causal): head dims}}``, every preset of every known release (see :func:`presets_of`)."""
     table = {}
     for gpu, dkv, causal in itertools.product(dict.fromkeys(a // 10 * 10 for a in FLASH_ATTENTION_ARCHS),
                                               (False, True), (False, True)):
         for d in range(8, MAX_HEAD_DIM + 1, 8):
-            preset = _preset(gpu, d, causal, dkv)
-            if not has_postprocess(gpu, d) or causal and preset == _preset(gpu, d, False, dkv):
+            preset = _preset(cls, gpu, d, causal, dkv)
+            if not has_postprocess(gpu, d) or causal and preset == _preset(cls, gpu, d, False, dkv):
                 continue
             for release in FLASH_ATTENTION_RELEASES.values():
                 dims = table.setdefault(_release_layout(preset, gpu, d, release, not dkv), {})
@@ -134,47 +131,93 @@ def head_dim_ranges(head_dims) -> str:
     return ", ".join(f"{a}..{b}" if a != b else f"{a}" for a, b in runs)
 
 
-def _differing(choice_a, choice_b) -> str:
-    """Where FlashAttention-4's presets differ between two choices of ``(causal, dkv)``, each a function of ``dkv``
-    (so that one of them may be the tensor): e.g. ``'sm90 dQ at head dims 104..128'``."""
-    out = []
-    for families in ((9,), (10, 11), (12,)):
-        archs = [a for a in FLASH_ATTENTION_ARCHS if a // 10 in families]
-        for dkv in (False, True):
-            a, b = choice_a(dkv), choice_b(dkv)
-            dims = [d for d in range(8, MAX_HEAD_DIM + 1, 8) if has_postprocess(archs[0], d)
-                    and _preset(archs[0], d, *a) != _preset(archs[0], d, *b)]
-            if dims:
-                tensor = "" if a[1] != b[1] else " dK/dV" if dkv else " dQ"
-                where = ", ".join(f"sm{x}" for x in dict.fromkeys(x // 10 * 10 for x in archs))
-                out.append(f"{where}{tensor} at head dims {head_dim_ranges(dims)}")
-    return "; ".join(dict.fromkeys(out))
+def preset_hint(layout) -> str:
+    """`` (it is FlashAttention-4's preset for sm90 dQ at head dims 120..128)``, or "" for a layout no preset is: the
+    hint of ``AccumLayout.check_head_dim``'s errors, where a layout made for another head dim is the usual cause."""
+    found = [f"sm{gpu} {'dK/dV' if dkv else 'dQ'}{' causal' if causal else ''} at head dims {head_dim_ranges(dims)}"
+             for (gpu, dkv, causal), dims in presets_of(layout).items()]
+    return f" (it is FlashAttention-4's preset for {'; '.join(found)})" if found else ""
 
 
-def _causal_hint() -> str:
-    return (f"True or False (True also for local attention); FlashAttention-4's causal and non-causal orders differ "
-            f"for {_differing(lambda dkv: (True, dkv), lambda dkv: (False, dkv))}, with the same shape wherever "
-            "both tiles divide the sequence, so a wrong guess gives wrong values, not an error. Pass it for every GPU, "
-            "so that the call is portable")
+HINTS = {
+    "causal": "True or False (True also for local attention); FlashAttention-4's causal and non-causal orders differ "
+              "for sm90 dQ at head dims 104..128, with the same shape wherever both tiles divide the sequence, so a "
+              "wrong guess gives wrong values, not an error. Pass it for every GPU, so that the call is portable",
+    "tensor": "'dq' or 'dkv'; FlashAttention-4's dQ and dK/dV orders differ (e.g. non-causal, for sm90 at head dims "
+              "72..256; sm100, sm110 at head dims 128..192), so a wrong guess gives wrong values, not an error",
+    "version": f"the flash-attn-4 release whose backward wrote the accumulator, one of "
+               f"{', '.join(map(repr, FLASH_ATTENTION_RELEASES))} (importlib.metadata.version('flash-attn-4')); "
+               "releases pad the head dim differently (4.0.0b36's sm90 backward tiles it in multiples of 16 in "
+               f"accumulators allocated in multiples of 32, {_PR_2896}), so a wrong guess gives wrong gradients, not "
+               "an error",
+}
+"""How to choose each of :func:`flash_attention`'s required arguments: what the error for a missing one says (where
+the presets differ: ``tests/test_layout.py`` checks these sentences against the presets)."""
 
 
-def _version_hint() -> str:
-    return (f"the flash-attn-4 release whose backward wrote the accumulator, one of "
-            f"{', '.join(map(repr, FLASH_ATTENTION_RELEASES))} (importlib.metadata.version('flash-attn-4')); releases "
-            "pad the head dim differently (4.0.0b36's sm90 backward tiles it in multiples of 16 in accumulators "
-            f"allocated in multiples of 32, {_PR_2896}), so a wrong guess gives wrong gradients, not an error")
+# AccumLayout.flash_attention's body and docstring; cls: the record's class, AccumLayout.
+def flash_attention(cls, gpu: int, head_dim: int, *, causal: bool, tensor: str, version: str,
+                    head_dim_v: int | None = None):
+    """The layout in which FlashAttention-4's backward, release ``version``, running on GPU architecture ``gpu``
+    (90, 100, 101, 103, 110, 120 or 121: the GPU the backward runs on, not a field of the order), writes the
+    accumulator of ``tensor``: ``"dq"``, or ``"dkv"`` (dK and dV, accumulated in fp32 for grouped-query attention,
+    where several query heads add into one key/value head).
 
+    ``causal`` (True also for local attention), ``tensor`` and ``version`` have no default: for some GPUs and
+    head dims (the table below; the error for a missing ``causal`` lists them) the causal order differs from the
+    non-causal one, and dQ's from dK/dV's, with shapes that agree wherever both tiles divide the sequence; and
+    releases pad the head dim differently (below). A wrong guess gives wrong gradients, not an error. All three
+    are required on every GPU, so that a call is portable. ``head_dim_v`` (default ``head_dim``) only matters
+    for the head dims with no postprocess.
 
-def _tensor_hint() -> str:
-    return (f"'dq' or 'dkv'; FlashAttention-4's dQ and dK/dV orders differ (e.g. non-causal, for "
-            f"{_differing(lambda dkv: (False, False), lambda dkv: (False, True))}), so a wrong guess gives wrong "
-            "values, not an error")
+    ``version``: the flash-attn-4 release that wrote the accumulator (``importlib.metadata.version(
+    "flash-attn-4")``; a port of its kernels: the release it was taken from, if its padding is unchanged). The
+    presets know ``jax_dqpost.presets.FLASH_ATTENTION_RELEASES``; another release raises ``ValueError`` naming
+    the layouts to pass instead, as the rows below differ between releases only in the padding:
 
+    * ``"4.0.0b36"``: its sm90 backward tiles the head dim in multiples of 16 (64 where its dK/dV MMA is
+      swapped, head dims above 128) while it allocates the accumulators in multiples of 32 (upstream:
+      Dao-AILab/flash-attention PR #2896, open). At sm90 head dims 8, 16, 40, 48, 72, 80, 104 and 112, where the
+      two differ, its dQ (and dK/dV) accumulators hold ``Dr = ceil(D / 16) * 16`` tiles in rows allocated for
+      ``Da = ceil(D / 32) * 32``: the rows below with ``hdim_multiple_of=16, alloc_hdim_multiple_of=32``, which
+      read them right (its own postprocess reads them as 32-column tiles and returns wrong gradients there).
+      Packed (varlen) dQ there is lost: its preprocess zeroes the 32-column tiles and the backward adds into
+      16-column ones, some never zeroed, so the dQ preset has ``varlen_unreadable`` set and a varlen call
+      raises ValueError (dK/dV, allocated as zeros, are read right). At 104 and 112 without ``causal`` its
+      backward does not compile (a swapped ``(112, 80)`` dQ MMA): ValueError.
 
-def flash_attention(gpu: int, head_dim: int, *, causal: bool, tensor: str, version: str,
-                    head_dim_v: int | None = None) -> AccumLayout:
-    """``AccumLayout.flash_attention`` (its docstring): the arguments checked, the preset and the release's
-    padding."""
+    The presets, as ``AccumLayout(...)``'s positional fields (dK/dV's rows are key rows: ``tile_m`` is
+    FlashAttention's ``n_block_size``)::
+
+        | gpu | head dim | causal | dQ (`tensor="dq"`) | dK/dV (`tensor="dkv"`) |
+        |---|---|---|---|---|
+        | 90 | 8..64 | either | `(90, 128, 256, 2, False, 32)` | the same |
+        | 90 | 72..96 | either | `(90, 64, 128, 1, False, 32)` | `(90, 128, 256, 2, False, 32)` |
+        | 90 | 104..128 | no | `(90, 80, 256, 1, True, 32)` | `(90, 128, 256, 2, False, 32)` |
+        | 90 | 104..128 | yes | `(90, 64, 256, 1, False, 32)` | `(90, 128, 256, 2, False, 32)` |
+        | 90 | 136..192 | either | `(90, 64, 256, 1, False, 64)` | `(90, 96, 256, 2, True, 64)` |
+        | 90 | 200..256 | either | `(90, 64, 256, 1, False, 64)` | `(90, 48, 256, 1, True, 64)` |
+        | 100, 101, 103, 110 | 8..120 | either | `(100, 128, 128, 1, False, 32, two_cta=False, cluster_size=1)` | the same |
+        | 100, 101, 103, 110 | 128..192 | either | `(100, 128, 128, 1, False, 32, two_cta=True, cluster_size=1)` | `(100, 128, 128, 1, False, 32, two_cta=False, cluster_size=2)` |
+        | 100, 101, 103, 110 | 200..256 | either | `ValueError`: a dedicated kernel finishes dQ, dK, dV | the same |
+        | 120, 121 | 8..256 | either | `(80, 64, 128, 4, False, 32)` | the same |
+
+    (sm90's hd96 dQ takes one warpgroup; sm120's backward uses the sm80 ``mma.sync`` MMA with 4 warps.)
+
+    From flash_attn/cute/interface.py (flash-attn 4.0.0b36): ``_tile_size_bwd_sm90`` and the postprocess
+    calls of ``_flash_attn_bwd`` (``num_threads_post_dQ``/``num_threads_post_dKV``, ``hdim_multiple_of = 64
+    if sm90 and dKV_swapAB``, dK/dV with ``n_block_size``, ``AtomLayoutNdKV``, ``dKV_swapAB`` and
+    ``cluster_size``), the sm100 branch (``use_2cta_instrs = head_dim >= 128``, ``cluster_size = 2`` with it;
+    ``FlashAttentionBackwardSm100.accum_tile_orders``: dQ in the 1- or 2-CTA fragment order, dK/dV in the
+    1-CTA one) and the sm120 branch (sm80 MMA, 4 warps); flash_bwd_sm90.py's ``tile_hdim`` for the padding.
+
+    Raises:
+      TypeError: ``causal``, ``tensor`` or ``version`` left out, or an argument of the wrong type.
+      ValueError: ``gpu`` is not a GPU architecture (the message lists them) or has no FlashAttention-4
+        backward (sm80..sm89); ``version`` is not a release the presets know; on sm100/sm110, head dims above
+        192 (a dedicated kernel finishes dQ, dK and dV itself, with no separate postprocess); a configuration
+        the release's backward cannot run; a head dim that is not a positive multiple of 8 up to 256.
+    """
     gpu = _checks.static_int("gpu", gpu, minimum=1)
     head_dim = _checks.head_dim(head_dim)
     head_dim_v = head_dim if head_dim_v is None else _checks.head_dim(head_dim_v, name="head_dim_v")
@@ -194,7 +237,7 @@ def flash_attention(gpu: int, head_dim: int, *, causal: bool, tensor: str, versi
         raise ValueError(f"FlashAttention's sm{gpu} backward for head_dim={head_dim}, head_dim_v={head_dim_v} "
                          "uses its dedicated hd256 kernel, which finishes dQ, dK and dV itself (no separate "
                          "postprocess)")
-    layout = _preset(gpu, head_dim, causal, tensor == "dkv")
+    layout = _preset(cls, gpu, head_dim, causal, tensor == "dkv")
     if not isinstance(version, str):
         raise TypeError(f"version must be a str, a flash-attn-4 release such as "
                         f"{next(iter(FLASH_ATTENTION_RELEASES))!r}, got {_checks.describe(version)}")
@@ -222,6 +265,3 @@ def flash_attention(gpu: int, head_dim: int, *, causal: bool, tensor: str, versi
             f"({release.issue})")
     return _release_layout(layout, gpu, head_dim, release, tensor == "dq")
 
-
-HINTS = {"causal": _causal_hint, "tensor": _tensor_hint, "version": _version_hint}
-"""How to choose each of ``flash_attention``'s required arguments: what the error for a missing one says."""

@@ -34,7 +34,7 @@ from cutlass import Float32, Int64, const_expr
 from cutlass.cute.nvgpu import warp, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from . import kernel_spec
+from . import fragments, kernel_spec
 from .abi import Tiling
 from .layout import AccumLayout
 from .schedule import TensorArgs, ShortTile, Tile
@@ -224,16 +224,9 @@ class TileConverter:
 
     def short_vector(self, p, j):
         """Float offset, in a tile of a swapped Hopper order, of the first of the eight 16-byte vectors holding rows
-        ``2p, 2p + 1`` and columns ``16 j .. 16 j + 15``; vector ``c`` is ``16 c`` floats further, its element
-        ``2 e + o`` is ``(2p + o, 16 j + 8 e + c)`` (:meth:`short_tile`). The wgmma fragment coordinates of
-        :meth:`_place_wgmma_fragment` with the tile's row as N and its column as M. Plain arithmetic: also evaluated on
-        the kernel's run-time integers."""
-        per_atom, atoms_m, n_atom = self.n_atom // 2, self.atoms_mn[0], self.n_atom
-        cn, wn = (2 * p) % n_atom, (2 * p) // n_atom  # N: rows 2p, 2p + 1 are registers v, v + 1 of one thread
-        w = (j // 4) % atoms_m + atoms_m * wn  # M: the 64-column atom of columns 16 j .., and its warpgroup
-        k = (j // (4 * atoms_m)) * (per_atom // 4) + cn // 8  # the thread's vector: registers 4k .. 4k + 3
-        t = 32 * (j % 4) + (cn % 8) // 2  # the thread holding column 16 j (c = 0); column 16 j + c: t + 4c
-        return w * (self.tile_m * self.padded_head_dim // self.layout.num_warpgroups) + 512 * k + 4 * t
+        ``2p, 2p + 1`` and columns ``16 j .. 16 j + 15`` (:meth:`short_tile`; ``fragments.wgmma_pair_vector``). Also
+        evaluated on the kernel's run-time integers."""
+        return fragments.wgmma_pair_vector(p, j, n_atom=self.n_atom, atoms_m=self.atoms_mn[0], chunk=self.chunk)
 
     def sync(self):
         """The barrier between the shared-memory writes and reads: the whole CTA, or (a part with fewer threads
@@ -257,14 +250,9 @@ class TileConverter:
             self._convert_rowmajor(acc_ptr, tile_elem, scale, s_tile, rows_conv, tidx)
 
     def _wgmma_vector_row(self, k: int, tidx):
-        """The lower row of 16-byte vector ``k`` (registers 4k..4k+3) of a Hopper-order fragment: its
-        registers are rows (row, row + 8) at two adjacent columns, or (swap_ab) rows (row, row + 1)."""
-        per_atom, atoms_m = self.n_atom // 2, self.atoms_mn[0]
-        v, mm = (4 * k) % per_atom, (4 * k) // per_atom
-        w, t = tidx // 128, tidx % 128
-        if const_expr(self.layout.swap_ab):
-            return self.n_atom * (w // atoms_m) + 8 * (v // 4) + 2 * (t % 4)
-        return 64 * (w % atoms_m) + 64 * atoms_m * mm + 16 * (t // 32) + (t % 32) // 4
+        """The lower row of 16-byte vector ``k`` of a Hopper-order fragment (``fragments.wgmma_vector_row``)."""
+        return fragments.wgmma_vector_row(k, tidx, n_atom=self.n_atom, atoms_m=self.atoms_mn[0],
+                                          swap_ab=self.layout.swap_ab)
 
     @cute.jit
     def _convert_mma(self, acc_ptr, tile_elem, scale, s_tile, s_layout, rows_conv, tidx):
@@ -326,22 +314,12 @@ class TileConverter:
 
     @cute.jit
     def _place_wgmma_fragment(self, frag, s_tile, tidx):
-        """Hopper-order fragment into the tile by its wgmma D-fragment coordinates (targets without
-        WGMMA): register r of thread (warpgroup w, warp q, lane) is row 16 q + lane / 4 + 8 ((v / 2) % 2),
-        column 8 (v / 4) + 2 (lane % 4) + v % 2 of atom r / (n_atom / 2), v = r % (n_atom / 2)."""
-        atoms_m = self.atoms_mn[0]
-        per_atom = self.n_atom // 2
-        w, t = tidx // 128, tidx % 128
-        q, lane = t // 32, t % 32
-        wm, wn = w % atoms_m, w // atoms_m
+        """Hopper-order fragment into the tile by its wgmma D-fragment coordinates (``fragments.wgmma_coord``), for
+        targets without WGMMA."""
         for r in cutlass.range_constexpr(self.regs):
-            v, mm = r % per_atom, r // per_atom
-            m = 64 * wm + 64 * atoms_m * mm + 16 * q + lane // 4 + 8 * ((v // 2) % 2)
-            n = self.n_atom * wn + 8 * (v // 4) + 2 * (lane % 4) + v % 2
-            if const_expr(self.layout.swap_ab):
-                s_tile[n, m] = frag[r]
-            else:
-                s_tile[m, n] = frag[r]
+            i, j = fragments.wgmma_coord(tidx, r, n_atom=self.n_atom, atoms_m=self.atoms_mn[0],
+                                         swap_ab=self.layout.swap_ab)
+            s_tile[i, j] = frag[r]
 
     @cute.jit
     def _convert_rows(self, acc_ptr, tile_elem, scale, s_tile, rows_conv, tidx):

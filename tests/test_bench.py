@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from oracle import assert_same_bits
+from support import cu_seqlens
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.append(str(ROOT))  # benchmarks/; last on the path, so that jax_dqpost stays the one imported first
@@ -81,7 +82,7 @@ def test_sector_bound_counts_the_sectors_of_the_rows(rng, tensor, head_dim, caus
     tm, dr = layout.tile_m, layout.padded_head_dim(head_dim)
     pos = layout.tile_index_map(head_dim)
     lengths = [int(n) for n in rng.integers(0, 3 * tm, 40)] + [tm, 1]
-    cu = [0] + np.cumsum(lengths).tolist()
+    cu = cu_seqlens(lengths).tolist()
     used = [int(rng.integers(0, n + 1)) for n in lengths]
     want = 0
     for n, u in zip(lengths, used):

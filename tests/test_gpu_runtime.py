@@ -12,6 +12,7 @@ import pytest
 from conftest import HAS_GPU
 import oracle
 from oracle import assert_same_bits
+from support import cu_seqlens
 
 pytestmark = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
 
@@ -44,7 +45,7 @@ def test_artifact_exported_on_a_cpu_machine_runs_here(rng, name):
     else:
         B, T = case["batch"], case["total_q"]
         lengths = rng.integers(0, 2 * T // B, B)
-        cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+        cu = cu_seqlens(lengths)
         used = np.array([rng.integers(0, n + 1) for n in lengths], np.int32)
         acc, want = oracle.build_varlen(rng, cu.tolist(), used.tolist(), T, H, D, (tile_m, threads, atom, swap),
                                         hdim_multiple_of=mult, scale=case["scale"], dtype=dtype)

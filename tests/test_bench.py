@@ -252,18 +252,18 @@ def test_a_report_records_the_commit_or_unknown(tmp_path, monkeypatch):
     """$JAX_DQPOST_COMMIT (a copy of the tree without its history), else the checkout's HEAD; without git, or where
     benchmarks/ is not at the root of a checkout, "unknown" and never an exception."""
     monkeypatch.setenv("JAX_DQPOST_COMMIT", "abc1234")
-    assert bench_main._commit() == "abc1234"
+    assert harness.commit() == "abc1234"
     monkeypatch.delenv("JAX_DQPOST_COMMIT")
     head = subprocess.run(["git", "rev-parse", "--show-toplevel", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                           text=True)
     lines = head.stdout.splitlines()
     if head.returncode == 0 and Path(lines[0]).resolve() == ROOT:
-        assert bench_main._commit() == lines[1]
+        assert harness.commit() == lines[1]
     with monkeypatch.context() as m:
-        m.setattr(bench_main, "__file__", str(tmp_path / "benchmarks" / "__main__.py"))  # not in a checkout
-        assert bench_main._commit() == "unknown"
+        m.setattr(harness, "__file__", str(tmp_path / "benchmarks" / "harness.py"))  # not in a checkout
+        assert harness.commit() == "unknown"
     monkeypatch.setenv("PATH", str(tmp_path))  # no git
-    assert bench_main._commit() == "unknown"
+    assert harness.commit() == "unknown"
 
 
 def test_only_internals_imports_private_apis():

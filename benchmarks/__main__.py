@@ -50,23 +50,6 @@ def _import_optional(name: str, what: str):
         return None
 
 
-def _commit() -> str:
-    """The commit a report is of: $JAX_DQPOST_COMMIT if set (a copy of the tree without its git history), else the
-    HEAD of the git checkout whose root holds ``benchmarks/``; "unknown" without git or outside such a checkout."""
-    if os.environ.get("JAX_DQPOST_COMMIT"):
-        return os.environ["JAX_DQPOST_COMMIT"]
-    root = Path(__file__).resolve().parents[1]
-    try:
-        c = subprocess.run(["git", "rev-parse", "--show-toplevel", "--short", "HEAD"], cwd=root, capture_output=True,
-                           text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired):
-        return "unknown"
-    lines = c.stdout.splitlines()
-    if c.returncode == 0 and len(lines) == 2 and Path(lines[0]).resolve() == root:
-        return lines[1].strip()
-    return "unknown"
-
-
 def _version(dist: str) -> str | None:
     from importlib import metadata
 
@@ -133,7 +116,7 @@ def main(argv=None) -> int:
     samples = args.samples or (9 if args.quick else 25)
     sizes = cases.SIZES[::2] if args.quick else cases.SIZES
     report = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-              "commit": _commit(), "gpu": jax.devices()[0].device_kind, "jax": jax.__version__,
+              "commit": harness.commit(), "gpu": jax.devices()[0].device_kind, "jax": jax.__version__,
               "flash_attn": _version("flash-attn-4") or _version("flash_attn"), "samples": samples,
               "method": cases.METHOD, "reference": [], "sweep": []}
     out.mkdir(parents=True, exist_ok=True)

@@ -170,8 +170,6 @@ def main(argv=None) -> int:
 
     from jax_dqpost import fa4jax
 
-    from .__main__ import _commit
-
     try:
         fa4jax.register()
     except ImportError as e:
@@ -187,7 +185,7 @@ def main(argv=None) -> int:
         results.append(run_shape(shape, args.steps))
         harness.log(table(results[-1:]).splitlines()[-1])
         report = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                      commit=_commit(), gpu=jax.devices()[0].device_kind, jax=jax.__version__, method=METHOD,
+                      commit=harness.commit(), gpu=jax.devices()[0].device_kind, jax=jax.__version__, method=METHOD,
                       results=results)
         (Path(args.out) / "fa4jax.json").write_text(json.dumps(report, indent=1))  # after each shape
     print(table(results))

@@ -1,5 +1,5 @@
 """Timing helpers of the benchmark and of the scripts beside it: CUDA-event and CUDA-graph timing (torch), wall-clock
-timing of pipelined jitted calls, and the GPU's own timeline from a jax.profiler trace."""
+timing of pipelined jitted calls, the GPU's own timeline from a jax.profiler trace, and the commit a report is of."""
 
 from __future__ import annotations
 
@@ -8,9 +8,11 @@ import math
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 MIN_SAMPLE_S = 2e-3
 # Pipelined jax.jit calls: a sample's fixed costs (first dispatch, final sync: ~60 us) amortised below 1%
@@ -138,3 +140,20 @@ def device_time_per_call(f, args, name: str, calls: int, repeats: int) -> float 
     traced executions of the slowest GPU's :func:`device_spans`, over ``calls``; None if nothing was recorded."""
     spans = [max(s.values()) for s in (device_spans(f, args, name) for _ in range(repeats)) if s]
     return statistics.median(spans) / calls if spans else None
+
+
+def commit() -> str:
+    """The commit a report is of: $JAX_DQPOST_COMMIT if set (a copy of the tree without its git history), else the
+    HEAD of the git checkout whose root holds ``benchmarks/``; "unknown" without git or outside such a checkout."""
+    if os.environ.get("JAX_DQPOST_COMMIT"):
+        return os.environ["JAX_DQPOST_COMMIT"]
+    root = Path(__file__).resolve().parents[1]
+    try:
+        c = subprocess.run(["git", "rev-parse", "--show-toplevel", "--short", "HEAD"], cwd=root, capture_output=True,
+                           text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    lines = c.stdout.splitlines()
+    if c.returncode == 0 and len(lines) == 2 and Path(lines[0]).resolve() == root:
+        return lines[1].strip()
+    return "unknown"

@@ -17,7 +17,6 @@ from jax_dqpost.varlen import WorkList
 TARGET_NAME = _ffi.TARGET_NAME
 """The custom-call target of our op in a compiled program's text."""
 command_buffers = _ffi.command_buffers  # whether XLA may capture our calls into its command buffers
-cute_runtime_path = _ffi.cute_runtime_path  # the CuTe runtime library the handler loads
 
 _EXECUTORS: dict = {}
 
@@ -54,11 +53,6 @@ def executor(p: Plan, **tuning):
     return _EXECUTORS[key]
 
 
-def in_entry_order(p: Plan, by_name: dict) -> list:
-    """The values of ``by_name`` (keyed by ``abi.pointers`` names) in the order of the kernel's pointers."""
-    return [by_name[name] for name in abi.pointers(len(p.parts), p.has_sink)]
-
-
 def launch_args(p: Plan, acc_shapes, buffers: dict) -> tuple:
     """:func:`executor`'s arguments but the stream, for accumulators of ``acc_shapes``: the device address of each
     of the kernel's pointers (``buffers``: torch tensors by ``abi.pointers`` name, extra ones unused), then the
@@ -69,18 +63,3 @@ def launch_args(p: Plan, acc_shapes, buffers: dict) -> tuple:
     from jax_dqpost.kernel import entry_args  # imports cutlass
 
     return entry_args(spec.dtype, len(p.parts), spec.sink, addresses, extents)
-
-
-def launch_ctas(head_dim: int, batch: int, heads: int, seqlen: int, cu=None) -> int:
-    """CTAs of our launch for FlashAttention-4's sm90 dQ preset (non-causal) at ``head_dim``: dense ``(batch, heads,
-    seqlen)``, or packed ``cu`` over ``batch * seqlen`` tokens (static offsets)."""
-    from jax_dqpost import AccumLayout
-
-    layout = AccumLayout.flash_attention(90, head_dim, causal=False, tensor="dq", version="4.0.0b36")
-    if cu is None:
-        part, shape = dense_part(layout, head_dim, np.float32, seqlen), layout.accum_shape(batch, heads, seqlen,
-                                                                                             head_dim)
-    else:
-        part, _ = varlen_part(layout, head_dim, np.float32, cu, batch * seqlen)
-        shape = layout.varlen_accum_shape(len(cu) - 1, heads, batch * seqlen, head_dim)
-    return plan([part]).launch([shape])[1]

@@ -21,6 +21,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import oracle  # noqa: E402
+from support import cu_seqlens  # noqa: E402
 
 import jax_dqpost  # noqa: E402,F401  -- the import alone registers the CUDA target
 
@@ -43,7 +44,7 @@ def run(seed: int, name: str) -> dict:
     else:
         B, T = case["batch"], case["total_q"]
         lengths = rng.integers(0, 2 * T // B, B)
-        cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+        cu = cu_seqlens(lengths)
         used = np.array([rng.integers(0, n + 1) for n in lengths], np.int32)
         acc, want = oracle.build_varlen(rng, cu.tolist(), used.tolist(), T, H, D, (tile_m, threads, atom, swap),
                                         hdim_multiple_of=mult, scale=case["scale"], dtype=dtype)

@@ -50,7 +50,7 @@ import pytest  # noqa: E402
 
 from jax_dqpost import AccumLayout, arch  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(__file__))  # tests/oracle.py
+sys.path.insert(0, os.path.dirname(__file__))  # tests/oracle.py, tests/support.py
 
 HAS_GPU = bool(arch.cuda_devices())
 PLATFORMS = ["cpu", "cuda"] if HAS_GPU else ["cpu"]

@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import oracle  # noqa: E402
+from support import bits  # noqa: E402
 
 from jax_dqpost import AccumLayout, dq_postprocess, flash_attention_postprocess  # noqa: E402
 
@@ -93,11 +94,6 @@ def results(mesh: Mesh, x: dict[str, np.ndarray]) -> tuple[dict, dict]:
     return outs, all_reduces
 
 
-def bits(a: np.ndarray) -> np.ndarray:
-    """The bits of a 16- or 32-bit array (npz has no bfloat16)."""
-    return a.view(np.uint16 if a.dtype.itemsize == 2 else np.uint32)
-
-
 def shard_entries(outs: dict) -> dict[str, np.ndarray]:
     """``<case>/<result>/<k>/index`` (the shard's global slice: (start, stop) per axis) and ``.../bits`` of every
     addressable shard ``k`` of every result."""
@@ -108,7 +104,7 @@ def shard_entries(outs: dict) -> dict[str, np.ndarray]:
                 key = f"{case}/{name}/{k}"
                 entries[f"{key}/index"] = np.array([s.indices(n)[:2] for s, n in zip(shard.index, arr.shape)],
                                                    np.int64).reshape(arr.ndim, 2)
-                entries[f"{key}/bits"] = bits(np.asarray(shard.data))
+                entries[f"{key}/bits"] = bits(shard.data)  # npz has no bfloat16
     return entries
 
 

@@ -2,8 +2,9 @@
 with their inputs, and plain attention in torch as the reference of its gradients. Imported by the GPU tests only
 (``test_fa4_producer.py``, ``test_gradients.py``); torch is imported inside the functions.
 
-Every postprocess call of the backward is caught by wrapping ``flash_attn.cute.interface._bwd_postprocess_convert``
-(inputs cloned before the call, outputs read after it): dQ's, and dK's and dV's under grouped-query attention.
+Every postprocess call of a backward (:func:`backward_calls`) is caught by wrapping
+``flash_attn.cute.interface._bwd_postprocess_convert`` (inputs cloned before the call, outputs read after it): dQ's,
+and dK's and dV's under grouped-query attention.
 """
 
 from __future__ import annotations
@@ -65,6 +66,18 @@ def captured(torch, interface):
         yield calls
     finally:
         interface._bwd_postprocess_convert = original
+
+
+def backward_calls(torch, interface, q, k, v, d_out, *, causal: bool, sink=None, **varlen):
+    """FlashAttention-4's forward (``flash_attn_varlen_func`` given the packed offsets ``varlen``, else
+    ``flash_attn_func``), then its backward of ``d_out``: the postprocess calls the backward made (:func:`captured`)."""
+    forward = interface.flash_attn_varlen_func if varlen else interface.flash_attn_func
+    res = forward(q, k, v, causal=causal, learnable_sink=sink, **varlen)
+    out = res[0] if isinstance(res, tuple) else res
+    with captured(torch, interface) as calls:
+        out.backward(d_out)
+    torch.cuda.synchronize()
+    return calls
 
 
 def to_numpy(t):

@@ -14,6 +14,8 @@ import functools
 import ml_dtypes
 import numpy as np
 
+from support import bits, round_up, cu_seqlens
+
 
 @functools.lru_cache(maxsize=None)
 def hopper_tile_positions(tile_m, hdim_padded, num_threads, atom_layout, swap_ab):
@@ -129,10 +131,6 @@ def tile_positions(arch, tile_m, hdim_padded, num_threads, atom_layout, swap_ab,
     if arch == 100:
         return tcgen05_tile_positions(hdim_padded, two_cta)
     return np.arange(tile_m * hdim_padded, dtype=np.int64).reshape(tile_m, hdim_padded)  # row-major
-
-
-def round_up(x, m):
-    return -(-x // m) * m
 
 
 def _unread_tail(rng, shape, padding):
@@ -280,12 +278,6 @@ def expected_dense_seqused(logical, seqused, scale, dtype):
 
 # ---- comparisons and whole cases (numpy only; a layout is read through its attributes)
 
-def bits(x) -> np.ndarray:
-    """``x``'s bits as unsigned integers of its width (bf16 and fp16: uint16; float32: uint32)."""
-    x = np.asarray(x)
-    return x.view(np.uint16) if x.dtype.itemsize == 2 else x.view(np.uint32)
-
-
 def assert_same_bits(got, want, what=""):
     """``got`` has ``want``'s shape, dtype and bits (NaNs in the same places, any NaN payload)."""
     got, want = np.asarray(got), np.asarray(want)
@@ -330,7 +322,7 @@ def varlen_case(rng, layout, cu, seqused, total, heads, head_dim, scale, dtype, 
 
 def random_offsets(rng, batch, most):
     """``cu_seqlens`` of ``batch`` sequences of random lengths in ``[0, most)``."""
-    return [0] + np.cumsum(rng.integers(0, most, size=batch)).tolist()
+    return cu_seqlens(rng.integers(0, most, size=batch)).tolist()
 
 
 def random_seqused(rng, cu):

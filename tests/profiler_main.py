@@ -22,6 +22,7 @@ import numpy as np
 
 from jax_dqpost import AccumLayout, dq_postprocess, flash_attention_postprocess
 from jax_dqpost.varlen import padded_total
+from support import cu_seqlens  # tests/support.py: a script's folder is first on its path
 
 H, H_KV, D, T, CALLS = 32, 8, 128, 16384, 4
 
@@ -32,7 +33,7 @@ def main(seed: int) -> dict:
     while sum(lengths) < T:
         lengths.append(int(rng.integers(1, 4)))
     lengths[-1] -= sum(lengths) - T
-    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    cu = cu_seqlens(lengths)
     batch = len(lengths)
     q_layout = AccumLayout.flash_attention(90, D, causal=False, tensor="dq", version="4.0.0b36")
     kv_layout = AccumLayout.flash_attention(90, D, causal=False, tensor="dkv", version="4.0.0b36")

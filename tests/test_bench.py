@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from oracle import assert_same_bits
+from support import cu_seqlens
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.append(str(ROOT))  # benchmarks/; last on the path, so that jax_dqpost stays the one imported first
@@ -81,7 +82,7 @@ def test_sector_bound_counts_the_sectors_of_the_rows(rng, tensor, head_dim, caus
     tm, dr = layout.tile_m, layout.padded_head_dim(head_dim)
     pos = layout.tile_index_map(head_dim)
     lengths = [int(n) for n in rng.integers(0, 3 * tm, 40)] + [tm, 1]
-    cu = [0] + np.cumsum(lengths).tolist()
+    cu = cu_seqlens(lengths).tolist()
     used = [int(rng.integers(0, n + 1)) for n in lengths]
     want = 0
     for n, u in zip(lengths, used):
@@ -251,18 +252,18 @@ def test_a_report_records_the_commit_or_unknown(tmp_path, monkeypatch):
     """$JAX_DQPOST_COMMIT (a copy of the tree without its history), else the checkout's HEAD; without git, or where
     benchmarks/ is not at the root of a checkout, "unknown" and never an exception."""
     monkeypatch.setenv("JAX_DQPOST_COMMIT", "abc1234")
-    assert bench_main._commit() == "abc1234"
+    assert harness.commit() == "abc1234"
     monkeypatch.delenv("JAX_DQPOST_COMMIT")
     head = subprocess.run(["git", "rev-parse", "--show-toplevel", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                           text=True)
     lines = head.stdout.splitlines()
     if head.returncode == 0 and Path(lines[0]).resolve() == ROOT:
-        assert bench_main._commit() == lines[1]
+        assert harness.commit() == lines[1]
     with monkeypatch.context() as m:
-        m.setattr(bench_main, "__file__", str(tmp_path / "benchmarks" / "__main__.py"))  # not in a checkout
-        assert bench_main._commit() == "unknown"
+        m.setattr(harness, "__file__", str(tmp_path / "benchmarks" / "harness.py"))  # not in a checkout
+        assert harness.commit() == "unknown"
     monkeypatch.setenv("PATH", str(tmp_path))  # no git
-    assert bench_main._commit() == "unknown"
+    assert harness.commit() == "unknown"
 
 
 def test_only_internals_imports_private_apis():

@@ -18,31 +18,20 @@ import pytest
 
 from jax_dqpost import DISABLED_CHECKS, AccumLayout, cuda_arch, dq_postprocess
 from jax_dqpost import arch as arch_, kernel_cache
-from jax_dqpost.kernel_spec import KernelSpec, TensorKernel
+from support import export_dq, export_layout, one_part_kernel
 
-LAYOUT = AccumLayout.flash_attention(90, 128, causal=False, tensor="dq", version="4.0.0b36")
-
-
-def _spec(layout=LAYOUT, padded_head_dim=128, tiling=0):
-    """The kernel of a one-part bf16 call without a sink."""
-    return KernelSpec(jnp.bfloat16, (TensorKernel(layout, padded_head_dim, tiling),))
-
-
-def _export(seqlen=100):
-    f = jax.jit(lambda a: dq_postprocess(a, 1.0, seqlen_q=seqlen, head_dim=128, layout=LAYOUT))
-    return jax.export.export(f, platforms=["cuda"], disabled_checks=DISABLED_CHECKS)(
-        jax.ShapeDtypeStruct(LAYOUT.accum_shape(1, 2, seqlen, 128), jnp.float32))
+LAYOUT = export_layout()  # FlashAttention-4's sm90 dQ at head dim 128
 
 
 def test_cuda_arch_chooses_the_target_and_validates():
     for arch in ("sm_80", "sm_100a"):
         with cuda_arch(arch):
-            text = _export().mlir_module()
-        assert kernel_cache.get_kernel(_spec(), arch=arch).fingerprint in text
+            text = export_dq().mlir_module()
+        assert kernel_cache.get_kernel(one_part_kernel(jnp.bfloat16, LAYOUT, 128), arch=arch).fingerprint in text
     with cuda_arch("sm_90"):  # the Hopper kernel needs sm_90a code: sm_90 means sm_90a
         assert arch_.target_arch() == "sm_90a"
-        text = _export().mlir_module()
-    assert kernel_cache.get_kernel(_spec(), arch="sm_90a").fingerprint in text
+        text = export_dq().mlir_module()
+    assert kernel_cache.get_kernel(one_part_kernel(jnp.bfloat16, LAYOUT, 128), arch="sm_90a").fingerprint in text
     for bad in ("hopper", "sm_75", "sm_90f", "sm_107a", "sm_90a "):
         with pytest.raises(ValueError, match=rf"^arch={bad!r} is not a GPU architecture the kernel compiles for; "
                                              r"the accepted names are sm_80, sm_86, .*sm_90a, .*sm_120a, .*"
@@ -61,7 +50,7 @@ def test_every_accepted_arch_compiles_and_is_the_dsls():
 
     for name in arch_.SUPPORTED_ARCHS:
         assert name in Arch.__members__, name
-        kernel = kernel_cache.get_kernel(_spec(), arch=name)
+        kernel = kernel_cache.get_kernel(one_part_kernel(jnp.bfloat16, LAYOUT, 128), arch=name)
         assert kernel.arch == name and kernel.module[:4] == b"\x7fELF"
     assert "sm_90" in Arch.__members__ and arch_.check_arch("sm_90") == "sm_90a"
 
@@ -73,7 +62,7 @@ def test_cute_dsl_arch_and_the_device_are_validated(monkeypatch):
     with pytest.raises(ValueError, match=r"^CUTE_DSL_ARCH='sm_75' is not a GPU architecture .* sm_80, "):
         arch_.target_arch()
     with pytest.raises(ValueError, match=r"CUTE_DSL_ARCH='sm_75'"):  # lowering for CUDA: before any compile
-        _export()
+        export_dq()
     # Without either, the first CUDA device's compute capability names it.
     monkeypatch.delenv("CUTE_DSL_ARCH")
     for capability, want in (("8.0", "sm_80"), ("8.9", "sm_89"), ("9.0", "sm_90a"), ("10.0", "sm_100a"),
@@ -154,7 +143,7 @@ def test_a_damaged_entry_is_recompiled_and_rewritten_with_one_warning(tmp_path, 
 
     monkeypatch.setenv("JAX_DQPOST_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(kernel_cache, "_cache", {})
-    key = _spec(tiling=Tiling.VARLEN)
+    key = one_part_kernel(jnp.bfloat16, LAYOUT, 128, Tiling.VARLEN)
     good = kernel_cache.get_kernel(key, arch="sm_90a")
     (entry,) = tmp_path.glob("*.cute")
     intact = entry.read_bytes()
@@ -371,7 +360,7 @@ def test_the_cache_directory_is_an_absolute_path_or_none(value, tmp_path, monkey
         kernel_cache.cache_dir()
     monkeypatch.setattr(kernel_cache, "_cache", {})  # (a kernel in memory needs no disk cache)
     with pytest.raises(ValueError, match=message):  # where the cache is used: lowering for CUDA
-        _export()
+        export_dq()
     assert list(tmp_path.iterdir()) == []
 
 
@@ -403,7 +392,7 @@ def test_a_cache_that_cannot_be_used_is_reported_once(where, tmp_path, monkeypat
         monkeypatch.setenv("JAX_DQPOST_CACHE_DIR", str(directory))
     monkeypatch.setattr(kernel_cache, "compile_executor", _fake_compile)
     monkeypatch.setattr(kernel_cache, "_unusable_reported", False)
-    key = _spec(tiling=Tiling.VARLEN)
+    key = one_part_kernel(jnp.bfloat16, LAYOUT, 128, Tiling.VARLEN)
     if where == "entry unreadable":  # a directory where the entry would be: reading it fails, not as a miss
         (directory / kernel_cache._disk_name(kernel_cache._key(key, "sm_90a"))).mkdir(parents=True)
     for name in ("first", "second"):

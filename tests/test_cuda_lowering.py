@@ -21,21 +21,9 @@ import jax_dqpost
 from jax_dqpost import DISABLED_CHECKS, AccumLayout, dq_postprocess
 from jax_dqpost import _ffi, kernel_cache
 from jax_dqpost.abi import Tiling
-from jax_dqpost.kernel_spec import KernelSpec, TensorKernel
+from support import export_dq, export_layout, one_part_kernel
 
-LAYOUT = AccumLayout(90, 80, 256, 1, True, 32)
-
-
-def _key(dtype, layout, padded_head_dim, tiling=Tiling.DENSE):
-    """The kernel of a one-part call without a sink (``Plan.kernel``)."""
-    return KernelSpec(dtype, (TensorKernel(layout, padded_head_dim, tiling),))
-
-
-def _export(platforms, head_dim=128, seqlen=1000, dtype=jnp.bfloat16):
-    f = jax.jit(lambda a, s: dq_postprocess(a, s, seqlen_q=seqlen, head_dim=head_dim, dtype=dtype, layout=LAYOUT))
-    return jax.export.export(f, platforms=platforms, disabled_checks=DISABLED_CHECKS)(
-        jax.ShapeDtypeStruct(LAYOUT.accum_shape(2, 4, seqlen, head_dim), jnp.float32),
-        jax.ShapeDtypeStruct((), jnp.float32))
+LAYOUT = export_layout()
 
 
 def test_import_does_not_load_cutlass():
@@ -46,7 +34,7 @@ def test_import_does_not_load_cutlass():
 
 @pytest.mark.parametrize("dtype, name", [(jnp.bfloat16, "bf16"), (jnp.float16, "f16")])
 def test_export_for_cuda_emits_our_custom_call(dtype, name):
-    exported = _export(["cuda"], dtype=dtype)
+    exported = export_dq(["cuda"], dtype=dtype)
     text = exported.mlir_module()
     calls = re.findall(r"stablehlo.custom_call @(\w+)\(", text)
     assert calls == [_ffi.TARGET_NAME], calls
@@ -57,7 +45,7 @@ def test_export_for_cuda_emits_our_custom_call(dtype, name):
     assert f"extents = dense<[2, 4, 1000, 128, {tiles}]>" in text and f"ctas = {2 * 4 * tiles} : i64" in text
     assert "mhlo.backend_config = {" in text  # typed XLA FFI: attributes as a dictionary
     assert "tensor<2x1000x4x128x" in text  # (B, S, H, D) result
-    kernel = kernel_cache.get_kernel(_key(dtype, LAYOUT, 128), arch="sm_90a")
+    kernel = kernel_cache.get_kernel(one_part_kernel(dtype, LAYOUT, 128), arch="sm_90a")
     assert kernel.module[:4] == b"\x7fELF"  # a host object holding the sm_90a cubin
     assert f'fingerprint = "{kernel.fingerprint}"' in text
 
@@ -89,7 +77,7 @@ def test_cuda_lowering_rejects_grids_cuda_cannot_launch(batch, heads, seqlen, wh
 
 
 def test_export_serializes_and_multi_platform(rng):
-    exported = _export(["cpu", "cuda"])
+    exported = export_dq(["cpu", "cuda"])
     assert exported.platforms == ("cpu", "cuda")
     restored = jax.export.deserialize(exported.serialize())
     acc = rng.standard_normal(LAYOUT.accum_shape(2, 4, 1000, 128)).astype(np.float32)
@@ -145,7 +133,8 @@ def test_cuda_kernel_compiles_for_sm90a_for_every_fa_head_dim():
     for head_dim in (64, 96, 128, 192, 256, 40, 200):
         for causal in (False, True):
             layout = AccumLayout(90, *fa_cute_hopper_config(head_dim, causal))
-            k = kernel_cache.get_kernel(_key(jnp.float16, layout, layout.padded_head_dim(head_dim)), arch="sm_90a")
+            spec = one_part_kernel(jnp.float16, layout, layout.padded_head_dim(head_dim))
+            k = kernel_cache.get_kernel(spec, arch="sm_90a")
             assert k.arch == "sm_90a" and len(k.module) > 1000
 
 
@@ -177,7 +166,7 @@ def test_every_order_and_mode_compiles_for(arch):
                AccumLayout(None, 64, 256, 1, False, 32)]
     for layout in layouts:
         for tiling in Tiling:
-            k = kernel_cache.get_kernel(_key(jnp.bfloat16, layout, 128, tiling), arch=arch)
+            k = kernel_cache.get_kernel(one_part_kernel(jnp.bfloat16, layout, 128, tiling), arch=arch)
             assert k.arch == arch and k.module[:4] == b"\x7fELF"
 
 
@@ -189,7 +178,7 @@ def test_compiling_for_another_arch_leaves_the_dsl_setting_alone():
     envar = CuTeDSL._get_dsl().envar
     before = envar.arch
     for arch in ("sm_100a", "sm_80"):
-        kernel_cache.compile_executor(_key("bf16", LAYOUT, 128, Tiling.VARLEN), arch)
+        kernel_cache.compile_executor(one_part_kernel("bf16", LAYOUT, 128, Tiling.VARLEN), arch)
         assert envar.arch == before, (arch, envar.arch, before)
 
 
@@ -322,16 +311,16 @@ def test_command_buffers_mode_is_in_the_lowered_call(command_buffers_env):
 
     if arch.cuda_devices():
         _ffi.register()  # with the process's own setting, before this test changes it (lowering registers once)
-    fingerprint = kernel_cache.get_kernel(_key(jnp.bfloat16, LAYOUT, 128)).fingerprint
+    fingerprint = kernel_cache.get_kernel(one_part_kernel(jnp.bfloat16, LAYOUT, 128)).fingerprint
     texts = {}
     for value in ("", "0", "1"):
         command_buffers_env(value)
-        texts[value] = _export(["cuda"]).mlir_module()
+        texts[value] = export_dq(["cuda"]).mlir_module()
     assert f'fingerprint = "{fingerprint}"' in texts[""] and texts[""] == texts["0"]
     assert f'fingerprint = "{fingerprint}+command-buffers"' in texts["1"]
     command_buffers_env("yes")
     with pytest.raises(ValueError, match=r"JAX_DQPOST_COMMAND_BUFFERS must be 0 or 1 \(or unset\), got 'yes'"):
-        _export(["cuda"])
+        export_dq(["cuda"])
 
 
 

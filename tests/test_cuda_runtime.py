@@ -12,10 +12,12 @@ import sys
 import types
 from pathlib import Path
 
+import jax.numpy as jnp
 import pytest
 
 from jax_dqpost import _ffi, cute_runtime, kernel_cache
-from test_cache import _fake_compile, _spec
+from support import export_layout, one_part_kernel
+from test_cache import _fake_compile
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -114,15 +116,15 @@ def test_two_flavours_never_share_a_cache_entry(tmp_path, monkeypatch):
     monkeypatch.setenv(kernel_cache.CACHE_DIR_ENV, str(tmp_path))
     monkeypatch.setattr(kernel_cache, "compile_executor", _fake_compile)
     monkeypatch.setattr(kernel_cache, "_cache", {})
-    names = {}
+    names, spec = {}, one_part_kernel(jnp.bfloat16, export_layout(), 128)
     for flavour in (12, 13):
         monkeypatch.setattr(cute_runtime, "flavour", lambda flavour=flavour: flavour)
-        names[flavour] = kernel_cache._disk_name((_spec(), "sm_90a"))
-        assert not kernel_cache.on_disk(_spec(), arch="sm_90a"), flavour  # the other flavour's entry is no hit
-        kernel_cache.get_kernel(_spec(), arch="sm_90a")
-        assert kernel_cache.on_disk(_spec(), arch="sm_90a")
+        names[flavour] = kernel_cache._disk_name((spec, "sm_90a"))
+        assert not kernel_cache.on_disk(spec, arch="sm_90a"), flavour  # the other flavour's entry is no hit
+        kernel_cache.get_kernel(spec, arch="sm_90a")
+        assert kernel_cache.on_disk(spec, arch="sm_90a")
         kernel_cache._cache.clear()
-    assert f"-cu12-" in names[12] and f"-cu13-" in names[13], names
+    assert "-cu12-" in names[12] and "-cu13-" in names[13], names
     assert sorted(p.name for p in tmp_path.glob("*.cute")) == sorted(names.values())
 
 

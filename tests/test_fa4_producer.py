@@ -2,9 +2,9 @@
 its fp32 accumulators (and, with a learnable sink, ``dpsum`` and ``lse``) to its postprocess; our fused op
 finishes the same accumulators in JAX, and dq, dk, dv and dsink must be bit-identical to FlashAttention-4's.
 
-Every postprocess call of the backward is captured (``fa4_peer.captured``). The configuration each call was made
-with must also be what our presets (``AccumLayout.flash_attention(..., tensor=..., version=...)``) give. These head
-dims are where its postprocess is right; ``test_gradients.py`` measures every head dim against the mathematics.
+Every postprocess call of the backward is captured (``fa4_peer.backward_calls``). The configuration each call was
+made with must also be what our presets (``AccumLayout.flash_attention(..., tensor=..., version=...)``) give. These
+head dims are where its postprocess is right; ``test_gradients.py`` measures every head dim against the mathematics.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import pytest
 
 from conftest import HAS_GPU
 from jax_dqpost import AccumLayout, flash_attention_postprocess
-from fa4_peer import captured as _captured, fa4 as _fa4, to_numpy as _np
-from oracle import bits
+from fa4_peer import backward_calls as _backward_calls, fa4 as _fa4, to_numpy as _np
+from support import bits, cu_seqlens
 
 pytestmark = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
 
@@ -37,27 +37,21 @@ def _run_fa4_backward(torch, interface, rng, head_dim, causal, varlen, sink_dtyp
     if varlen:
         lens_q = rng.integers(1, 400, size=B)
         lens_k = rng.integers(1, 400, size=B)
-        cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
-        cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+        cu_q, cu_k = cu_seqlens(lens_q), cu_seqlens(lens_k)
         used_q = np.array([rng.integers(0, n + 1) for n in lens_q], np.int32)
         used_k = np.array([rng.integers(1, n + 1) for n in lens_k], np.int32)
         q, k, v = randn(int(cu_q[-1]), H, head_dim), randn(int(cu_k[-1]), H_KV, head_dim), randn(int(cu_k[-1]), H_KV,
                                                                                                    head_dim)
         t = {name: torch.from_numpy(x).cuda() for name, x in
              (("cu_q", cu_q), ("cu_k", cu_k), ("used_q", used_q), ("used_k", used_k))}
-        res = interface.flash_attn_varlen_func(q, k, v, cu_seqlens_q=t["cu_q"], cu_seqlens_k=t["cu_k"],
-                                               max_seqlen_q=int(lens_q.max()), max_seqlen_k=int(lens_k.max()),
-                                               seqused_q=t["used_q"], seqused_k=t["used_k"], causal=causal,
-                                               learnable_sink=sink)
+        packed = dict(cu_seqlens_q=t["cu_q"], cu_seqlens_k=t["cu_k"], max_seqlen_q=int(lens_q.max()),
+                      max_seqlen_k=int(lens_k.max()), seqused_q=t["used_q"], seqused_k=t["used_k"])
     else:
         q, k, v = randn(B, SEQLEN_Q, H, head_dim), randn(B, SEQLEN_K, H_KV, head_dim), randn(B, SEQLEN_K, H_KV,
                                                                                              head_dim)
-        res = interface.flash_attn_func(q, k, v, causal=causal, learnable_sink=sink)
-    out = res[0] if isinstance(res, tuple) else res
-    with _captured(torch, interface) as calls:
-        out.backward(torch.randn(out.shape, generator=gen, device="cuda", dtype=dt))
-    torch.cuda.synchronize()
-    return calls
+        packed = {}
+    d_out = torch.randn(q.shape, generator=gen, device="cuda", dtype=dt)  # the output's shape: Dv is head_dim
+    return _backward_calls(torch, interface, q, k, v, d_out, causal=causal, sink=sink, **packed)
 
 
 CASES = [(hd, causal, varlen, sink) for hd in (64, 96, 128, 192, 256)

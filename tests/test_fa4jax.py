@@ -22,6 +22,7 @@ import pytest
 from conftest import HAS_GPU
 from jax_dqpost import AccumLayout, _fa4jax, fa4jax
 import oracle
+from support import cu_seqlens
 
 HAS_FA4JAX = importlib.util.find_spec("fa4_jax") is not None
 needs_fa4jax_gpu = pytest.mark.skipif(not (HAS_GPU and HAS_FA4JAX),
@@ -104,8 +105,7 @@ def _varlen_offsets(rng, batch, most):
     used_q = np.minimum(lengths_q, rng.integers(1, most, size=batch))
     used_k = used_q + rng.integers(0, most // 4, size=batch)
     lengths_k = np.maximum(lengths_q, used_k) + rng.integers(0, most // 4, size=batch)
-    cu = lambda lengths: np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-    return cu(lengths_q), used_q.astype(np.int32), cu(lengths_k), used_k.astype(np.int32)
+    return cu_seqlens(lengths_q), used_q.astype(np.int32), cu_seqlens(lengths_k), used_k.astype(np.int32)
 
 
 def _rows(cu, used, total):
@@ -249,7 +249,7 @@ def test_varlen_grad_equals_fa4jax(rng, heads_kv, defined_padding):
 
     lengths = np.array([64, 17, 50], np.int32)
     used = np.array([64, 9, 31], np.int32)
-    cu = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
+    cu = jnp.asarray(cu_seqlens(lengths))
     total = int(lengths.sum())
     q, k, v, w = _inputs(rng, jnp.bfloat16, (total, 4, 64), (total, heads_kv, 64), (total, heads_kv, 64))
     kw = dict(seqused_q=jnp.asarray(used), seqused_k=jnp.asarray(used), causal=True, defined_padding=defined_padding)

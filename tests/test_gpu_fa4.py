@@ -13,6 +13,7 @@ from conftest import DTYPES, FA_HOPPER_CONFIGS, FA_HOPPER_HEAD_DIM, HAS_GPU
 from jax_dqpost import AccumLayout, dq_postprocess
 import oracle
 from oracle import assert_same_bits
+from support import cu_seqlens
 
 pytestmark = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
 
@@ -77,7 +78,7 @@ def test_varlen_bit_identical_to_flash_attention_4(rng, name, dtype):
     layout = AccumLayout(90, tile_m, threads, atom, swap, mult)
     for batch, mean in ((7, 200), (300, 20)):  # 300 > FlashAttention's binary-search threshold
         lengths = [int(x) for x in rng.integers(0, 2 * mean + 1, batch)]
-        cu = [0] + [int(v) for v in np.cumsum(lengths)]
+        cu = cu_seqlens(lengths).tolist()
         used = [int(rng.integers(0, n + 1)) for n in lengths] if batch == 7 else None
         T, scale = cu[-1] + 11, float(rng.uniform(0.05, 2.0))
         acc, want = oracle.build_varlen(rng, cu, used, T, H, D, (tile_m, threads, atom, swap), hdim_multiple_of=mult,

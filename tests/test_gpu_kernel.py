@@ -15,6 +15,7 @@ from conftest import DTYPES, FA_HOPPER_CONFIGS, FA_HOPPER_HEAD_DIM, HAS_GPU, OTH
 from jax_dqpost import AccumLayout, dq_postprocess
 import oracle
 from oracle import assert_same_bits
+from support import cu_seqlens, one_part_kernel
 
 pytestmark = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
 
@@ -22,13 +23,29 @@ POISON = oracle.POISON_BITS[2]  # a NaN in both bf16 and fp16: any element the k
 GUARD = 4096  # poisoned elements after the output: any write past its end shows
 
 
+def _run_on_poisoned_output(torch, plan, executor, t_acc, t_aux, t_scale, n, acc_shape, what):
+    """Run the compiled ``executor`` of ``plan`` directly, its output a poisoned buffer of ``n`` 16-bit elements with a
+    poisoned guard zone after it: the output's bits (uint16), once nothing past its end was written."""
+    import cuda.bindings.driver as cuda
+
+    from jax_dqpost.kernel import entry_args
+
+    t_out = torch.full((n + GUARD,), np.uint16(POISON).view(np.int16).item(), dtype=torch.int16, device="cuda")
+    # abi.pointers(1, False): dq_accum, q_aux (varlen metadata; unused when dense), scales, dq
+    addresses = [t_acc.data_ptr(), t_aux.data_ptr(), t_scale.data_ptr(), t_out.data_ptr()]
+    executor(*entry_args(plan.kernel.dtype, 1, None, addresses, plan.launch([acc_shape])[0]),
+             cuda.CUstream(torch.cuda.current_stream().cuda_stream))
+    torch.cuda.synchronize()
+    out = t_out.cpu().numpy().view(np.uint16)
+    assert (out[n:] == POISON).all(), f"{what}: kernel wrote past the end of dQ"
+    return out[:n]
+
+
 def _kernel_on_poisoned_output(rng, layout, head_dim, seqlen, dtype, what):
     """Run the compiled module directly on a poisoned buffer with a poisoned guard zone after it."""
     torch = pytest.importorskip("torch")
-    import cuda.bindings.driver as cuda
 
     from jax_dqpost import arch, kernel_cache
-    from jax_dqpost.kernel import entry_args
     from jax_dqpost.plan import Part, Plan
 
     B, H, D, S = 2, 3, head_dim, seqlen
@@ -40,19 +57,9 @@ def _kernel_on_poisoned_output(rng, layout, head_dim, seqlen, dtype, what):
     want = oracle.expected_dq(logical, scale, dtype)
     plan = Plan((Part(layout, D, np.dtype(dtype), seqlen=S),))
     executor = kernel_cache.compile_executor(plan.kernel, arch.target_arch())
-    t_acc = torch.from_numpy(acc).cuda()
-    t_out = torch.full((B * S * H * D + GUARD,), np.uint16(POISON).view(np.int16).item(), dtype=torch.int16,
-                       device="cuda")
-    t_scale = torch.tensor([scale], dtype=torch.float32).cuda()
-    # abi.pointers(1, False): dq_accum, q_aux (unused when dense), scales, dq
-    addresses = [t_acc.data_ptr(), t_scale.data_ptr(), t_scale.data_ptr(), t_out.data_ptr()]
-    executor(*entry_args(plan.kernel.dtype, 1, None, addresses, plan.launch([acc.shape])[0]),
-             cuda.CUstream(torch.cuda.current_stream().cuda_stream))
-    torch.cuda.synchronize()
-    out = t_out.cpu().numpy().view(np.uint16)
-    assert (out[B * S * H * D:] == POISON).all(), f"{what}: kernel wrote past the end of dQ"
-    got = out[:B * S * H * D].view(np.dtype(dtype)).reshape(B, S, H, D)
-    assert_same_bits(got, want, what)
+    t_acc, t_scale = torch.from_numpy(acc).cuda(), torch.tensor([scale], dtype=torch.float32).cuda()
+    out = _run_on_poisoned_output(torch, plan, executor, t_acc, t_scale, t_scale, B * S * H * D, acc.shape, what)
+    assert_same_bits(out.view(np.dtype(dtype)).reshape(B, S, H, D), want, what)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "f16"])
@@ -87,10 +94,8 @@ def test_short_varlen_tiles_on_poisoned_output(rng, name, dtype, heads):
     negative scale (zeros stay +0): the module run directly on a poisoned buffer with a poisoned guard zone after
     it."""
     torch = pytest.importorskip("torch")
-    import cuda.bindings.driver as cuda
 
     from jax_dqpost import arch, kernel_cache, varlen
-    from jax_dqpost.kernel import entry_args
     from jax_dqpost.plan import Part, Plan
 
     layout, D = SHORT_TILE_LAYOUTS[name]
@@ -99,7 +104,7 @@ def test_short_varlen_tiles_on_poisoned_output(rng, name, dtype, heads):
     # an empty sequence, long ones (both paths in one launch: short last tiles of 5 and 16 rows, a long last tile of
     # 17, whole tiles), one row
     lengths[:6] = [0, layout.tile_m + 5, 2 * layout.tile_m + 16, layout.tile_m + 17, 2 * layout.tile_m, 1]
-    cu = [0] + [int(v) for v in np.cumsum(lengths)]
+    cu = cu_seqlens(lengths).tolist()
     used = [int(rng.integers(0, n + 1)) if i % 3 == 0 else n for i, n in enumerate(lengths)]
     T, scale = cu[-1] + 7, -float(rng.uniform(0.05, 2.0))
     acc, want = oracle.build_varlen(rng, cu, used, T, H, D,
@@ -112,15 +117,8 @@ def test_short_varlen_tiles_on_poisoned_output(rng, name, dtype, heads):
         plan = Plan((Part(layout, D, np.dtype(dtype), work=work),))
         executor = executor or kernel_cache.compile_executor(plan.kernel, arch.target_arch())
         t_meta = torch.from_numpy(meta).cuda()
-        n = T * H * D
-        t_out = torch.full((n + GUARD,), np.uint16(POISON).view(np.int16).item(), dtype=torch.int16, device="cuda")
-        addresses = [t_acc.data_ptr(), t_meta.data_ptr(), t_scale.data_ptr(), t_out.data_ptr()]
-        executor(*entry_args(plan.kernel.dtype, 1, None, addresses, plan.launch([acc.shape])[0]),
-                 cuda.CUstream(torch.cuda.current_stream().cuda_stream))
-        torch.cuda.synchronize()
-        out = t_out.cpu().numpy().view(np.uint16)
-        assert (out[n:] == POISON).all(), f"{name}: kernel wrote past the end of dQ"
-        assert_same_bits(out[:n].view(np.dtype(dtype)).reshape(T, H, D), want, f"{name} short tiles {work}")
+        out = _run_on_poisoned_output(torch, plan, executor, t_acc, t_meta, t_scale, T * H * D, acc.shape, name)
+        assert_same_bits(out.view(np.dtype(dtype)).reshape(T, H, D), want, f"{name} short tiles {work}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "f16"])
@@ -150,10 +148,9 @@ def test_jax_output_poisoned_by_allocator_reuse(rng, dtype):
 def test_ffi_rejects_inconsistent_attributes(rng):
     """The handler validates the buffers against its attributes and returns an error, never launches."""
     from jax_dqpost import _ffi, kernel_cache
-    from jax_dqpost.kernel_spec import KernelSpec, TensorKernel
 
     layout = AccumLayout(90, 64, 256, 1, False, 32)
-    kernel = kernel_cache.get_kernel(KernelSpec(jnp.bfloat16, (TensorKernel(layout, 128, 0),)))
+    kernel = kernel_cache.get_kernel(one_part_kernel(jnp.bfloat16, layout, 128))
     _ffi.register()
     acc = jnp.zeros(layout.accum_shape(1, 2, 64, 128), jnp.float32)
     out_bytes = 64 * 2 * 128 * 2

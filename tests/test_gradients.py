@@ -38,6 +38,7 @@ import pytest
 from conftest import HAS_GPU
 from jax_dqpost import AccumLayout, dq_postprocess, flash_attention_postprocess
 import fa4_peer
+from support import bits, cu_seqlens
 
 pytestmark = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
 
@@ -103,8 +104,7 @@ def _sequences(c):
     """The sequences' ``(start, length)`` of a packed case; one per batch of a dense one (None)."""
     if not c["varlen"]:
         return None
-    starts = np.concatenate([[0], np.cumsum(VARLEN_LENS)[:-1]])
-    return list(zip(starts.tolist(), VARLEN_LENS))
+    return list(zip(cu_seqlens(VARLEN_LENS)[:-1].tolist(), VARLEN_LENS))
 
 
 def _reference(q, k, v, d_out, sink, c, dtype):
@@ -181,17 +181,11 @@ def _fa4_run(torch, interface, q, k, v, d_out, sink, c):
     """FlashAttention-4's forward and backward: ``(grads, postprocess calls)``."""
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
     sink_leaf = None if sink is None else sink.clone().requires_grad_()
+    varlen = {}
     if c["varlen"]:
-        cu = torch.tensor(np.concatenate([[0], np.cumsum(VARLEN_LENS)]), dtype=torch.int32, device="cuda")
-        res = interface.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(VARLEN_LENS),
-                                               max_seqlen_k=max(VARLEN_LENS), causal=c["causal"],
-                                               learnable_sink=sink_leaf)
-    else:
-        res = interface.flash_attn_func(q, k, v, causal=c["causal"], learnable_sink=sink_leaf)
-    out = res[0] if isinstance(res, tuple) else res
-    with fa4_peer.captured(torch, interface) as calls:
-        out.backward(d_out)
-    torch.cuda.synchronize()
+        cu = torch.tensor(cu_seqlens(VARLEN_LENS), dtype=torch.int32, device="cuda")
+        varlen = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(VARLEN_LENS), max_seqlen_k=max(VARLEN_LENS))
+    calls = fa4_peer.backward_calls(torch, interface, q, k, v, d_out, causal=c["causal"], sink=sink_leaf, **varlen)
     grads = dict(dq=q.grad, dk=k.grad, dv=v.grad)
     if sink_leaf is not None:
         grads["dsink"] = sink_leaf.grad
@@ -217,7 +211,7 @@ def _ours_from_fa4(calls, c, version):
     np_, cq = fa4_peer.to_numpy, calls[0]
     accs = [jnp.asarray(np_(x["accum"])) for x in calls]
     sink = [jnp.asarray(np_(cq[name])) for name in ("sink", "lse", "dpsum")] if c["sink"] else None
-    cu = jnp.asarray(np.concatenate([[0], np.cumsum(VARLEN_LENS)]), jnp.int32)
+    cu = jnp.asarray(cu_seqlens(VARLEN_LENS))
     total = sum(VARLEN_LENS)
 
     @jax.jit
@@ -243,16 +237,11 @@ def _dkv_alone(calls, c, version):
     """dK and dV of a packed grouped-query case, each by :func:`jax_dqpost.dq_postprocess` with the dK/dV preset and
     the k side's traced offsets."""
     layout = _presets(c, version, True)["dkv_layout"]
-    cu = jnp.asarray(np.concatenate([[0], np.cumsum(VARLEN_LENS)]), jnp.int32)
+    cu = jnp.asarray(cu_seqlens(VARLEN_LENS))
     run = jax.jit(lambda acc, cu, scale: dq_postprocess(acc, scale, head_dim=c["head_dim"], total_q=sum(VARLEN_LENS),
                                                         cu_seqlens_q=cu, layout=layout))
     return {name: run(jnp.asarray(fa4_peer.to_numpy(x["accum"])), cu, x["scale"])
             for name, x in zip(("dk", "dv"), calls[1:])}
-
-
-def _bits(x):
-    x = np.asarray(x)
-    return x.view({2: np.uint16, 4: np.uint32}[x.dtype.itemsize])
 
 
 @pytest.mark.parametrize("c", CASES, ids=[case_id(c) for c in CASES])
@@ -280,7 +269,7 @@ def test_flash_attention_4_backward_finished_by_us_is_right(seed, c):
     judged_ours = _judge(ours, c, q, k, v, d_out, sink) if ours is not None else None
     same_bits = None
     if ours is not None:
-        same_bits = {name: bool(np.array_equal(_bits(ours[name]), _bits(fa4_peer.to_numpy(fa4_grads[name]))))
+        same_bits = {name: bool(np.array_equal(bits(ours[name]), bits(fa4_peer.to_numpy(fa4_grads[name]))))
                      for name in ours}
     _record(producer, c, dict(producer=judged_fa4, ours=judged_ours), cannot_run=cannot_run, refused=refused,
             same_bits=same_bits)
@@ -312,7 +301,7 @@ def test_flash_attention_4_backward_finished_by_us_is_right(seed, c):
 def _fa4jax_grads(attention, q, k, v, d_out, c):
     def loss(q, k, v):
         if c["varlen"]:
-            cu = jnp.asarray(np.concatenate([[0], np.cumsum(VARLEN_LENS)]), jnp.int32)
+            cu = jnp.asarray(cu_seqlens(VARLEN_LENS))
             out = attention["varlen"](q, k, v, cu, cu, causal=c["causal"])
         else:
             out = attention["dense"](q, k, v, causal=c["causal"])

@@ -10,6 +10,7 @@ import pytest
 
 from jax_dqpost import AccumLayout
 import oracle
+from support import round_up
 
 
 def test_frozen_hashable_and_normalised():
@@ -141,7 +142,7 @@ def test_index_map_matches_oracle_for_every_head_dim(tile_m, threads, atom, swap
     package and the oracle reject it."""
     for mult in (32, 64):
         for head_dim in range(8, 257, 8):
-            dr = -(-head_dim // mult) * mult
+            dr = round_up(head_dim, mult)
             want = oracle.hopper_tile_positions(tile_m, dr, threads, atom, swap)
             try:
                 layout = AccumLayout(90, tile_m, threads, atom, swap, mult)
@@ -205,13 +206,9 @@ def _dkv(arch, head_dim, causal=False, version=RELEASE):
     return AccumLayout.flash_attention(arch, head_dim, causal=causal, tensor="dkv", version=version)
 
 
-def _round_up(x, m):
-    return -(-x // m) * m
-
-
 # Where 4.0.0b36's sm90 backward tiles the head dim in multiples of 16 inside accumulators allocated in multiples of
 # 32 (its tile_hdim is 16 up to head dim 128): the rule, computed here from the release's numbers, not the package's.
-B36_SM90_PADDED = tuple(d for d in range(8, 129, 8) if _round_up(d, 16) != _round_up(d, 32))
+B36_SM90_PADDED = tuple(d for d in range(8, 129, 8) if round_up(d, 16) != round_up(d, 32))
 B36_SM90_REFUSED = (104, 112)  # non-causal: its swapped (112, 80) dQ MMA does not compile
 B36_REFUSAL = (r"^flash-attn-4 4\.0\.0b36's sm90 backward does not run at head_dim={} with causal=False \(.*\): "
                r"there is no accumulator to read \(Dao-AILab/flash-attention PR #2896\)$")
@@ -297,14 +294,14 @@ def test_b36_sm90_tiles_of_16_in_rows_allocated_for_32():
                 layout = AccumLayout.flash_attention(gpu, d, causal=causal, tensor=tensor, version=RELEASE)
                 where = (gpu, d, causal, tensor, layout)
                 if gpu == 90 and d in B36_SM90_PADDED:
-                    row = AccumLayout.flash_attention(gpu, _round_up(d, 32), causal=causal, tensor=tensor,
+                    row = AccumLayout.flash_attention(gpu, round_up(d, 32), causal=causal, tensor=tensor,
                                                       version=RELEASE)
                     assert row.hdim_multiple_of == row.alloc_hdim_multiple_of == 32, where
                     assert _order(layout) == dataclasses.replace(row, hdim_multiple_of=16,
                                                                  alloc_hdim_multiple_of=32), where
-                    assert layout.padded_head_dim(d) == _round_up(d, 16), where
-                    assert layout.alloc_head_dim(d) == _round_up(d, 32), where
-                    assert layout.accum_shape(2, 3, 100, d) == (2, 3, layout.padded_seqlen(100) * _round_up(d, 32))
+                    assert layout.padded_head_dim(d) == round_up(d, 16), where
+                    assert layout.alloc_head_dim(d) == round_up(d, 32), where
+                    assert layout.accum_shape(2, 3, 100, d) == (2, 3, layout.padded_seqlen(100) * round_up(d, 32))
                     # dQ's packed accumulators are lost (its preprocess zeroes other tiles); dK/dV's are read
                     assert bool(layout.varlen_unreadable) == (tensor == "dq"), where
                     if tensor == "dq":

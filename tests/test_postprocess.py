@@ -34,6 +34,7 @@ import pytest
 from conftest import FA4_PAIRS, FA_HOPPER_CONFIGS, FA_HOPPER_HEAD_DIM, HAS_GPU, OTHER_ORDERS, PLATFORMS, fa4_layouts
 from jax_dqpost import AccumLayout, dq_accum_from_dq, dq_postprocess, flash_attention_postprocess
 import oracle
+from support import cu_seqlens
 
 PARTS = ("dq", "dqkv")
 SINK_DTYPES = {"f32": np.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
@@ -190,7 +191,7 @@ def _side(rng, k, layout, heads, head_dims, scales, dtype, packing, offsets, *, 
         if given is not None:
             cu, used, total = given
         else:
-            cu = [0] + np.cumsum(lengths).tolist()
+            cu = cu_seqlens(lengths).tolist()
             total = cu[-1] + int(rng.integers(1, 40))  # rows no sequence covers
         if packing == "varlen-seqused" and given is None:
             used = oracle.random_seqused(rng, cu)

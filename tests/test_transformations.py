@@ -28,6 +28,7 @@ from conftest import HAS_GPU, PLATFORMS
 from jax_dqpost import AccumLayout, dq_accum_from_dq, dq_postprocess, flash_attention_postprocess
 import oracle
 from oracle import assert_same_bits
+from support import round_up
 
 PARTS = ("dq", "dqkv")
 D = 128
@@ -332,12 +333,12 @@ def test_dq_accum_from_dq_allocates_rows_wider_than_the_tiles(rng, platform, lay
     """With ``alloc_hdim_multiple_of`` the transpose writes rows of ``Sr*Da`` (``Tp*Da``, packed), the tiles in the
     first ``Sr*Dr`` floats and zeros after them, as the producer emulation places them, and the op reads them back."""
     device = jax.devices(platform)[0]
-    dr, da = -(-d // 16) * 16, -(-d // layout.alloc_hdim_multiple_of) * layout.alloc_hdim_multiple_of
+    dr, da = round_up(d, 16), round_up(d, layout.alloc_hdim_multiple_of)
     assert da > dr
     B, S, H = 2, 150, 3
     dq = jax.device_put(oracle.random_logical(rng, (B, S, H, d), specials=False).astype(jnp.bfloat16), device)
     acc = np.asarray(jax.jit(lambda x: dq_accum_from_dq(x, 1.0, layout=layout))(dq))
-    sr = -(-S // layout.tile_m) * layout.tile_m
+    sr = round_up(S, layout.tile_m)
     assert acc.shape == layout.accum_shape(B, H, S, d) == (B, H, sr * da) and acc.dtype == np.float32
     assert not acc[..., sr * dr:].any(), "the unread tail"
     want = oracle.build_accumulator(np.asarray(dq).astype(np.float32), oracle.layout_args(layout), rng=rng,
@@ -350,7 +351,7 @@ def test_dq_accum_from_dq_allocates_rows_wider_than_the_tiles(rng, platform, lay
     packed = oracle.random_logical(rng, (T, H, d), specials=False).astype(jnp.bfloat16)
     acc = np.asarray(jax.jit(lambda x: dq_accum_from_dq(x, 1.0, cu_seqlens_q=cu, seqused_q=used, layout=layout))(
         jax.device_put(packed, device)))
-    tp = -(-(T + 3 * layout.tile_m) // layout.tile_m) * layout.tile_m
+    tp = round_up(T + 3 * layout.tile_m, layout.tile_m)
     assert acc.shape == layout.varlen_accum_shape(3, H, T, d) == (H, tp * da)
     assert not acc[:, tp * dr:].any(), "the unread tail"
     _, want_dq = oracle.varlen_case(rng, layout, cu, used, T, H, d, 1.0, jnp.bfloat16,

@@ -17,6 +17,7 @@ from jax.experimental import checkify
 from conftest import FA_HOPPER_CONFIGS, fa4_pair
 from jax_dqpost import AccumLayout, _checks, dq_postprocess, flash_attention_postprocess
 from oracle import assert_same_bits
+from support import cu_seqlens
 
 
 def _layout(name):
@@ -167,7 +168,7 @@ def test_work_list_slots_take_every_tile_once(rng, layout):
         lengths = rng.integers(0, top + 1, batch)
         lengths[rng.random(batch) < 0.2] = tm * rng.integers(1, 3)  # whole tiles: no short tile
         T = int(lengths.sum()) + int(rng.integers(0, 2 * tm))
-        cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+        cu = cu_seqlens(lengths)
         used = np.minimum(lengths, rng.integers(0, top + 1, batch)).astype(np.int32) if case % 3 == 0 else None
         if case % 5 == 4:  # corrupt traced values: clamped to a partition of the rows
             cu = rng.integers(-50, T + 50, batch + 1).astype(np.int32)

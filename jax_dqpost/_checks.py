@@ -186,12 +186,13 @@ CHECKIFY_ENV = "JAX_DQPOST_CHECKIFY"
 """Set to 1 to check traced offsets, lengths and scales on the device, under ``jax.experimental.checkify``."""
 
 
-@functools.cache
 def device_checks() -> bool:
     """Whether ``JAX_DQPOST_CHECKIFY=1`` asks for the device checks (unset, empty or 0: no; ``ValueError`` for any
-    other value). Read once per process: every trace agrees. On, each check is a ``checkify.debug_check``, reported
-    in a function ``jax.experimental.checkify.checkify`` transforms and dropped in one it does not; but it is an
-    effect of the traced function (``jax.export`` cannot serialize it), so off (the default) nothing is traced."""
+    other value). Read each time a call is traced, so a value set after ``import jax_dqpost`` counts from the next
+    trace (a function jax has already traced and cached keeps what it traced: ``jax.clear_caches()`` forgets it).
+    On, each check is a ``checkify.debug_check``, reported in a function ``jax.experimental.checkify.checkify``
+    transforms and dropped in one it does not; but it is an effect of the traced function (``jax.export`` cannot
+    serialize it), so off (the default) nothing is traced."""
     return env_flag(CHECKIFY_ENV, "checks traced offsets, lengths and scales on the device under "
                                   "jax.experimental.checkify")
 

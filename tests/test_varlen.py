@@ -113,7 +113,8 @@ def test_concrete_arrays_outside_jit_are_validated_like_static_values(rng, side,
 
 
 def test_traced_scales_are_checked_under_checkify_and_the_checks_cost_nothing_without_it(rng, monkeypatch):
-    """With ``JAX_DQPOST_CHECKIFY=1`` a traced NaN or infinite scale is reported under checkify; outside checkify
+    """With ``JAX_DQPOST_CHECKIFY=1`` (here set after ``import jax_dqpost``: the flag is read when a call is traced)
+    a traced NaN or infinite scale is reported under checkify; outside checkify
     the compiled program is the one without the checks (XLA removes their predicates). Off (the default), nothing
     is traced: no effect, so jax.export serializes the function."""
     layout, T, D = _layout("cute-hd128"), 100, 128
@@ -129,11 +130,12 @@ def test_traced_scales_are_checked_under_checkify_and_the_checks_cost_nothing_wi
         return sorted(re.findall(r"= (\S+) ([\w-]+)\(", text))
 
     checks = lambda: [e for e in jax.make_jaxpr(op())(*args, jnp.float32(0.5)).eqns if "check" in e.primitive.name]
+    monkeypatch.delenv(_checks.CHECKIFY_ENV, raising=False)
     without = compiled_ops()
     assert not checks() and len(without) > 100
     error, _ = checkify.checkify(jax.jit(op()))(*args, jnp.float32(np.nan))
     assert error.get() is None  # off: nothing checked
-    monkeypatch.setattr(_checks, "device_checks", lambda: True)  # JAX_DQPOST_CHECKIFY=1
+    monkeypatch.setenv(_checks.CHECKIFY_ENV, "1")  # set after import: read when the next call is traced
     assert checks() and compiled_ops() == without
     for scale, shown in ((np.nan, "nan"), (np.inf, "inf"), (-np.inf, "-inf")):
         error, _ = checkify.checkify(jax.jit(op()))(*args, jnp.float32(scale))

@@ -11,6 +11,9 @@ import functools
 import inspect
 import numbers
 import os
+import sys
+import traceback
+import warnings
 from typing import NamedTuple
 
 import jax
@@ -195,6 +198,27 @@ def device_checks() -> bool:
     serialize it), so off (the default) nothing is traced."""
     return env_flag(CHECKIFY_ENV, "checks traced offsets, lengths and scales on the device under "
                                   "jax.experimental.checkify")
+
+
+def warn_at_caller(message: str, category: type[Warning]) -> None:
+    """Warn at the first frame outside jax_dqpost, jax and jaxlib: the user's line that led here (a lowering runs
+    deep inside jax), so that the user's filters and ``-W`` options match it. Python 3.12 skips those files
+    itself (``skip_file_prefixes``); 3.11 counts them in the stack ``traceback`` extracts."""
+    import jax
+    import jaxlib
+
+    inside = tuple(os.path.dirname(m.__file__) + os.sep for m in (jax, jaxlib, sys.modules[__package__]))
+    if sys.version_info >= (3, 12):
+        warnings.warn(message, category, skip_file_prefixes=inside)
+        return
+    level = 2  # this function's caller; warnings counts no frame of importlib's bootstrap, nor do we
+    for frame in traceback.extract_stack()[-2::-1]:
+        if "importlib" in frame.filename and "_bootstrap" in frame.filename:
+            continue
+        if not frame.filename.startswith(inside):
+            break
+        level += 1
+    warnings.warn(message, category, stacklevel=level)
 
 
 def env_flag(name: str, what: str) -> bool:

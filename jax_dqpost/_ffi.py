@@ -25,7 +25,6 @@ import os
 import pkgutil
 import re
 import threading
-import warnings
 from pathlib import Path
 
 import jax
@@ -185,8 +184,8 @@ def register_at_import() -> None:
     try:
         _register_target()
     except Exception as e:  # noqa: BLE001 -- any cause: import goes on, the lowering raises it
-        warnings.warn(f"jax_dqpost: the CUDA target is not registered, so calls of jax_dqpost on CUDA (also in "
-                      f"exported artifacts) cannot run in this process: {e}", RuntimeWarning, stacklevel=2)
+        _checks.warn_at_caller(f"jax_dqpost: the CUDA target is not registered, so calls of jax_dqpost on CUDA "
+                               f"(also in exported artifacts) cannot run in this process: {e}", RuntimeWarning)
 
 
 def register() -> None:

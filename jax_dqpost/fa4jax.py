@@ -39,7 +39,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from . import _fa4jax, arch
+from . import _fa4jax_internals, arch
 from .api import flash_attention_postprocess
 from .layout import ORDER_OF_FAMILY, AccumLayout
 
@@ -64,7 +64,7 @@ def _compiling(q, v):
     try:
         yield
     except Exception as e:
-        if not _fa4jax.is_compile_error(e):
+        if not _fa4jax_internals.is_compile_error(e):
             raise
         first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
         raise ValueError(
@@ -87,7 +87,7 @@ def accum_layout(order: tuple) -> AccumLayout:
     family = ORDER_OF_FAMILY.get(int(order_arch) // 10)
     if family is None:
         raise ValueError(f"fa4-jax postprocess configuration {order!r}: no accumulator order for arch {order_arch}")
-    return AccumLayout(family, rows, threads, atom_layout, bool(swap_ab), _fa4jax.HDIM_MULTIPLE_OF, two_cta=False,
+    return AccumLayout(family, rows, threads, atom_layout, bool(swap_ab), _fa4jax_internals.HDIM_MULTIPLE_OF, two_cta=False,
                        cluster_size=1)
 
 
@@ -133,31 +133,31 @@ def register():
     """Register :data:`BACKEND` with fa4-jax (once; :func:`flash_attn` and :func:`flash_attn_varlen` do it
     themselves). Returns ``fa4_jax``.
     Raises ImportError when fa4-jax 0.1.0 is not installed."""
-    fa4_jax = _fa4jax.modules()[0]
+    fa4_jax = _fa4jax_internals.modules()[0]
 
-    cute = _fa4jax.cute_backend_class()
+    cute = _fa4jax_internals.cute_backend_class()
 
     class Backend(cute):
         """fa4-jax's kernel backend, its kernels shared with fa4-jax's own, and jax-dqpost's postprocess."""
 
         def fwd(self, cfg, q, k, v, *args, **kwargs):
             with _compiling(q, v):
-                return super().fwd(_fa4jax.as_cute(cfg), q, k, v, *args, **kwargs)
+                return super().fwd(_fa4jax_internals.as_cute(cfg), q, k, v, *args, **kwargs)
 
         def fwd_lse(self, cfg, q, k, v, *args, **kwargs):
             with _compiling(q, v):
-                return super().fwd_lse(_fa4jax.as_cute(cfg), q, k, v, *args, **kwargs)
+                return super().fwd_lse(_fa4jax_internals.as_cute(cfg), q, k, v, *args, **kwargs)
 
         def tangent(self, cfg, q, k, v, *args, **kwargs):
             with _compiling(q, v):
-                return super().tangent(_fa4jax.as_cute(cfg), q, k, v, *args, **kwargs)
+                return super().tangent(_fa4jax_internals.as_cute(cfg), q, k, v, *args, **kwargs)
 
         def vjp(self, cfg, q, k, v, out, lse, d_out, d_lse, aux, seqlens=None):
             with _compiling(q, v):
-                acc = _fa4jax.accumulators(cfg, q, k, v, out, lse, d_out, d_lse, aux, seqlens)
+                acc = _fa4jax_internals.accumulators(cfg, q, k, v, out, lse, d_out, d_lse, aux, seqlens)
             return postprocess(cfg, q, k, v, acc, seqlens)
 
-    _fa4jax.register_backend(BACKEND, Backend())
+    _fa4jax_internals.register_backend(BACKEND, Backend())
     return fa4_jax
 
 

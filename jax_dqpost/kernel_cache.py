@@ -28,13 +28,12 @@ import contextlib
 import dataclasses
 import hashlib
 import os
-import sys
 import tempfile
 import threading
 import warnings
 from pathlib import Path
 
-from . import abi, arch as arch_, cute_runtime
+from . import _checks, abi, arch as arch_, cute_runtime
 from ._version import __version__
 from .kernel_spec import KernelSpec
 
@@ -81,7 +80,7 @@ def get_kernel(spec: KernelSpec, *, arch: str | None = None, persist: bool | Non
             notes.append(_store(key, hit, persist))
         _cache[key] = hit
     for note in filter(None, notes):  # only now, healed: a warning filter that raises cannot stop the rewrite
-        _warn_at_caller(note, RuntimeWarning)
+        _checks.warn_at_caller(note, RuntimeWarning)
     return hit
 
 
@@ -200,20 +199,6 @@ def _read(path: Path, arch: str) -> tuple[CompiledKernel | None, str | None]:
         return CompiledKernel(module=module, fingerprint=digest.hex(), arch=arch), None
     return None, (f"jax_dqpost: the kernel cache entry {path} was damaged ({len(entry)} bytes that fail their sha256 "
                   "check); the kernel was compiled again and the entry rewritten")
-
-
-def _warn_at_caller(message: str, category: type[Warning]) -> None:
-    """Warn at the first frame outside jax_dqpost, jax and jaxlib: the user's call that led here (a lowering runs
-    deep inside jax)."""
-    import jax
-    import jaxlib
-
-    inside = tuple(str(Path(m.__file__).parent) + os.sep for m in (jax, jaxlib)) + (str(Path(__file__).parent)
-                                                                                    + os.sep,)
-    frame, level = sys._getframe(), 1
-    while frame.f_back is not None and frame.f_code.co_filename.startswith(inside):
-        frame, level = frame.f_back, level + 1
-    warnings.warn(message, category, stacklevel=level)
 
 
 def _store(key: tuple, kernel: CompiledKernel, persist: bool | None) -> str | None:

@@ -3,7 +3,7 @@ dV) and the learnable sink's dtype.
 
 The API builds the plan from the arguments (``api.py``); it is the primitive's only parameter, and every rule asks
 it: the operand and result shapes (abstract evaluation), the reference (``reference.py``), the kernel it compiles
-(``Plan.kernel``), its launch grid and extents (``lowering.py``), the sharding rule and the vmap folding
+(``Plan.kernel``), its launch grid and extents (``cuda_lowering.py``), the sharding rule and the vmap folding
 (``primitive.py``). Batch and heads are not part of it: they come from the operands' shapes, so vmap and sharding
 change them without a new plan. The operands and results are in the order of the calling convention (``abi.py``).
 

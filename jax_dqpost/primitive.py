@@ -7,7 +7,7 @@ and either with a sink.
 
 ``postprocess_p`` is what the API binds; it lowers through ``custom_partitioning`` (batch and heads shard, other
 axes are gathered). Each device then runs ``_postprocess_shard_p`` on its shards, which lowers on CUDA to a custom
-call to our FFI target carrying the CuTe module (``lowering.py``) and on every other platform to the jax.numpy
+call to our FFI target carrying the CuTe module (``cuda_lowering.py``) and on every other platform to the jax.numpy
 reference (``reference.py``), so results are the same bits everywhere.
 
 Autodiff: linear in the accumulators (their transpose is ``dq_accum_from_dq`` for each tensor) and bilinear in
@@ -30,9 +30,8 @@ from jax.interpreters import ad, batching, mlir
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax._src import dispatch  # apply_primitive, prim_requires_devices_during_lowering: no public API
 
-from . import lowering
+from . import _jax_internals, cuda_lowering
 from .plan import Operands, Plan
 from .reference import accum_from_dq_reference, dsink_reference, gather_accumulator, mul_f32_rn, postprocess_reference
 
@@ -158,25 +157,13 @@ def _lowering(ctx, *args, plan: Plan):
     automatically partitioned program XLA treats it as it treats the custom calls around it (not measured on
     several GPUs). ``jax.export`` of a program partitioned over several devices would carry custom_partitioning's
     host callback, which it cannot serialize: that raises here, with the recipe that works."""
-    context = ctx.module_context.axis_context
-    nested = getattr(context, "device_assignment", ()) is None
-    devices = 0 if nested or not ctx.module_context.lowering_parameters.for_export else _partitioned_over(context)
+    nested = _jax_internals.lowered_without_devices(ctx)
+    devices = 0 if nested or not _jax_internals.lowered_for_export(ctx) else _jax_internals.partitioned_over(ctx)
     if devices > 1:
         raise ValueError(f"jax_dqpost: jax.export cannot serialize a program that partitions the op over {devices} "
                          f"devices (jax's custom_partitioning is a host callback); {EXPORT_RECIPE}")
     impl = _unpartitioned_impl if nested else _partitioned_impl
     return mlir.lower_fun(impl, multiple_results=True)(ctx, *args, plan=plan)
-
-
-def _partitioned_over(context) -> int:
-    """The devices XLA's partitioner spreads the op over (what makes custom_partitioning emit its callback): those
-    of a jit's device assignment, or of a ``shard_map`` with axes left automatic; 1 inside a ``shard_map`` whose
-    axes are all manual."""
-    from jax._src import sharding_impls  # the lowering's axis contexts: no public API
-
-    if isinstance(context, sharding_impls.SPMDAxisContext):
-        return 1 if set(context.manual_axes) == set(context.mesh.axis_names) else context.mesh.size
-    return len(getattr(context, "device_assignment", None) or ())
 
 
 # ---- autodiff --------------------------------------------------------------------------------------
@@ -316,13 +303,13 @@ def _batch(args, dims, *, plan: Plan):
 
 
 # ---- registrations: every rule of the primitives, in one place -----------------------------------
-postprocess_p.def_impl(functools.partial(dispatch.apply_primitive, postprocess_p))
+_jax_internals.def_impl(postprocess_p)
 postprocess_p.def_abstract_eval(_abstract_eval)
 mlir.register_lowering(postprocess_p, _lowering)
-dispatch.prim_requires_devices_during_lowering.add(postprocess_p)
+_jax_internals.require_devices_during_lowering(postprocess_p)
 ad.primitive_jvps[postprocess_p] = _jvp
 ad.primitive_transposes[postprocess_p] = _transpose
 batching.primitive_batchers[postprocess_p] = _batch
 _postprocess_shard_p.def_abstract_eval(_abstract_eval)
 mlir.register_lowering(_postprocess_shard_p, mlir.lower_fun(postprocess_reference, multiple_results=True))
-mlir.register_lowering(_postprocess_shard_p, lowering.cuda_lowering, platform="cuda")
+mlir.register_lowering(_postprocess_shard_p, cuda_lowering.lower, platform="cuda")

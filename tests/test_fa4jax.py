@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from conftest import HAS_GPU
-from jax_dqpost import AccumLayout, _fa4jax, fa4jax
+from jax_dqpost import AccumLayout, _fa4jax_internals, fa4jax
 import oracle
 from support import cu_seqlens
 
@@ -32,7 +32,7 @@ DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16}
 
 
 def _fresh_registration():
-    _fa4jax.modules.cache_clear()
+    _fa4jax_internals.modules.cache_clear()
     fa4jax.register.cache_clear()
 
 
@@ -127,9 +127,9 @@ def _finish_both_ways(q, k, v, d_out, seqlens, *, causal, packed):
                                                  seqused_k=seqlens[3], causal=causal, return_lse=True)
     else:
         out, lse = fa4_jax.reference_attn(q, k, v, causal=causal, return_lse=True)
-    cfg = _fa4jax.config(q, causal=causal, varlen=packed)
-    acc = _fa4jax.accumulators(cfg, q, k, v, out.astype(q.dtype), lse, d_out, None, (), seqlens)
-    return (_fa4jax.fa4_postprocess(cfg, q, k, v, acc, seqlens), fa4jax.postprocess(cfg, q, k, v, acc, seqlens),
+    cfg = _fa4jax_internals.config(q, causal=causal, varlen=packed)
+    acc = _fa4jax_internals.accumulators(cfg, q, k, v, out.astype(q.dtype), lse, d_out, None, (), seqlens)
+    return (_fa4jax_internals.fa4_postprocess(cfg, q, k, v, acc, seqlens), fa4jax.postprocess(cfg, q, k, v, acc, seqlens),
             acc.dq_accum)
 
 
@@ -274,7 +274,7 @@ def test_an_order_our_kernel_does_not_take_is_refused_naming_the_head_dims():
     warpgroups, swapped: the MMA's M mode is the head dim padded to 160, not a whole number of 64-row WGMMA atoms."""
     q = jax.ShapeDtypeStruct((1, 128, 4, 160), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((1, 128, 2, 160), jnp.bfloat16)
-    acc = _fa4jax.Accumulators(jnp.zeros((1, 4, 128 * 160)), None, None, jnp.zeros((1, 2, 192 * 160)),
+    acc = _fa4jax_internals.Accumulators(jnp.zeros((1, 4, 128 * 160)), None, None, jnp.zeros((1, 2, 192 * 160)),
                                jnp.zeros((1, 2, 192 * 160)), (90, 64, 256, 1, False), (90, 96, 256, 2, True))
     with pytest.raises(ValueError, match=r"fa4-jax's dK accumulator for head_dim=160, head_dim_v=160") as info:
         fa4jax.postprocess(None, q, k, k, acc, None)

@@ -47,6 +47,7 @@ _LIBRARY_NAME = "libjax_dqpost_ffi.so"
 _lock = threading.Lock()
 _registered = False
 _library: ctypes.CDLL | None = None  # the handler library, once registered
+_runtime_loaded = False  # whether the handler has opened the CuTe runtime (register() opened it)
 
 
 @functools.cache
@@ -191,12 +192,16 @@ def register_at_import() -> None:
 def register() -> None:
     """Register the CUDA target (once) and open the CuTe runtime now, raising what stops either: the lowering's,
     so that a call fails where it is lowered, naming the cause."""
+    global _runtime_loaded
     lib = _register_target()
     with _lock:
-        _give_runtime(lib)
+        if _runtime_loaded:
+            return
+        _give_runtime(lib)  # again: cutlass may have loaded its flavour, or JAX_DQPOST_CUTE_RUNTIME been set, since
         err = ctypes.create_string_buffer(2048)
         if lib.jax_dqpost_load_runtime(err, len(err)) != 0:
             raise RuntimeError(err.value.decode())
+        _runtime_loaded = True
 
 
 def _give_runtime(lib: ctypes.CDLL) -> None:

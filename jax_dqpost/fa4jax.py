@@ -23,8 +23,9 @@ backend fails the same way), and its dK/dV order under grouped-query attention i
 This backend runs them padded: q and k (for ``head_dim`` in that range) and v (for ``head_dim_v``) are zero-padded
 to :data:`PADDED_HEAD_DIM` with the softmax scale of the real head dim, and the output is sliced back. Zero columns
 add nothing to ``q k^T``, give zero output columns, and their gradients are sliced off, so the result is the
-attention of the real head dims; the cost is the arithmetic of head dim 192 (1.2x that of 160, 1.41x that of 136). Any other
-failure of fa4-jax's kernels to compile is a ValueError naming the head dims, the GPU and the compiler's first line.
+attention of the real head dims; the cost is the arithmetic of head dim 192 (1.2x that of 160, 1.41x that of 136).
+Any other failure of fa4-jax's kernels to compile is a ValueError naming the head dims, the GPU and the compiler's
+first line.
 Where fa4-jax writes an accumulator in an order our kernel does not take, the backward raises ValueError naming the
 head dims. Its gradients match plain attention's wherever it runs (fa4-jax pads its sm90 tiles to 32, as its
 accumulators; ``tests/test_gradients.py``, docs/gradients.md). Without fa4-jax, or without a GPU, each call raises
@@ -87,8 +88,8 @@ def accum_layout(order: tuple) -> AccumLayout:
     family = ORDER_OF_FAMILY.get(int(order_arch) // 10)
     if family is None:
         raise ValueError(f"fa4-jax postprocess configuration {order!r}: no accumulator order for arch {order_arch}")
-    return AccumLayout(family, rows, threads, atom_layout, bool(swap_ab), _fa4jax_internals.HDIM_MULTIPLE_OF, two_cta=False,
-                       cluster_size=1)
+    return AccumLayout(family, rows, threads, atom_layout, bool(swap_ab), _fa4jax_internals.HDIM_MULTIPLE_OF,
+                       two_cta=False, cluster_size=1)
 
 
 def _layouts(acc, head_dim: int, head_dim_v: int):
@@ -172,8 +173,8 @@ def _ready(kwargs):
 
 
 def _run(attention, q, k, v, *args, **kwargs):
-    """``attention(q, k, v, *args, backend=BACKEND, **kwargs)``, at the head dims fa4-jax's kernels compile for
-    (padded where they do not: the module docstring) and with their compile failures as ValueError."""
+    """``attention(q, k, v, *args, backend=BACKEND, **kwargs)`` at the head dims fa4-jax's kernels compile for
+    (padded where they do not: the module docstring)."""
     family = int(str(arch.cuda_devices()[0].compute_capability).split(".")[0]) if arch.cuda_devices() else 0
     d, d_v = q.shape[-1], v.shape[-1]
     to, to_v = padded_head_dim(d, family), padded_head_dim(d_v, family)
@@ -183,8 +184,7 @@ def _run(attention, q, k, v, *args, **kwargs):
 
         q, k, v = pad(q, to), pad(k, to), pad(v, to_v)
         kwargs = {**kwargs, "scale": d ** -0.5 if kwargs.get("scale") is None else kwargs["scale"]}
-    with _compiling(q, v):
-        result = attention(q, k, v, *args, backend=BACKEND, **kwargs)
+    result = attention(q, k, v, *args, backend=BACKEND, **kwargs)
     if to_v == d_v:
         return result
     if kwargs.get("return_lse"):

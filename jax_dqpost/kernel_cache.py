@@ -6,19 +6,19 @@ architecture. Batch, heads, sequence lengths, head dims and scales are run-time 
 they never trigger a compile.
 
 Two caches: in memory (per process), and on disk. ``JAX_DQPOST_CACHE_DIR`` names the disk cache's directory, an
-absolute path; ``none`` (that spelling only) turns it off; unset or empty, it is ``$XDG_CACHE_HOME/jax_dqpost``
-(an absolute ``XDG_CACHE_HOME``; else ``~/.cache/jax_dqpost``). Any other value (a relative path, ``off``, ``0``)
-raises ``ValueError`` where the cache is first read. A directory that cannot be made, read or written is reported
-by one ``RuntimeWarning`` per process, naming it and why; the kernels are then compiled but not kept. A disk
-entry's name hashes the key with the package version, the kernel source and the CuTe DSL's version and flavour
-(cu12 or cu13, :mod:`.cute_runtime`), so a change to any of them misses; entries are written to a temporary file
-and renamed into place, so processes sharing the directory never see a partial file. An entry holds a header and
-the sha256 of the module before the module itself, and is verified on every read: a damaged one (truncated,
-overwritten) is discarded, compiled again and rewritten, and only then reported by one ``RuntimeWarning`` at the user's call (the first frame outside
-jax_dqpost, jax and jaxlib), so that a filter turning warnings into errors cannot stop the heal (the warning of an
-unusable directory is issued there too, after the compile). A disk hit does not import cutlass. Kernels are
-written to the default directory only on a machine with a CUDA GPU (a CPU-only machine that exports for CUDA
-leaves the user's cache alone) or when asked to (``python -m jax_dqpost.precompile``); a configured
+absolute path; ``none`` (that spelling only) turns it off; unset or empty, it is ``$XDG_CACHE_HOME/jax_dqpost`` (an
+absolute ``XDG_CACHE_HOME``; else ``~/.cache/jax_dqpost``). Any other value (a relative path, ``off``, ``0``) raises
+``ValueError`` where the cache is first read. A directory that cannot be made, read or written is reported by one
+``RuntimeWarning`` per process, naming it and why; the kernels are then compiled but not kept. A disk entry's name
+hashes the key with the package version, the kernel source and the CuTe DSL's version and flavour (cu12 or cu13,
+:mod:`.cute_runtime`), so a change to any of them misses; entries are written to a temporary file and renamed into
+place, so processes sharing the directory never see a partial file. An entry holds a header and the sha256 of the
+module before the module itself, and is verified on every read: a damaged one (truncated, overwritten) is discarded,
+compiled again and rewritten, and only then reported by one ``RuntimeWarning`` at the user's call (the first frame
+outside jax_dqpost, jax and jaxlib), so that a filter turning warnings into errors cannot stop the heal (the warning
+of an unusable directory is issued there too, after the compile). A disk hit does not import cutlass. Kernels are
+written to the default directory only on a machine with a CUDA GPU (a CPU-only machine that exports for CUDA leaves
+the user's cache alone) or when asked to (``python -m jax_dqpost.precompile``); a configured
 ``JAX_DQPOST_CACHE_DIR`` is always written.
 """
 

@@ -20,10 +20,9 @@ from .reference import accum_from_dq_reference
 class Gradients(NamedTuple):
     """What :func:`flash_attention_postprocess` returns, whatever its arguments (a caller's unpacking never depends on
     them): four members, unpacked ``dq, dk, dv, dsink = ...`` or read by name; a member the call did not compute is
-    None. A pytree (jit, vmap,
-    grad and ``jax.tree_util`` see its arrays as leaves; the None members are empty subtrees), and registered for
-    ``jax.export`` serialization as ``jax_dqpost.Gradients``. Under ``jax.shard_map``, ``out_specs`` is one spec
-    for every member or a ``Gradients`` of specs.
+    None. A pytree (jit, vmap, grad and ``jax.tree_util`` see its arrays as leaves; the None members are empty
+    subtrees), registered for ``jax.export`` serialization as ``jax_dqpost.Gradients``. Under ``jax.shard_map``,
+    ``out_specs`` is one spec for every member or a ``Gradients`` of specs.
 
     Attributes:
       dq: dQ, ``(B, S, H, D)`` or packed ``(T, H, D)``, of the call's ``dtype``.

@@ -4,7 +4,8 @@ FlashAttention-4's backward hands its postprocess three fp32 accumulators (dQ fo
 for the H_kv key/value heads, each in its MMA's register order) and, with a learnable sink, the per-row `dpsum`
 and `lse`. `flash_attention_postprocess` finishes all of it under jax.jit: on CPU here (the jax.numpy reference),
 on an NVIDIA GPU in one kernel launch. This example plays the producer with `dq_accum_from_dq` and checks dq, dk,
-dv bit for bit and dsink against float64.
+dv bit for bit and dsink against float64; without dK/dV accumulators or a sink the call returns the same
+`Gradients`, its dk, dv and dsink None.
 
     python examples/gqa_postprocess.py
 """
@@ -59,7 +60,11 @@ exact = same(dq, expect(dq_true, scale)) and same(dk, expect(dk_true, scale)) an
 p = np.exp(sink.astype(np.float64)[None, :, None] - lse)
 want = (-p * dpsum[:, :, :S]).sum(axis=(0, 2))
 close = np.allclose(np.asarray(dsink, np.float64), want, rtol=1e-5, atol=1e-5 * np.abs(p * dpsum[:, :, :S]).sum())
+# Without dK/dV accumulators or a sink, the same four members: dk, dv and dsink None.
+alone = flash_attention_postprocess(dq_acc, None, None, scale, head_dim=D, seqlen_q=S, dq_layout=dq_layout)
+single = alone.dk is None and alone.dv is None and alone.dsink is None and same(alone.dq, dq)
 print("dq, dk, dv bit-exact:", exact)
 print("dsink vs float64:", close)
-if not (exact and close):
+print("dQ alone, dk, dv, dsink None:", single)
+if not (exact and close and single):
     raise SystemExit(1)

@@ -2,19 +2,20 @@
 
 ``dq_postprocess`` turns the fp32 dQ accumulator written by FlashAttention's backward kernels (in their
 MMA accumulator order, described by ``AccumLayout``) into dQ in bf16/fp16: one fp32 multiply by the
-softmax scale and one round-to-nearest-even. ``flash_attention_postprocess`` does dQ, dK and dV (grouped-query
-attention) and the learnable sink's gradient in one launch. On CUDA they run CuTe DSL kernels through our own
+softmax scale and one round-to-nearest-even; it returns one array. ``flash_attention_postprocess`` does dQ, dK and
+dV (grouped-query attention) and the learnable sink's gradient in one launch; it returns ``Gradients(dq, dk, dv,
+dsink)``, None where a member was not computed. On CUDA they run CuTe DSL kernels through our own
 XLA FFI target; on every other platform, a bit-identical jax.numpy reference.
 """
 
 from . import _ffi
 from ._ffi import DISABLED_CHECKS
 from ._version import __version__
-from .api import dq_accum_from_dq, dq_postprocess, flash_attention_postprocess
+from .api import Gradients, dq_accum_from_dq, dq_postprocess, flash_attention_postprocess
 from .arch import cuda_arch
 from .layout import AccumLayout
 
 _ffi.register_at_import()  # where jax has a CUDA plugin: artifacts exported with our calls find their handler
 
-__all__ = ["dq_postprocess", "flash_attention_postprocess", "dq_accum_from_dq", "AccumLayout", "cuda_arch",
-           "DISABLED_CHECKS", "__version__"]  # in the order docs/api.md presents them
+__all__ = ["dq_postprocess", "flash_attention_postprocess", "Gradients", "dq_accum_from_dq", "AccumLayout",
+           "cuda_arch", "DISABLED_CHECKS", "__version__"]  # in the order docs/api.md presents them

@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 
 from . import _checks, _operands
@@ -15,10 +17,32 @@ from .primitive import postprocess_p
 from .reference import accum_from_dq_reference
 
 
+class Gradients(NamedTuple):
+    """What :func:`flash_attention_postprocess` returns, whatever its arguments (a caller's unpacking never depends on
+    them): four members, unpacked ``dq, dk, dv, dsink = ...`` or read by name; a member the call did not compute is
+    None. A pytree (jit, vmap, grad and ``jax.tree_util`` see its arrays as leaves; the None members are empty
+    subtrees), registered for ``jax.export`` serialization as ``jax_dqpost.Gradients``. Under ``jax.shard_map``,
+    ``out_specs`` is one spec for every member or a ``Gradients`` of specs.
+
+    Attributes:
+      dq: dQ, ``(B, S, H, D)`` or packed ``(T, H, D)``, of the call's ``dtype``.
+      dk: dK, ``(B, Sk, Hkv, D)`` or ``(Tk, Hkv, D)``, of ``dtype``; None without ``dk_accum``.
+      dv: dV, ``(B, Sk, Hkv, Dv)`` or ``(Tk, Hkv, Dv)``, of ``dtype``; None without ``dv_accum``.
+      dsink: the learnable sink's gradient, ``(H,)`` of the sink's dtype; None without ``learnable_sink``.
+    """
+
+    dq: jax.Array
+    dk: jax.Array | None
+    dv: jax.Array | None
+    dsink: jax.Array | None
+
+
+jax.export.register_namedtuple_serialization(Gradients, serialized_name="jax_dqpost.Gradients")
+
+
 @_checks.required_arguments(layout=_operands.LAYOUT_HINT)
 def dq_postprocess(dq_accum, scale, *, head_dim: int, seqlen_q: int | None = None, total_q: int | None = None,
-                   cu_seqlens_q=None, seqused_q=None, dtype=jnp.bfloat16, layout: AccumLayout,
-                   learnable_sink=None, lse=None, dpsum=None):
+                   cu_seqlens_q=None, seqused_q=None, dtype=jnp.bfloat16, layout: AccumLayout):
     """FlashAttention's backward dQ postprocess: ``dQ = round(scale * dq_accum)`` in natural layout.
 
     Dense batches (``seqlen_q`` given)::
@@ -62,12 +86,12 @@ def dq_postprocess(dq_accum, scale, *, head_dim: int, seqlen_q: int | None = Non
       layout: the :class:`AccumLayout` of the producer, required (an accumulator read in another order gives wrong
         values, not an error): ``AccumLayout.flash_attention(gpu, head_dim, causal=..., tensor="dq", version=...)`` for
         FlashAttention-4's, ``AccumLayout.row_major()`` for an accumulator made in JAX.
-      learnable_sink, lse, dpsum: with a learnable sink, also return its gradient (see
-        :func:`flash_attention_postprocess`), computed in the same launch.
 
     Returns:
-      dq of ``dtype``, every element defined: ``round_to_nearest_even(float32(scale) * acc[F(i, j)])`` for
-      covered rows, 0 elsewhere; ``(dq, dsink)`` with a sink.
+      dq, one array of ``dtype`` whatever the arguments (``dq = dq_postprocess(...)``), every element defined:
+      ``round_to_nearest_even(float32(scale) * acc[F(i, j)])`` for covered rows, 0 elsewhere. A learnable sink's
+      gradient comes with dQ, in the same launch, from :func:`flash_attention_postprocess` with
+      ``dk_accum = dv_accum = None``, which returns every gradient as a :class:`Gradients`.
 
     Raises:
       TypeError: a missing ``layout``, or an argument of the wrong type (a non-float32 accumulator, a non-integer
@@ -85,11 +109,7 @@ def dq_postprocess(dq_accum, scale, *, head_dim: int, seqlen_q: int | None = Non
     dq_accum = _operands.accumulator("dq_accum", dq_accum)
     scale = _operands.scale_operand(scale)
     part, aux = _operands.part(layout, head_dim, out_dtype, seqlen_q, total_q, cu_seqlens_q, seqused_q)
-    sink = _operands.sink_operands(learnable_sink, lse, dpsum)
-    sink_dtype = None if sink is None else sink[0].dtype
-    plan = Plan((part,), sink_dtype=sink_dtype, dsink_dtype=sink_dtype)
-    outs = _bind(plan, (dq_accum,), (aux,), scale.reshape(1), sink)
-    return outs[0] if sink is None else (outs[0], outs[1])
+    return _bind(Plan((part,)), (dq_accum,), (aux,), scale.reshape(1), None)[0]
 
 
 @_checks.required_arguments(dq_layout=_operands.LAYOUT_HINT)
@@ -142,7 +162,9 @@ def flash_attention_postprocess(dq_accum, dk_accum, dv_accum, softmax_scale, *, 
       learnable_sink, lse, dpsum: the sink operands (above), all three or none.
 
     Returns:
-      ``(dq, dk, dv)``, or ``(dq, dk, dv, dsink)`` with a sink.
+      :class:`Gradients` ``(dq, dk, dv, dsink)`` whatever the arguments: dk and dv None without ``dk_accum`` and
+      ``dv_accum``, dsink None without a sink, so that ``dq, dk, dv, dsink = flash_attention_postprocess(...)``
+      unpacks every call alike.
 
     Raises:
       TypeError, ValueError: as :func:`dq_postprocess`, for each side and tensor, naming its own arguments; also
@@ -172,13 +194,14 @@ def flash_attention_postprocess(dq_accum, dk_accum, dv_accum, softmax_scale, *, 
                              "(grouped-query attention)")
         plan = Plan((q_part,), sink_dtype=sink_dtype, dsink_dtype=sink_dtype)
         outs = _bind(plan, (dq_accum,), (q_aux,), scale.reshape(1), sink)
-        return (outs[0], None, None) + ((outs[1],) if sink is not None else ())
+        return Gradients(outs[0], None, None, outs[1] if sink is not None else None)
     k_part, v_part, dk_accum, dv_accum, k_aux = _k_side(dk_accum, dv_accum, head_dim, head_dim_v, q_part.dtype,
                                                         dkv_layout, seqlen_k, total_k, cu_seqlens_k, seqused_k)
     plan = Plan((q_part, k_part, v_part), sink_dtype=sink_dtype, dsink_dtype=sink_dtype)
     plan.check_batch((dq_accum.shape, dk_accum.shape))
-    return tuple(_bind(plan, (dq_accum, dk_accum, dv_accum), (q_aux, k_aux),
-                       jnp.stack([scale, k_scale, jnp.float32(1)]), sink))
+    outs = _bind(plan, (dq_accum, dk_accum, dv_accum), (q_aux, k_aux), jnp.stack([scale, k_scale, jnp.float32(1)]),
+                 sink)
+    return Gradients(*outs[:3], outs[3] if sink is not None else None)
 
 
 def _q_side(dq_accum, scale, head_dim, dtype, layout, seqlen, total, cu_seqlens, seqused):

@@ -123,10 +123,10 @@ def postprocess(cfg, q, k, v, acc, seqlens):
         k_side = dict(total_k=k.shape[0], cu_seqlens_k=cu_k, seqused_k=used_k)
     common = dict(head_dim=q.shape[-1], dtype=q.dtype, dq_layout=dq_layout, **q_side)
     if dkv_layout is None:  # the main kernel wrote dK and dV itself
-        dq, _, _ = flash_attention_postprocess(acc.dq_accum, None, None, cfg.scale, **common)
-        return dq, acc.dk, acc.dv
-    return flash_attention_postprocess(acc.dq_accum, acc.dk_accum, acc.dv_accum, cfg.scale, **common, **k_side,
-                                       head_dim_v=v.shape[-1], dkv_layout=dkv_layout)
+        return flash_attention_postprocess(acc.dq_accum, None, None, cfg.scale, **common).dq, acc.dk, acc.dv
+    grads = flash_attention_postprocess(acc.dq_accum, acc.dk_accum, acc.dv_accum, cfg.scale, **common, **k_side,
+                                        head_dim_v=v.shape[-1], dkv_layout=dkv_layout)
+    return grads.dq, grads.dk, grads.dv
 
 
 @functools.cache

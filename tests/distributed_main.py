@@ -54,9 +54,11 @@ def operands(seed: int) -> dict[str, np.ndarray]:
 
 def _dq(dtype, sink: bool):
     def op(x):
-        kw = dict(learnable_sink=x["sink"], lse=x["lse"], dpsum=x["dpsum"]) if sink else {}
-        out = dq_postprocess(x["q"], x["scale"], head_dim=D, seqlen_q=S, dtype=dtype, layout=QL, **kw)
-        return out if sink else (out,)
+        if not sink:
+            return (dq_postprocess(x["q"], x["scale"], head_dim=D, seqlen_q=S, dtype=dtype, layout=QL),)
+        out = flash_attention_postprocess(x["q"], None, None, x["scale"], head_dim=D, seqlen_q=S, dtype=dtype,
+                                          dq_layout=QL, learnable_sink=x["sink"], lse=x["lse"], dpsum=x["dpsum"])
+        return out.dq, out.dsink
     return op
 
 

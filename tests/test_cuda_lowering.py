@@ -89,7 +89,7 @@ def test_export_serializes_and_multi_platform(rng):
 
 def test_disabled_checks_cover_every_target_the_package_emits(rng):
     """jax_dqpost.DISABLED_CHECKS exports, for CUDA (here without a GPU), a function using every path of the package
-    (dq_postprocess alone, with a sink, flash_attention_postprocess: one target); each of its checks is needed; the
+    (dq_postprocess, flash_attention_postprocess with a sink and without dK/dV, and with them: one target); each of its checks is needed; the
     serialized artifact round-trips, and its CPU lowering runs here with the bits of a direct call."""
     pytest.importorskip("flatbuffers", reason="Exported.serialize needs flatbuffers (in the package's [test] extra)")
     from jax_dqpost import cuda_arch, flash_attention_postprocess
@@ -101,10 +101,10 @@ def test_disabled_checks_cover_every_target_the_package_emits(rng):
     def f(q, k, v, sink, lse, dpsum):
         sk = dict(learnable_sink=sink, lse=lse, dpsum=dpsum)
         alone = dq_postprocess(q, 0.5, seqlen_q=S, head_dim=D, layout=q_layout)
-        with_sink = dq_postprocess(q, 0.5, seqlen_q=S, head_dim=D, layout=q_layout, **sk)
+        with_sink = flash_attention_postprocess(q, None, None, 0.5, seqlen_q=S, head_dim=D, dq_layout=q_layout, **sk)
         fused = flash_attention_postprocess(q, k, v, 0.5, head_dim=D, dq_layout=q_layout, dkv_layout=kv_layout,
                                             seqlen_q=S, seqlen_k=S_K, **sk)
-        return (alone,) + with_sink + fused
+        return alone, with_sink.dq, with_sink.dsink, *fused
 
     shapes = [q_layout.accum_shape(B, H, S, D), kv_layout.accum_shape(B, H_KV, S_K, D),
               kv_layout.accum_shape(B, H_KV, S_K, D), (H,), (B, H, S), (B, H, q_layout.padded_seqlen(S))]

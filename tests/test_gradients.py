@@ -230,7 +230,7 @@ def _ours_from_fa4(calls, c, version):
 
     outs = run(accs, cu, sink)
     names = ["dq"] + (["dk", "dv"] if gqa else []) + (["dsink"] if c["sink"] else [])
-    return {name: outs[{"dq": 0, "dk": 1, "dv": 2, "dsink": 3}[name]] for name in names}
+    return {name: getattr(outs, name) for name in names}
 
 
 def _dkv_alone(calls, c, version):

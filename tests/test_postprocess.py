@@ -1,6 +1,7 @@
 """Both ops against the independent oracle (tests/oracle.py), as one matrix on every platform present.
 
-The axes: the part of the postprocess (``dq``: dQ alone through ``dq_postprocess``; ``dqkv``: dQ, dK and dV through
+The axes: the part of the postprocess (``dq``: dQ alone through ``dq_postprocess``, or with a sink through
+``flash_attention_postprocess`` without dK/dV accumulators; ``dqkv``: dQ, dK and dV through
 ``flash_attention_postprocess``, grouped-query attention) x the learnable sink (none, or one of float32, bfloat16,
 float16, with its gradient) x the packing (dense, dense with seqused, varlen, varlen with seqused) x the offsets
 (static or traced) x the output dtype (bf16, fp16) x the accumulator layout. dq, dk and dv must have the oracle's
@@ -32,7 +33,7 @@ import numpy as np
 import pytest
 
 from conftest import FA4_PAIRS, FA_HOPPER_CONFIGS, FA_HOPPER_HEAD_DIM, HAS_GPU, OTHER_ORDERS, PLATFORMS, fa4_layouts
-from jax_dqpost import AccumLayout, dq_accum_from_dq, dq_postprocess, flash_attention_postprocess
+from jax_dqpost import AccumLayout, Gradients, dq_accum_from_dq, dq_postprocess, flash_attention_postprocess
 import oracle
 from support import cu_seqlens
 
@@ -267,17 +268,19 @@ def make_call(rng, part, sink, packing, offsets, dtype, layout: LayoutCase, head
         kw = dict(static, **dict(zip(names, rest[:len(names)])))
         if sink is not None:
             kw.update(zip(("learnable_sink", "lse", "dpsum"), rest[len(names):]))
-        if part == "dq":
+        if part == "dq" and sink is None:
             out = dq_postprocess(acc[0], s, head_dim=head_dim, dtype=dtype, layout=layout.dq, **kw)
-        elif part == "dq-fused":  # no dK/dV accumulators: dQ alone, dk and dv None
+            assert isinstance(out, jax.Array), type(out)
+            return [out]
+        if part in ("dq", "dq-fused"):  # no dK/dV accumulators: dQ (and dsink) alone, dk and dv None
             out = flash_attention_postprocess(acc[0], None, None, s, head_dim=head_dim, dtype=dtype,
                                               dq_layout=layout.dq, **kw)
-            assert out[1] is None and out[2] is None, out
-            out = (out[0], *out[3:])
+            assert out.dk is None and out.dv is None, out
         else:
             out = flash_attention_postprocess(*acc, s, head_dim=head_dim, head_dim_v=head_dim_v, dtype=dtype,
                                               dq_layout=layout.dq, dkv_layout=layout.dkv, dk_scale=ks, **kw)
-        return list(out) if isinstance(out, tuple) else [out]
+        assert type(out) is Gradients and (out.dsink is None) == (sink is None), out
+        return [x for x in out if x is not None]
 
     what = (f"{part} sink={sink} {packing} {offsets} {np.dtype(dtype).name} D={head_dim} Dv={head_dim_v} "
             f"S={seqlens} lengths={lengths} {static}")
@@ -446,7 +449,8 @@ def test_empty_shapes(platform, part):
         k = jax.device_put(jnp.zeros(kv_layout.accum_shape(b, h_kv, s_k, 64), jnp.float32), device)
         out = jax.jit(lambda q, k: flash_attention_postprocess(q, k, k, 1.0, head_dim=64, dq_layout=q_layout,
                                                                dkv_layout=kv_layout, seqlen_q=s, seqlen_k=s_k))(q, k)
-        assert [o.shape for o in out] == [(b, s, h, 64), (b, s_k, h_kv, 64), (b, s_k, h_kv, 64)]
+        assert [o.shape for o in out[:3]] == [(b, s, h, 64), (b, s_k, h_kv, 64), (b, s_k, h_kv, 64)]
+        assert out.dsink is None
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)
@@ -541,9 +545,10 @@ def test_dsink_same_bits_in_every_launch(rng, packing):
         q_kw = dict(total_q=cu_q[-1], cu_seqlens_q=cu_q)
         k_kw = dict(total_k=cu_k[-1], cu_seqlens_k=cu_k)
     sk = dict(zip(("learnable_sink", "lse", "dpsum"), sink))
-    alone = jax.jit(lambda q: dq_postprocess(q, 0.5, head_dim=d, layout=case.dq, **q_kw, **sk)[1])
+    alone = jax.jit(lambda q: flash_attention_postprocess(q, None, None, 0.5, head_dim=d, dq_layout=case.dq,
+                                                          **q_kw, **sk).dsink)
     fused = jax.jit(lambda q, k: flash_attention_postprocess(q, k, k, 0.5, head_dim=d, dq_layout=case.dq,
-                                                             dkv_layout=case.dkv, **q_kw, **k_kw, **sk)[3])
+                                                             dkv_layout=case.dkv, **q_kw, **k_kw, **sk).dsink)
     runs = [alone(q_acc), fused(q_acc, k_acc), fused(q_acc, k_acc)]
     bits = [np.asarray(x).view(np.uint32) for x in runs]
     assert all(np.array_equal(bits[0], b) for b in bits[1:]), bits

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -25,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 from jax.test_util import check_grads
 
 from conftest import HAS_GPU, PLATFORMS
-from jax_dqpost import AccumLayout, dq_accum_from_dq, dq_postprocess, flash_attention_postprocess
+from jax_dqpost import AccumLayout, Gradients, dq_accum_from_dq, dq_postprocess, flash_attention_postprocess
 import oracle
 from oracle import assert_same_bits
 from support import round_up
@@ -42,14 +43,19 @@ ARG_NAMES = {"used_q": "seqused_q", "used_k": "seqused_k", "cu_q": "cu_seqlens_q
 
 def make_op(part, static=None, dtype=jnp.bfloat16):
     """``part``'s op on a dict of operands: q (k, v), scale (k_scale), and by their names in ARG_NAMES the lengths,
-    offsets and sink inputs present; ``static``: the static keyword arguments. Returns a tuple of its outputs."""
+    offsets and sink inputs present; ``static``: the static keyword arguments. Returns a tuple of its outputs (dq,
+    dk, dv, dsink, those computed)."""
     def op(x):
         kw = dict(static or {}, **{ARG_NAMES[n]: v for n, v in x.items() if n in ARG_NAMES})
-        if part == "dq":
-            out = dq_postprocess(x["q"], x["scale"], head_dim=D, dtype=dtype, layout=QL, **kw)
-            return out if isinstance(out, tuple) else (out,)
-        return flash_attention_postprocess(x["q"], x["k"], x["v"], x["scale"], head_dim=D, dtype=dtype, dq_layout=QL,
-                                           dkv_layout=KL, dk_scale=x["k_scale"], **kw)
+        if part == "dq" and "learnable_sink" not in kw:
+            return (dq_postprocess(x["q"], x["scale"], head_dim=D, dtype=dtype, layout=QL, **kw),)
+        if part == "dq":  # dQ with a sink: the fused op without dK/dV accumulators
+            out = flash_attention_postprocess(x["q"], None, None, x["scale"], head_dim=D, dtype=dtype, dq_layout=QL,
+                                              **kw)
+            return out.dq, out.dsink
+        out = flash_attention_postprocess(x["q"], x["k"], x["v"], x["scale"], head_dim=D, dtype=dtype, dq_layout=QL,
+                                          dkv_layout=KL, dk_scale=x["k_scale"], **kw)
+        return out if out.dsink is not None else out[:3]  # with a sink, the Gradients itself
     return op
 
 
@@ -122,6 +128,60 @@ def assert_one_launch(f, *args):
     jaxpr = str(jax.make_jaxpr(f)(*args))
     assert len(re.findall(r"\b\w*postprocess\w*\[", jaxpr)) == 1, jaxpr  # the op's primitive, once
     assert "while" not in jaxpr, jaxpr
+
+
+# ---- the result types
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize("gqa", [False, True])
+def test_one_result_type_whatever_the_arguments(rng, platform, gqa):
+    """dq_postprocess returns one array (it takes no sink); flash_attention_postprocess a Gradients of four members
+    with or without a sink and dK/dV accumulators, None where not computed, out of a call, jit, vmap, eval_shape, a
+    VJP (its cotangent a Gradients too), shard_map (out_specs one spec or a Gradients) and a serialized export."""
+    from jax_dqpost import DISABLED_CHECKS
+
+    part = "dqkv" if gqa else "dq"
+    device = jax.devices(platform)[0]
+    x, static = problem(rng, part, "dense", sink=True)
+    x = jax.device_put(x, device)
+    kv = dict(dkv_layout=KL, seqlen_k=static["seqlen_k"]) if gqa else {}
+
+    def fused(x, sink):
+        sk = dict(learnable_sink=x["sink"], lse=x["lse"], dpsum=x["dpsum"]) if sink else {}
+        return flash_attention_postprocess(x["q"], x.get("k"), x.get("v"), x["scale"], head_dim=D, dq_layout=QL,
+                                           seqlen_q=static["seqlen_q"], **kv, **sk)
+
+    dq = dq_postprocess(x["q"], x["scale"], head_dim=D, seqlen_q=static["seqlen_q"], layout=QL)
+    assert isinstance(dq, jax.Array) and dq.shape == (2, 100, HEADS[part][0], D)
+    assert isinstance(jax.jit(lambda q: dq_postprocess(q, 0.5, head_dim=D, seqlen_q=100, layout=QL))(x["q"]),
+                      jax.Array)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'learnable_sink'"):
+        dq_postprocess(x["q"], x["scale"], head_dim=D, seqlen_q=100, layout=QL, learnable_sink=x["sink"],
+                       lse=x["lse"], dpsum=x["dpsum"])
+    two = jax.tree.map(lambda a: np.stack([a, a]), x)
+    for sink in (False, True):
+        present = (True, gqa, gqa, sink)
+        f = functools.partial(fused, sink=sink)
+        direct = f(x)
+        outs = {"call": direct, "jit": jax.jit(f)(x), "vmap": jax.vmap(f)(two), "eval_shape": jax.eval_shape(f, x)}
+        out, vjp = jax.vjp(f, x)
+        outs["vjp"] = out
+        for how, got in outs.items():
+            assert type(got) is Gradients and got._fields == ("dq", "dk", "dv", "dsink"), (how, type(got))
+            assert tuple(m is not None for m in got) == present, (how, sink, got)
+        assert jax.tree.structure(direct) == jax.tree.structure(outs["jit"])
+        assert len(jax.tree.leaves(direct)) == sum(present)
+        cotangent = jax.tree.map(jnp.ones_like, direct)  # None members stay None
+        assert type(cotangent) is Gradients and vjp(cotangent)[0]["q"].shape == x["q"].shape
+        exported = jax.export.export(jax.jit(f), platforms=[platform], disabled_checks=DISABLED_CHECKS)(x)
+        restored = jax.export.deserialize(exported.serialize()).call(x)
+        assert type(restored) is Gradients and tuple(m is not None for m in restored) == present
+        for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(direct)):
+            assert_same_bits(got, want, f"exported, sink={sink}")
+        mesh = Mesh(np.array([device]), ("b",))
+        for specs in (P(), Gradients(P(), P() if gqa else None, P() if gqa else None, P() if sink else None)):
+            got = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P(), out_specs=specs))(x)
+            assert type(got) is Gradients and tuple(m is not None for m in got) == present, specs
 
 
 # ---- vmap
@@ -463,9 +523,10 @@ def test_sharded_export_through_shard_map(rng, part, sink):
 
     def per_shard(x):
         outs = op(x)
-        return (*outs[:-1], jax.lax.psum(outs[-1], "b")) if sink else outs
+        return outs._replace(dsink=jax.lax.psum(outs.dsink, "b")) if sink else outs
 
-    out_specs = (P("b", None, "h", None),) * (1 if part == "dq" else 3) + ((P("h"),) if sink else ())
+    rows = P("b", None, "h", None)
+    out_specs = (rows,) * (1 if part == "dq" else 3) if not sink else Gradients(rows, rows, rows, P("h"))
     recipe = jax.jit(jax.shard_map(per_shard, mesh=mesh, in_specs=({n: SPECS[n] for n in x},), out_specs=out_specs))
     exported = jax.export.export(recipe, platforms=["cpu", "cuda"], disabled_checks=DISABLED_CHECKS)(placed)
     restored = jax.export.deserialize(exported.serialize())

@@ -4,8 +4,9 @@
 // `cute.compile(...).dump_to_object(kFunctionPrefix)` at lowering time, so compiled executables and
 // `jax.export` artifacts carry their own binary. Modules are loaded once per process through the CuTe
 // runtime C API (libcute_dsl_runtime.so, shipped by nvidia-cutlass-dsl): Python gives its path when it registers
-// the target (at `import jax_dqpost`), and the first instance to need it opens it with dlopen, so that a process
-// that never runs the kernel never loads CUDA, and one that cannot load it gets the cause as the call's error.
+// the target (at `import jax_dqpost` where jax has a CUDA plugin, else at the first lowering), and the first instance
+// to need it opens it with dlopen, so that a process that never runs the kernel never opens the runtime, and one that
+// cannot open it gets the cause as the call's error.
 // Each custom call instance resolves its function once, in the instantiate stage (outside
 // any CUDA graph capture), into its own FFI state; execute takes it from there (no lock, no lookup) and
 // enqueues one launch. Nothing here blocks on the stream.

@@ -204,7 +204,6 @@ def warn_at_caller(message: str, category: type[Warning]) -> None:
     """Warn at the first frame outside jax_dqpost, jax and jaxlib: the user's line that led here (a lowering runs
     deep inside jax), so that the user's filters and ``-W`` options match it. Python 3.12 skips those files
     itself (``skip_file_prefixes``); 3.11 counts them in the stack ``traceback`` extracts."""
-    import jax
     import jaxlib
 
     inside = tuple(os.path.dirname(m.__file__) + os.sep for m in (jax, jaxlib, sys.modules[__package__]))

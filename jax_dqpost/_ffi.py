@@ -2,12 +2,13 @@
 
 ``import jax_dqpost`` registers the target where jax has a CUDA plugin (:func:`register_at_import`), so that a
 process that only deserializes and calls a ``jax.export`` artifact finds its handler; registering loads the handler
-library (a few kilobytes, no CUDA) and hands it the path of the CuTe DSL runtime (:mod:`.cute_runtime`), which the
-handler opens at the first call that needs it. It does not import the CuTe DSL or start jax's backends (XLA keeps
-registrations made before then). Where no runtime can be had (no CuTe DSL, no flavour of it for this driver), the
-handler returns that cause as the error of every call; a lowering (:func:`register`) raises it at once. A handler
-library that cannot be loaded or does not fit the running jaxlib is reported by one ``RuntimeWarning`` at import,
-since XLA then has no handler of ours to report with, and raised by every lowering for CUDA.
+library (no CUDA library linked) and hands it the path of the CuTe DSL runtime (:mod:`.cute_runtime`, which loads
+libcuda only to ask the driver's CUDA version), which the handler opens at the first call that needs it. It does not
+import the CuTe DSL, initialize CUDA or start jax's backends (XLA keeps registrations made before then). Where no
+runtime can be had (no CuTe DSL, no flavour of it for this driver), the handler returns that cause as the error of
+every call; a lowering (:func:`register`) raises it at once. A handler library that cannot be loaded or does not fit
+the running jaxlib is reported by one ``RuntimeWarning`` at import, since XLA then has no handler of ours to report
+with, and raised by every lowering for CUDA.
 
 By default the target's handler is not command-buffer compatible: XLA launches our kernel itself, between its
 command buffers (CUDA graphs), never by stream capture. ``JAX_DQPOST_COMMAND_BUFFERS=1`` (read at registration,
@@ -162,11 +163,6 @@ def check_ffi_api_version(handler: tuple[int, int], runtime: tuple[int, int], li
     )
 
 
-def cute_runtime_path() -> Path:
-    """The CuTe DSL runtime the handler loads: :func:`jax_dqpost.cute_runtime.runtime_path`."""
-    return cute_runtime.runtime_path()
-
-
 def jax_has_cuda_plugin() -> bool:
     """Whether jax has a CUDA plugin installed (``jax_plugins.xla_cuda<N>``), found without starting a backend."""
     try:
@@ -197,7 +193,9 @@ def register() -> None:
     with _lock:
         if _runtime_loaded:
             return
-        _give_runtime(lib)  # again: cutlass may have loaded its flavour, or JAX_DQPOST_CUTE_RUNTIME been set, since
+        # Again, raising what stops it (NoRuntime, ModuleNotFoundError): cutlass may have loaded its flavour, or
+        # JAX_DQPOST_CUTE_RUNTIME been set, since the registration.
+        lib.jax_dqpost_set_runtime(str(cute_runtime.runtime_path()).encode(), None)
         err = ctypes.create_string_buffer(2048)
         if lib.jax_dqpost_load_runtime(err, len(err)) != 0:
             raise RuntimeError(err.value.decode())

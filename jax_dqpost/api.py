@@ -76,7 +76,7 @@ def dq_postprocess(dq_accum, scale, *, head_dim: int, seqlen_q: int | None = Non
         jax int32 array (an operand: new values never retrace or recompile). Values this host can read now (a jax
         array passed outside ``jit``, read back with a device-to-host copy) are validated like static ones (lengths
         against traced offsets: only their sign); traced values are not: corrupt ones are clamped into a partition
-        of the rows, never read or written out of bounds. With ``JAX_DQPOST_CHECKIFY=1`` (read once per process)
+        of the rows, never read or written out of bounds. With ``JAX_DQPOST_CHECKIFY=1`` (read when the call is traced)
         traced offsets, lengths and scales are checked on the device by the same rules in a function that
         ``jax.experimental.checkify.checkify`` transforms, the error naming the first bad index and its value
         (``checkify.debug_check``: dropped elsewhere; unset, nothing is traced).

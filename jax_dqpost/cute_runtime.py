@@ -56,7 +56,11 @@ def runtime_path() -> Path:
     override = os.environ.get(RUNTIME_ENV)
     if override:
         return Path(override)
-    return installed()[flavour()]
+    found, chosen = installed(), flavour()
+    if chosen not in found:  # loaded by cutlass from a layout without cu<N>/lib/ (an editable DSL): no runtime here
+        raise NoRuntime(f"jax_dqpost: the CuTe DSL compiles with its cu{chosen} build, which has no {_RUNTIME} under "
+                        f"{next(iter(found.values())).parents[2]}/cu{chosen}/lib: set {RUNTIME_ENV} to its path")
+    return found[chosen]
 
 
 def installed() -> dict[int, Path]:

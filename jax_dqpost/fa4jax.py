@@ -18,19 +18,18 @@ or ``fa4_jax.flash_attn(..., backend=fa4jax.BACKEND)`` once :func:`register` has
 (no cotangent through ``return_lse``; vmap over varlen; the head dims and GPUs its kernels refuse) this backend
 does not take either, with fa4-jax's errors.
 
-Head dims 136..160 on Hopper (sm90): fa4-jax 0.1.0's kernels do not compile there with CuTe DSL 4.8 (its own
-backend fails the same way), and its dK/dV order under grouped-query attention is one our kernel does not take.
-This backend runs them padded: q and k (for ``head_dim`` in that range) and v (for ``head_dim_v``) are zero-padded
-to :data:`PADDED_HEAD_DIM` with the softmax scale of the real head dim, and the output is sliced back. Zero columns
+Head dims 136..160 on Hopper (sm90): fa4-jax 0.1.0's kernels do not compile there with CuTe DSL 4.8 (its own backend
+fails the same way), and its dK/dV order under grouped-query attention is one our kernel does not take. This backend
+runs them padded: where ``head_dim`` or ``head_dim_v`` is in that range, q, k and v are zero-padded to one head dim,
+:data:`PADDED_HEAD_DIM` or the larger of the two (a pair fa4-jax's kernels compile for, as they do for every equal
+pair outside the range), with the softmax scale of the real head dim, and the output is sliced back. Zero columns
 add nothing to ``q k^T``, give zero output columns, and their gradients are sliced off, so the result is the
 attention of the real head dims; the cost is the arithmetic of head dim 192 (1.2x that of 160, 1.41x that of 136).
 Any other failure of fa4-jax's kernels to compile is a ValueError naming the head dims, the GPU and the compiler's
-first line.
-Where fa4-jax writes an accumulator in an order our kernel does not take, the backward raises ValueError naming the
-head dims. Its gradients match plain attention's wherever it runs (fa4-jax pads its sm90 tiles to 32, as its
-accumulators; ``tests/test_gradients.py``, docs/gradients.md). Without fa4-jax, or without a GPU, each call raises
-one line that says so.
-"""
+first line. Where fa4-jax writes an accumulator in an order our kernel does not take, the backward raises ValueError
+naming the head dims. Its gradients match plain attention's wherever it runs (fa4-jax pads its sm90 tiles to 32, as
+its accumulators; ``tests/test_gradients.py``, docs/gradients.md). Without fa4-jax, or without a GPU, each call
+raises one line that says so. """
 
 from __future__ import annotations
 
@@ -54,9 +53,13 @@ PADDED_HEAD_DIM = 192
 _PADDED = {9: range(136, 161)}  # GPU family (compute capability major) -> the head dims run padded there
 
 
-def padded_head_dim(head_dim: int, family: int) -> int:
-    """The head dim fa4-jax's kernels run ``head_dim`` at on GPUs of compute capability ``family`` (9: Hopper)."""
-    return PADDED_HEAD_DIM if head_dim in _PADDED.get(family, ()) else head_dim
+def padded_head_dims(head_dim: int, head_dim_v: int, family: int) -> tuple[int, int]:
+    """``(head_dim, head_dim_v)`` as fa4-jax's kernels run them on GPUs of compute capability ``family`` (9:
+    Hopper): both :data:`PADDED_HEAD_DIM` or the larger where either is one they do not compile for, else as given."""
+    padded = _PADDED.get(family, ())
+    if head_dim in padded or head_dim_v in padded:
+        return (max(PADDED_HEAD_DIM, head_dim, head_dim_v),) * 2
+    return head_dim, head_dim_v
 
 
 @contextlib.contextmanager
@@ -177,7 +180,7 @@ def _run(attention, q, k, v, *args, **kwargs):
     (padded where they do not: the module docstring)."""
     family = int(str(arch.cuda_devices()[0].compute_capability).split(".")[0]) if arch.cuda_devices() else 0
     d, d_v = q.shape[-1], v.shape[-1]
-    to, to_v = padded_head_dim(d, family), padded_head_dim(d_v, family)
+    to, to_v = padded_head_dims(d, d_v, family)
     if (to, to_v) != (d, d_v):
         def pad(x, n):
             return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, n - x.shape[-1])])

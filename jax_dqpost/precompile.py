@@ -187,6 +187,9 @@ def main(argv=None) -> int:
                     raise
                 print(f"{parser.prog}: error: {e}", file=sys.stderr)
                 return 1
+            except cute_runtime.NoRuntime as e:  # no build of the DSL for this driver: what to install, no traceback
+                print(f"{parser.prog}: error: {e}", file=sys.stderr)
+                return 1
             compiled += 1
         if compiled:
             print(f"{len(keys)} {what} for {arch} ({shape}): {compiled} compiled in {time.perf_counter() - start:.1f} "

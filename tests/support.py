@@ -1,7 +1,8 @@
-"""The tests' shared helpers, one for each fact: an array's bits, rounding up, packed offsets from lengths, a one-part
-kernel, an export for CUDA. The subprocess scripts (``*_main.py``, ``sanitize_varlen.py``), ``oracle.py`` and
-``fa4_peer.py`` sit beside it in tests/; a test or a script imports it as ``support`` (tests/ is on the path: pytest
-puts it there, conftest.py too, and a script started as ``python tests/X.py`` has its own folder first).
+"""The tests' shared helpers, one for each fact: an array's bits, rounding up, packed offsets from lengths, a one-
+part kernel, a stand-in compile, an export for CUDA. The subprocess scripts (``*_main.py``, ``sanitize_varlen.py``),
+``oracle.py`` and ``fa4_peer.py`` sit beside it in tests/; a test or a script imports it as ``support`` (tests/ is
+on the path: pytest puts it there, conftest.py too, and a script started as ``python tests/X.py`` has its own folder
+first).
 
 Importing it imports numpy alone: ``oracle.py``, written apart from jax_dqpost, uses it too.
 """
@@ -26,6 +27,13 @@ def cu_seqlens(lengths) -> np.ndarray:
     """int32 ``cu_seqlens`` of packed sequences of ``lengths``: 0, then the running sums (``.tolist()`` for the static
     offsets of a list)."""
     return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+
+
+def fake_compile(*key):
+    """Stands in for the CuTe compile (``kernel_cache.compile_executor``) in tests of the cache, not the kernel."""
+    import types
+
+    return types.SimpleNamespace(dump_to_object=lambda prefix: b"\x7fELF module of " + repr(key).encode())
 
 
 def one_part_kernel(dtype, layout, padded_head_dim, tiling=0):

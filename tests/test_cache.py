@@ -8,7 +8,6 @@ import re
 import subprocess
 import sys
 import textwrap
-import types
 import warnings
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import pytest
 
 from jax_dqpost import DISABLED_CHECKS, AccumLayout, cuda_arch, dq_postprocess
 from jax_dqpost import arch as arch_, kernel_cache
-from support import export_dq, export_layout, one_part_kernel
+from support import export_dq, export_layout, fake_compile, one_part_kernel
 
 LAYOUT = export_layout()  # FlashAttention-4's sm90 dQ at head dim 128
 
@@ -364,11 +363,6 @@ def test_the_cache_directory_is_an_absolute_path_or_none(value, tmp_path, monkey
     assert list(tmp_path.iterdir()) == []
 
 
-def _fake_compile(*key):
-    """Stands in for the CuTe compile in the tests of the directory (they test the cache, not the kernel)."""
-    return types.SimpleNamespace(dump_to_object=lambda prefix: b"\x7fELF module of " + repr(key).encode())
-
-
 @pytest.mark.parametrize("where", ["a file", "under a file", "proc", "entry unreadable", "default"])
 def test_a_cache_that_cannot_be_used_is_reported_once(where, tmp_path, monkeypatch):
     """A directory that cannot be made, read or written: the kernel is compiled and not kept, and the first time in
@@ -390,7 +384,7 @@ def test_a_cache_that_cannot_be_used_is_reported_once(where, tmp_path, monkeypat
         named = rf"the default kernel cache directory {re.escape(str(directory))} \(JAX_DQPOST_CACHE_DIR is unset\)"
     else:
         monkeypatch.setenv("JAX_DQPOST_CACHE_DIR", str(directory))
-    monkeypatch.setattr(kernel_cache, "compile_executor", _fake_compile)
+    monkeypatch.setattr(kernel_cache, "compile_executor", fake_compile)
     monkeypatch.setattr(kernel_cache, "_unusable_reported", False)
     key = one_part_kernel(jnp.bfloat16, LAYOUT, 128, Tiling.VARLEN)
     if where == "entry unreadable":  # a directory where the entry would be: reading it fails, not as a miss

@@ -89,8 +89,9 @@ def test_export_serializes_and_multi_platform(rng):
 
 def test_disabled_checks_cover_every_target_the_package_emits(rng):
     """jax_dqpost.DISABLED_CHECKS exports, for CUDA (here without a GPU), a function using every path of the package
-    (dq_postprocess, flash_attention_postprocess with a sink and without dK/dV, and with them: one target); each of its checks is needed; the
-    serialized artifact round-trips, and its CPU lowering runs here with the bits of a direct call."""
+    (dq_postprocess, flash_attention_postprocess with a sink and without dK/dV, and with them: one target); each of
+    its checks is needed; the serialized artifact round-trips, and its CPU lowering runs here with the bits of a direct
+    call."""
     pytest.importorskip("flatbuffers", reason="Exported.serialize needs flatbuffers (in the package's [test] extra)")
     from jax_dqpost import cuda_arch, flash_attention_postprocess
 
@@ -182,20 +183,12 @@ def test_compiling_for_another_arch_leaves_the_dsl_setting_alone():
         assert envar.arch == before, (arch, envar.arch, before)
 
 
-def test_cute_runtime_is_found_without_importing_cutlass():
-    """A warm start (kernels from the on-disk cache) must not pay for importing the DSL (seconds)."""
-    code = ("import sys; from jax_dqpost import _ffi; p = _ffi.cute_runtime_path(); "
-            "assert 'cutlass' not in sys.modules, 'cutlass imported'; print(p.is_file(), p.name)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/")
-    assert out.returncode == 0 and out.stdout.split() == ["True", "libcute_dsl_runtime.so"], (out.stdout, out.stderr)
-
-
 _WITHOUT_THE_DSL = """
 import os, sys
 for name in sys.argv[1:]:
     sys.modules[name] = None  # `import name` fails, as where the distribution is not installed
 import jax, jax.numpy as jnp
-from jax_dqpost import AccumLayout, dq_postprocess, precompile, _ffi
+from jax_dqpost import AccumLayout, dq_postprocess, precompile, cute_runtime
 layout = AccumLayout.flash_attention(90, 128, causal=False, tensor="dq", version="4.0.0b36")
 f = jax.jit(lambda a: dq_postprocess(a, 1.0, seqlen_q=100, head_dim=128, layout=layout))
 try:
@@ -204,7 +197,7 @@ except ModuleNotFoundError as e:
     print("lowering:", e)
 if "cutlass" in sys.argv:
     try:
-        _ffi.cute_runtime_path()
+        cute_runtime.runtime_path()
     except ModuleNotFoundError as e:
         print("runtime:", e)
 os.environ["JAX_DQPOST_CACHE_DIR"] = os.environ["CACHE"]

@@ -16,8 +16,7 @@ import jax.numpy as jnp
 import pytest
 
 from jax_dqpost import _ffi, cute_runtime, kernel_cache
-from support import export_layout, one_part_kernel
-from test_cache import _fake_compile
+from support import export_layout, fake_compile, one_part_kernel
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -114,7 +113,7 @@ def test_two_flavours_never_share_a_cache_entry(tmp_path, monkeypatch):
     """The same kernel compiled by the cu12 and the cu13 DSL differs: each flavour has its own entries, and one
     never reads the other's."""
     monkeypatch.setenv(kernel_cache.CACHE_DIR_ENV, str(tmp_path))
-    monkeypatch.setattr(kernel_cache, "compile_executor", _fake_compile)
+    monkeypatch.setattr(kernel_cache, "compile_executor", fake_compile)
     monkeypatch.setattr(kernel_cache, "_cache", {})
     names, spec = {}, one_part_kernel(jnp.bfloat16, export_layout(), 128)
     for flavour in (12, 13):
@@ -157,6 +156,8 @@ def test_import_registers_the_target_only_where_jax_has_a_cuda_plugin(plugin, tm
     """``import jax_dqpost`` without jax's CUDA plugin loads no handler library; with one (here a stand-in
     ``jax_plugins.xla_cuda13``) it loads the library and registers the target, so that a deserialized artifact finds
     its handler. Neither imports the CuTe DSL or starts jax's backends."""
+    if not plugin and _ffi.jax_has_cuda_plugin():
+        pytest.skip("jax's CUDA plugin is installed here: the case without one cannot be made")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     if plugin:
         (tmp_path / "jax_plugins" / "xla_cuda13").mkdir(parents=True)
@@ -186,3 +187,28 @@ def test_the_handler_opens_the_runtime_at_the_first_need_and_reports_why_not():
         assert out.stdout.startswith(says), (out.stdout, out.stderr)
     lib = ctypes.CDLL(library)
     assert all(hasattr(lib, s) for s in ("jax_dqpost_set_runtime", "jax_dqpost_load_runtime"))
+
+
+def test_a_loaded_flavour_without_its_runtime_is_reported(fake_dsl, monkeypatch):
+    """cutlass may load a flavour whose runtime is not where the wheel puts it (an editable DSL): one error that says
+    what to set, not a lookup failure."""
+    loaded = types.ModuleType(cute_runtime._IR_MODULE)
+    loaded.__file__ = str(fake_dsl / "dsl_packages/cutlass/_mlir/_mlir_libs/_cutlass_ir.cu14.cpython-312-x.so")
+    monkeypatch.setitem(sys.modules, cute_runtime._IR_MODULE, loaded)
+    with pytest.raises(cute_runtime.NoRuntime, match=r"cu14 build, which has no libcute_dsl_runtime\.so .*set "
+                                                      r"JAX_DQPOST_CUTE_RUNTIME"):
+        cute_runtime.runtime_path()
+
+
+def test_precompile_without_a_flavour_for_the_driver_says_so_in_one_line(tmp_path, monkeypatch, capsys):
+    from jax_dqpost import precompile
+
+    def no_flavour():
+        raise cute_runtime.NoRuntime("jax_dqpost: no installed CuTe DSL flavour runs on this machine's CUDA driver")
+
+    monkeypatch.setattr(cute_runtime, "flavour", no_flavour)
+    monkeypatch.setenv(kernel_cache.CACHE_DIR_ENV, str(tmp_path))
+    assert precompile.main(["--arch", "sm_90a", "--presets", "90", "--head-dims", "64", "--dtypes", "bf16"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["python -m jax_dqpost.precompile: error: jax_dqpost: no installed CuTe DSL flavour runs on this "
+                   "machine's CUDA driver"], err

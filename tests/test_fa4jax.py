@@ -22,7 +22,7 @@ import pytest
 from conftest import HAS_GPU
 from jax_dqpost import AccumLayout, _fa4jax_internals, fa4jax
 import oracle
-from support import cu_seqlens
+from support import bits, cu_seqlens
 
 HAS_FA4JAX = importlib.util.find_spec("fa4_jax") is not None
 needs_fa4jax_gpu = pytest.mark.skipif(not (HAS_GPU and HAS_FA4JAX),
@@ -129,8 +129,8 @@ def _finish_both_ways(q, k, v, d_out, seqlens, *, causal, packed):
         out, lse = fa4_jax.reference_attn(q, k, v, causal=causal, return_lse=True)
     cfg = _fa4jax_internals.config(q, causal=causal, varlen=packed)
     acc = _fa4jax_internals.accumulators(cfg, q, k, v, out.astype(q.dtype), lse, d_out, None, (), seqlens)
-    return (_fa4jax_internals.fa4_postprocess(cfg, q, k, v, acc, seqlens), fa4jax.postprocess(cfg, q, k, v, acc, seqlens),
-            acc.dq_accum)
+    return (_fa4jax_internals.fa4_postprocess(cfg, q, k, v, acc, seqlens),
+            fa4jax.postprocess(cfg, q, k, v, acc, seqlens), acc.dq_accum)
 
 
 @needs_fa4jax_gpu
@@ -164,10 +164,10 @@ def test_postprocess_bit_identical_to_fa4jax(rng, dtype, head_dim, head_dim_v, c
     gqa = heads_kv < heads
     for name, want, got, rows in zip(("dq", "dk", "dv"), theirs, ours, (q_rows, k_rows, k_rows)):
         # Without grouped-query attention dk, dv are the main kernel's, passed through on both sides.
-        np.testing.assert_array_equal(oracle.bits(got)[rows], oracle.bits(want)[rows], err_msg=name)
+        np.testing.assert_array_equal(bits(got)[rows], bits(want)[rows], err_msg=name)
         if seqlens is not None and (gqa or name == "dq"):  # rows no sequence uses: 0 here, unspecified in fa4-jax
             assert not np.asarray(got)[~rows].any(), name
-        used = oracle.bits(got)[rows]
+        used = bits(got)[rows]
         assert np.count_nonzero(used) > used.size // 2, name  # a real gradient (causal: the early rows are 0)
 
 
@@ -194,8 +194,8 @@ def _fa4_own(q, k, v, **kwargs):
 
 def _assert_same(got, want):
     for name, g, w in zip(("dq", "dk", "dv"), got, want):
-        np.testing.assert_array_equal(oracle.bits(g), oracle.bits(w), err_msg=name)
-        assert np.count_nonzero(oracle.bits(g)) > g.size // 2, name
+        np.testing.assert_array_equal(bits(g), bits(w), err_msg=name)
+        assert np.count_nonzero(bits(g)) > g.size // 2, name
 
 
 @needs_fa4jax_gpu
@@ -264,8 +264,8 @@ def test_varlen_grad_equals_fa4jax(rng, heads_kv, defined_padding):
     rows = _rows(np.asarray(cu), used, total)
     for name, got, want in zip(("dq", "dk", "dv"), ours, theirs):
         where = slice(None) if defined_padding else rows
-        np.testing.assert_array_equal(oracle.bits(got)[where], oracle.bits(want)[where], err_msg=name)
-        assert np.count_nonzero(oracle.bits(got)[rows]) > oracle.bits(got)[rows].size // 2, name
+        np.testing.assert_array_equal(bits(got)[where], bits(want)[where], err_msg=name)
+        assert np.count_nonzero(bits(got)[rows]) > bits(got)[rows].size // 2, name
     assert not np.asarray(ours[0])[~rows].any()
 
 
@@ -275,7 +275,7 @@ def test_an_order_our_kernel_does_not_take_is_refused_naming_the_head_dims():
     q = jax.ShapeDtypeStruct((1, 128, 4, 160), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((1, 128, 2, 160), jnp.bfloat16)
     acc = _fa4jax_internals.Accumulators(jnp.zeros((1, 4, 128 * 160)), None, None, jnp.zeros((1, 2, 192 * 160)),
-                               jnp.zeros((1, 2, 192 * 160)), (90, 64, 256, 1, False), (90, 96, 256, 2, True))
+                                         jnp.zeros((1, 2, 192 * 160)), (90, 64, 256, 1, False), (90, 96, 256, 2, True))
     with pytest.raises(ValueError, match=r"fa4-jax's dK accumulator for head_dim=160, head_dim_v=160") as info:
         fa4jax.postprocess(None, q, k, k, acc, None)
     assert "backend='cute'" in str(info.value) and "\n" not in str(info.value)

@@ -4,9 +4,6 @@ process, XLA's CUDA graphs, jax.profiler around calls, and a damaged disk-cache 
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from conftest import HAS_GPU

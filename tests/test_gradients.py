@@ -336,7 +336,7 @@ def test_fa4jax_backward_finished_by_us_is_right(seed, c):
     judged_ours = _judge(ours, c, tq, tk, tv, td, None) if ours is not None else None
     _record(producer, c, dict(producer=judged_theirs, ours=judged_ours), cannot_run=cannot_run, refused=refused)
     family = int(str(jax.devices()[0].compute_capability).split(".")[0])
-    padded = (fa4jax.padded_head_dim(c["head_dim"], family), fa4jax.padded_head_dim(c["head_dim_v"], family))
+    padded = fa4jax.padded_head_dims(c["head_dim"], c["head_dim_v"], family)
     if cannot_run is not None and padded == (c["head_dim"], c["head_dim_v"]):
         assert ours is None and refused.startswith("jax_dqpost.fa4jax"), (
             f"fa4-jax's own backend cannot run {case_id(c)} ({cannot_run}); ours: {refused or 'runs'}")

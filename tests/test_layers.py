@@ -1,5 +1,5 @@
-"""The package's structure: its modules import one way (docs/design.md draws the order), read no stack frames, and
-reach jax's private modules only through ``_jax_internals.py``."""
+"""The package's structure: its modules import one way (docs/design.md draws the order), read no frame objects
+(``sys._getframe``, a frame's locals), and reach jax's private modules only through ``_jax_internals.py``."""
 
 from __future__ import annotations
 
@@ -41,8 +41,9 @@ def test_the_modules_import_one_way():
 
 
 def test_no_module_reads_stack_frames_or_jax_private_modules_but_one():
-    """Frames and jax's private modules change without notice: no ``sys._getframe``/frame attributes anywhere, and
-    ``jax._src`` only in ``_jax_internals.py``, which says why each use has no public counterpart."""
+    """Frames and jax's private modules change without notice: no ``sys._getframe``/frame attributes anywhere (the
+    ``traceback`` module's file names are public), and ``jax._src`` only in ``_jax_internals.py``, which says why each
+    use has no public counterpart."""
     for name, tree in _trees().items():
         attributes = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
         assert not attributes & {"_getframe", "f_back", "f_locals", "f_globals", "currentframe"}, name

@@ -5,8 +5,25 @@ cutejax. Its reverse mode is ``fa4_jax.kernels.CuteBackend.vjp``: a preprocess (
 zeroed fp32 dQ accumulator), the main backward kernel (dQ accumulated with atomics; dK and dV written directly, or
 for grouped-query attention accumulated in fp32 buffers zeroed by XLA), then one postprocess launch per
 accumulator. :func:`accumulators` runs the first two steps exactly as fa4-jax does and stops there; the
-postprocess is ours. Read from fa4-jax 0.1.0 (``src/fa4_jax/kernels.py``, ``attention.py``); any other version
-is refused, because these names and the kernels' accumulator geometry are private to it.
+postprocess is ours. :func:`forward` is fa4-jax's forward launch (``CuteBackend.fwd_lse``) with one argument more,
+the learnable sink, which the vendored forward kernels take (``learnable_sink=``) and fa4-jax's wrappers never pass.
+Read from fa4-jax 0.1.0 (``src/fa4_jax/kernels.py``, ``attention.py``); any other version is refused, because these
+names and the kernels' accumulator geometry are private to it.
+
+The private names used, all of fa4-jax 0.1.0:
+
+- ``fa4_jax.attention``: ``register_backend``, ``_make_config`` (its ``AttnConfig`` from the public arguments),
+  ``_check_qkv`` (its shape and dtype checks).
+- ``fa4_jax.kernels``: ``CuteBackend`` (subclassed; its ``_tree``, ``_in_specs``, ``_tree_aliases``,
+  ``_out_struct``, ``_lse_struct`` build a launch), ``_validate`` (dtype, head dims, GPU), ``_device_arch``,
+  ``_bwd_plan`` and ``_bwd_post_params`` (the tile plan and the postprocess orders), ``_get_static``,
+  ``_aux_static``, ``_windows``, ``_aux_data`` (a launch's static tree), the ``@cute.jit`` entries
+  ``_fa4_bwd_pre[_varlen]``, ``_fa4_bwd[_varlen][_dp]``, ``_fa4_bwd_gqa[_varlen]`` and the postprocess ones of
+  :func:`fa4_postprocess`, and the specs ``_QKV_SPEC``, ``_QKV3_SPEC``, ``_F32_SPEC``, ``_LSE_SPEC``.
+- The vendored forward kernel objects' ``__call__(..., learnable_sink=...)`` (``fa4_jax/cute/flash_fwd_sm90.py``,
+  ``flash_fwd_sm100.py``): the sink in natural-log units, one per query head, not multiplied by the softmax scale;
+  ``lse = log(sum_j exp(scale * s_j) + exp(sink))``, and a row with no key gets ``out = 0``, ``lse = sink``. The
+  SM80 and SM120 forwards refuse a sink (:data:`SINK_FAMILIES`).
 """
 
 from __future__ import annotations
@@ -14,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import sys
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -53,10 +71,103 @@ def as_cute(cfg):
     return dataclasses.replace(cfg, backend="cute")
 
 
-def config(q, *, causal=False, varlen=False, defined_padding=False):
-    """The ``AttnConfig`` fa4-jax's ``flash_attn``/``flash_attn_varlen`` build for its kernel backend (tests and
-    benchmarks: no window, no mask mod, the default scale)."""
-    return modules()[1]._make_config(q, causal, None, None, None, "cute", varlen, defined_padding=defined_padding)
+def config(q, *, causal=False, window_size=None, scale=None, varlen=False, defined_padding=False):
+    """The ``AttnConfig`` fa4-jax's ``flash_attn``/``flash_attn_varlen`` build for its kernel backend from their
+    arguments (no mask mod): causal and the window canonicalized as FlashAttention's interface does, the scale
+    ``1/sqrt(head_dim)`` by default."""
+    return modules()[1]._make_config(q, causal, window_size, scale, None, "cute", varlen,
+                                     defined_padding=defined_padding)
+
+
+def check_qkv(q, k, v, packed: bool) -> None:
+    """fa4-jax's own checks of q, k, v (ranks, dtypes, heads, head dims), with its messages."""
+    A = modules()[1]
+    what = "packed (total_tokens, heads, head_dim)" if packed else "(batch, seqlen, heads, head_dim)"
+    if q.ndim != 3 + (not packed) or k.ndim != q.ndim or v.ndim != q.ndim:
+        raise ValueError(f"{'flash_attn_varlen' if packed else 'flash_attn'} takes {what} arrays, got q {q.shape}, "
+                         f"k {k.shape}, v {v.shape}")
+    if not packed and q.shape[0] != k.shape[0]:
+        raise ValueError(f"batch mismatch: q {q.shape[0]} vs kv {k.shape[0]}")
+    A._check_qkv(q, k, v)
+
+
+def seqlens(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k):
+    """The varlen operands as fa4-jax's ``flash_attn_varlen`` makes them, with its checks and messages:
+    ``(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)``, int32, the used lengths the slots' where not given."""
+    cu_q, cu_k = (jnp.asarray(cu) for cu in (cu_seqlens_q, cu_seqlens_k))
+    for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
+        if cu.ndim != 1 or cu.shape[0] < 2:
+            raise ValueError(f"{name} must be a 1D (batch + 1,) array with batch >= 1, got shape {cu.shape}")
+        if not jnp.issubdtype(cu.dtype, jnp.integer):
+            raise TypeError(f"{name} must be an integer array, got {cu.dtype}")
+    if cu_q.shape != cu_k.shape:
+        raise ValueError(f"cu_seqlens_q/k batch mismatch: {cu_q.shape} vs {cu_k.shape}")
+    cu_q, cu_k = cu_q.astype(jnp.int32), cu_k.astype(jnp.int32)
+    batch = cu_q.shape[0] - 1
+    used = []
+    for name, su, cu in (("seqused_q", seqused_q, cu_q), ("seqused_k", seqused_k, cu_k)):
+        if su is None:
+            used.append(cu[1:] - cu[:-1])
+            continue
+        su = jnp.asarray(su)
+        if su.ndim != 1 or su.shape[0] != batch:
+            raise ValueError(f"{name} must be a 1D (batch,) array matching cu_seqlens (batch={batch}), got shape "
+                             f"{su.shape}")
+        if not jnp.issubdtype(su.dtype, jnp.integer):
+            raise TypeError(f"{name} must be an integer array, got {su.dtype}")
+        used.append(su.astype(jnp.int32))
+    return cu_q, cu_k, *used
+
+
+def device_family() -> int:
+    """The compute capability's major of the GPU fa4-jax runs on (9: Hopper), as fa4-jax reads it."""
+    return modules()[2]._device_arch() // 10
+
+
+SINK_FAMILIES = (9, 10, 11)
+"""GPU families (compute capability majors) whose fa4-jax forward kernel takes a learnable sink: the wgmma (sm90)
+and tcgen05 (sm100, sm110) ones; the SM80-MMA forward of sm80 and sm120 asserts that there is none."""
+
+
+def _forward_with_sink(stream, tree, mO, mLSE):
+    """fa4-jax's forward launch (its ``_fa4_fwd_lse``) with the sink: a ``@cute.jit`` entry once
+    :func:`_forward_entry` wraps it."""
+    K = modules()[2]
+    wl, wr = K._windows(tree)
+    tree["fa"](
+        tree["q"], tree["k"], tree["v"], mO, mLSE, tree["scale"],
+        mCuSeqlensQ=tree.get("cu_q"), mCuSeqlensK=tree.get("cu_k"),
+        mSeqUsedQ=tree.get("su_q"), mSeqUsedK=tree.get("su_k"),
+        window_size_left=wl, window_size_right=wr, learnable_sink=tree["sink"],
+        aux_data=K._aux_data(tree), stream=stream,
+    )
+
+
+@functools.cache
+def _forward_entry():
+    """The ``@cute.jit`` entry of :func:`forward`, one object (cutejax keys its compiled kernels by it)."""
+    from cutlass import cute
+
+    return cute.jit(_forward_with_sink)
+
+
+def forward(cfg, q, k, v, sink, seqlens):
+    """fa4-jax's forward kernel with a learnable sink ``sink`` (H,): ``(out, lse)`` with the shapes, specs and
+    ``defined_padding`` fills of its ``CuteBackend.fwd_lse``; the sink-including natural-log lse."""
+    _, _, K, cutejax = modules()
+    backend = K.CuteBackend()
+    cfg = as_cute(cfg)
+    tree, specs = backend._tree(cfg, "fwd", q, k, v, (), seqlens, sink=sink)
+    out_struct, lse_struct = backend._out_struct(q, v), backend._lse_struct(q, seqlens)
+    aliases = None
+    if cfg.defined_padding and seqlens is not None:  # donated: rows no sequence uses keep 0 and -inf
+        tree["out0"] = jnp.zeros(out_struct.shape, out_struct.dtype)
+        tree["lse0"] = jnp.full(lse_struct.shape, -jnp.inf, lse_struct.dtype)
+        specs.update(out0=specs["q"], lse0=K._LSE_SPEC)
+        aliases = backend._tree_aliases(tree, out0=0, lse0=1)
+    return cutejax.call(_forward_entry(), [out_struct, lse_struct], tree, in_specs=backend._in_specs(tree, specs),
+                        out_specs=[specs["q"], K._LSE_SPEC], input_output_aliases=aliases,
+                        name="jax_dqpost_fa4_fwd_sink" + ("_dp" if aliases else ""))
 
 
 def cute_backend_class():
@@ -64,15 +175,13 @@ def cute_backend_class():
     return modules()[2].CuteBackend
 
 
-@dataclasses.dataclass(frozen=True)
-class Accumulators:
-    """What fa4-jax's backward leaves for the postprocess.
+class Accumulators(NamedTuple):
+    """What fa4-jax's backward leaves for the postprocess (a pytree).
 
     ``dq_accum``: (B, H, Sr*Dr) dense or (H, Tp*Dr) packed. Without grouped-query attention the main kernel
-    wrote ``dk``/``dv`` itself and ``dk_accum``/``dv_accum`` are None; with it, the reverse. ``dq_order`` and
-    ``dkv_order``: the ``(order_arch, tile_rows, num_threads, atom_layout, swap_ab)`` fa4-jax hands its
-    postprocess for each accumulator (``_bwd_post_params``); the head dim is padded to a multiple of 32 on every
-    path (``_round_up(d, 32)``).
+    wrote ``dk``/``dv`` itself and ``dk_accum``/``dv_accum`` are None; with it, the reverse. ``dpsum``: the
+    preprocess's ``rowsum(out * d_out)`` as the main kernel read it, (B, H, Sr) or (H, Tp). The head dim is padded to
+    a multiple of 32 on every path (``_round_up(d, 32)``); the accumulators' orders are :func:`orders`'.
     """
 
     dq_accum: object
@@ -80,8 +189,7 @@ class Accumulators:
     dv: object
     dk_accum: object
     dv_accum: object
-    dq_order: tuple
-    dkv_order: tuple
+    dpsum: object
 
 
 HDIM_MULTIPLE_OF = 32
@@ -104,13 +212,12 @@ def orders(cfg, q, k, v) -> tuple[tuple, tuple]:
     return K._bwd_post_params(plan, arch, "dq"), K._bwd_post_params(plan, arch, "dkv")
 
 
-def accumulators(cfg, q, k, v, out, lse, d_out, d_lse, aux, seqlens) -> Accumulators:
+def accumulators(cfg, q, k, v, out, lse, d_out, aux, seqlens, dpsum_delta=None) -> Accumulators:
     """fa4-jax's preprocess and main backward kernel for ``(cfg, q, k, v, out, lse, d_out)``: the same calls,
-    shapes, specs and buffer aliases as its ``CuteBackend.vjp``, without the postprocess."""
+    shapes, specs and buffer aliases as its ``CuteBackend.vjp``, without the postprocess. ``dpsum_delta`` (the
+    preprocess's ``dpsum`` shape) is subtracted from ``dpsum`` before the main kernel reads it: the lse's cotangent
+    (:func:`jax_dqpost._attention.lse_cotangent_rows`)."""
     _, _, K, cutejax = modules()
-    if d_lse is not None:
-        raise NotImplementedError("fa4-jax's backward takes no cotangent of the lse output; "
-                                  "fa4_jax.flash_attn(..., backend='reference') does")
     d_out = d_out.astype(q.dtype)
     cfg = as_cute(cfg)
     dtype, hd, hdv, ratio, arch = K._validate(cfg, "bwd", q, k, v)
@@ -151,6 +258,8 @@ def accumulators(cfg, q, k, v, out, lse, d_out, d_lse, aux, seqlens) -> Accumula
         dpsum, lse_log2, dq_accum = cutejax.call(
             K._fa4_bwd_pre, pre_outs, pre, out, d_out, lse,
             in_specs=[qkv_spec, qkv_spec, K._LSE_SPEC], out_specs=K._F32_SPEC, name="fa4_bwd_pre")
+    if dpsum_delta is not None:
+        dpsum = dpsum - dpsum_delta
 
     tail = (*seqlens, tuple(aux)) if packed else (tuple(aux),)
     tail_specs = [None] * ((4 if packed else 0) + len(aux))
@@ -168,7 +277,7 @@ def accumulators(cfg, q, k, v, out, lse, d_out, d_lse, aux, seqlens) -> Accumula
             static, q, k, v, d_out, lse_log2, dpsum, dq_accum, *given, *tail,
             in_specs=[qkv_spec] * 4 + [K._F32_SPEC] * 3 + given_specs + tail_specs,
             out_specs=[K._F32_SPEC, qkv_spec, qkv_spec], input_output_aliases=aliases, name=name)
-        return Accumulators(dq_accum, dk, dv, None, None, *orders(cfg, q, k, v))
+        return Accumulators(dq_accum, dk, dv, None, None, dpsum)
     dk_accum = jnp.zeros((*lead_k, rows_k * dr), jnp.float32)
     dv_accum = jnp.zeros((*lead_k, rows_k * dvr), jnp.float32)
     dq_accum, dk_accum, dv_accum = cutejax.call(
@@ -177,7 +286,7 @@ def accumulators(cfg, q, k, v, out, lse, d_out, d_lse, aux, seqlens) -> Accumula
         static, q, k, v, d_out, lse_log2, dpsum, dq_accum, dk_accum, dv_accum, *tail,
         in_specs=[qkv_spec] * 4 + [K._F32_SPEC] * 5 + tail_specs, out_specs=[K._F32_SPEC] * 3,
         input_output_aliases={6: 0, 7: 1, 8: 2}, name="fa4_bwd_gqa" + suffix)
-    return Accumulators(dq_accum, None, None, dk_accum, dv_accum, *orders(cfg, q, k, v))
+    return Accumulators(dq_accum, None, None, dk_accum, dv_accum, dpsum)
 
 
 def fa4_postprocess(cfg, q, k, v, acc: Accumulators, seqlens):

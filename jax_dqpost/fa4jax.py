@@ -14,9 +14,19 @@ Usage (a CUDA GPU, and fa4-jax: ``pip install fa4-jax==0.1.0``, or the ``[fa4-ja
     out = fa4jax.flash_attn(q, k, v, causal=True)          # (B, S, H, D) bf16/fp16, as fa4_jax.flash_attn
     dq, dk, dv = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)  # the backward ends in one jax-dqpost launch
 
-or ``fa4_jax.flash_attn(..., backend=fa4jax.BACKEND)`` once :func:`register` has run. What fa4-jax does not take
-(no cotangent through ``return_lse``; vmap over varlen; the head dims and GPUs its kernels refuse) this backend
-does not take either, with fa4-jax's errors.
+or ``fa4_jax.flash_attn(..., backend=fa4jax.BACKEND)`` once :func:`register` has run. The lse that ``return_lse``
+returns is differentiable: its cotangent enters the backward as ``dpsum - d_lse`` (:mod:`jax_dqpost._attention`).
+What fa4-jax does not take (vmap over varlen; the head dims and GPUs its kernels refuse) this backend does not take
+either, with fa4-jax's errors.
+
+Learnable sinks (gpt-oss): ``flash_attn(q, k, v, learnable_sink=sink)``, ``sink`` ``(H,)`` float32, bfloat16 or
+float16, one logit per query head in natural-log units (not multiplied by the softmax scale), in every row's
+softmax with no value vector: ``out_i = sum_j P_ij v_j``, ``P_ij = exp(scale * q_i k_j - lse_i)``, ``lse_i =
+log(sum_j exp(scale * q_i k_j) + exp(sink_h))``; a row with no key gets ``out = 0``, ``lse = sink_h``. The forward is
+FlashAttention-4's kernel given the sink (fa4-jax runs it without); the backward is fa4-jax's preprocess and main
+kernel, unchanged, then one jax-dqpost launch for dQ (dK, dV) and dsink. Reverse mode only (jax.grad, vjp,
+jacrev; forward mode is a ``TypeError``); vmap folds into the batch (a shared sink) or maps (a mapped sink, or
+varlen); no ``mask_mod``. On GPUs whose FlashAttention-4 forward takes a sink: Hopper (sm90) and sm100/sm110.
 
 Head dims 136..160 on Hopper (sm90): fa4-jax 0.1.0's kernels do not compile there with CuTe DSL 4.8 (its own backend
 fails the same way), and its dK/dV order under grouped-query attention is one our kernel does not take. This backend
@@ -39,8 +49,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from . import _fa4jax_internals, arch
-from .api import flash_attention_postprocess
+import numpy as np
+
+from . import _attention, _fa4jax_internals, abi, arch
+from ._checks import describe
 from .layout import ORDER_OF_FAMILY, AccumLayout
 
 __all__ = ["BACKEND", "accum_layout", "flash_attn", "flash_attn_varlen", "postprocess", "register"]
@@ -95,10 +107,19 @@ def accum_layout(order: tuple) -> AccumLayout:
                        two_cta=False, cluster_size=1)
 
 
-def _layouts(acc, head_dim: int, head_dim_v: int):
-    """``(dq_layout, dkv_layout or None)`` of ``acc``, each checked against the head dims it holds."""
-    gqa = acc.dk_accum is not None
-    dq_layout, dkv_layout = accum_layout(acc.dq_order), (accum_layout(acc.dkv_order) if gqa else None)
+def _layouts(cfg, q, k, v):
+    """``(dq_layout, dkv_layout or None)`` of the accumulators fa4-jax's backward writes for this call (dK/dV's
+    under grouped-query attention alone), each checked against the head dims it holds."""
+    dq_order, dkv_order = _fa4jax_internals.orders(cfg, q, k, v)
+    return layouts(dq_order, dkv_order if q.shape[-2] != k.shape[-2] else None, q.shape[-1], v.shape[-1])
+
+
+def layouts(dq_order: tuple, dkv_order: tuple | None, head_dim: int, head_dim_v: int):
+    """``(dq_layout, dkv_layout or None)`` of fa4-jax's postprocess configurations (:func:`accum_layout`; dkv_order
+    None: the main kernel writes dK and dV), each checked against the head dims it holds: ValueError naming them
+    where our kernel does not take the order."""
+    dq_layout = accum_layout(dq_order)
+    dkv_layout = None if dkv_order is None else accum_layout(dkv_order)
     d, d_v = head_dim, head_dim_v
     for what, layout, head_dim in (("dQ", dq_layout, d), ("dK", dkv_layout, d), ("dV", dkv_layout, d_v)):
         try:
@@ -117,18 +138,8 @@ def postprocess(cfg, q, k, v, acc, seqlens):
     """One :func:`~jax_dqpost.flash_attention_postprocess` launch for what fa4-jax's backward left (``acc``):
     ``(dq, dk, dv)``. Under grouped-query attention it converts all three; otherwise dQ alone, and dK, dV are the
     main kernel's. ValueError where fa4-jax wrote an accumulator in an order our kernel does not take."""
-    dq_layout, dkv_layout = _layouts(acc, q.shape[-1], v.shape[-1])
-    if seqlens is None:
-        q_side, k_side = dict(seqlen_q=q.shape[1]), dict(seqlen_k=k.shape[1])
-    else:
-        cu_q, cu_k, used_q, used_k = seqlens
-        q_side = dict(total_q=q.shape[0], cu_seqlens_q=cu_q, seqused_q=used_q)
-        k_side = dict(total_k=k.shape[0], cu_seqlens_k=cu_k, seqused_k=used_k)
-    common = dict(head_dim=q.shape[-1], dtype=q.dtype, dq_layout=dq_layout, **q_side)
-    if dkv_layout is None:  # the main kernel wrote dK and dV itself
-        return flash_attention_postprocess(acc.dq_accum, None, None, cfg.scale, **common).dq, acc.dk, acc.dv
-    grads = flash_attention_postprocess(acc.dq_accum, acc.dk_accum, acc.dv_accum, cfg.scale, **common, **k_side,
-                                        head_dim_v=v.shape[-1], dkv_layout=dkv_layout)
+    dq_layout, dkv_layout = _layouts(cfg, q, k, v)
+    grads = _attention.finish(acc, q, k, v, seqlens, scale=cfg.scale, dq_layout=dq_layout, dkv_layout=dkv_layout)
     return grads.dq, grads.dk, grads.dv
 
 
@@ -157,9 +168,13 @@ def register():
                 return super().tangent(_fa4jax_internals.as_cute(cfg), q, k, v, *args, **kwargs)
 
         def vjp(self, cfg, q, k, v, out, lse, d_out, d_lse, aux, seqlens=None):
+            dq_layout, dkv_layout = _layouts(cfg, q, k, v)
+            delta = None if d_lse is None else _attention.lse_cotangent_rows(d_lse, dq_layout, seqlens)
             with _compiling(q, v):
-                acc = _fa4jax_internals.accumulators(cfg, q, k, v, out, lse, d_out, d_lse, aux, seqlens)
-            return postprocess(cfg, q, k, v, acc, seqlens)
+                acc = _fa4jax_internals.accumulators(cfg, q, k, v, out, lse, d_out, aux, seqlens, delta)
+            grads = _attention.finish(acc, q, k, v, seqlens, scale=cfg.scale, dq_layout=dq_layout,
+                                      dkv_layout=dkv_layout)
+            return grads.dq, grads.dk, grads.dv
 
     _fa4jax_internals.register_backend(BACKEND, Backend())
     return fa4_jax
@@ -176,8 +191,8 @@ def _ready(kwargs):
 
 
 def _run(attention, q, k, v, *args, **kwargs):
-    """``attention(q, k, v, *args, backend=BACKEND, **kwargs)`` at the head dims fa4-jax's kernels compile for
-    (padded where they do not: the module docstring)."""
+    """``attention(q, k, v, *args, **kwargs)`` at the head dims fa4-jax's kernels compile for (padded where they do
+    not: the module docstring)."""
     family = int(str(arch.cuda_devices()[0].compute_capability).split(".")[0]) if arch.cuda_devices() else 0
     d, d_v = q.shape[-1], v.shape[-1]
     to, to_v = padded_head_dims(d, d_v, family)
@@ -187,7 +202,7 @@ def _run(attention, q, k, v, *args, **kwargs):
 
         q, k, v = pad(q, to), pad(k, to), pad(v, to_v)
         kwargs = {**kwargs, "scale": d ** -0.5 if kwargs.get("scale") is None else kwargs["scale"]}
-    result = attention(q, k, v, *args, backend=BACKEND, **kwargs)
+    result = attention(q, k, v, *args, **kwargs)
     if to_v == d_v:
         return result
     if kwargs.get("return_lse"):
@@ -195,18 +210,107 @@ def _run(attention, q, k, v, *args, **kwargs):
     return result[..., :d_v]
 
 
-def flash_attn(q, k, v, **kwargs):
+def _with_backend(attention):
+    return functools.partial(attention, backend=BACKEND)
+
+
+_SINK_KEYWORDS = ("causal", "window_size", "scale", "return_lse")
+_SINK_VARLEN_KEYWORDS = ("seqused_q", "seqused_k", "defined_padding")
+
+
+def check_sink(sink, q, kwargs, packed: bool):
+    """The arguments of a call with a learnable sink, checked before anything runs (fa4-jax and a GPU needed by
+    none of the checks): the sink, an array of one of its dtypes and shape ``(H,)``, as an array; a one-line error
+    naming the argument otherwise."""
+    allowed = _SINK_KEYWORDS + (_SINK_VARLEN_KEYWORDS if packed else ())
+    if kwargs.get("mask_mod") is not None:
+        raise ValueError("mask_mod with learnable_sink is not supported by jax_dqpost.fa4jax; pass one or the other")
+    unknown = sorted(set(kwargs) - set(allowed) - {"mask_mod", "backend"})
+    if unknown:
+        raise TypeError(f"{'flash_attn_varlen' if packed else 'flash_attn'}() got unexpected keyword argument(s) "
+                        f"{', '.join(unknown)}; with learnable_sink it takes {', '.join(allowed)}")
+    dtype = getattr(sink, "dtype", None)
+    if dtype is None or np.dtype(dtype) not in abi.SINK_DTYPES:
+        raise TypeError("learnable_sink must be a float32, bfloat16 or float16 array of shape (heads,), got "
+                        + (describe(sink) if dtype is None else f"dtype {np.dtype(dtype)}"))
+    heads = q.shape[-2] if getattr(q, "ndim", 0) >= 2 else None
+    if tuple(sink.shape) != (heads,):
+        raise ValueError(f"learnable_sink must have shape ({heads},), one logit per query head of q "
+                         f"{tuple(getattr(q, 'shape', ()))}, got shape {tuple(sink.shape)}")
+    return jnp.asarray(sink)
+
+
+def check_sink_gpu(family: int):
+    """ValueError unless FlashAttention-4's forward takes a learnable sink on GPUs of compute capability ``family``."""
+    if family not in _fa4jax_internals.SINK_FAMILIES:
+        raise ValueError(f"learnable_sink: FlashAttention-4's forward on {_gpu()} (compute capability {family}.x) "
+                         "takes no learnable sink; the sm90 (Hopper) and sm100/sm110 ones do")
+
+
+def _with_sink(packed: bool):
+    """The attention with a learnable sink, as :func:`_run` calls it (module docstring)."""
+
+    def attention(q, k, v, *cu_seqlens, learnable_sink, causal=False, window_size=None, scale=None,
+                  return_lse=False, seqused_q=None, seqused_k=None, defined_padding=False):
+        seqlens = _fa4jax_internals.seqlens(*cu_seqlens, seqused_q, seqused_k) if packed else None
+        cfg = _fa4jax_internals.config(q, causal=causal, window_size=window_size, scale=scale, varlen=packed,
+                                       defined_padding=defined_padding)
+        dq_layout, dkv_layout = _layouts(cfg, q, k, v)
+        call = _attention.Call(KERNELS, cfg, cfg.scale, dq_layout, dkv_layout)
+        out, lse = _attention.attention(call, q, k, v, learnable_sink, seqlens)
+        return (out, lse) if return_lse else out
+
+    return attention
+
+
+def _sink_call(packed: bool, q, k, v, cu_seqlens, sink, kwargs):
+    """The checks, then :func:`_run` of :func:`_with_sink`."""
+    sink = check_sink(sink, q, kwargs, packed)
+    kwargs = {key: value for key, value in kwargs.items() if key != "mask_mod"}
+    _ready(kwargs)
+    _fa4jax_internals.check_qkv(q, k, v, packed)
+    check_sink_gpu(_fa4jax_internals.device_family())
+    return _run(_with_sink(packed), q, k, v, *cu_seqlens, learnable_sink=sink, **kwargs)
+
+
+class _Kernels:
+    """fa4-jax's kernels as :mod:`jax_dqpost._attention`'s producer: its forward kernel given the sink, its backward's
+    preprocess and main kernel as they are (compile failures as :func:`_compiling` words them)."""
+
+    def forward(self, cfg, q, k, v, sink, seqlens):
+        with _compiling(q, v):
+            return _fa4jax_internals.forward(cfg, q, k, v, sink, seqlens)
+
+    def accumulators(self, cfg, q, k, v, out, lse, d_out, dpsum_delta, seqlens):
+        with _compiling(q, v):
+            return _fa4jax_internals.accumulators(cfg, q, k, v, out, lse, d_out, (), seqlens, dpsum_delta)
+
+
+KERNELS = _Kernels()
+
+
+def flash_attn(q, k, v, *, learnable_sink=None, **kwargs):
     """``fa4_jax.flash_attn(q, k, v, **kwargs)`` on this backend: q ``(B, S, H, D)``, k ``(B, Sk, Hkv, D)``,
     v ``(B, Sk, Hkv, Dv)`` in bf16/fp16, ``Hkv`` dividing ``H``; returns ``(B, S, H, Dv)`` (and the lse
-    ``(B, H, S)`` with ``return_lse=True``). Keywords as fa4-jax's (``causal``, ``window_size``, ``scale``,
-    ``mask_mod``, ``return_lse``), except ``backend``. Head dims 136..160 run padded on Hopper (module docstring)."""
-    return _run(_ready(kwargs).flash_attn, q, k, v, **kwargs)
+    ``(B, H, S)``, float32 natural log, with ``return_lse=True``). Keywords as fa4-jax's (``causal``,
+    ``window_size``, ``scale``, ``mask_mod``, ``return_lse``), except ``backend``. Head dims 136..160 run padded on
+    Hopper (module docstring).
+
+    ``learnable_sink``: ``(H,)`` float32, bfloat16 or float16, one logit per query head in every softmax row
+    (module docstring); its gradient comes from the same launch as dQ's. With it: no ``mask_mod``, reverse-mode
+    differentiation only, GPUs sm90 and sm100/sm110."""
+    if learnable_sink is not None:
+        return _sink_call(False, q, k, v, (), learnable_sink, kwargs)
+    return _run(_with_backend(_ready(kwargs).flash_attn), q, k, v, **kwargs)
 
 
-def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, **kwargs):
+def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, learnable_sink=None, **kwargs):
     """``fa4_jax.flash_attn_varlen`` on this backend: packed q ``(T, H, D)``, k ``(Tk, Hkv, D)``, v ``(Tk, Hkv,
-    Dv)``, int32 ``cu_seqlens_q``/``cu_seqlens_k`` ``(B + 1,)`` (traced or not); returns ``(T, H, Dv)``. Keywords
-    as fa4-jax's (``seqused_q``, ``seqused_k``, ``defined_padding``, ...), except ``backend``. Rows of dq (and of
-    dk, dv under grouped-query attention) that no sequence uses are 0 whatever ``defined_padding`` says; fa4-jax
+    Dv)``, int32 ``cu_seqlens_q``/``cu_seqlens_k`` ``(B + 1,)`` (traced or not); returns ``(T, H, Dv)`` (and the lse
+    ``(H, T)`` with ``return_lse=True``). Keywords as fa4-jax's (``seqused_q``, ``seqused_k``,
+    ``defined_padding``, ...), except ``backend``; ``learnable_sink`` as in :func:`flash_attn`. Rows of dq (and of dk,
+    dv under grouped-query attention) that no sequence uses are 0 whatever ``defined_padding`` says; fa4-jax
     leaves them unspecified without it. Head dims 136..160 run padded on Hopper (module docstring)."""
-    return _run(_ready(kwargs).flash_attn_varlen, q, k, v, cu_seqlens_q, cu_seqlens_k, **kwargs)
+    if learnable_sink is not None:
+        return _sink_call(True, q, k, v, (cu_seqlens_q, cu_seqlens_k), learnable_sink, kwargs)
+    return _run(_with_backend(_ready(kwargs).flash_attn_varlen), q, k, v, cu_seqlens_q, cu_seqlens_k, **kwargs)

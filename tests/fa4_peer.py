@@ -89,14 +89,19 @@ def to_numpy(t):
     return t.detach().cpu().numpy()
 
 
-def attention_grads(q, k, v, d_out, *, causal: bool, scale: float, sink=None, dtype=None):
-    """The gradients of plain attention, ``softmax(scale * q k^T) v`` (with a learnable sink: one more logit per
-    head in the softmax's denominator, attending to nothing), by torch autograd in ``dtype`` (float32, float64, or
-    the inputs' own for the low-precision reference): ``{"dq", "dk", "dv"[, "dsink"]}`` in the inputs' shapes.
+def attention_grads(q, k, v, d_out, *, causal: bool, scale: float, sink=None, dtype=None, window=(None, None),
+                    d_lse=None):
+    """Plain attention, ``softmax(scale * q k^T) v`` (with a learnable sink: one more logit per head in the softmax's
+    denominator, attending to nothing), and its gradients by torch autograd in ``dtype`` (float32, float64, or the
+    inputs' own for the low-precision reference): ``{"out", "lse", "dq", "dk", "dv"[, "dsink", "dsink_terms"]}``, out
+    and the gradients in the inputs' shapes, lse ``(B, H, S)``; ``dsink_terms`` is ``sum_rows |d dsink|``, the scale
+    of dsink's sum.
 
-    ``q`` ``(B, S, H, D)``, ``k`` ``(B, Sk, Hkv, D)``, ``v`` ``(B, Sk, Hkv, Dv)``, ``d_out`` ``(B, S, H, Dv)``; query
-    head ``h`` uses key/value head ``h // (H / Hkv)``. ``causal``: FlashAttention's bottom-right alignment, query
-    ``i`` attends to keys ``j <= i + Sk - S``."""
+    ``q`` ``(B, S, H, D)``, ``k`` ``(B, Sk, Hkv, D)``, ``v`` ``(B, Sk, Hkv, Dv)``, ``d_out`` ``(B, S, H, Dv)``, and
+    ``d_lse`` ``(B, H, S)`` (None: 0) the lse's cotangent; query head ``h`` uses key/value head ``h // (H / Hkv)``.
+    FlashAttention's bottom-right alignment: query ``i`` sits at key position ``i + Sk - S`` and sees key ``j`` where
+    ``-right <= i + Sk - S - j <= left`` for ``window = (left, right)`` (None: unbounded; ``causal``: right = 0). A
+    sink of -inf is taken as -1e4 (the same where a row has a key, and no NaN where it has none)."""
     import torch
 
     dtype = dtype or q.dtype
@@ -106,17 +111,32 @@ def attention_grads(q, k, v, d_out, *, causal: bool, scale: float, sink=None, dt
     kk, vv = kk.repeat_interleave(group, dim=2), vv.repeat_interleave(group, dim=2)
     s = torch.einsum("bshd,bthd->bhst", qq, kk) * scale
     seqlen, seqlen_k = q.shape[1], k.shape[1]
-    if causal:
-        i = torch.arange(seqlen, device=q.device)[:, None]
-        j = torch.arange(seqlen_k, device=q.device)[None, :]
-        s = s.masked_fill(j > i + seqlen_k - seqlen, float("-inf"))
+    left, right = window
+    right = 0 if causal else right
+    i = torch.arange(seqlen, device=q.device)[:, None] + seqlen_k - seqlen
+    j = torch.arange(seqlen_k, device=q.device)[None, :]
+    hidden = torch.zeros((seqlen, seqlen_k), dtype=torch.bool, device=q.device)
+    if left is not None:
+        hidden |= i - j > left
+    if right is not None:
+        hidden |= j - i > right
+    s = s.masked_fill(hidden, float("-inf"))
     if sink is not None:
-        sink_leaf = sink.detach().to(dtype).requires_grad_()
+        sink_leaf = sink.detach().to(dtype).clamp(min=-1e4).requires_grad_()
         leaves.append(sink_leaf)
         column = sink_leaf.view(1, -1, 1, 1).expand(s.shape[0], s.shape[1], s.shape[2], 1)
-        p = torch.softmax(torch.cat([s, column], dim=-1), dim=-1)[..., :seqlen_k]
+        logits = torch.cat([s, column], dim=-1)
     else:
-        p = torch.softmax(s, dim=-1)
+        logits = s
+    lse = torch.logsumexp(logits, dim=-1)
+    p = torch.softmax(logits, dim=-1)[..., :seqlen_k]
     out = torch.einsum("bhst,bthd->bshd", p, vv)
-    grads = torch.autograd.grad(out, leaves, d_out.to(dtype))
-    return dict(zip(("dq", "dk", "dv", "dsink"), grads))
+    grads = torch.autograd.grad([out, lse], leaves, [d_out.to(dtype), torch.zeros_like(lse) if d_lse is None
+                                                     else d_lse.to(dtype)], allow_unused=True)
+    result = dict(zip(("dq", "dk", "dv", "dsink"), grads), out=out.detach(), lse=lse.detach())
+    if sink is not None:
+        with torch.no_grad():
+            p_sink = torch.exp(sink_leaf.view(1, -1, 1) - lse)
+            rows = (out * d_out.to(dtype)).sum(-1).transpose(1, 2) - (0 if d_lse is None else d_lse.to(dtype))
+            result["dsink_terms"] = (p_sink * rows).abs().sum(dim=(0, 2))
+    return result

@@ -30,6 +30,15 @@ def test_train_step():
     assert "gradient vs plain autodiff" in out.stdout and PRODUCER in out.stdout, out.stdout
 
 
+def test_gpt_oss_sinks():
+    """gpt-oss's attention with sinks trains (FlashAttention-4's kernels where fa4-jax runs, else plain jax.numpy)."""
+    out = subprocess.run([sys.executable, str(EXAMPLES / "gpt_oss_sinks.py")], capture_output=True, text=True,
+                         cwd="/", timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:] + out.stdout[-2000:]
+    attention = "attention: fa4-jax's" if PRODUCER == "producer: fa4-jax" else "attention: plain jax.numpy"
+    assert "gradients vs plain attention with a sink column" in out.stdout and attention in out.stdout, out.stdout
+
+
 def test_gqa_postprocess():
     out = subprocess.run([sys.executable, str(EXAMPLES / "gqa_postprocess.py")], capture_output=True, text=True,
                          cwd="/", timeout=600)

@@ -128,7 +128,7 @@ def _finish_both_ways(q, k, v, d_out, seqlens, *, causal, packed):
     else:
         out, lse = fa4_jax.reference_attn(q, k, v, causal=causal, return_lse=True)
     cfg = _fa4jax_internals.config(q, causal=causal, varlen=packed)
-    acc = _fa4jax_internals.accumulators(cfg, q, k, v, out.astype(q.dtype), lse, d_out, None, (), seqlens)
+    acc = _fa4jax_internals.accumulators(cfg, q, k, v, out.astype(q.dtype), lse, d_out, (), seqlens)
     return (_fa4jax_internals.fa4_postprocess(cfg, q, k, v, acc, seqlens),
             fa4jax.postprocess(cfg, q, k, v, acc, seqlens), acc.dq_accum)
 
@@ -272,10 +272,8 @@ def test_varlen_grad_equals_fa4jax(rng, heads_kv, defined_padding):
 def test_an_order_our_kernel_does_not_take_is_refused_naming_the_head_dims():
     """On sm90 fa4-jax writes dK/dV of grouped-query attention at head dims 136..160 with 96-row tiles over two
     warpgroups, swapped: the MMA's M mode is the head dim padded to 160, not a whole number of 64-row WGMMA atoms."""
-    q = jax.ShapeDtypeStruct((1, 128, 4, 160), jnp.bfloat16)
-    k = jax.ShapeDtypeStruct((1, 128, 2, 160), jnp.bfloat16)
-    acc = _fa4jax_internals.Accumulators(jnp.zeros((1, 4, 128 * 160)), None, None, jnp.zeros((1, 2, 192 * 160)),
-                                         jnp.zeros((1, 2, 192 * 160)), (90, 64, 256, 1, False), (90, 96, 256, 2, True))
     with pytest.raises(ValueError, match=r"fa4-jax's dK accumulator for head_dim=160, head_dim_v=160") as info:
-        fa4jax.postprocess(None, q, k, k, acc, None)
+        fa4jax.layouts((90, 64, 256, 1, False), (90, 96, 256, 2, True), 160, 160)
     assert "backend='cute'" in str(info.value) and "\n" not in str(info.value)
+    dq_layout, dkv_layout = fa4jax.layouts((90, 64, 256, 1, False), None, 160, 160)  # dK, dV the main kernel's
+    assert dq_layout == AccumLayout(90, 64, 256, 1, False, 32) and dkv_layout is None

@@ -1,0 +1,317 @@
+"""Learnable sinks through ``jax_dqpost.fa4jax`` on a CUDA GPU (fa4-jax 0.1.0 and torch): FlashAttention-4's forward
+kernel given the sink, fa4-jax's backward kernels, one jax-dqpost launch for dQ (dK, dV) and dsink, against plain
+attention with a sink column.
+
+The reference is torch autograd (``fa4_peer.attention_grads``) on the same bf16/fp16 inputs in float32 (float64 for
+dsink), per packed sequence; the bound is tests/test_gradients.py's (FlashAttention's own): twice the error of the
+same computation in the inputs' dtype plus twice the float32 rounding at the reference's magnitude, for out, lse,
+dq, dk, dv and dsink; dsink also within a relative bound of its sum's scale (``sum_rows |P_sink (D - d_lse)|``),
+which a bf16-scaled bound alone would not make tight. Sinks N(0, 2), +20 and -inf; -inf gives the out bits of
+fa4-jax's own attention without a sink and its lse within 2 ulp. The cross product of grouping, masking and packing
+at head dims 64 and 128; one case for every other head dim fa4-jax runs on Hopper (136..160 padded).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import HAS_GPU
+import fa4_peer
+from support import bits, cu_seqlens
+
+HAS_FA4JAX = importlib.util.find_spec("fa4_jax") is not None
+pytestmark = pytest.mark.skipif(not (HAS_GPU and HAS_FA4JAX and importlib.util.find_spec("torch")),
+                                reason="needs a CUDA GPU, fa4-jax (Python >= 3.12) and torch")
+
+H = 8
+B, S, SK = 2, 300, 333  # no tile divides them; causal rows all see a key
+S_CAUSAL_SHORT_K = 333, 290  # dense causal with S > Sk: rows 0..42 see no key (lse = the sink)
+LENS_Q, LENS_K = (127, 0, 200, 61, 1), (150, 5, 180, 61, 1)  # a zero-length sequence; 200 > 180: rows with no key
+USED_Q, USED_K = (127, 0, 190, 61, 1), (150, 5, 180, 40, 1)
+MASKS = {"full": dict(), "causal": dict(causal=True), "local": dict(window_size=(128, 0))}  # gpt-oss's window
+HEADS_KV = {"mha": H, "gqa": 2, "mqa": 1}
+RTOL = dict(out=2, lse=2, dq=2, dk=2, dv=2, dsink=4)
+DSINK_REL = 2 ** -8
+"""dsink's error against float64, relative to its sum's scale: bf16 rounding of out (read by the preprocess's dpsum)
+is 2^-9 relative per row; a wrong row, sign or lse is far above."""
+
+
+def _cases():
+    out = []
+    for d in (64, 128):
+        for grouping in HEADS_KV:
+            for mask in MASKS:
+                for packing in ("dense", "varlen"):
+                    out.append(dict(head_dim=d, grouping=grouping, mask=mask, packing=packing, dtype="bf16"))
+    others = [d for d in range(8, 257, 8) if d not in (64, 128)]
+    for i, d in enumerate(others):  # one each, through the combinations in turn
+        out.append(dict(head_dim=d, grouping=list(HEADS_KV)[i % 3], mask=list(MASKS)[i % 3],
+                        packing=("dense", "varlen")[i % 2], dtype="bf16"))
+    out += [dict(head_dim=128, grouping="gqa", mask="causal", packing="dense", dtype="fp16"),
+            dict(head_dim=64, grouping="gqa", mask="local", packing="varlen", dtype="fp16", sink_dtype="bf16"),
+            dict(head_dim=64, grouping="mha", mask="causal", packing="dense", dtype="bf16", sink_dtype="fp16",
+                 short_k=True),
+            dict(head_dim=128, grouping="mqa", mask="causal", packing="varlen", dtype="bf16", static=True)]
+    return out
+
+
+def case_id(c) -> str:
+    extra = [f"sink-{c['sink_dtype']}"] if c.get("sink_dtype") else []
+    extra += ["s-gt-sk"] if c.get("short_k") else []
+    extra += ["static"] if c.get("static") else []
+    return "-".join([f"hd{c['head_dim']}", c["grouping"], c["mask"], c["packing"], c["dtype"], *extra])
+
+
+CASES = _cases()
+DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16}
+
+
+def _inputs(torch, seed, c):
+    """Torch tensors on the GPU: q, k, v, d_out, d_lse (lse-shaped: (B, H, S) or (H, T)), in the case's dtype."""
+    gen = torch.Generator(device="cuda").manual_seed(seed % 2**31)
+    dtype = getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[c["dtype"]])
+
+    def randn(*shape, dtype=dtype):
+        return torch.randn(*shape, generator=gen, device="cuda", dtype=dtype)
+
+    hk, d = HEADS_KV[c["grouping"]], c["head_dim"]
+    if c["packing"] == "varlen":
+        rows_q, rows_k = (sum(LENS_Q),), (sum(LENS_K),)
+        lse_shape = (H, sum(LENS_Q))
+    else:
+        s, s_k = S_CAUSAL_SHORT_K if c.get("short_k") else (S, SK)
+        rows_q, rows_k, lse_shape = (B, s), (B, s_k), (B, H, s)
+    return (randn(*rows_q, H, d), randn(*rows_k, hk, d), randn(*rows_k, hk, d), randn(*rows_q, H, d),
+            randn(*lse_shape, dtype=torch.float32))
+
+
+def _reference(torch, q, k, v, d_out, d_lse, sink, c, dtype):
+    """fa4_peer.attention_grads per sequence (packed: the used rows of each), in the inputs' layout: out and lse
+    where a sequence uses the row, gradients on the used rows (others 0), dsink summed."""
+    kw = dict(scale=c["head_dim"] ** -0.5, dtype=dtype, **{"causal": False, "window": (None, None)})
+    mask = MASKS[c["mask"]]
+    kw.update(causal=mask.get("causal", False), window=mask.get("window_size", (None, None)))
+    if c["packing"] == "dense":
+        return fa4_peer.attention_grads(q, k, v, d_out, sink=sink, d_lse=d_lse, **kw)
+    cu_q, cu_k = cu_seqlens(LENS_Q), cu_seqlens(LENS_K)
+    out = {name: torch.zeros_like(x, dtype=dtype) for name, x in (("out", d_out), ("dq", q), ("dk", k), ("dv", v))}
+    out["lse"] = torch.zeros(d_lse.shape, dtype=dtype, device="cuda")
+    out["dsink"] = out["dsink_terms"] = 0
+    for b in range(len(LENS_Q)):
+        rq = slice(int(cu_q[b]), int(cu_q[b]) + USED_Q[b])
+        rk = slice(int(cu_k[b]), int(cu_k[b]) + USED_K[b])
+        if USED_Q[b] == 0:
+            continue
+        part = fa4_peer.attention_grads(q[rq][None], k[rk][None], v[rk][None], d_out[rq][None], sink=sink,
+                                        d_lse=None if d_lse is None else d_lse[:, rq][None], **kw)
+        for name, rows in (("out", rq), ("dq", rq), ("dk", rk), ("dv", rk)):
+            out[name][rows] = part[name][0]
+        out["lse"][:, rq] = part["lse"][0]
+        out["dsink"] = out["dsink"] + part["dsink"]
+        out["dsink_terms"] = out["dsink_terms"] + part["dsink_terms"]
+    return out
+
+
+def _used(c, side):
+    """Boolean rows a sequence uses (packed), or None (dense: all)."""
+    if c["packing"] == "dense":
+        return None
+    lens, used = (LENS_Q, USED_Q) if side == "q" else (LENS_K, USED_K)
+    mask = np.zeros(sum(lens), bool)
+    for start, n in zip(cu_seqlens(lens)[:-1], used):
+        mask[start:start + n] = True
+    return mask
+
+
+def _run(c, q, k, v, sink, d_out, d_lse):
+    """Ours, jitted, offsets traced (static with ``c['static']``): ``(out, lse, dq, dk, dv, dsink)``; without
+    ``d_lse`` the lse is not returned by the function differentiated (its cotangent is a symbolic zero)."""
+    from jax_dqpost import fa4jax
+
+    packed = c["packing"] == "varlen"
+    kw = MASKS[c["mask"]]
+    cu_q, cu_k = cu_seqlens(LENS_Q), cu_seqlens(LENS_K)
+    used = dict(seqused_q=np.asarray(USED_Q, np.int32), seqused_k=np.asarray(USED_K, np.int32))
+
+    def attention(q, k, v, sink, offsets):
+        if packed:
+            cq, ck, uq, uk = offsets if offsets is not None else (cu_q, cu_k, used["seqused_q"], used["seqused_k"])
+            return fa4jax.flash_attn_varlen(q, k, v, cq, ck, seqused_q=uq, seqused_k=uk, learnable_sink=sink,
+                                            return_lse=True, **kw)
+        return fa4jax.flash_attn(q, k, v, learnable_sink=sink, return_lse=True, **kw)
+
+    @jax.jit
+    def run(q, k, v, sink, d_out, d_lse, offsets):
+        if d_lse is None:
+            out, lse = attention(q, k, v, sink, offsets)
+            _, vjp = jax.vjp(lambda *a: attention(*a, offsets)[0], q, k, v, sink)
+            return (out, lse, *vjp(d_out))
+        (out, lse), vjp = jax.vjp(lambda *a: attention(*a, offsets), q, k, v, sink)
+        return (out, lse, *vjp((d_out, d_lse)))
+
+    offsets = None if c.get("static") or not packed else tuple(
+        jnp.asarray(x, jnp.int32) for x in (cu_q, cu_k, used["seqused_q"], used["seqused_k"]))
+    return run(q, k, v, sink, d_out, d_lse, offsets)
+
+
+def _fa4jax_without_sink(c, q, k, v):
+    """fa4-jax's own attention (its kernel backend), no sink: ``(out, lse)``."""
+    import fa4_jax
+
+    kw = dict(MASKS[c["mask"]], backend="cute", return_lse=True)
+    if c["packing"] == "varlen":
+        cu_q, cu_k = (jnp.asarray(cu_seqlens(x)) for x in (LENS_Q, LENS_K))
+        return jax.jit(lambda q, k, v: fa4_jax.flash_attn_varlen(
+            q, k, v, cu_q, cu_k, seqused_q=jnp.asarray(USED_Q, jnp.int32), seqused_k=jnp.asarray(USED_K, jnp.int32),
+            **kw))(q, k, v)
+    return jax.jit(lambda q, k, v: fa4_jax.flash_attn(q, k, v, **kw))(q, k, v)
+
+
+def _rounding(x, dtype) -> float:
+    """Twice the rounding error of ``x`` (float64 numpy) in ``dtype``: the atol a result of that type needs."""
+    return 2 * float(np.max(np.abs(np.asarray(x).astype(dtype).astype(np.float64) - x), initial=0))
+
+
+def _judge(got, ref, low, name, rows):
+    """``(error, tolerance)`` of one tensor on ``rows`` (None: all; rows where the reference is finite)."""
+    g = np.asarray(got).astype(np.float64)
+    r, lo = (np.asarray(x.detach().cpu().double().numpy()) for x in (ref, low))
+    if rows is not None:
+        g, r, lo = (x[..., rows] if name == "lse" else x[rows] for x in (g, r, lo))
+    keep = np.isfinite(r) & ((r > -1e3) if name == "lse" else True)  # lse: not the rows only a -inf sink sees
+    g, r, lo = g[keep], r[keep], lo[keep]
+    atol = _rounding(r, np.float32) + _rounding(r, np.asarray(got).dtype)
+    return float(np.max(np.abs(g - r), initial=0)), RTOL[name] * float(np.max(np.abs(lo - r), initial=0)) + atol
+
+
+SINKS = ("normal", "+20", "-inf")
+
+
+@pytest.mark.parametrize("c", CASES, ids=[case_id(c) for c in CASES])
+def test_attention_with_a_sink_is_right(seed, c):
+    """Forward and backward for sinks N(0, 2) (with a cotangent on the lse), +20 and -inf (the out cotangent alone),
+    against the reference (module docstring)."""
+    import torch
+
+    tq, tk, tv, td, tdl = _inputs(torch, seed, c)
+    q, k, v, d_out = (jnp.asarray(fa4_peer.to_numpy(t)) for t in (tq, tk, tv, td))
+    d_lse = jnp.asarray(tdl.cpu().numpy())
+    sink_torch = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(c.get("sink_dtype"), torch.float32)
+    gen = torch.Generator(device="cuda").manual_seed((seed + 1) % 2**31)
+    low_dtype = tq.dtype
+    rows_q, rows_k = _used(c, "q"), _used(c, "k")
+    failures = {}
+    for value in SINKS:
+        sink = {"normal": torch.randn(H, generator=gen, device="cuda") * 2, "+20": torch.full((H,), 20.0),
+                "-inf": torch.full((H,), float("-inf"))}[value].to("cuda", sink_torch)
+        with_lse = value == "normal"
+        got = _run(c, q, k, v, jnp.asarray(fa4_peer.to_numpy(sink)), d_out, d_lse if with_lse else None)
+        out, lse, dq, dk, dv, dsink = got
+        assert dsink.dtype == jnp.dtype(fa4_peer.to_numpy(sink).dtype) and dsink.shape == (H,)
+        refs = {dt: _reference(torch, tq, tk, tv, td, tdl if with_lse else None, sink.float(), c, dt)
+                for dt in (torch.float32, torch.float64, low_dtype)}
+        for name, g, rows in (("out", out, rows_q), ("lse", lse, rows_q), ("dq", dq, rows_q), ("dk", dk, rows_k),
+                              ("dv", dv, rows_k), ("dsink", dsink, None)):
+            ref = refs[torch.float64 if name == "dsink" else torch.float32][name]
+            err, tol = _judge(g, ref, refs[low_dtype][name], name, rows)
+            if not err <= tol:
+                failures[f"{value} {name}"] = (err, tol)
+        terms = refs[torch.float64]["dsink_terms"].cpu().numpy()
+        dsink_err = np.abs(np.asarray(dsink, np.float64) - refs[torch.float64]["dsink"].cpu().numpy())
+        if not np.all(dsink_err <= DSINK_REL * terms + _rounding(terms, np.asarray(dsink).dtype)):
+            failures[f"{value} dsink relative"] = (float(np.max(dsink_err / np.maximum(terms, 1e-30))), DSINK_REL)
+        # Rows no sequence uses: dq 0 (and dk, dv under grouped-query attention, which our op writes).
+        for name, g, rows in (("dq", dq, rows_q),) + ((("dk", dk, rows_k), ("dv", dv, rows_k))
+                                                      if c["grouping"] != "mha" else ()):
+            if rows is not None:
+                assert not np.asarray(g)[~rows].any(), f"{value}: {name} on rows no sequence uses"
+        # Rows with no key: out 0 and lse the sink (within 2 ulp; -inf for a -inf sink).
+        # Rows with no key and a -inf sink: lse -inf (the reference's is its -1e4 sink); out is judged above.
+        if value == "-inf":
+            no_key = refs[torch.float32]["lse"].cpu().numpy() < -1e3
+            if rows_q is not None:
+                no_key &= rows_q[None]
+            assert np.all(np.asarray(lse)[no_key] == -np.inf), "lse of rows with no key and a -inf sink"
+        if value == "-inf" and c["head_dim"] in (64, 128) and not c.get("sink_dtype") and c["dtype"] == "bf16":
+            own_out, own_lse = _fa4jax_without_sink(c, q, k, v)
+            keep = slice(None) if rows_q is None else rows_q
+            np.testing.assert_array_equal(bits(out)[keep], bits(own_out)[keep], err_msg="-inf sink: out")
+            a, b_ = (np.asarray(x)[..., keep] for x in (lse, own_lse))
+            ulps = np.abs(a.view(np.int32).astype(np.int64) - b_.view(np.int32).astype(np.int64))
+            assert np.all((a == b_) | (ulps <= 2)), f"-inf sink: lse {int(ulps.max())} ulp from fa4-jax's own"
+    assert not failures, f"{case_id(c)}: beyond the tolerance against the mathematics: {failures}"
+
+
+# ---- transformations with the real kernels
+
+def _small(rng, heads_kv, batch=2):
+    """Sequences of 64 rows: one q tile and one kv tile per head, so each accumulator element sums at most two terms
+    and two backward runs agree bit for bit (tests/test_fa4jax.py)."""
+    def arr(*shape, dtype=jnp.bfloat16):
+        return jnp.asarray(rng.standard_normal(shape), dtype)
+    return (arr(batch, 64, 4, 64), arr(batch, 64, heads_kv, 64), arr(batch, 64, heads_kv, 64),
+            arr(4, dtype=jnp.float32) * 2, arr(batch, 64, 4, 64, dtype=jnp.float32))
+
+
+def _loss(q, k, v, sink, w):
+    from jax_dqpost import fa4jax
+
+    return jnp.sum(fa4jax.flash_attn(q, k, v, learnable_sink=sink, causal=True).astype(jnp.float32) * w)
+
+
+def _same(got, want, what):
+    for i, (g, w) in enumerate(zip(got, want)):
+        np.testing.assert_array_equal(bits(g), bits(w), err_msg=f"{what}: gradient {i}")
+
+
+@pytest.mark.parametrize("heads_kv", [4, 2], ids=["mha", "gqa"])
+def test_vmap_remat_and_the_sink_alone(rng, heads_kv):
+    """vmap of grad with a shared sink (folded into the batch: per-example dsink), remat, and the sink's gradient
+    alone give the bits of the plain gradient; forward mode is one TypeError."""
+    from jax_dqpost import _attention
+
+    grad = jax.grad(_loss, argnums=(0, 1, 2, 3))
+    q, k, v, sink, w = _small(rng, heads_kv)
+    q2, k2, v2, _, w2 = _small(rng, heads_kv)
+    stacked = [jnp.stack(pair) for pair in ((q, q2), (k, k2), (v, v2), (w, w2))]
+    batched = jax.jit(jax.vmap(grad, in_axes=(0, 0, 0, None, 0)))(*stacked[:3], sink, stacked[3])
+    for i, args in enumerate(((q, k, v, sink, w), (q2, k2, v2, sink, w2))):
+        one = jax.jit(grad)(*args)
+        _same([g[i] for g in batched], one, f"vmap, example {i}")
+        assert np.count_nonzero(np.asarray(one[3])) == 4
+    whole = jax.jit(grad)(q, k, v, sink, w)
+    _same(jax.jit(jax.grad(jax.checkpoint(_loss), argnums=(0, 1, 2, 3)))(q, k, v, sink, w), whole, "remat")
+    _same([jax.jit(jax.grad(_loss, argnums=3))(q, k, v, sink, w)], whole[3:], "the sink alone")
+    with pytest.raises(TypeError) as info:
+        jax.jvp(lambda s: _loss(q, k, v, s, w), (sink,), (sink,))
+    assert str(info.value) == _attention.FORWARD_MODE
+
+
+def test_shard_map_over_the_batch_sums_dsink(rng):
+    """Each device runs its batch shard; dsink summed over the devices (``psum``) is the whole batch's."""
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    n = len(jax.devices())
+    q, k, v, sink, w = _small(rng, 2, batch=2 * n)
+    grad = jax.grad(_loss, argnums=(0, 1, 2, 3))
+
+    def per_shard(q, k, v, sink, w):
+        dq, dk, dv, dsink = grad(q, k, v, sink, w)
+        return dq, dk, dv, jax.lax.psum(dsink, "d")
+
+    spec = P("d")
+    sharded = jax.jit(jax.shard_map(per_shard, mesh=Mesh(np.array(jax.devices()), ("d",)),
+                                    in_specs=(spec, spec, spec, P(), spec), out_specs=(spec, spec, spec, P()),
+                                    check_vma=False))
+    got = sharded(q, k, v, sink, w)
+    want = jax.jit(grad)(q, k, v, sink, w)
+    _same(got[:3], want[:3], "shard_map")
+    # (summed in another order: to float32's rounding of the terms' scale)
+    np.testing.assert_allclose(np.asarray(got[3]), np.asarray(want[3]), rtol=1e-5,
+                               atol=1e-5 * float(np.abs(np.asarray(want[3])).max()))

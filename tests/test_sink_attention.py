@@ -1,0 +1,401 @@
+"""Attention with a learnable sink whose backward ends in our op (``jax_dqpost._attention``), on any platform: its
+``jax.custom_vjp`` wired to a stand-in producer, and the refusals of ``jax_dqpost.fa4jax`` that need no GPU.
+
+The stand-in (:class:`Producer`) does in jax.numpy what FlashAttention-4's kernels do: a forward that puts the sink
+in every softmax row, and a backward main kernel that knows nothing of the sink, reads the forward's lse and the
+preprocess's ``dpsum`` and writes fp32 accumulators (here row-major). Our custom_vjp must turn that into the
+gradients of plain attention with a sink column, which jax.grad of :func:`reference` gives (float32; the outputs are
+bf16, so the bound is bf16's); the real kernels are tests/test_fa4jax_sinks.py's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_dqpost import AccumLayout, _attention, dq_accum_from_dq, fa4jax
+from jax_dqpost._fa4jax_internals import Accumulators
+from support import cu_seqlens
+
+H, D = 4, 32
+LAYOUT = AccumLayout.row_major(tile_m=32, num_threads=128)
+
+
+# ---- which keys a row sees: FlashAttention's rule, bottom-right aligned on the used lengths
+
+def visible(len_q: int, len_k: int, causal: bool, window) -> np.ndarray:
+    """Boolean ``(len_q, len_k)``: key ``j`` is visible to query ``i`` where ``-right <= i + len_k - len_q - j <=
+    left`` (``causal``: right = 0); unbounded sides are None."""
+    left, right = window
+    if causal:
+        right = 0
+    i = np.arange(len_q)[:, None] + len_k - len_q
+    j = np.arange(len_k)[None, :]
+    ok = np.ones((len_q, len_k), bool)
+    if left is not None:
+        ok &= i - j <= left
+    if right is not None:
+        ok &= j - i <= right
+    return ok
+
+
+def dense_mask(s, s_k, causal, window) -> np.ndarray:
+    """``(1, S, Sk)``: the same for every batch."""
+    return visible(s, s_k, causal, window)[None]
+
+
+def packed_mask(cu_q, cu_k, used_q, used_k, causal, window) -> np.ndarray:
+    """``(1, T, Tk)``: each sequence's used rows see its used keys."""
+    mask = np.zeros((1, cu_q[-1], cu_k[-1]), bool)
+    for b in range(len(cu_q) - 1):
+        mask[0, cu_q[b]:cu_q[b] + used_q[b], cu_k[b]:cu_k[b] + used_k[b]] = visible(used_q[b], used_k[b], causal,
+                                                                                  window)
+    return mask
+
+
+# ---- plain attention with a sink column: the reference
+
+def reference(q, k, v, sink, mask, scale):
+    """``(out, lse)`` in float32 of ``softmax([scale * q k^T, sink]) [v, 0]``, dense ``(B, S, H, D)`` inputs,
+    ``mask`` ``(B, S, Sk)`` or ``(1, S, Sk)``; rows with no key: out 0, lse the sink."""
+    group = q.shape[2] // k.shape[2]
+    k, v = (jnp.repeat(x.astype(jnp.float32), group, axis=2) for x in (k, v))
+    s = jnp.einsum("bshd,bthd->bhst", q.astype(jnp.float32), k) * scale
+    s = jnp.where(mask[:, None], s, -jnp.inf)
+    column = jnp.broadcast_to(sink.astype(jnp.float32)[None, :, None, None], (*s.shape[:3], 1))
+    logits = jnp.concatenate([s, column], axis=-1)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    p = jnp.exp(logits[..., :-1] - lse[..., None])
+    return jnp.einsum("bhst,bthd->bshd", p, v), lse
+
+
+# ---- the stand-in producer
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """What the stand-in's kernels know statically: the mask (bytes and shape), the scale, and for a packed batch
+    its offsets and used lengths (where the real kernels read them on the device)."""
+
+    mask: tuple
+    scale: float
+    cu_q: tuple = ()
+    used_q: tuple = ()
+
+    @staticmethod
+    def of(mask, scale, cu_q=(), used_q=()):
+        return Config((np.packbits(mask).tobytes(), mask.shape), scale, tuple(map(int, cu_q)),
+                      tuple(map(int, used_q)))
+
+    @property
+    def array(self):
+        data, shape = self.mask
+        return np.unpackbits(np.frombuffer(data, np.uint8), count=int(np.prod(shape))).reshape(shape).astype(bool)
+
+    def padded_rows(self, total):
+        """The natural row and the accumulator row of each used packed row (FlashAttention's allocation: sequence
+        ``b`` from ``(cu[b] + b P) // P * P``)."""
+        p = LAYOUT.pad_rows
+        pairs = [(self.cu_q[b] + r, (self.cu_q[b] + b * p) // p * p + r)
+                 for b in range(len(self.used_q)) for r in range(self.used_q[b])]
+        return np.array([a for a, _ in pairs], np.int32), np.array([b for _, b in pairs], np.int32)
+
+
+class Producer:
+    """FlashAttention-4's steps in jax.numpy, row-major accumulators (module docstring)."""
+
+    def forward(self, cfg, q, k, v, sink, seqlens):
+        packed = seqlens is not None
+        q, k, v = ((x[None] if packed else x) for x in (q, k, v))
+        out, lse = reference(q, k, v, sink, cfg.array, cfg.scale)
+        out = out.astype(q.dtype)
+        return (out[0], lse[0]) if packed else (out, lse)
+
+    def accumulators(self, cfg, q, k, v, out, lse, d_out, dpsum_delta, seqlens):
+        f32 = jnp.float32
+        packed = seqlens is not None
+        q4, k4, v4, o4, do4 = ((x[None] if packed else x).astype(f32) for x in (q, k, v, out, d_out))
+        lse4 = lse[None] if packed else lse
+        rows = jnp.moveaxis(jnp.sum(o4 * do4, axis=-1), 1, 2)  # (B, H, S): the preprocess's, on the rounded out
+        if packed:  # in the accumulator's rows
+            natural, padded = cfg.padded_rows(q.shape[0])
+            total_p = LAYOUT.varlen_accum_shape(len(cfg.used_q), 1, q.shape[0], 32)[1] // 32
+            dpsum = jnp.zeros((q.shape[1], total_p), f32).at[:, padded].set(rows[0][:, natural])
+        else:
+            dpsum = jnp.pad(rows, [(0, 0), (0, 0), (0, LAYOUT.padded_seqlen(q.shape[1]) - q.shape[1])])
+        if dpsum_delta is not None:
+            dpsum = dpsum - dpsum_delta
+        if packed:  # what the main kernel reads back
+            d_rows = jnp.zeros_like(rows[0]).at[:, natural].set(dpsum[:, padded])[None]
+        else:
+            d_rows = dpsum[..., :q.shape[1]]
+        group = q.shape[-2] // k.shape[-2]
+        kk, vv = jnp.repeat(k4, group, axis=2), jnp.repeat(v4, group, axis=2)
+        s = jnp.einsum("bshd,bthd->bhst", q4, kk) * cfg.scale
+        p = jnp.where(cfg.array[:, None], jnp.exp(s - lse4[..., None]), 0.0)
+        ds = p * (jnp.einsum("bshd,bthd->bhst", do4, vv) - d_rows[..., None])
+        dq = jnp.einsum("bhst,bthd->bshd", ds, kk)  # unscaled, as FlashAttention's dQ accumulator
+        dk = jnp.einsum("bhst,bshd->bthd", ds, q4)
+        dv = jnp.einsum("bhst,bshd->bthd", p, do4)
+        dk, dv = (x.reshape(*x.shape[:2], k.shape[-2], group, x.shape[-1]).sum(3) for x in (dk, dv))
+        dq, dk, dv = ((x[0] if packed else x) for x in (dq, dk, dv))
+
+        def accum(x, side):
+            if packed:
+                return dq_accum_from_dq(x, 1.0, layout=LAYOUT, cu_seqlens_q=seqlens[side], seqused_q=seqlens[side + 2])
+            return dq_accum_from_dq(x, 1.0, layout=LAYOUT)
+
+        if group == 1:  # the main kernel writes dK (scaled) and dV
+            return Accumulators(accum(dq, 0), (dk * cfg.scale).astype(k.dtype), dv.astype(v.dtype), None, None, dpsum)
+        return Accumulators(accum(dq, 0), None, None, accum(dk, 1), accum(dv, 1), dpsum)
+
+
+PRODUCER = Producer()
+
+
+# ---- cases
+
+def _case(rng, *, packed, heads_kv, causal=False, window=(None, None), dtype=jnp.bfloat16):
+    """``(call, (q, k, v, sink), seqlens, (w, u))``: inputs, the stand-in's call, and a loss's weights of out and lse
+    (zero on rows no sequence uses, whose lse no kernel defines)."""
+    scale = D ** -0.5
+    if packed:
+        lens_q, lens_k = np.array([7, 0, 23, 12]), np.array([9, 3, 20, 12])
+        used_q, used_k = np.array([7, 0, 19, 12]), np.array([9, 3, 20, 5])
+        cu_q, cu_k = cu_seqlens(lens_q), cu_seqlens(lens_k)
+        mask = packed_mask(cu_q, cu_k, used_q, used_k, causal, window)
+        shape_q, shape_k = (int(cu_q[-1]), H), (int(cu_k[-1]), heads_kv)
+        seqlens = tuple(jnp.asarray(x, jnp.int32) for x in (cu_q, cu_k, used_q, used_k))
+        rows = mask.any(-1)[0] | np.isin(np.arange(cu_q[-1]), Config.of(mask, scale, cu_q, used_q).padded_rows(0)[0])
+        live = rows[:, None]  # (T, 1): rows some sequence uses
+        cfg = Config.of(mask, scale, cu_q, used_q)
+    else:
+        batch, s, s_k = 2, 40, 29  # S > Sk: causal rows with no key
+        mask = dense_mask(s, s_k, causal, window)
+        shape_q, shape_k = (batch, s, H), (batch, s_k, heads_kv)
+        seqlens, live, cfg = None, np.ones((batch, s, 1), bool), Config.of(mask, scale)
+    q = jnp.asarray(rng.standard_normal((*shape_q, D)), dtype)
+    k, v = (jnp.asarray(rng.standard_normal((*shape_k, D)), dtype) for _ in range(2))
+    sink = jnp.asarray(rng.standard_normal(H) * 2, jnp.float32)
+    w = jnp.asarray(rng.standard_normal((*shape_q, D)) * live[..., None], jnp.float32)
+    u = rng.standard_normal(shape_q) * live
+    u = jnp.asarray(u.transpose(1, 0) if packed else u.transpose(0, 2, 1), jnp.float32)  # lse's (H, T), (B, H, S)
+    call = _attention.Call(PRODUCER, cfg, scale, LAYOUT, LAYOUT if heads_kv < H else None)
+    return call, (q, k, v, sink), seqlens, (w, u), mask
+
+
+def _loss(attention, with_lse):
+    def loss(q, k, v, sink, w, u):
+        out, lse = attention(q, k, v, sink)
+        total = jnp.sum(out.astype(jnp.float32) * w)
+        return total + jnp.sum(lse * u) if with_lse else total
+    return loss
+
+
+def _ours(call, seqlens):
+    return lambda q, k, v, sink: _attention.attention(call, q, k, v, sink, seqlens)
+
+
+def _theirs(mask, scale, packed):
+    def attention(q, k, v, sink):
+        if packed:
+            out, lse = reference(q[None], k[None], v[None], sink, mask, scale)
+            return out[0], lse[0]
+        return reference(q, k, v, sink, mask, scale)
+    return attention
+
+
+def _assert_close(got, want, what, rel=2 ** -6):
+    """Within a few bf16 roundings of the reference's magnitude (a wrong scale, row or sign is off by far more)."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert got.shape == want.shape, (what, got.shape, want.shape)
+    finite = np.isfinite(want)
+    assert np.array_equal(np.isfinite(got), finite), what
+    err = np.max(np.abs(got - want)[finite], initial=0)
+    scale = np.max(np.abs(want)[finite], initial=0)
+    assert err <= rel * scale + 1e-6, f"{what}: max error {err:.3g} against the reference's {scale:.3g}"
+
+
+GRAD_NAMES = ("dq", "dk", "dv", "dsink")
+WINDOWS = {"full": (False, (None, None)), "causal": (True, (None, None)), "window": (False, (8, 3))}
+
+
+@pytest.mark.parametrize("with_lse", [False, True], ids=["out", "out+lse"])
+@pytest.mark.parametrize("masking", list(WINDOWS))
+@pytest.mark.parametrize("heads_kv", [H, 2, 1], ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "varlen"])
+def test_gradients_are_plain_attentions_with_a_sink_column(rng, packed, heads_kv, masking, with_lse):
+    causal, window = WINDOWS[masking]
+    call, args, seqlens, weights, mask = _case(rng, packed=packed, heads_kv=heads_kv, causal=causal, window=window)
+    ours = jax.jit(_ours(call, seqlens))(*args)
+    theirs = _theirs(mask, call.scale, packed)(*args)
+    for name, g, t in zip(("out", "lse"), ours, theirs):
+        _assert_close(g, t, name)
+    grads = jax.jit(jax.grad(_loss(_ours(call, seqlens), with_lse), argnums=(0, 1, 2, 3)))(*args, *weights)
+    want = jax.grad(_loss(_theirs(mask, call.scale, packed), with_lse), argnums=(0, 1, 2, 3))(*args, *weights)
+    for name, g, t, x in zip(GRAD_NAMES, grads, want, args):
+        assert g.dtype == x.dtype and g.shape == x.shape, name
+        _assert_close(g, t, name)
+    assert np.abs(np.asarray(grads[3])).min() > 0  # every head's sink has a gradient
+
+
+def test_the_lse_cotangent_moves_the_gradients(rng):
+    """A loss of the lse alone: the producer's out cotangent is zero, so all of dq, dk and dsink comes through
+    dpsum's ``- d_lse`` (dV, which the lse does not depend on, is 0)."""
+    call, args, seqlens, (w, u), mask = _case(rng, packed=True, heads_kv=2, causal=True)
+    only_lse = lambda attention: lambda *a: jnp.sum(attention(*a)[1] * u)  # noqa: E731
+    grads = jax.jit(jax.grad(only_lse(_ours(call, seqlens)), argnums=(0, 1, 2, 3)))(*args)
+    want = jax.grad(only_lse(_theirs(mask, call.scale, True)), argnums=(0, 1, 2, 3))(*args)
+    for name, g, t in zip(GRAD_NAMES, grads, want):
+        _assert_close(g, t, name)
+    assert not np.asarray(grads[2]).any() and np.asarray(grads[0]).any()
+
+
+def test_lse_cotangent_rows_are_dpsums(rng):
+    """Each used packed row lands in its sequence's accumulator row (FlashAttention's allocation), every other row
+    is 0; dense rows are padded with zeros."""
+    lens, used = np.array([5, 0, 17, 16, 1]), np.array([5, 0, 11, 16, 0])
+    cu = cu_seqlens(lens)
+    d_lse = rng.standard_normal((3, cu[-1])).astype(np.float32)
+    seqlens = tuple(jnp.asarray(x, jnp.int32) for x in (cu, cu, used, used))
+    got = np.asarray(jax.jit(lambda g, s: _attention.lse_cotangent_rows(g, LAYOUT, s))(d_lse, seqlens))
+    natural, padded = Config.of(np.zeros((1, 1, 1), bool), 1.0, cu, used).padded_rows(cu[-1])
+    want = np.zeros((3, LAYOUT.varlen_accum_shape(len(lens), 1, int(cu[-1]), 32)[1] // 32), np.float32)
+    want[:, padded] = d_lse[:, natural]
+    np.testing.assert_array_equal(got, want)
+    dense = rng.standard_normal((2, 3, 20)).astype(np.float32)
+    got = np.asarray(_attention.lse_cotangent_rows(dense, LAYOUT))
+    np.testing.assert_array_equal(got, np.pad(dense, [(0, 0), (0, 0), (0, 12)]))
+
+
+def test_forward_mode_is_refused_in_one_line(rng):
+    call, (q, k, v, sink), seqlens, _, _ = _case(rng, packed=False, heads_kv=2)
+    for transform in (lambda f: jax.jvp(f, (sink,), (sink,)), lambda f: jax.jacfwd(f)(sink)):
+        with pytest.raises(TypeError) as info:
+            transform(lambda s: _attention.attention(call, q, k, v, s, seqlens)[0])
+        assert str(info.value) == _attention.FORWARD_MODE
+
+
+class CountingProducer(Producer):
+    """The stand-in, recording the batch of each forward it traced."""
+
+    def __init__(self):
+        self.batches = []
+
+    def forward(self, cfg, q, k, v, sink, seqlens):
+        self.batches.append(q.shape[0])
+        return super().forward(cfg, q, k, v, sink, seqlens)
+
+
+@pytest.mark.parametrize("sink_mapped", [False, True], ids=["shared-sink", "mapped-sink"])
+def test_vmap_of_grad_gives_each_examples_gradients(rng, sink_mapped):
+    """A shared sink folds the mapped axis into the producer's batch (one launch: dsink per example from the
+    postprocess's vmap rule); a mapped one runs the producer per example."""
+    call, args, seqlens, weights, mask = _case(rng, packed=False, heads_kv=2, causal=True)
+    counting = CountingProducer()
+    call = dataclasses.replace(call, kernels=counting)
+    _, (q2, k2, v2, sink2), _, (w2, u2), _ = _case(rng, packed=False, heads_kv=2, causal=True)
+    (q, k, v, sink), (w, u) = args, weights
+    stacked = [jnp.stack(pair) for pair in ((q, q2), (k, k2), (v, v2), (w, w2), (u, u2))]
+    sinks = jnp.stack([sink, sink2]) if sink_mapped else sink
+    grad = jax.grad(_loss(_ours(call, seqlens), True), argnums=(0, 1, 2, 3))
+    q_, k_, v_, w_, u_ = stacked
+    got = jax.jit(jax.vmap(grad, in_axes=(0, 0, 0, 0 if sink_mapped else None, 0, 0)))(q_, k_, v_, sinks, w_, u_)
+    # (custom_vmap also traces one element alone, for its shapes)
+    assert set(counting.batches) == ({q.shape[0]} if sink_mapped else {q.shape[0], 2 * q.shape[0]})
+    for i in range(2):
+        one = jax.jit(grad)(q_[i], k_[i], v_[i], sinks[i] if sink_mapped else sink, w_[i], u_[i])
+        for name, g, o in zip(GRAD_NAMES, got, one):
+            np.testing.assert_array_equal(np.asarray(g[i]), np.asarray(o), err_msg=name)
+
+
+@pytest.mark.parametrize("axis", ["batch", "heads"])
+def test_shard_map_sums_the_sinks_gradient_over_the_batch(rng, axis):
+    """Under ``jax.shard_map`` each device runs the attention on its shard: over the batch, dsink is the sum of
+    every device's; over the heads, each device has its heads' sinks."""
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    n = 4
+    mesh = Mesh(np.array(jax.devices()[:n]), ("d",))
+    call, args, seqlens, weights, mask = _case(rng, packed=False, heads_kv=H)
+    q, k, v, sink = args
+    w, u = weights
+    if axis == "batch":
+        q, k, v, w = (jnp.tile(x, (n // 2, 1, 1, 1)) for x in (q, k, v, w))
+        u = jnp.tile(u, (n // 2, 1, 1))
+        specs = (P("d"), P("d"), P("d"), P(), P("d"), P("d"))
+    else:
+        q, k, v, w, sink = (jnp.repeat(x, n // 2, axis=-2 if x.ndim > 1 else 0) for x in (q, k, v, w, sink))
+        u = jnp.repeat(u, n // 2, axis=1)
+        specs = (P(None, None, "d"), P(None, None, "d"), P(None, None, "d"), P("d"), P(None, None, "d"),
+                 P(None, "d"))
+    local = jax.grad(_loss(_ours(call, seqlens), True), argnums=(0, 1, 2, 3))
+    if axis == "batch":
+        def sharded_grad(*a):
+            g = local(*a)
+            return (*g[:3], jax.lax.psum(g[3], "d"))
+    else:
+        sharded_grad = local
+    # Neither the op nor the producers' kernels (FFI calls) type their results with shard_map's varying axes, which
+    # a custom_vjp's checks compare: shard_map without that check, as fa4-jax's own attention needs.
+    got = jax.jit(jax.shard_map(sharded_grad, mesh=mesh, in_specs=specs, out_specs=specs[:4], check_vma=False))(
+        q, k, v, sink, w, u)
+    want = jax.jit(jax.grad(_loss(_ours(call, seqlens), True), argnums=(0, 1, 2, 3)))(q, k, v, sink, w, u)
+    for name, g, t in zip(GRAD_NAMES, got, want):
+        _assert_close(g, t, name, rel=2 ** -20 if name != "dsink" else 2 ** -16)
+
+
+def test_remat_and_the_sinks_gradient_alone(rng):
+    call, args, seqlens, weights, _ = _case(rng, packed=True, heads_kv=2, causal=True)
+    loss = _loss(_ours(call, seqlens), True)
+    whole = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(*args, *weights)
+    remat = jax.jit(jax.grad(jax.checkpoint(loss), argnums=(0, 1, 2, 3)))(*args, *weights)
+    alone = jax.jit(jax.grad(loss, argnums=3))(*args, *weights)
+    for name, g, r in zip(GRAD_NAMES, whole, remat):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(r), err_msg=name)
+    # (another program: XLA may fuse the stand-in's float32 sums otherwise, which a sum with cancellation shows)
+    _assert_close(alone, whole[3], "dsink alone", rel=2 ** -8)
+
+
+# ---- jax_dqpost.fa4jax's refusals: before anything runs (no fa4-jax, no GPU needed)
+
+Q = jnp.zeros((1, 64, 8, 64), jnp.bfloat16)
+KV = jnp.zeros((1, 64, 2, 64), jnp.bfloat16)
+
+
+@pytest.mark.parametrize("sink, error, words", [
+    (np.zeros(8, np.float64), TypeError, "learnable_sink must be a float32, bfloat16 or float16 array of shape "
+                                         "(heads,), got dtype float64"),
+    (jnp.zeros(8, jnp.int32), TypeError, "got dtype int32"),
+    ([0.0] * 8, TypeError, "(list)"),
+    (jnp.zeros(2, jnp.float32), ValueError, "learnable_sink must have shape (8,), one logit per query head of q "
+                                            "(1, 64, 8, 64), got shape (2,)"),
+    (jnp.zeros((1, 8), jnp.float32), ValueError, "got shape (1, 8)"),
+], ids=["float64", "int32", "list", "kv-heads", "2d"])
+def test_a_wrong_sink_is_refused_naming_it(sink, error, words):
+    with pytest.raises(error) as info:
+        fa4jax.flash_attn(Q, KV, KV, learnable_sink=sink)
+    assert words in str(info.value) and "\n" not in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("kwargs, error, words", [
+    (dict(mask_mod=object()), ValueError, "mask_mod with learnable_sink is not supported"),
+    (dict(seqused_q=np.ones(1)), TypeError, "unexpected keyword argument(s) seqused_q; with learnable_sink it takes "
+                                             "causal, window_size, scale, return_lse"),
+])
+def test_what_a_sink_does_not_take_is_refused(kwargs, error, words):
+    with pytest.raises(error) as info:
+        fa4jax.flash_attn(Q, KV, KV, learnable_sink=jnp.zeros(8), **kwargs)
+    assert words in str(info.value) and "\n" not in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("family, takes", [(8, False), (9, True), (10, True), (12, False)])
+def test_gpus_whose_forward_takes_no_sink_are_refused(family, takes):
+    if takes:
+        fa4jax.check_sink_gpu(family)
+        return
+    with pytest.raises(ValueError, match=rf"compute capability {family}\.x\) takes no learnable sink; the sm90"):
+        fa4jax.check_sink_gpu(family)

@@ -101,7 +101,7 @@ def _reference(torch, q, k, v, d_out, d_lse, sink, c, dtype):
         return fa4_peer.attention_grads(q, k, v, d_out, sink=sink, d_lse=d_lse, **kw)
     cu_q, cu_k = cu_seqlens(LENS_Q), cu_seqlens(LENS_K)
     out = {name: torch.zeros_like(x, dtype=dtype) for name, x in (("out", d_out), ("dq", q), ("dk", k), ("dv", v))}
-    out["lse"] = torch.zeros(d_lse.shape, dtype=dtype, device="cuda")
+    out["lse"] = torch.zeros((q.shape[1], q.shape[0]), dtype=dtype, device="cuda")  # (H, T)
     out["dsink"] = out["dsink_terms"] = 0
     for b in range(len(LENS_Q)):
         rq = slice(int(cu_q[b]), int(cu_q[b]) + USED_Q[b])

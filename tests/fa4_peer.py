@@ -93,9 +93,8 @@ def attention_grads(q, k, v, d_out, *, causal: bool, scale: float, sink=None, dt
                     d_lse=None):
     """Plain attention, ``softmax(scale * q k^T) v`` (with a learnable sink: one more logit per head in the softmax's
     denominator, attending to nothing), and its gradients by torch autograd in ``dtype`` (float32, float64, or the
-    inputs' own for the low-precision reference): ``{"out", "lse", "dq", "dk", "dv"[, "dsink", "dsink_terms"]}``, out
-    and the gradients in the inputs' shapes, lse ``(B, H, S)``; ``dsink_terms`` is ``sum_rows |d dsink|``, the scale
-    of dsink's sum.
+    inputs' own for the low-precision reference): ``{"out", "lse", "dq", "dk", "dv"[, "dsink"]}``, out and the
+    gradients in the inputs' shapes, lse ``(B, H, S)``.
 
     ``q`` ``(B, S, H, D)``, ``k`` ``(B, Sk, Hkv, D)``, ``v`` ``(B, Sk, Hkv, Dv)``, ``d_out`` ``(B, S, H, Dv)``, and
     ``d_lse`` ``(B, H, S)`` (None: 0) the lse's cotangent; query head ``h`` uses key/value head ``h // (H / Hkv)``.
@@ -133,10 +132,4 @@ def attention_grads(q, k, v, d_out, *, causal: bool, scale: float, sink=None, dt
     out = torch.einsum("bhst,bthd->bshd", p, vv)
     grads = torch.autograd.grad([out, lse], leaves, [d_out.to(dtype), torch.zeros_like(lse) if d_lse is None
                                                      else d_lse.to(dtype)], allow_unused=True)
-    result = dict(zip(("dq", "dk", "dv", "dsink"), grads), out=out.detach(), lse=lse.detach())
-    if sink is not None:
-        with torch.no_grad():
-            p_sink = torch.exp(sink_leaf.view(1, -1, 1) - lse)
-            rows = (out * d_out.to(dtype)).sum(-1).transpose(1, 2) - (0 if d_lse is None else d_lse.to(dtype))
-            result["dsink_terms"] = (p_sink * rows).abs().sum(dim=(0, 2))
-    return result
+    return dict(zip(("dq", "dk", "dv", "dsink"), grads), out=out.detach(), lse=lse.detach())

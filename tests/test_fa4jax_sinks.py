@@ -194,17 +194,20 @@ def _dsink_of(c, out, lse, d_out, d_lse, sink, rows):
     """``(dsink, scale)`` in float64 from what the kernels computed: ``sum -P_sink (D - d_lse)`` over the used rows,
     ``D = rowsum(out * d_out)`` of the rounded out, ``P_sink = exp(sink - lse)`` (1 where lse is -inf, as the op
     defines it), and ``sum |P_sink (D - d_lse)|``."""
-    d = (np.asarray(out, np.float64) * np.asarray(d_out, np.float64)).sum(-1)  # (B, S, H) or (T, H)
+    out, d_out, lse = np.asarray(out), np.asarray(d_out), np.asarray(lse)
+    d_lse = None if d_lse is None else np.asarray(d_lse)
+    if rows is not None:  # the used rows alone (before any cast: the others may hold anything)
+        out, d_out, lse = out[rows], d_out[rows], lse[:, rows]
+        d_lse = None if d_lse is None else d_lse[:, rows]
+    d = (out.astype(np.float64) * d_out.astype(np.float64)).sum(-1)  # (B, S, H) or (T, H)
     d = d.transpose(0, 2, 1) if c["packing"] == "dense" else d.T  # as the lse: (B, H, S) or (H, T)
     if d_lse is not None:
-        d = d - np.asarray(d_lse, np.float64)
-    lse = np.asarray(lse, np.float64)
+        d = d - d_lse.astype(np.float64)
+    lse = lse.astype(np.float64)
     s = np.asarray(jnp.asarray(fa4_peer.to_numpy(sink)), np.float64).reshape(-1, 1)
     with np.errstate(invalid="ignore"):
         p = np.where(np.isneginf(lse), 1.0, np.exp(s - lse))
     term = -p * d
-    if rows is not None:
-        term = np.where(rows[None], term, 0.0)
     axes = (0, 2) if c["packing"] == "dense" else (1,)
     return term.sum(axis=axes), np.abs(term).sum(axis=axes)
 

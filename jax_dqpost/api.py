@@ -73,13 +73,15 @@ def dq_postprocess(dq_accum, scale, *, head_dim: int, seqlen_q: int | None = Non
       seqlen_q: ``S`` (dense).
       total_q: ``T``, rows of the packed output (varlen).
       cu_seqlens_q: varlen offsets: Python ints or a numpy array (static: validated now, exact launch grid) or a
-        jax int32 array (an operand: new values never retrace or recompile). Values this host can read now (a jax
-        array passed outside ``jit``, read back with a device-to-host copy) are validated like static ones (lengths
-        against traced offsets: only their sign); traced values are not: corrupt ones are clamped into a partition
-        of the rows, never read or written out of bounds. With ``JAX_DQPOST_CHECKIFY=1`` (read when the call is traced)
-        traced offsets, lengths and scales are checked on the device by the same rules in a function that
-        ``jax.experimental.checkify.checkify`` transforms, the error naming the first bad index and its value
-        (``checkify.debug_check``: dropped elsewhere; unset, nothing is traced).
+        jax array of int32 (an operand: new values never retrace or recompile; int8, int16, uint8 and uint16 are
+        widened to int32, other types, which int32 cannot hold exactly, are a ``TypeError``, traced or not). Values
+        this host can read now (a jax array passed outside ``jit``, read back with a device-to-host copy) are
+        validated like static ones (lengths against traced offsets: only their sign); traced values are not:
+        corrupt ones are clamped into a partition of the rows, never read or written out of bounds. With
+        ``JAX_DQPOST_CHECKIFY=1`` (read when the call is traced) traced offsets, lengths and scales are checked on
+        the device by the same rules in a function that ``jax.experimental.checkify.checkify`` transforms, the error
+        naming the first bad index and its value (``checkify.debug_check``: dropped elsewhere; unset, nothing is
+        traced).
       seqused_q: lengths actually used, ``(B,)``: static ints or an int32 array, like ``cu_seqlens_q``.
       dtype: ``jnp.bfloat16`` or ``jnp.float16`` (or their names, ``"bf16"``/``"bfloat16"``,
         ``"f16"``/``"float16"``), the type of dQ.
@@ -95,7 +97,7 @@ def dq_postprocess(dq_accum, scale, *, head_dim: int, seqlen_q: int | None = Non
 
     Raises:
       TypeError: a missing ``layout``, or an argument of the wrong type (a non-float32 accumulator, a non-integer
-        offset), naming it.
+        offset, a jax array of offsets of a type int32 cannot hold exactly), naming it.
       ValueError: at trace time, on every platform, naming the argument and the value: a shape that does not fit
         the layout and the sizes; ``head_dim`` the layout cannot hold (``AccumLayout.check_head_dim``); static or
         host-visible offsets that are not non-decreasing within ``[0, total_q]``, lengths outside their sequence;

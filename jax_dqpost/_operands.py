@@ -74,7 +74,8 @@ def part(layout, head_dim, dtype, seqlen, total, cu_seqlens, seqused,
         raise ValueError(f"{cu_n} must have batch + 1 entries (at least 1), got shape {cu.shape}")
     batch = cu.shape[0] - 1
     if used is not None and used.shape != (batch,):
-        raise ValueError(f"{used_n} must have shape ({batch},) to match {cu_n}, got {used.shape}")
+        raise ValueError(f"{used_n} must have shape ({batch},) to match {cu_n} of {batch + 1} entries, got "
+                         f"{used.shape}")
     if cu_values is None or (used is not None and used_values is None):
         _checks.device_check_offsets(cu, used, total, names)
     _checks.check_rows_fit_int32(total_n, total, _varlen_rows(total, batch, layout))

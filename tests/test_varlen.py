@@ -251,3 +251,35 @@ def test_a_jax_array_of_offsets_is_int32_or_widened_exactly(argument):
         assert_same_bits(a, b, f"static uint64 {argument}: output {j}")
     with pytest.raises(ValueError, match=rf"^{argument}"):
         call(np.asarray(wrapped, np.uint64))
+
+
+@pytest.mark.parametrize("side", ["q", "k"])
+def test_offsets_of_the_wrong_length_name_their_length(side):
+    """Offsets with one entry too many or too few, traced or not: the error names them, their length and the length
+    the accumulator was made for (or the other side's batch), never only the accumulator's batch."""
+    layout, D = AccumLayout.row_major(), 64
+    packed = jnp.zeros(layout.varlen_accum_shape(2, 2, 50, D), jnp.float32)  # (2, 12288): 3 entries at total 50
+    for cu, entries, batch in (([0, 5, 50, 50], 4, 3), ([0, 50], 2, 1)):
+        if side == "q":
+            call = lambda c: dq_postprocess(packed, 0.5, head_dim=D, total_q=50, cu_seqlens_q=c, layout=layout)
+            match = (rf"^dq_accum of shape \(2, 12288\) is not the packed accumulator of total_q=50 and cu_seqlens_q "
+                     rf"of {entries} entries \(batch={batch}\): that is \(heads, Tp\*Dr\) = .*; the shape given is "
+                     r"for cu_seqlens_q of 3 entries \(batch=2\) at total_q=50")
+        else:  # beside a dense q side of batch 2, whose batch the k side must have
+            q = jnp.zeros(layout.accum_shape(2, 4, 50, D), jnp.float32)
+            call = lambda c: flash_attention_postprocess(q, packed, packed, 0.5, head_dim=D, dq_layout=layout,
+                                                         dkv_layout=layout, seqlen_q=50, total_k=50, cu_seqlens_k=c)
+            match = (rf"^the q and k sides must have the same batch: dq_accum has batch 2 but cu_seqlens_k has "
+                     rf"{entries} entries \({batch} sequences\)")
+        for offsets in (cu, jnp.asarray(cu, jnp.int32)):
+            with pytest.raises(ValueError, match=match):
+                call(offsets)
+        with pytest.raises(ValueError, match=match):
+            jax.jit(call)(jnp.asarray(cu, jnp.int32))
+        call([0, 5, 50])  # the length the accumulator was made for
+    # traced lengths beside traced offsets: their shape is checked against the offsets' length
+    used = jnp.asarray([5, 5, 5], jnp.int32)
+    with pytest.raises(ValueError, match=r"^seqused_q must have shape \(2,\) to match cu_seqlens_q of 3 entries, got "
+                                         r"\(3,\)"):
+        jax.jit(lambda c, u: dq_postprocess(packed, 0.5, head_dim=D, total_q=50, cu_seqlens_q=c, seqused_q=u,
+                                            layout=layout))(jnp.asarray([0, 5, 50], jnp.int32), used)

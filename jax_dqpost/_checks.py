@@ -56,10 +56,12 @@ def head_dim(value, name: str = "head_dim") -> int:
     return value
 
 
-def required_arguments(**hints: str):
+def required_arguments(first=None, /, **hints: str):
     """Decorate a function whose parameters without a default must be passed: a call that leaves one out raises
     ``TypeError`` naming it, followed by ``hints[name]`` (how to choose it), instead of Python's bare message.
-    ``inspect.signature`` and ``help`` show the function's own signature."""
+    ``first``: None, or a function of the arguments given (a dict by name) called before that, to raise an error
+    that says more (what a positional argument was taken for). ``inspect.signature`` and ``help`` show the
+    function's own signature."""
     def wrap(fn):
         signature = inspect.signature(fn)
         required = [name for name, p in signature.parameters.items() if p.default is p.empty
@@ -75,6 +77,8 @@ def required_arguments(**hints: str):
                 shown = signature.replace(parameters=shown[1 if required[:1] in (["cls"], ["self"]) else 0:],
                                           return_annotation=signature.empty)
                 raise TypeError(f"{title}(): {e}; the signature is {title}{shown}") from None
+            if first is not None:
+                first(given)
             missing = [name for name in required if name not in given]
             if missing:
                 texts = {name: hints.get(name) for name in missing}

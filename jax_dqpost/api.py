@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from . import _checks, _operands
 from .layout import AccumLayout
@@ -114,7 +116,21 @@ def dq_postprocess(dq_accum, scale, *, head_dim: int, seqlen_q: int | None = Non
     return _bind(Plan((part,)), (dq_accum,), (aux,), scale.reshape(1), None)[0]
 
 
-@_checks.required_arguments(dq_layout=_operands.LAYOUT_HINT)
+def _no_scale_for_an_accumulator(given: dict) -> None:
+    """``TypeError`` where a scale (a Python number or a 0-d array) stands for ``dk_accum`` or ``dv_accum``: the
+    call ``flash_attention_postprocess(dq_accum, scale, ...)`` meant for dQ alone."""
+    for name in ("dk_accum", "dv_accum"):
+        value = given.get(name)
+        if isinstance(value, numbers.Number) or getattr(value, "ndim", None) == 0:
+            shown = (_checks.describe(value) if isinstance(value, numbers.Number)
+                     else f"a scalar of dtype {np.dtype(value.dtype).name}")
+            raise TypeError(f"flash_attention_postprocess() took {shown} as {name}, where an accumulator (a float32 "
+                            "array, or None) goes: the accumulators come first, then softmax_scale; for dQ alone call "
+                            "flash_attention_postprocess(dq_accum, None, None, softmax_scale, ...) or "
+                            "dq_postprocess(dq_accum, scale, ...)")
+
+
+@_checks.required_arguments(_no_scale_for_an_accumulator, dq_layout=_operands.LAYOUT_HINT)
 def flash_attention_postprocess(dq_accum, dk_accum, dv_accum, softmax_scale, *, head_dim: int,
                                 head_dim_v: int | None = None, dtype=jnp.bfloat16, dq_layout: AccumLayout,
                                 dkv_layout: AccumLayout | None = None, dk_scale=None, seqlen_q: int | None = None,
@@ -170,6 +186,7 @@ def flash_attention_postprocess(dq_accum, dk_accum, dv_accum, softmax_scale, *, 
 
     Raises:
       TypeError, ValueError: as :func:`dq_postprocess`, for each side and tensor, naming its own arguments; also
+        a scale where ``dk_accum`` or ``dv_accum`` goes (``flash_attention_postprocess(dq_accum, scale, ...)``),
         ``dk_accum`` without ``dv_accum`` or ``dkv_layout``, k-side arguments without ``dk_accum``, sides with
         different batches, key/value heads that do not divide the query heads, sink operands of the wrong
         shapes or only some of them.

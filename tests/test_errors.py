@@ -452,3 +452,28 @@ def test_a_layout_made_for_another_head_dim_says_so():
     with pytest.raises(ValueError, match=r"holds head dims 72\.\.128, 200\.\.256, so it was probably made for another "
                                          r"head dim: build the layout for head_dim=64$"):  # no preset's
         AccumLayout(90, 80, 256, 1, True, 64).check_head_dim(64)
+
+
+@pytest.mark.parametrize("args, taken, shown", [
+    ((0.125,), "dk_accum", r"0\.125 \(float\)"),
+    ((0.125, None, None), "dk_accum", r"0\.125 \(float\)"),
+    ((1,), "dk_accum", r"1 \(int\)"),
+    ((np.float32(0.5),), "dk_accum", r"(np\.float32\()?0\.5\)? \(float32\)"),  # numpy 2's repr, or 1's
+    ((jnp.float32(0.5),), "dk_accum", "a scalar of dtype float32"),
+    ((None, 0.125, 0.125), "dv_accum", r"0\.125 \(float\)"),
+])
+def test_a_scale_where_an_accumulator_goes_says_what_it_was_taken_for(args, taken, shown):
+    """``flash_attention_postprocess(dq_accum, 0.125, ...)``, meant for dQ alone: the error says the scale was taken
+    as dk_accum (or dv_accum) and shows the call for dQ alone, instead of asking for dv_accum= and softmax_scale=."""
+    layout = AccumLayout.row_major()
+    acc = jnp.zeros(layout.accum_shape(1, H, 64, 64), jnp.float32)
+    match = (rf"^flash_attention_postprocess\(\) took {shown} as {taken}, where an accumulator \(a float32 array, or "
+             r"None\) goes: the accumulators come first, then softmax_scale; for dQ alone call "
+             r"flash_attention_postprocess\(dq_accum, None, None, softmax_scale, \.\.\.\) or "
+             r"dq_postprocess\(dq_accum, scale, \.\.\.\)")
+    with pytest.raises(TypeError, match=match):
+        flash_attention_postprocess(acc, *args, head_dim=64, seqlen_q=64, dq_layout=layout)
+    with pytest.raises(TypeError, match=match):  # traced, the same
+        jax.jit(lambda a: flash_attention_postprocess(a, *args, head_dim=64, seqlen_q=64, dq_layout=layout))(acc)
+    dq = flash_attention_postprocess(acc, None, None, 0.125, head_dim=64, seqlen_q=64, dq_layout=layout).dq
+    assert_same_bits(dq, dq_postprocess(acc, 0.125, head_dim=64, seqlen_q=64, layout=layout), "the call shown")

@@ -112,15 +112,26 @@ ARG_NAMES = {
 """The names of each tensor's arguments (``dq_postprocess`` and ``dq_accum_from_dq`` use dQ's)."""
 
 
+OUT_DTYPE_SPELLINGS = {"bf16": np.dtype(jnp.bfloat16), "bfloat16": np.dtype(jnp.bfloat16),
+                       "fp16": np.dtype(jnp.float16), "f16": np.dtype(jnp.float16), "float16": np.dtype(jnp.float16)}
+"""The names the API takes for the output dtype (``dtype=``, and precompile's ``--dtypes``); other strings that
+numpy reads as float16 (``"half"``, ``"e"``, ``"f2"``) are refused."""
+_OUT_DTYPE_WANT = ("dtype must be jnp.bfloat16 or jnp.float16 (or "
+                   + ", ".join(repr(name) for name in OUT_DTYPE_SPELLINGS) + ")")
+
+
 def out_dtype(dtype) -> np.dtype:
-    """dQ's dtype: bfloat16 or float16, as a dtype or a name in either spelling (``"bf16"``, ``"bfloat16"``, ``"f16"``,
-    ``"float16"``); ``None`` is not float64 here."""
-    want = "dtype must be jnp.bfloat16 or jnp.float16 (or 'bf16', 'bfloat16', 'f16', 'float16')"
+    """dQ's dtype: bfloat16 or float16, as a dtype or one of the names of :data:`OUT_DTYPE_SPELLINGS`; ``None`` is
+    not float64 here."""
+    if isinstance(dtype, str) and dtype in OUT_DTYPE_SPELLINGS:
+        return OUT_DTYPE_SPELLINGS[dtype]
     out = abi.dtype_of(dtype)
     if out is None:
-        raise TypeError(f"{want}, got {describe(dtype)}")
+        raise TypeError(f"{_OUT_DTYPE_WANT}, got {describe(dtype)}")
     if out not in abi.OUT_DTYPES:
-        raise ValueError(f"{want}, got {out.name}")
+        raise ValueError(f"{_OUT_DTYPE_WANT}, got {out.name}")
+    if isinstance(dtype, str):  # numpy's other names of float16
+        raise ValueError(f"{_OUT_DTYPE_WANT}, got {dtype!r} (numpy's name for {out.name})")
     return out
 
 

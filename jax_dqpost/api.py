@@ -85,8 +85,8 @@ def dq_postprocess(dq_accum, scale, *, head_dim: int, seqlen_q: int | None = Non
         naming the first bad index and its value (``checkify.debug_check``: dropped elsewhere; unset, nothing is
         traced).
       seqused_q: lengths actually used, ``(B,)``: static ints or an int32 array, like ``cu_seqlens_q``.
-      dtype: ``jnp.bfloat16`` or ``jnp.float16`` (or their names, ``"bf16"``/``"bfloat16"``,
-        ``"f16"``/``"float16"``), the type of dQ.
+      dtype: ``jnp.bfloat16`` or ``jnp.float16``, or one of the names ``"bf16"``, ``"bfloat16"``, ``"fp16"``,
+        ``"f16"``, ``"float16"`` (no other), the type of dQ.
       layout: the :class:`AccumLayout` of the producer, required (an accumulator read in another order gives wrong
         values, not an error): ``AccumLayout.flash_attention(gpu, head_dim, causal=..., tensor="dq", version=...)`` for
         FlashAttention-4's, ``AccumLayout.row_major()`` for an accumulator made in JAX.

@@ -361,3 +361,31 @@ def test_the_gradients_table_says_what_the_data_says():
             assert starred == sorted(want["wrong"].get(case, []), key=tensors.index), (producer, case, starred)
             assert ours[0].startswith("refused") == (case in want["refused_by_us"]), (producer, case)
             assert not any(c.endswith("*") for c in ours), (producer, case, ours)
+
+
+def _api_section(name: str) -> str:
+    page = (ROOT / "docs" / "api.md").read_text()
+    return page.split(f"### `jax_dqpost.{name}`", 1)[1].split("\n### ", 1)[0]
+
+
+def test_the_dtype_spellings_are_one_set():
+    """The names of the output dtype that docs/api.md lists, that the error lists and that the README's prose uses
+    are the names the API takes, and no other string (numpy's 'half') is taken."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jax_dqpost import _checks
+
+    accepted = set(_checks.OUT_DTYPE_SPELLINGS)
+    item = re.search(r"^- `dtype`: (.*)$", _api_section("dq_postprocess"), re.M).group(1)
+    documented = set(re.findall(r'`"(\w+)"`', item))
+    with pytest.raises(ValueError) as refused:
+        _checks.out_dtype("half")
+    listed = set(re.findall(r"'(\w+)'", str(refused.value).split(", got")[0]))
+    prose = re.sub(r"```.*?```", "", README, flags=re.S)
+    used = set(re.findall(r"\b(bf16|fp16|f16|bfloat16|float16|half)\b", prose))
+    assert {"bf16", "fp16"} <= used, used
+    assert documented == listed == accepted, (documented, listed, accepted)
+    assert used <= accepted, used - accepted
+    for name in accepted:
+        assert _checks.out_dtype(name) in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16)), name

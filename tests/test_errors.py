@@ -33,8 +33,10 @@ def test_errors_name_argument_and_value():
         (dict(seqlen_q=65), ValueError, r"dq_accum.shape\[2\] must be Sr\*Dr = 128\*128"),
         (dict(dq_accum=acc.astype(jnp.bfloat16)), TypeError, "dq_accum must be float32, got bfloat16"),
         (dict(dq_accum=acc[0]), ValueError, r"dq_accum must have shape \(batch, heads, Sr\*Dr\), got shape"),
-        (dict(dtype=jnp.float32), ValueError, r"dtype must be jnp.bfloat16 or jnp.float16 \(or 'bf16', 'bfloat16', "
-         r"'f16', 'float16'\), got float32"),
+        (dict(dtype=jnp.float32), ValueError, r"^dtype must be jnp.bfloat16 or jnp.float16 \(or 'bf16', 'bfloat16', "
+         r"'fp16', 'f16', 'float16'\), got float32"),
+        (dict(dtype="half"), ValueError, r"^dtype must be .*'float16'\), got 'half' \(numpy's name for float16\)"),
+        (dict(dtype="e"), ValueError, r"^dtype must be .*'float16'\), got 'e' \(numpy's name for float16\)"),
         (dict(dtype="f32"), ValueError, r"dtype must be jnp.bfloat16 .* got float32"),
         (dict(dtype=None), TypeError, r"dtype must be jnp.bfloat16 or jnp.float16 .*, got None \(NoneType\)"),
         (dict(dtype="bfloat17"), TypeError, r"dtype must be .* got 'bfloat17' \(str\)"),
@@ -360,9 +362,10 @@ def test_sizes_past_the_kernels_limits_are_refused_at_trace_time():
                    f32(dq_layout.accum_shape(1, 1, big - 100, d)))
 
 
-@pytest.mark.parametrize("spelling", ["bf16", "bfloat16", "f16", "float16"])
+@pytest.mark.parametrize("spelling", ["bf16", "bfloat16", "fp16", "f16", "float16"])
 def test_dtype_names_in_either_spelling(rng, spelling):
-    """The API takes a dtype or its name, short (the kernel cache's and precompile's) or numpy's: the same bits."""
+    """The API takes a dtype or one of its names (``_checks.OUT_DTYPE_SPELLINGS``: the README's bf16 and fp16, the
+    kernel cache's f16, numpy's): the same bits."""
     layout, _, d, _ = fa4_pair("sm90-hd128")
     acc = jnp.asarray(rng.standard_normal(layout.accum_shape(1, H, 80, d)), jnp.float32)
     dtype = jnp.bfloat16 if spelling.startswith("b") else jnp.float16

@@ -257,13 +257,14 @@ def _bind(plan: Plan, accs, side_aux, scales, sink) -> list:
 
 @_checks.required_arguments(layout=_operands.LAYOUT_HINT)
 def dq_accum_from_dq(dq, scale, *, layout: AccumLayout, cu_seqlens_q=None, seqused_q=None):
-    """The transpose of :func:`dq_postprocess`: build the float32 accumulator a producer would have written.
+    """The transpose of :func:`dq_postprocess`, which scales too: ``dq_postprocess(dq_accum_from_dq(dq, s), s)``
+    is ``dq * s**2`` (rounded; exactly where ``s`` is a power of two).
 
     Dense: ``dq`` ``(B, S, H, D)`` -> ``(B, H, Sr * Da)``. Varlen (``cu_seqlens_q`` given): ``dq`` ``(T, H, D)``
     -> ``(H, Tp * Da)``. Every position that ``dq_postprocess`` reads element ``(i, j)`` from holds
     ``float32(scale) * float32(dq[i, j])`` (one fp32 multiply); every other entry (padding rows and columns,
-    rows past ``seqused_q``, rows no sequence covers) is 0. With ``scale = 1`` it inverts
-    ``dq_postprocess`` on bf16/fp16 values; it is also how to build an accumulator in a given order.
+    rows past ``seqused_q``, rows no sequence covers) is 0. With ``scale = 1`` it builds the accumulator a producer
+    would have written for ``dq`` (in ``layout``'s order) and inverts ``dq_postprocess`` on bf16/fp16 values.
 
     Args:
       dq: a floating-point array, ``(B, S, H, D)`` or, with ``cu_seqlens_q``, ``(T, H, D)``.

@@ -389,3 +389,22 @@ def test_the_dtype_spellings_are_one_set():
     assert used <= accepted, used - accepted
     for name in accepted:
         assert _checks.out_dtype(name) in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16)), name
+
+
+def test_dq_accum_from_dq_says_first_that_it_is_the_transpose_and_scales():
+    """Its first line says it is the op's transpose and that it multiplies by the scale too, so that
+    postprocess(accum_from_dq(dq, s), s) is dq * s**2, which it is; with scale 1 it builds what a producer writes."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jax_dqpost import AccumLayout, dq_accum_from_dq, dq_postprocess
+
+    first, summary = dq_accum_from_dq.__doc__.splitlines()[0], dq_accum_from_dq.__doc__.split("\n\n")[0]
+    assert "transpose of :func:`dq_postprocess`" in first and "scales" in first, first
+    assert "``dq_postprocess(dq_accum_from_dq(dq, s), s)``" in " ".join(summary.split()), summary
+    assert "is ``dq * s**2``" in " ".join(summary.split()), summary
+    layout = AccumLayout.flash_attention(90, 128, causal=False, tensor="dq", version="4.0.0b36")
+    dq = jnp.asarray(np.random.default_rng(0).standard_normal((1, 100, 2, 128)), jnp.bfloat16)
+    for s in (0.5, 0.125):  # powers of two: exactly dq * s**2
+        back = dq_postprocess(dq_accum_from_dq(dq, s, layout=layout), s, seqlen_q=100, head_dim=128, layout=layout)
+        assert np.array_equal(np.asarray(back, np.float32), np.asarray(dq, np.float32) * s * s), s

@@ -408,3 +408,14 @@ def test_dq_accum_from_dq_says_first_that_it_is_the_transpose_and_scales():
     for s in (0.5, 0.125):  # powers of two: exactly dq * s**2
         back = dq_postprocess(dq_accum_from_dq(dq, s, layout=layout), s, seqlen_q=100, head_dim=128, layout=layout)
         assert np.array_equal(np.asarray(back, np.float32), np.asarray(dq, np.float32) * s * s), s
+
+
+def test_the_readme_dsink_formula_says_what_an_infinite_lse_gives():
+    """The README's dsink formula says, as the docstring (docs/api.md) does, that the exponential is 1 where
+    lse = -inf."""
+    import jax_dqpost
+
+    formula = README.split("`dsink[h] = ", 1)[1].split(", in the sink's dtype", 1)[0]
+    assert "(the exponential is 1 where `lse = -inf`" in " ".join(formula.split()), formula
+    assert "the exponential is 1 where ``lse = -inf``" in " ".join(
+        jax_dqpost.flash_attention_postprocess.__doc__.split())

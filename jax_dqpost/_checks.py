@@ -56,10 +56,12 @@ def head_dim(value, name: str = "head_dim") -> int:
     return value
 
 
-def required_arguments(**hints: str):
+def required_arguments(first=None, /, **hints: str):
     """Decorate a function whose parameters without a default must be passed: a call that leaves one out raises
     ``TypeError`` naming it, followed by ``hints[name]`` (how to choose it), instead of Python's bare message.
-    ``inspect.signature`` and ``help`` show the function's own signature."""
+    ``first``: None, or a function of the arguments given (a dict by name) called before that, to raise an error
+    that says more (what a positional argument was taken for). ``inspect.signature`` and ``help`` show the
+    function's own signature."""
     def wrap(fn):
         signature = inspect.signature(fn)
         required = [name for name, p in signature.parameters.items() if p.default is p.empty
@@ -75,6 +77,8 @@ def required_arguments(**hints: str):
                 shown = signature.replace(parameters=shown[1 if required[:1] in (["cls"], ["self"]) else 0:],
                                           return_annotation=signature.empty)
                 raise TypeError(f"{title}(): {e}; the signature is {title}{shown}") from None
+            if first is not None:
+                first(given)
             missing = [name for name in required if name not in given]
             if missing:
                 texts = {name: hints.get(name) for name in missing}
@@ -108,15 +112,26 @@ ARG_NAMES = {
 """The names of each tensor's arguments (``dq_postprocess`` and ``dq_accum_from_dq`` use dQ's)."""
 
 
+OUT_DTYPE_SPELLINGS = {"bf16": np.dtype(jnp.bfloat16), "bfloat16": np.dtype(jnp.bfloat16),
+                       "fp16": np.dtype(jnp.float16), "f16": np.dtype(jnp.float16), "float16": np.dtype(jnp.float16)}
+"""The names the API takes for the output dtype (``dtype=``, and precompile's ``--dtypes``); other strings that
+numpy reads as float16 (``"half"``, ``"e"``, ``"f2"``) are refused."""
+_OUT_DTYPE_WANT = ("dtype must be jnp.bfloat16 or jnp.float16 (or "
+                   + ", ".join(repr(name) for name in OUT_DTYPE_SPELLINGS) + ")")
+
+
 def out_dtype(dtype) -> np.dtype:
-    """dQ's dtype: bfloat16 or float16, as a dtype or a name in either spelling (``"bf16"``, ``"bfloat16"``, ``"f16"``,
-    ``"float16"``); ``None`` is not float64 here."""
-    want = "dtype must be jnp.bfloat16 or jnp.float16 (or 'bf16', 'bfloat16', 'f16', 'float16')"
+    """dQ's dtype: bfloat16 or float16, as a dtype or one of the names of :data:`OUT_DTYPE_SPELLINGS`; ``None`` is
+    not float64 here."""
+    if isinstance(dtype, str) and dtype in OUT_DTYPE_SPELLINGS:
+        return OUT_DTYPE_SPELLINGS[dtype]
     out = abi.dtype_of(dtype)
     if out is None:
-        raise TypeError(f"{want}, got {describe(dtype)}")
+        raise TypeError(f"{_OUT_DTYPE_WANT}, got {describe(dtype)}")
     if out not in abi.OUT_DTYPES:
-        raise ValueError(f"{want}, got {out.name}")
+        raise ValueError(f"{_OUT_DTYPE_WANT}, got {out.name}")
+    if isinstance(dtype, str):  # numpy's other names of float16
+        raise ValueError(f"{_OUT_DTYPE_WANT}, got {dtype!r} (numpy's name for {out.name})")
     return out
 
 

@@ -74,7 +74,8 @@ def part(layout, head_dim, dtype, seqlen, total, cu_seqlens, seqused,
         raise ValueError(f"{cu_n} must have batch + 1 entries (at least 1), got shape {cu.shape}")
     batch = cu.shape[0] - 1
     if used is not None and used.shape != (batch,):
-        raise ValueError(f"{used_n} must have shape ({batch},) to match {cu_n}, got {used.shape}")
+        raise ValueError(f"{used_n} must have shape ({batch},) to match {cu_n} of {batch + 1} entries, got "
+                         f"{used.shape}")
     if cu_values is None or (used is not None and used_values is None):
         _checks.device_check_offsets(cu, used, total, names)
     _checks.check_rows_fit_int32(total_n, total, _varlen_rows(total, batch, layout))
@@ -138,11 +139,23 @@ def _static_as_array(name: str, x):
     return np.asarray(_checks.static_ints(name, x)) if isinstance(x, (list, tuple, range)) else x
 
 
+WIDENED_DTYPES = tuple(np.dtype(t) for t in (np.int8, np.int16, np.uint8, np.uint16))
+"""Integer types of a jax array of offsets or lengths that int32 holds exactly: widened to int32. Any other but
+int32 (int64, uint32, uint64) is refused, traced or not: its values might not fit, and traced ones cannot be seen."""
+
+
 def _int_array(name: str, x):
+    """Offsets or lengths as the kernel's 1-D int32 operand: a jax array (traced or not) of int32 or of a type
+    :data:`WIDENED_DTYPES` widens, or a numpy array whose values the caller checks (``TypeError`` otherwise)."""
     dtype = getattr(x, "dtype", None)
     if dtype is None or not jnp.issubdtype(dtype, jnp.integer):
         raise TypeError(f"{name} must be an integer array or a sequence of Python ints, got {type(x).__name__} "
                         f"of dtype {dtype}")
+    if isinstance(x, jax.Array) and np.dtype(dtype) != np.int32 and np.dtype(dtype) not in WIDENED_DTYPES:
+        raise TypeError(f"{name} must be a jax array of int32 (int8, int16, uint8 and uint16 are widened), got "
+                        f"dtype {np.dtype(dtype).name}, which int32 cannot hold exactly: pass int32 "
+                        f"({name}.astype(jnp.int32) once its values fit), or numpy or Python ints, checked when "
+                        "traced")
     if np.ndim(x) != 1:
         raise ValueError(f"{name} must be 1-D, got shape {np.shape(x)}")
     return jnp.asarray(x).astype(jnp.int32)

@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from . import _checks, _operands
 from .layout import AccumLayout
@@ -73,16 +75,18 @@ def dq_postprocess(dq_accum, scale, *, head_dim: int, seqlen_q: int | None = Non
       seqlen_q: ``S`` (dense).
       total_q: ``T``, rows of the packed output (varlen).
       cu_seqlens_q: varlen offsets: Python ints or a numpy array (static: validated now, exact launch grid) or a
-        jax int32 array (an operand: new values never retrace or recompile). Values this host can read now (a jax
-        array passed outside ``jit``, read back with a device-to-host copy) are validated like static ones (lengths
-        against traced offsets: only their sign); traced values are not: corrupt ones are clamped into a partition
-        of the rows, never read or written out of bounds. With ``JAX_DQPOST_CHECKIFY=1`` (read when the call is traced)
-        traced offsets, lengths and scales are checked on the device by the same rules in a function that
-        ``jax.experimental.checkify.checkify`` transforms, the error naming the first bad index and its value
-        (``checkify.debug_check``: dropped elsewhere; unset, nothing is traced).
+        jax array of int32 (an operand: new values never retrace or recompile; int8, int16, uint8 and uint16 are
+        widened to int32, other types, which int32 cannot hold exactly, are a ``TypeError``, traced or not). Values
+        this host can read now (a jax array passed outside ``jit``, read back with a device-to-host copy) are
+        validated like static ones (lengths against traced offsets: only their sign); traced values are not:
+        corrupt ones are clamped into a partition of the rows, never read or written out of bounds. With
+        ``JAX_DQPOST_CHECKIFY=1`` (read when the call is traced) traced offsets, lengths and scales are checked on
+        the device by the same rules in a function that ``jax.experimental.checkify.checkify`` transforms, the error
+        naming the first bad index and its value (``checkify.debug_check``: dropped elsewhere; unset, nothing is
+        traced).
       seqused_q: lengths actually used, ``(B,)``: static ints or an int32 array, like ``cu_seqlens_q``.
-      dtype: ``jnp.bfloat16`` or ``jnp.float16`` (or their names, ``"bf16"``/``"bfloat16"``,
-        ``"f16"``/``"float16"``), the type of dQ.
+      dtype: ``jnp.bfloat16`` or ``jnp.float16``, or one of the names ``"bf16"``, ``"bfloat16"``, ``"fp16"``,
+        ``"f16"``, ``"float16"`` (no other), the type of dQ.
       layout: the :class:`AccumLayout` of the producer, required (an accumulator read in another order gives wrong
         values, not an error): ``AccumLayout.flash_attention(gpu, head_dim, causal=..., tensor="dq", version=...)`` for
         FlashAttention-4's, ``AccumLayout.row_major()`` for an accumulator made in JAX.
@@ -95,7 +99,7 @@ def dq_postprocess(dq_accum, scale, *, head_dim: int, seqlen_q: int | None = Non
 
     Raises:
       TypeError: a missing ``layout``, or an argument of the wrong type (a non-float32 accumulator, a non-integer
-        offset), naming it.
+        offset, a jax array of offsets of a type int32 cannot hold exactly), naming it.
       ValueError: at trace time, on every platform, naming the argument and the value: a shape that does not fit
         the layout and the sizes; ``head_dim`` the layout cannot hold (``AccumLayout.check_head_dim``); static or
         host-visible offsets that are not non-decreasing within ``[0, total_q]``, lengths outside their sequence;
@@ -112,7 +116,21 @@ def dq_postprocess(dq_accum, scale, *, head_dim: int, seqlen_q: int | None = Non
     return _bind(Plan((part,)), (dq_accum,), (aux,), scale.reshape(1), None)[0]
 
 
-@_checks.required_arguments(dq_layout=_operands.LAYOUT_HINT)
+def _no_scale_for_an_accumulator(given: dict) -> None:
+    """``TypeError`` where a scale (a Python number or a 0-d array) stands for ``dk_accum`` or ``dv_accum``: the
+    call ``flash_attention_postprocess(dq_accum, scale, ...)`` meant for dQ alone."""
+    for name in ("dk_accum", "dv_accum"):
+        value = given.get(name)
+        if isinstance(value, numbers.Number) or getattr(value, "ndim", None) == 0:
+            shown = (_checks.describe(value) if isinstance(value, numbers.Number)
+                     else f"a scalar of dtype {np.dtype(value.dtype).name}")
+            raise TypeError(f"flash_attention_postprocess() took {shown} as {name}, where an accumulator (a float32 "
+                            "array, or None) goes: the accumulators come first, then softmax_scale; for dQ alone call "
+                            "flash_attention_postprocess(dq_accum, None, None, softmax_scale, ...) or "
+                            "dq_postprocess(dq_accum, scale, ...)")
+
+
+@_checks.required_arguments(_no_scale_for_an_accumulator, dq_layout=_operands.LAYOUT_HINT)
 def flash_attention_postprocess(dq_accum, dk_accum, dv_accum, softmax_scale, *, head_dim: int,
                                 head_dim_v: int | None = None, dtype=jnp.bfloat16, dq_layout: AccumLayout,
                                 dkv_layout: AccumLayout | None = None, dk_scale=None, seqlen_q: int | None = None,
@@ -168,6 +186,7 @@ def flash_attention_postprocess(dq_accum, dk_accum, dv_accum, softmax_scale, *, 
 
     Raises:
       TypeError, ValueError: as :func:`dq_postprocess`, for each side and tensor, naming its own arguments; also
+        a scale where ``dk_accum`` or ``dv_accum`` goes (``flash_attention_postprocess(dq_accum, scale, ...)``),
         ``dk_accum`` without ``dv_accum`` or ``dkv_layout``, k-side arguments without ``dk_accum``, sides with
         different batches, key/value heads that do not divide the query heads, sink operands of the wrong
         shapes or only some of them.
@@ -238,13 +257,14 @@ def _bind(plan: Plan, accs, side_aux, scales, sink) -> list:
 
 @_checks.required_arguments(layout=_operands.LAYOUT_HINT)
 def dq_accum_from_dq(dq, scale, *, layout: AccumLayout, cu_seqlens_q=None, seqused_q=None):
-    """The transpose of :func:`dq_postprocess`: build the float32 accumulator a producer would have written.
+    """The transpose of :func:`dq_postprocess`, which scales too: ``dq_postprocess(dq_accum_from_dq(dq, s), s)``
+    is ``dq * s**2`` (rounded; exactly where ``s`` is a power of two).
 
     Dense: ``dq`` ``(B, S, H, D)`` -> ``(B, H, Sr * Da)``. Varlen (``cu_seqlens_q`` given): ``dq`` ``(T, H, D)``
     -> ``(H, Tp * Da)``. Every position that ``dq_postprocess`` reads element ``(i, j)`` from holds
     ``float32(scale) * float32(dq[i, j])`` (one fp32 multiply); every other entry (padding rows and columns,
-    rows past ``seqused_q``, rows no sequence covers) is 0. With ``scale = 1`` it inverts
-    ``dq_postprocess`` on bf16/fp16 values; it is also how to build an accumulator in a given order.
+    rows past ``seqused_q``, rows no sequence covers) is 0. With ``scale = 1`` it builds the accumulator a producer
+    would have written for ``dq`` (in ``layout``'s order) and inverts ``dq_postprocess`` on bf16/fp16 values.
 
     Args:
       dq: a floating-point array, ``(B, S, H, D)`` or, with ``cu_seqlens_q``, ``(T, H, D)``.

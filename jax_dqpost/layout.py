@@ -29,6 +29,8 @@ ORDER_OF_FAMILY = {8: 80, 9: 90, 10: 100, 11: 100, 12: 80}
 """The accumulator order FlashAttention's backward writes on each GPU family (sm80 and sm120: ``mma.sync``, sm90:
 wgmma, sm100 and sm110: tcgen05); fa4-jax's tile plans name the family too."""
 _MAX_CLUSTER = 8
+HDIM_MULTIPLES = (8, 16, 32, 64, 128, 256)
+"""The values of :attr:`AccumLayout.hdim_multiple_of`: powers of two, as FlashAttention's ``tile_hdim`` is."""
 
 
 def _check_int(name: str, value, *, minimum: int = 1) -> int:
@@ -68,7 +70,8 @@ class AccumLayout:
       swap_ab: FlashAttention's ``dQ_swapAB``: the MMA computed dQ transposed (80 and 90).
       hdim_multiple_of: the producer's tiles pad the head dimension to ``Dr``, a multiple of this: a tile holds
         ``tile_m * Dr`` floats (FlashAttention's ``tile_hdim``; 32 in its CuTe DSL, 64 for its Hopper configurations
-        with head dim > 128, 16 in flash-attn 4.0.0b36's Hopper backward up to head dim 128).
+        with head dim > 128, 16 in flash-attn 4.0.0b36's Hopper backward up to head dim 128). A power of two, 8 to
+        256.
       alloc_hdim_multiple_of: keyword-only; the accumulator was allocated with the head dimension padded to ``Da``, a
         multiple of this (default: ``hdim_multiple_of``, ``Da = Dr``), and a multiple of ``hdim_multiple_of``. Each
         (batch, head) row of ``Sr * Da`` floats holds its tiles in its first ``Sr * Dr`` floats and nothing the op
@@ -131,9 +134,10 @@ class AccumLayout:
             raise ValueError(f"AccumLayout.cluster_size must be at most {_MAX_CLUSTER} (CUDA's portable cluster "
                              f"size), got {cluster_size}")
         mult = _check_int("hdim_multiple_of", self.hdim_multiple_of)
-        if mult % 8 or mult > MAX_HEAD_DIM:
-            raise ValueError(f"AccumLayout.hdim_multiple_of must be a multiple of 8 and at most {MAX_HEAD_DIM}, "
-                             f"got {mult}")
+        if mult not in HDIM_MULTIPLES:
+            raise ValueError(f"AccumLayout.hdim_multiple_of must be a power of two from 8 to {MAX_HEAD_DIM} "
+                             f"({', '.join(map(str, HDIM_MULTIPLES))}: a producer's tiles pad the head dim to a "
+                             f"multiple of one), got {mult}")
         alloc = mult if self.alloc_hdim_multiple_of is None else _check_int("alloc_hdim_multiple_of",
                                                                             self.alloc_hdim_multiple_of)
         if alloc % mult or alloc > MAX_HEAD_DIM:
@@ -220,7 +224,9 @@ class AccumLayout:
         return self.tile_m * self.cluster_size
 
     def padded_seqlen(self, seqlen: int) -> int:
-        """``Sr``: the sequence length rounded up to whole tiles (whole clusters of tiles: :attr:`pad_rows`)."""
+        """``Sr``: the sequence length rounded up to whole tiles (whole clusters of tiles: :attr:`pad_rows`).
+        ``seqlen``: a Python int >= 0 (``TypeError``/``ValueError`` naming it otherwise)."""
+        seqlen = _checks.static_int("seqlen", seqlen, minimum=0)
         return -(-seqlen // self.pad_rows) * self.pad_rows
 
     def num_tiles(self, seqlen: int) -> int:
@@ -229,14 +235,23 @@ class AccumLayout:
 
     def accum_shape(self, batch: int, heads: int, seqlen: int, head_dim: int) -> tuple[int, int, int]:
         """Shape of a dense accumulator: ``(batch, heads, Sr * Da)`` (``Da = Dr`` but for
-        :attr:`alloc_hdim_multiple_of`)."""
+        :attr:`alloc_hdim_multiple_of`). The sizes are Python ints >= 0 and ``head_dim`` one the op takes with this
+        layout (:meth:`check_head_dim`): ``TypeError``/``ValueError`` naming the argument otherwise."""
+        batch, heads, seqlen, head_dim = self._sizes(batch=batch, heads=heads, seqlen=seqlen, head_dim=head_dim)
         return (batch, heads, self.padded_seqlen(seqlen) * self.alloc_head_dim(head_dim))
 
     def varlen_accum_shape(self, batch: int, heads: int, total_q: int, head_dim: int) -> tuple[int, int]:
         """Shape of a varlen accumulator for ``batch`` packed sequences of ``total_q`` rows:
         ``(heads, Tp * Da)`` with FlashAttention's ``Tp = round_up(total_q + batch * P, P)``, ``P`` =
-        :attr:`pad_rows`."""
+        :attr:`pad_rows`. The arguments are checked as :meth:`accum_shape`'s."""
+        batch, heads, total_q, head_dim = self._sizes(batch=batch, heads=heads, total_q=total_q, head_dim=head_dim)
         return (heads, padded_total(total_q, batch, self.pad_rows) * self.alloc_head_dim(head_dim))
+
+    def _sizes(self, **sizes) -> list[int]:
+        """The shape helpers' arguments, checked: sizes Python ints >= 0, the head dim as the op checks it."""
+        head_dim = sizes.pop("head_dim")
+        self.check_head_dim(head_dim)
+        return [_checks.static_int(name, value, minimum=0) for name, value in sizes.items()] + [int(head_dim)]
 
     def mma_geometry(self, head_dim: int) -> dict:
         """The producer's dQ MMA (arch 80 and 90) as the kernel rebuilds it (all ints; None if it does not
@@ -276,6 +291,10 @@ class AccumLayout:
     def _made_for(self, head_dim: int, name: str) -> str:
         """Which head dims this order holds, and whose preset it is: the hint of ``check_head_dim``'s errors."""
         fits = [d for d in range(8, MAX_HEAD_DIM + 1, 8) if self._holds(d)]
+        if self.arch is None:  # the row-major order is made for no head dim: its fields must suit this one
+            held = f"head dims {presets.head_dim_ranges(fits)}" if fits else "no head dim"
+            return (f"This row-major layout holds {held}; AccumLayout.row_major() with its default tile_m, "
+                    f"num_threads and hdim_multiple_of holds every head dim")
         if not fits:
             return "This layout holds no head dim"
         return (f"This layout holds head dims {presets.head_dim_ranges(fits)}, so it was probably made for another "

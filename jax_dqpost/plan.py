@@ -94,11 +94,14 @@ class Part:
             if tuple(aux_shape) != self.aux_shape(1):
                 raise ValueError(f"the work list has {aux_shape} entries, expected ({w.size},) for {w}")
             if len(acc_shape) != 2 or acc_shape[1] != w.padded_total * da:
+                fits = self._packed_batch(acc_shape)
                 raise ValueError(
-                    f"{n.accum} must have shape (heads, Tp*{dr}) = (heads, {w.padded_total}*{da}) for "
-                    f"{n.total}={w.total}, batch={w.batch}, {n.head_dim}={self.head_dim} and {layout} "
-                    f"(Tp = ceil(({n.total} + batch*P) / P) * P, P = tile_m*cluster_size = {layout.pad_rows}); "
-                    f"got shape {tuple(acc_shape)}")
+                    f"{n.accum} of shape {tuple(acc_shape)} is not the packed accumulator of {n.total}={w.total} and "
+                    f"{n.cu_seqlens} of {_entries(w.batch + 1)} (batch={w.batch}): that is (heads, Tp*{dr}) = "
+                    f"(heads, {w.padded_total}*{da}) for {n.head_dim}={self.head_dim} and {layout} (Tp = "
+                    f"ceil(({n.total} + batch*P) / P) * P, P = tile_m*cluster_size = {layout.pad_rows})"
+                    + ("" if fits is None else f"; the shape given is for {n.cu_seqlens} of {_entries(fits + 1)} "
+                                               f"(batch={fits}) at {n.total}={w.total}"))
             return (w.total, acc_shape[0], self.head_dim)
         if len(acc_shape) != 3:
             raise ValueError(f"{n.accum} must have shape (batch, heads, Sr*{dr}), got shape {tuple(acc_shape)}")
@@ -112,6 +115,15 @@ class Part:
             raise ValueError(f"{n.seqused} must have shape {self.aux_shape(batch)} ({n.accum} has batch {batch}), "
                              f"got {tuple(aux_shape)}")
         return (batch, self.seqlen, heads, self.head_dim)
+
+    def _packed_batch(self, acc_shape) -> int | None:
+        """The batch whose packed accumulator of this part's total has shape ``acc_shape``, if there is one:
+        ``Tp = (ceil(T / P) + batch) * P`` (``varlen.padded_total``) gives it."""
+        pad, da = self.layout.pad_rows, self.alloc_head_dim
+        if len(acc_shape) != 2 or acc_shape[1] % (pad * da):
+            return None
+        batch = acc_shape[1] // (pad * da) - -(-self.work.total // pad)
+        return batch if batch >= 0 else None
 
     def heads(self, acc_shape) -> int:
         return acc_shape[0] if self.work is not None else acc_shape[1]
@@ -140,6 +152,10 @@ class Part:
         """CTAs of this part per grid z (dense parts: per batch; varlen: ``WorkList.ctas``)."""
         _, heads, _, _, grid_x = self.launch_extents(acc_shape)
         return self.work.ctas(heads) if self.work is not None else heads * grid_x
+
+
+def _entries(count: int) -> str:
+    return f"{count} entr{'y' if count == 1 else 'ies'}"
 
 
 class Operands(NamedTuple):
@@ -299,7 +315,8 @@ class Plan:
         for name, part, shape in zip(self.names, self.parts, acc_shapes):
             names = ARG_NAMES[name]
             if part.work is not None:
-                sides.append((part.work.batch, f"{names.cu_seqlens} has {part.work.batch} sequences"))
+                batch = part.work.batch
+                sides.append((batch, f"{names.cu_seqlens} has {_entries(batch + 1)} ({batch} sequences)"))
             elif len(shape) == 3:
                 sides.append((shape[0], f"{names.accum} has batch {shape[0]}"))
             else:

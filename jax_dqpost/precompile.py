@@ -23,7 +23,7 @@ from .layout import AccumLayout
 from .presets import FLASH_ATTENTION_ARCHS, FLASH_ATTENTION_RELEASES, GPU_ARCHS, has_postprocess
 from .abi import Tiling
 
-_DTYPE_SPELLINGS = tuple(n for d in abi.OUT_DTYPES for n in (abi.DTYPE_NAMES[d], d.name))
+_DTYPE_SPELLINGS = tuple(_checks.OUT_DTYPE_SPELLINGS)
 _TILING_NAMES = tuple(t.name.lower() for t in Tiling)
 _SINK_NAMES = ("none", "f32", "bf16", "f16")
 
@@ -97,7 +97,7 @@ def _arch(text: str) -> str:
 
 
 def _dtype(text: str) -> str:
-    """A dQ type in either spelling (``bf16`` or ``bfloat16``, ``f16`` or ``float16``), as its short name."""
+    """A dQ type, by a name the API takes (``_checks.OUT_DTYPE_SPELLINGS``), as its short name."""
     try:
         return abi.DTYPE_NAMES[_checks.out_dtype(text)]
     except (TypeError, ValueError):

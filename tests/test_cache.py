@@ -215,8 +215,8 @@ def test_cache_off_and_precompile_cli(tmp_path):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--dtypes", "fp32"], "--dtypes: 'fp32': choose from bf16, bfloat16, f16, float16"),
-    (["--dtypes", "float32"], "--dtypes: 'float32': choose from bf16, bfloat16, f16, float16"),
+    (["--dtypes", "fp32"], "--dtypes: 'fp32': choose from bf16, bfloat16, fp16, f16, float16"),
+    (["--dtypes", "float32"], "--dtypes: 'float32': choose from bf16, bfloat16, fp16, f16, float16"),
     (["--presets", "sm90"], "--presets: 'sm90': not an integer"),
     (["--presets", "75"], "--presets: '75': not a GPU architecture; the known ones are 80, 86, 87, 89, 90, 100"),
     (["--presets", "90,99"], "--presets: '99': not a GPU architecture"),

@@ -361,3 +361,61 @@ def test_the_gradients_table_says_what_the_data_says():
             assert starred == sorted(want["wrong"].get(case, []), key=tensors.index), (producer, case, starred)
             assert ours[0].startswith("refused") == (case in want["refused_by_us"]), (producer, case)
             assert not any(c.endswith("*") for c in ours), (producer, case, ours)
+
+
+def _api_section(name: str) -> str:
+    page = (ROOT / "docs" / "api.md").read_text()
+    return page.split(f"### `jax_dqpost.{name}`", 1)[1].split("\n### ", 1)[0]
+
+
+def test_the_dtype_spellings_are_one_set():
+    """The names of the output dtype that docs/api.md lists, that the error lists and that the README's prose uses
+    are the names the API takes, and no other string (numpy's 'half') is taken."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jax_dqpost import _checks
+
+    accepted = set(_checks.OUT_DTYPE_SPELLINGS)
+    item = re.search(r"^- `dtype`: (.*)$", _api_section("dq_postprocess"), re.M).group(1)
+    documented = set(re.findall(r'`"(\w+)"`', item))
+    with pytest.raises(ValueError) as refused:
+        _checks.out_dtype("half")
+    listed = set(re.findall(r"'(\w+)'", str(refused.value).split(", got")[0]))
+    prose = re.sub(r"```.*?```", "", README, flags=re.S)
+    used = set(re.findall(r"\b(bf16|fp16|f16|bfloat16|float16|half)\b", prose))
+    assert {"bf16", "fp16"} <= used, used
+    assert documented == listed == accepted, (documented, listed, accepted)
+    assert used <= accepted, used - accepted
+    for name in accepted:
+        assert _checks.out_dtype(name) in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16)), name
+
+
+def test_dq_accum_from_dq_says_first_that_it_is_the_transpose_and_scales():
+    """Its first line says it is the op's transpose and that it multiplies by the scale too, so that
+    postprocess(accum_from_dq(dq, s), s) is dq * s**2, which it is; with scale 1 it builds what a producer writes."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jax_dqpost import AccumLayout, dq_accum_from_dq, dq_postprocess
+
+    first, summary = dq_accum_from_dq.__doc__.splitlines()[0], dq_accum_from_dq.__doc__.split("\n\n")[0]
+    assert "transpose of :func:`dq_postprocess`" in first and "scales" in first, first
+    assert "``dq_postprocess(dq_accum_from_dq(dq, s), s)``" in " ".join(summary.split()), summary
+    assert "is ``dq * s**2``" in " ".join(summary.split()), summary
+    layout = AccumLayout.flash_attention(90, 128, causal=False, tensor="dq", version="4.0.0b36")
+    dq = jnp.asarray(np.random.default_rng(0).standard_normal((1, 100, 2, 128)), jnp.bfloat16)
+    for s in (0.5, 0.125):  # powers of two: exactly dq * s**2
+        back = dq_postprocess(dq_accum_from_dq(dq, s, layout=layout), s, seqlen_q=100, head_dim=128, layout=layout)
+        assert np.array_equal(np.asarray(back, np.float32), np.asarray(dq, np.float32) * s * s), s
+
+
+def test_the_readme_dsink_formula_says_what_an_infinite_lse_gives():
+    """The README's dsink formula says, as the docstring (docs/api.md) does, that the exponential is 1 where
+    lse = -inf."""
+    import jax_dqpost
+
+    formula = README.split("`dsink[h] = ", 1)[1].split(", in the sink's dtype", 1)[0]
+    assert "(the exponential is 1 where `lse = -inf`" in " ".join(formula.split()), formula
+    assert "the exponential is 1 where ``lse = -inf``" in " ".join(
+        jax_dqpost.flash_attention_postprocess.__doc__.split())

@@ -33,8 +33,10 @@ def test_errors_name_argument_and_value():
         (dict(seqlen_q=65), ValueError, r"dq_accum.shape\[2\] must be Sr\*Dr = 128\*128"),
         (dict(dq_accum=acc.astype(jnp.bfloat16)), TypeError, "dq_accum must be float32, got bfloat16"),
         (dict(dq_accum=acc[0]), ValueError, r"dq_accum must have shape \(batch, heads, Sr\*Dr\), got shape"),
-        (dict(dtype=jnp.float32), ValueError, r"dtype must be jnp.bfloat16 or jnp.float16 \(or 'bf16', 'bfloat16', "
-         r"'f16', 'float16'\), got float32"),
+        (dict(dtype=jnp.float32), ValueError, r"^dtype must be jnp.bfloat16 or jnp.float16 \(or 'bf16', 'bfloat16', "
+         r"'fp16', 'f16', 'float16'\), got float32"),
+        (dict(dtype="half"), ValueError, r"^dtype must be .*'float16'\), got 'half' \(numpy's name for float16\)"),
+        (dict(dtype="e"), ValueError, r"^dtype must be .*'float16'\), got 'e' \(numpy's name for float16\)"),
         (dict(dtype="f32"), ValueError, r"dtype must be jnp.bfloat16 .* got float32"),
         (dict(dtype=None), TypeError, r"dtype must be jnp.bfloat16 or jnp.float16 .*, got None \(NoneType\)"),
         (dict(dtype="bfloat17"), TypeError, r"dtype must be .* got 'bfloat17' \(str\)"),
@@ -98,7 +100,8 @@ def test_static_validation_names_argument_and_value():
         (dict(seqlen_q=100), ValueError, r"seqlen_q=100 is only for dense batches"),
         (dict(cu_seqlens_q=jnp.zeros(3, jnp.float32)), TypeError, r"cu_seqlens_q must be an integer array"),
         (dict(total_q=300, cu_seqlens_q=jnp.asarray([0, 50, 99])), ValueError,
-         r"dq_accum must have shape \(heads, Tp\*Dr\)"),
+         r"dq_accum of shape \(2, 40960\) is not the packed accumulator of total_q=300 and cu_seqlens_q of 3 "
+         r"entries \(batch=2\): that is \(heads, Tp\*Dr\)"),
     ]
     for kwargs, exc, pattern in cases:
         with pytest.raises(exc, match=pattern):
@@ -122,8 +125,9 @@ def test_an_accumulator_allocated_for_the_tiles_alone_is_refused_with_alloc_hdim
         dq_postprocess(tiles_only, 1.0, seqlen_q=100, head_dim=72, layout=layout)
     assert dq_postprocess(jnp.zeros(layout.accum_shape(1, 2, 100, 72)), 1.0, seqlen_q=100, head_dim=72,
                           layout=layout).shape == (1, 100, 2, 72)
-    with pytest.raises(ValueError, match=r"^dq_accum must have shape \(heads, Tp\*Da\) = \(heads, 128\*96\) for "
-                                         r"total_q=50"):
+    with pytest.raises(ValueError, match=r"^dq_accum of shape \(2, 10240\) is not the packed accumulator of total_q=50 "
+                                         r"and cu_seqlens_q of 2 entries \(batch=1\): that is \(heads, Tp\*Da\) = "
+                                         r"\(heads, 128\*96\) for head_dim=72"):
         dq_postprocess(jnp.zeros((2, 128 * 80), jnp.float32), 1.0, head_dim=72, total_q=50, cu_seqlens_q=[0, 50],
                        layout=layout)
     with pytest.raises(ValueError, match=r"dk_accum.shape\[2\] must be Sr\*Da = 128\*96 "):
@@ -192,11 +196,15 @@ def test_kv_errors_name_the_arguments_passed():
          r"seqused_k must have shape \(1,\) \(dk_accum has batch 1\), got \(3,\)"),
         ((k, k), dict(dense, seqused_k=[61]), r"seqused_k\[0\]=61 must be in \[0, seqlen_k=60\]"),
         ((k_packed, k_packed), dict(packed, total_k=300),
-         r"dk_accum must have shape \(heads, Tp\*Dr\) = \(heads, 640\*128\) for total_k=300, batch=2, head_dim=128"),
+         r"dk_accum of shape \(2, 49152\) is not the packed accumulator of total_k=300 and cu_seqlens_k of 3 entries "
+         r"\(batch=2\): that is \(heads, Tp\*Dr\) = \(heads, 640\*128\) for head_dim=128"),
         ((k_packed, v_packed), dict(packed, head_dim_v=96),
-         r"dv_accum must have shape \(heads, Tp\*Dr\) = \(heads, 384\*96\) for total_k=100, batch=2, head_dim_v=96"),
+         r"dv_accum of shape \(2, 24576\) is not the packed accumulator of total_k=100 and cu_seqlens_k of 3 entries "
+         r"\(batch=2\): that is \(heads, Tp\*Dr\) = \(heads, 384\*96\) for head_dim_v=96"),
         ((k_packed, k_packed), dict(packed, cu_seqlens_k=jnp.asarray([0, 40, 100, 100])),
-         r"dk_accum must have shape \(heads, Tp\*Dr\) = \(heads, 512\*128\) for total_k=100, batch=3"),
+         r"dk_accum of shape \(2, 49152\) is not the packed accumulator of total_k=100 and cu_seqlens_k of 4 entries "
+         r"\(batch=3\): that is \(heads, Tp\*Dr\) = \(heads, 512\*128\) .*; the shape given is for cu_seqlens_k of 3 "
+         r"entries \(batch=2\) at total_k=100"),
         ((k_packed, k_packed), dict(packed, seqused_k=[41, 0]),
          r"seqused_k\[0\]=41 must be in \[0, 40\] .* in cu_seqlens_k"),
     ]
@@ -236,15 +244,16 @@ def test_q_and_k_sides_must_have_the_same_batch(rng):
         acc = rng.standard_normal(layout.varlen_accum_shape(batch, heads, cu[-1], d)).astype(np.float32)
         return acc, {f"total_{k}": cu[-1], f"cu_seqlens_{k}": cu}
 
-    what = {(False, "q"): "dq_accum has batch {}", (True, "q"): "cu_seqlens_q has {} sequences",
-            (False, "k"): "dk_accum has batch {}", (True, "k"): "cu_seqlens_k has {} sequences"}
+    what = {(False, "q"): "dq_accum has batch {0}", (True, "q"): "cu_seqlens_q has {1} entries ({0} sequences)",
+            (False, "k"): "dk_accum has batch {0}", (True, "k"): "cu_seqlens_k has {1} entries ({0} sequences)"}
     for q_packed in (False, True):
         for k_packed in (False, True):
             q_batch, k_batch = (int(b) for b in rng.choice(np.arange(1, 5), 2, replace=False))
             q, q_kw = side(dq_layout, H, q_batch, q_packed, "q")
             k, k_kw = side(dkv_layout, H_KV, k_batch, k_packed, "k")
-            match = re.escape("the q and k sides must have the same batch: " + what[q_packed, "q"].format(q_batch)
-                              + " but " + what[k_packed, "k"].format(k_batch))
+            match = re.escape("the q and k sides must have the same batch: "
+                              + what[q_packed, "q"].format(q_batch, q_batch + 1) + " but "
+                              + what[k_packed, "k"].format(k_batch, k_batch + 1))
             with pytest.raises(ValueError, match=match):
                 flash_attention_postprocess(q, k, k, 0.5, **kw, **q_kw, **k_kw)
             traced = {n: v for n, v in {**q_kw, **k_kw}.items() if n.startswith("cu_")}
@@ -353,9 +362,10 @@ def test_sizes_past_the_kernels_limits_are_refused_at_trace_time():
                    f32(dq_layout.accum_shape(1, 1, big - 100, d)))
 
 
-@pytest.mark.parametrize("spelling", ["bf16", "bfloat16", "f16", "float16"])
+@pytest.mark.parametrize("spelling", ["bf16", "bfloat16", "fp16", "f16", "float16"])
 def test_dtype_names_in_either_spelling(rng, spelling):
-    """The API takes a dtype or its name, short (the kernel cache's and precompile's) or numpy's: the same bits."""
+    """The API takes a dtype or one of its names (``_checks.OUT_DTYPE_SPELLINGS``: the README's bf16 and fp16, the
+    kernel cache's f16, numpy's): the same bits."""
     layout, _, d, _ = fa4_pair("sm90-hd128")
     acc = jnp.asarray(rng.standard_normal(layout.accum_shape(1, H, 80, d)), jnp.float32)
     dtype = jnp.bfloat16 if spelling.startswith("b") else jnp.float16
@@ -445,3 +455,28 @@ def test_a_layout_made_for_another_head_dim_says_so():
     with pytest.raises(ValueError, match=r"holds head dims 72\.\.128, 200\.\.256, so it was probably made for another "
                                          r"head dim: build the layout for head_dim=64$"):  # no preset's
         AccumLayout(90, 80, 256, 1, True, 64).check_head_dim(64)
+
+
+@pytest.mark.parametrize("args, taken, shown", [
+    ((0.125,), "dk_accum", r"0\.125 \(float\)"),
+    ((0.125, None, None), "dk_accum", r"0\.125 \(float\)"),
+    ((1,), "dk_accum", r"1 \(int\)"),
+    ((np.float32(0.5),), "dk_accum", r"(np\.float32\()?0\.5\)? \(float32\)"),  # numpy 2's repr, or 1's
+    ((jnp.float32(0.5),), "dk_accum", "a scalar of dtype float32"),
+    ((None, 0.125, 0.125), "dv_accum", r"0\.125 \(float\)"),
+])
+def test_a_scale_where_an_accumulator_goes_says_what_it_was_taken_for(args, taken, shown):
+    """``flash_attention_postprocess(dq_accum, 0.125, ...)``, meant for dQ alone: the error says the scale was taken
+    as dk_accum (or dv_accum) and shows the call for dQ alone, instead of asking for dv_accum= and softmax_scale=."""
+    layout = AccumLayout.row_major()
+    acc = jnp.zeros(layout.accum_shape(1, H, 64, 64), jnp.float32)
+    match = (rf"^flash_attention_postprocess\(\) took {shown} as {taken}, where an accumulator \(a float32 array, or "
+             r"None\) goes: the accumulators come first, then softmax_scale; for dQ alone call "
+             r"flash_attention_postprocess\(dq_accum, None, None, softmax_scale, \.\.\.\) or "
+             r"dq_postprocess\(dq_accum, scale, \.\.\.\)")
+    with pytest.raises(TypeError, match=match):
+        flash_attention_postprocess(acc, *args, head_dim=64, seqlen_q=64, dq_layout=layout)
+    with pytest.raises(TypeError, match=match):  # traced, the same
+        jax.jit(lambda a: flash_attention_postprocess(a, *args, head_dim=64, seqlen_q=64, dq_layout=layout))(acc)
+    dq = flash_attention_postprocess(acc, None, None, 0.125, head_dim=64, seqlen_q=64, dq_layout=layout).dq
+    assert_same_bits(dq, dq_postprocess(acc, 0.125, head_dim=64, seqlen_q=64, layout=layout), "the call shown")

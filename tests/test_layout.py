@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import re
 
 import numpy as np
 import pytest
@@ -43,7 +44,7 @@ def test_tiles_of_dr_in_rows_allocated_for_da():
                                   AccumLayout(90, 64, 256, 1, False, 16).tile_index_map(104))
     wide = AccumLayout(None, 64, 256, 1, False, 8, alloc_hdim_multiple_of=256)
     assert (wide.padded_head_dim(8), wide.alloc_head_dim(8)) == (8, 256)
-    assert wide.accum_shape(1, 1, 1, 8) == (1, 1, 64 * 256)
+    assert wide.accum_shape(1, 1, 1, 16) == (1, 1, 64 * 256)  # (head dim 8: not a whole 16-byte vector per thread)
 
 
 @pytest.mark.parametrize("kwargs, exc, pattern", [
@@ -68,11 +69,16 @@ def test_tiles_of_dr_in_rows_allocated_for_da():
     (dict(num_threads=640), ValueError, r"got 640"),
     (dict(atom_layout=3), ValueError, r"atom_layout=3 must divide the number of warpgroups num_threads/128=2"),
     (dict(swap_ab=1), TypeError, r"AccumLayout.swap_ab must be a bool, got 1"),
-    (dict(hdim_multiple_of=12), ValueError, r"hdim_multiple_of must be a multiple of 8 and at most 256, got 12"),
+    (dict(hdim_multiple_of=12), ValueError, r"^AccumLayout.hdim_multiple_of must be a power of two from 8 to 256 "
+     r"\(8, 16, 32, 64, 128, 256: a producer's tiles pad the head dim to a multiple of one\), got 12$"),
+    (dict(hdim_multiple_of=24), ValueError, r"^AccumLayout.hdim_multiple_of must be a power of two .*, got 24$"),
+    (dict(arch=None, hdim_multiple_of=24), ValueError, r"^AccumLayout.hdim_multiple_of must be a power of two .*, "
+     r"got 24$"),
+    (dict(hdim_multiple_of=48), ValueError, r"^AccumLayout.hdim_multiple_of must be a power of two .*, got 48$"),
     (dict(tile_m=64.0), TypeError, r"AccumLayout.tile_m must be a Python int, got 64.0 \(float\)"),
     (dict(arch=120), ValueError, r"arch=120 is not an accumulator order.*sm120 backward writes the arch=80 order"),
     (dict(arch=110), ValueError, r"sm110 backward writes the arch=100 order"),
-    (dict(hdim_multiple_of=512), ValueError, r"hdim_multiple_of must be a multiple of 8 and at most 256, got 512"),
+    (dict(hdim_multiple_of=512), ValueError, r"hdim_multiple_of must be a power of two from 8 to 256 .*, got 512$"),
     (dict(alloc_hdim_multiple_of=48), ValueError, r"^AccumLayout.alloc_hdim_multiple_of must be a multiple of "
      r"hdim_multiple_of=32 \(the allocated row holds the tiles\) and at most 256, got 48$"),
     (dict(alloc_hdim_multiple_of=16), ValueError, r"alloc_hdim_multiple_of must be a multiple of hdim_multiple_of=32 "
@@ -450,3 +456,48 @@ def test_repr_round_trips():
                AccumLayout(90, 64, 128, 1, False, 16, alloc_hdim_multiple_of=32), _dq(90, 72), _dkv(90, 104, True)]
     for layout in layouts:
         assert eval(repr(layout), {"AccumLayout": AccumLayout}) == layout
+
+
+def test_shape_helpers_take_only_sizes_that_exist():
+    """accum_shape, varlen_accum_shape and padded_seqlen give shapes for Python ints >= 0 and a head dim the op
+    takes with the layout (the rule of check_head_dim); anything else is an error naming the argument and the value,
+    never a shape like (-1, 1, 4096)."""
+    rm = AccumLayout.row_major()
+    sm90 = AccumLayout.flash_attention(90, 128, causal=False, tensor="dq", version=RELEASE)
+    assert rm.accum_shape(0, 0, 0, 64) == (0, 0, 0) and rm.varlen_accum_shape(0, 1, 0, 64) == (1, 0)
+    assert rm.accum_shape(2, 1, 100, 64) == (2, 1, 128 * 64)
+    assert sm90.varlen_accum_shape(2, 3, 100, 128) == (3, 320 * 128)
+    cases = [
+        (lambda: rm.accum_shape(-1, 1, 64, 64), ValueError, r"^batch must be >= 0, got -1$"),
+        (lambda: rm.accum_shape(1, -2, 64, 64), ValueError, r"^heads must be >= 0, got -2$"),
+        (lambda: rm.accum_shape(1, 1, -64, 64), ValueError, r"^seqlen must be >= 0, got -64$"),
+        (lambda: rm.accum_shape(1.0, 1, 64, 64), TypeError, r"^batch must be a Python int, got 1.0 \(float\)$"),
+        (lambda: rm.varlen_accum_shape(-3, 1, 64, 64), ValueError, r"^batch must be >= 0, got -3$"),
+        (lambda: rm.varlen_accum_shape(2, 1, -1, 64), ValueError, r"^total_q must be >= 0, got -1$"),
+        (lambda: rm.accum_shape(1, 1, 64, 60), ValueError,
+         r"^head_dim must be a positive multiple of 8 and at most 256, got 60$"),
+        (lambda: rm.varlen_accum_shape(1, 1, 64, 264), ValueError, r"^head_dim must be .* at most 256, got 264$"),
+        (lambda: rm.accum_shape(1, 1, 64, "64"), TypeError, r"^head_dim must be a Python int, got '64' \(str\)$"),
+        (lambda: sm90.accum_shape(1, 1, 64, 64), ValueError,
+         r"^head_dim=64 \(padded to 64\) with AccumLayout\(arch=90, .* build the layout for head_dim=64$"),
+        (lambda: rm.padded_seqlen(-1), ValueError, r"^seqlen must be >= 0, got -1$"),
+    ]
+    for call, exc, match in cases:
+        with pytest.raises(exc, match=match):
+            call()
+    with pytest.raises(ValueError) as refused:  # the op's own message, for the same head dim
+        sm90.check_head_dim(64)
+    with pytest.raises(ValueError, match=re.escape(str(refused.value))):
+        sm90.varlen_accum_shape(1, 1, 64, 64)
+
+
+def test_a_row_major_layout_that_cannot_hold_a_head_dim_says_which_fields_do():
+    """The row-major order is made for no head dim (row_major() takes none): the error says what the layout holds and
+    that row_major()'s defaults hold every head dim, not to build the layout for the head dim."""
+    assert all(AccumLayout.row_major()._holds(d) for d in range(8, 257, 8))
+    for layout, head_dim, held in ((AccumLayout.row_major(hdim_multiple_of=8), 8, r"head dims 16, 32, .*, 256"),
+                                   (AccumLayout(None, 168, 64, 1, False, 128), 72, "no head dim")):
+        with pytest.raises(ValueError, match=rf"\. This row-major layout holds {held}; AccumLayout.row_major\(\) with "
+                                             r"its default tile_m, num_threads and hdim_multiple_of holds every head "
+                                             r"dim$"):
+            layout.check_head_dim(head_dim)

@@ -198,3 +198,88 @@ def test_work_list_slots_take_every_tile_once(rng, layout):
             if not traced:
                 assert work.num_tiles == s.tile_start[K] + work.short_slots  # exact
 
+
+
+def _op_on(argument):
+    """(call on an offsets or lengths array, its valid int32 values): ``argument`` of the q side through
+    dq_postprocess, of the k side through flash_attention_postprocess (dense q side), on row-major accumulators."""
+    layout, side, D = AccumLayout.row_major(), argument[-1], 64
+    packed = jnp.zeros(layout.varlen_accum_shape(2, 2, 50, D), jnp.float32)
+    dense = jnp.zeros(layout.accum_shape(2, 2, 50, D), jnp.float32)
+    cu, used = [0, 5, 50], [5, 40]
+    if argument.startswith("cu_seqlens"):
+        kw, acc, values = lambda v: {f"total_{side}": 50, f"cu_seqlens_{side}": v}, packed, cu
+    else:
+        kw, acc, values = lambda v: {f"seqlen_{side}": 50, f"seqused_{side}": v}, dense, used
+    if side == "q":
+        return (lambda v: dq_postprocess(acc, 0.5, head_dim=D, layout=layout, **kw(v))), values
+    q = jnp.zeros(layout.accum_shape(2, 4, 50, D), jnp.float32)
+    return (lambda v: flash_attention_postprocess(q, acc, acc, 0.5, head_dim=D, dq_layout=layout, dkv_layout=layout,
+                                                  seqlen_q=50, **kw(v))), values
+
+
+@pytest.mark.parametrize("argument", ["cu_seqlens_q", "seqused_q", "cu_seqlens_k", "seqused_k"])
+def test_a_jax_array_of_offsets_is_int32_or_widened_exactly(argument):
+    """A jax array's dtype is known when the call is traced: int8, int16, uint8 and uint16 are widened to int32 (the
+    bits of int32), and a type int32 cannot hold exactly (uint32; int64 and uint64 under jax_enable_x64) is a
+    TypeError naming the argument, the dtype and int32, traced or not, never narrowed: int64 offsets [0, 2**32 + 5,
+    2**32 + 50] read as [0, 5, 50], a uint32 length of 2**32 - 1 read as -1."""
+    call, values = _op_on(argument)
+    want = jax.jit(call)(jnp.asarray(values, jnp.int32))
+    for dtype in (jnp.int8, jnp.int16, jnp.uint8, jnp.uint16):
+        for got in (jax.jit(call)(jnp.asarray(values, dtype)), call(jnp.asarray(values, dtype))):
+            for j, (a, b) in enumerate(zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)):
+                assert_same_bits(a, b, f"{argument} of {np.dtype(dtype).name}: output {j}")
+    wrapped = [0, 2**32 + 5, 2**32 + 50] if argument.startswith("cu") else [2**32 - 1, 40]  # read as [0, 5, 50], -1
+    refused = [(jnp.uint32, values)] + [(t, v) for t in (jnp.int64, jnp.uint64) for v in (values, wrapped)]
+    with jax.enable_x64(True):
+        for dtype, v in refused:
+            name = np.dtype(dtype).name
+            match = (rf"^{argument} must be a jax array of int32 \(int8, int16, uint8 and uint16 are widened\), got "
+                     rf"dtype {name}, which int32 cannot hold exactly: pass int32")
+            array = jnp.asarray(v, dtype)
+            assert array.dtype == dtype
+            with pytest.raises(TypeError, match=match):
+                jax.jit(call)(array)
+            with pytest.raises(TypeError, match=match):
+                call(array)  # concrete: refused too, as it was by its values
+        with pytest.raises(TypeError, match=rf"^{argument} must be a jax array of int32 .* got dtype uint32"):
+            jax.jit(call)(jnp.asarray([2**32 - 1, 40], jnp.uint32))
+    # static values of any integer type are read exactly and checked
+    for j, (a, b) in enumerate(zip(jax.tree.leaves(call(np.asarray(values, np.uint64))), jax.tree.leaves(want),
+                                   strict=True)):
+        assert_same_bits(a, b, f"static uint64 {argument}: output {j}")
+    with pytest.raises(ValueError, match=rf"^{argument}"):
+        call(np.asarray(wrapped, np.uint64))
+
+
+@pytest.mark.parametrize("side", ["q", "k"])
+def test_offsets_of_the_wrong_length_name_their_length(side):
+    """Offsets with one entry too many or too few, traced or not: the error names them, their length and the length
+    the accumulator was made for (or the other side's batch), never only the accumulator's batch."""
+    layout, D = AccumLayout.row_major(), 64
+    packed = jnp.zeros(layout.varlen_accum_shape(2, 2, 50, D), jnp.float32)  # (2, 12288): 3 entries at total 50
+    for cu, entries, batch in (([0, 5, 50, 50], 4, 3), ([0, 50], 2, 1)):
+        if side == "q":
+            call = lambda c: dq_postprocess(packed, 0.5, head_dim=D, total_q=50, cu_seqlens_q=c, layout=layout)
+            match = (rf"^dq_accum of shape \(2, 12288\) is not the packed accumulator of total_q=50 and cu_seqlens_q "
+                     rf"of {entries} entries \(batch={batch}\): that is \(heads, Tp\*Dr\) = .*; the shape given is "
+                     r"for cu_seqlens_q of 3 entries \(batch=2\) at total_q=50")
+        else:  # beside a dense q side of batch 2, whose batch the k side must have
+            q = jnp.zeros(layout.accum_shape(2, 4, 50, D), jnp.float32)
+            call = lambda c: flash_attention_postprocess(q, packed, packed, 0.5, head_dim=D, dq_layout=layout,
+                                                         dkv_layout=layout, seqlen_q=50, total_k=50, cu_seqlens_k=c)
+            match = (rf"^the q and k sides must have the same batch: dq_accum has batch 2 but cu_seqlens_k has "
+                     rf"{entries} entries \({batch} sequences\)")
+        for offsets in (cu, jnp.asarray(cu, jnp.int32)):
+            with pytest.raises(ValueError, match=match):
+                call(offsets)
+        with pytest.raises(ValueError, match=match):
+            jax.jit(call)(jnp.asarray(cu, jnp.int32))
+        call([0, 5, 50])  # the length the accumulator was made for
+    # traced lengths beside traced offsets: their shape is checked against the offsets' length
+    used = jnp.asarray([5, 5, 5], jnp.int32)
+    with pytest.raises(ValueError, match=r"^seqused_q must have shape \(2,\) to match cu_seqlens_q of 3 entries, got "
+                                         r"\(3,\)"):
+        jax.jit(lambda c, u: dq_postprocess(packed, 0.5, head_dim=D, total_q=50, cu_seqlens_q=c, seqused_q=u,
+                                            layout=layout))(jnp.asarray([0, 5, 50], jnp.int32), used)

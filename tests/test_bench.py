@@ -220,6 +220,21 @@ def test_cli_without_a_gpu_says_so_in_one_line_and_writes_nothing(tmp_path):
     assert not (tmp_path / "results").exists()
 
 
+@pytest.mark.parametrize("module", ["fa4jax", "sinks"])
+def test_the_fa4jax_benchmarks_without_a_gpu_say_why_in_one_line(tmp_path, module):
+    """Without fa4-jax, or without a GPU: exit status 2, one line naming what is missing, nothing written."""
+    from jax_dqpost import arch
+
+    if arch.cuda_devices():
+        pytest.skip("this machine has a GPU: the benchmark would run")
+    out = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", "--out", str(tmp_path / "results")],
+                         capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.strip().count("\n") == 0, out.stderr
+    assert "needs a CUDA GPU" in out.stderr or "pip install fa4-jax==0.1.0" in out.stderr, out.stderr
+    assert not (tmp_path / "results").exists()
+
+
 def test_cli_plot_without_matplotlib_says_what_to_install(tmp_path):
     saved = tmp_path / "bench.json"
     saved.write_text(json.dumps({"sweep": [], "gpu": "x", "date": "today", "commit": "abc"}))

@@ -115,7 +115,8 @@ def _reference(torch, q, k, v, d_out, d_lse, sink, c, dtype):
         for name, rows in (("out", rq), ("dq", rq), ("dk", rk), ("dv", rk)):
             out[name][rows] = part[name][0]
         out["lse"][:, rq] = part["lse"][0]
-        out["dsink"] = out["dsink"] + part["dsink"]
+        if sink is not None:
+            out["dsink"] = out["dsink"] + part["dsink"]
     return out
 
 
@@ -274,6 +275,38 @@ def test_attention_with_a_sink_is_right(seed, c):
             bound = LSE_ULPS * float(np.finfo(np.float32).eps) * float(np.max(np.abs(b_[finite]), initial=0))
             assert np.all(np.abs(a[finite] - b_[finite]) <= bound), "-inf sink: lse beyond fa4-jax's own"
     assert not failures, f"{case_id(c)}: beyond the tolerance against the mathematics: {failures}"
+
+
+@pytest.mark.parametrize("c", [dict(head_dim=64, grouping="gqa", mask="causal", packing="dense", dtype="bf16"),
+                               dict(head_dim=128, grouping="mha", mask="full", packing="varlen", dtype="bf16")],
+                         ids=case_id)
+def test_the_lse_cotangent_without_a_sink(seed, c):
+    """fa4-jax's own attention through our backend (no sink), differentiated through out and the lse."""
+    import torch
+
+    from jax_dqpost import fa4jax
+
+    tq, tk, tv, td, tdl = _inputs(torch, seed, c)
+    q, k, v, d_out = (jnp.asarray(fa4_peer.to_numpy(t)) for t in (tq, tk, tv, td))
+    packed = c["packing"] == "varlen"
+    cu_q, cu_k = (jnp.asarray(cu_seqlens(x)) for x in (LENS_Q, LENS_K))
+    used = dict(seqused_q=jnp.asarray(USED_Q, jnp.int32), seqused_k=jnp.asarray(USED_K, jnp.int32))
+
+    def attention(q, k, v):
+        if packed:
+            return fa4jax.flash_attn_varlen(q, k, v, cu_q, cu_k, return_lse=True, **used, **MASKS[c["mask"]])
+        return fa4jax.flash_attn(q, k, v, return_lse=True, **MASKS[c["mask"]])
+
+    @jax.jit
+    def grads(q, k, v, d_out, d_lse):
+        _, vjp = jax.vjp(attention, q, k, v)
+        return vjp((d_out, d_lse))
+
+    got = grads(q, k, v, d_out, jnp.asarray(tdl.cpu().numpy()))
+    refs = {dt: _reference(torch, tq, tk, tv, td, tdl, None, c, dt) for dt in (torch.float32, tq.dtype)}
+    for name, g, rows in zip(("dq", "dk", "dv"), got, (_used(c, "q"), _used(c, "k"), _used(c, "k"))):
+        err, tol = _judge(g, refs[torch.float32][name], refs[tq.dtype][name], name, rows)
+        assert err <= tol, f"{name}: {err} beyond {tol}"
 
 
 # ---- transformations with the real kernels

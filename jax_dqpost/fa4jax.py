@@ -48,7 +48,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-
 import numpy as np
 
 from . import _attention, _fa4jax_internals, abi, arch

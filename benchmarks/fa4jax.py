@@ -160,12 +160,10 @@ def table(results) -> str:
     return "\n".join(rows)
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.fa4jax", description=__doc__.splitlines()[0])
-    p.add_argument("--out", default=".", help="folder for fa4jax.json")
-    p.add_argument("--quick", action="store_true", help="hd 128, H_kv 8 only")
-    p.add_argument("--steps", type=int, default=30, help="traced steps per implementation and shape")
-    args = p.parse_args(argv)
+def run_all(prog: str, out: str, report_name: str, method: str, shapes, run_one, table) -> int:
+    """The run of a benchmark of fa4-jax's attention: exit status 2 and one line on stderr without fa4-jax or a GPU;
+    else ``run_one(shape)`` for each shape, the table's row on stderr as it comes, the report (``method``, the
+    results, the date, commit, GPU and jax) written to ``out/report_name`` after each shape, the table on stdout."""
     import jax
 
     from jax_dqpost import fa4jax
@@ -176,20 +174,30 @@ def main(argv=None) -> int:
         print(e, file=sys.stderr)
         return 2
     if jax.default_backend() != "gpu":
-        print("python -m benchmarks.fa4jax needs a CUDA GPU", file=sys.stderr)
+        print(f"{prog} needs a CUDA GPU", file=sys.stderr)
         return 2
     results = []
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    for shape in shapes(args.quick):
-        harness.log(f"fa4jax bench: {shape}")
-        results.append(run_shape(shape, args.steps))
+    Path(out).mkdir(parents=True, exist_ok=True)
+    for shape in shapes:
+        harness.log(f"{prog}: {shape}")
+        results.append(run_one(shape))
         harness.log(table(results[-1:]).splitlines()[-1])
         report = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                      commit=harness.commit(), gpu=jax.devices()[0].device_kind, jax=jax.__version__, method=METHOD,
+                      commit=harness.commit(), gpu=jax.devices()[0].device_kind, jax=jax.__version__, method=method,
                       results=results)
-        (Path(args.out) / "fa4jax.json").write_text(json.dumps(report, indent=1))  # after each shape
+        (Path(out) / report_name).write_text(json.dumps(report, indent=1))  # after each shape
     print(table(results))
     return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.fa4jax", description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=".", help="folder for fa4jax.json")
+    p.add_argument("--quick", action="store_true", help="hd 128, H_kv 8 only")
+    p.add_argument("--steps", type=int, default=30, help="traced steps per implementation and shape")
+    args = p.parse_args(argv)
+    return run_all(p.prog, args.out, "fa4jax.json", METHOD, shapes(args.quick),
+                   lambda shape: run_shape(shape, args.steps), table)
 
 
 if __name__ == "__main__":

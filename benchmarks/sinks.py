@@ -14,13 +14,9 @@ into ``--out``.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import sys
-from pathlib import Path
 
-from . import harness
-from .fa4jax import measure
+from .fa4jax import measure, run_all
 
 METHOD = ("device time of jax.jit(jax.grad(sum(out * w))) in q, k, v (and the sink): forward and backward; per step, "
           "the sum of the durations of its GPU activities on jax.profiler's timeline; median over the steps; the "
@@ -87,30 +83,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=".", help="folder for sinks.json")
     p.add_argument("--steps", type=int, default=20, help="traced steps per implementation and shape")
     args = p.parse_args(argv)
-    import jax
-
-    from jax_dqpost import fa4jax
-
-    try:
-        fa4jax.register()
-    except ImportError as e:
-        print(e, file=sys.stderr)
-        return 2
-    if jax.default_backend() != "gpu":
-        print("python -m benchmarks.sinks needs a CUDA GPU", file=sys.stderr)
-        return 2
-    results = []
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    for shape in shapes():
-        harness.log(f"sinks bench: {shape}")
-        results.append(dict(shape, **measure(steps(shape), args.steps)))
-        harness.log(table(results[-1:]).splitlines()[-1])
-        report = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                      commit=harness.commit(), gpu=jax.devices()[0].device_kind, jax=jax.__version__, method=METHOD,
-                      results=results)
-        (Path(args.out) / "sinks.json").write_text(json.dumps(report, indent=1))
-    print(table(results))
-    return 0
+    return run_all(p.prog, args.out, "sinks.json", METHOD, shapes(),
+                   lambda shape: dict(shape, **measure(steps(shape), args.steps)), table)
 
 
 if __name__ == "__main__":

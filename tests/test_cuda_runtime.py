@@ -128,9 +128,9 @@ def test_two_flavours_never_share_a_cache_entry(tmp_path, monkeypatch):
 
 
 def test_the_cuda_extras_pick_the_flavour_of_their_driver():
-    """pyproject's extras: cuda13 brings jax's CUDA 13 build and the DSL's cu13 flavour; cuda12 jax's CUDA 12
-    build, the DSL's default flavour (cu12) and a cuda-python of CUDA 12 (the DSL refuses bindings 13 under a CUDA 12
-    driver). Read from the installed distribution's metadata, as pip resolves them."""
+    """pyproject's extras: cuda13 brings jax's CUDA 13 build, the DSL's cu13 flavour and cuda-python; cuda12 jax's
+    CUDA 12 build, the DSL's default flavour (cu12) and a cuda-python of CUDA 12 (the DSL refuses bindings 13 under a
+    CUDA 12 driver). Read from the installed distribution's metadata, as pip resolves them."""
     from importlib import metadata
 
     extras: dict[str, list[str]] = {}
@@ -138,7 +138,7 @@ def test_the_cuda_extras_pick_the_flavour_of_their_driver():
         match = re.search(r';\s*extra\s*==\s*"([^"]+)"', requirement)
         if match:
             extras.setdefault(match.group(1), []).append(requirement.split(";")[0].replace(" ", ""))
-    assert sorted(extras["cuda13"]) == ["jax[cuda13]>=0.10", "nvidia-cutlass-dsl[cu13]>=4.8"], extras
+    assert sorted(extras["cuda13"]) == ["cuda-python", "jax[cuda13]>=0.10", "nvidia-cutlass-dsl[cu13]>=4.8"], extras
     assert sorted(extras["cuda12"]) == ["cuda-python<13,>=12.8", "jax[cuda12]>=0.10", "nvidia-cutlass-dsl>=4.8"], extras
 
 

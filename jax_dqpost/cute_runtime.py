@@ -34,7 +34,8 @@ _RUNTIME = "libcute_dsl_runtime.so"
 
 
 DSL_MODULES = {"cutlass": "nvidia-cutlass-dsl", "cuda.bindings": "cuda-python"}
-"""The modules a compile imports (lazily: a CPU-only user needs neither) and the distribution that installs each."""
+"""The modules a compile imports (lazily: a CPU-only user needs neither) and the distribution that installs each;
+jax-dqpost's ``[cuda12]`` and ``[cuda13]`` extras bring both (its base install neither)."""
 
 
 class NoRuntime(RuntimeError):
@@ -130,9 +131,9 @@ def _pip_line(major: int | None) -> str:
 
 
 def dsl_missing(module: str | None) -> ModuleNotFoundError | None:
-    """The error to raise where importing ``module`` failed, if it is (in) one of ``DSL_MODULES``: it names its
-    distribution and every other of theirs that is missing (an install with ``--no-deps`` has none) and the command
-    that installs them, with the version ranges of jax-dqpost's requirements. None for any other module."""
+    """The error to raise where importing ``module`` failed, if it is (in) one of ``DSL_MODULES``: one line naming
+    its distribution and every other of theirs that is missing, and the pip line of jax-dqpost's CUDA extra that
+    installs them (``_extra_line``). None for any other module."""
 
     def within(name: str) -> bool:  # the module, one inside it, or a missing parent package of it
         return bool(module) and (module == name or module.startswith(name + ".") or name.startswith(module + "."))
@@ -146,21 +147,14 @@ def dsl_missing(module: str | None) -> ModuleNotFoundError | None:
     if not any(map(within, DSL_MODULES)):
         return None
     missing = [d for m, d in DSL_MODULES.items() if within(m) or not findable(m)]
-    install = " ".join(f'"{r}"' if any(c in r for c in "<>=!~[") else r for r in map(_requirement, missing))
     return ModuleNotFoundError(
         f"jax_dqpost compiles its CUDA kernels with {' and '.join(missing)}, not installed here (no module named "
-        f"{module!r}). Install {'them' if len(missing) > 1 else 'it'}: python -m pip install {install}", name=module)
+        f"{module!r}): install jax-dqpost's CUDA extra: {_extra_line(driver_cuda_version())}", name=module)
 
 
-def _requirement(distribution: str) -> str:
-    """``distribution`` as jax-dqpost's metadata requires it, e.g. ``nvidia-cutlass-dsl>=4.8`` (else its name)."""
-    from importlib import metadata
-
-    try:
-        requires = metadata.requires("jax-dqpost") or []
-    except metadata.PackageNotFoundError:
-        requires = []
-    for requirement in requires:
-        if ";" not in requirement and re.match(rf"{re.escape(distribution)}(?![\w.-])", requirement, re.I):
-            return requirement.replace(" ", "")
-    return distribution
+def _extra_line(driver: int | None) -> str:
+    """The pip line of jax-dqpost's CUDA extra for ``driver`` (``cuDriverGetVersion``'s number); without a driver
+    (a CPU machine exporting for CUDA), ``[cuda13]``'s, naming ``[cuda12]`` for a GPU whose driver runs CUDA 12."""
+    if driver is None:
+        return f'{_pip_line(13)} ("jax-dqpost[cuda12]" where the GPU\'s driver runs CUDA 12, before 580)'
+    return _pip_line(driver // 1000)

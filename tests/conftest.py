@@ -9,7 +9,8 @@ report's header names it, and a failing test's report says how to replay it.
 Kernel cache: the tests that lower for CUDA compile CuTe kernels (also without a GPU, for ``CUTE_DSL_ARCH``). The run
 has one on-disk kernel cache: the first pytest process makes it (the xdist controller, or the only process), its
 xdist workers use it too (so a kernel is compiled once per run, not once per worker; the cache is safe for
-concurrent writers), and it is removed when that process exits.
+concurrent writers), and it is removed when that process exits. The workers (one per core: pyproject's pytest
+``addopts``) start JAX without taking most of a GPU's memory up front, as they share it.
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ def _run_kernel_cache() -> str:
 
 
 os.environ["JAX_DQPOST_CACHE_DIR"] = _run_kernel_cache()
+
+# xdist workers share a GPU: none takes JAX's default 75% of its memory at start (set before JAX initialises).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 # Eight CPU devices for the sharding tests (must be set before JAX initialises its CPU backend).
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):

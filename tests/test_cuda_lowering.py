@@ -183,55 +183,6 @@ def test_compiling_for_another_arch_leaves_the_dsl_setting_alone():
         assert envar.arch == before, (arch, envar.arch, before)
 
 
-_WITHOUT_THE_DSL = """
-import os, sys
-for name in sys.argv[1:]:
-    sys.modules[name] = None  # `import name` fails, as where the distribution is not installed
-import jax, jax.numpy as jnp
-from jax_dqpost import AccumLayout, dq_postprocess, precompile, cute_runtime
-layout = AccumLayout.flash_attention(90, 128, causal=False, tensor="dq", version="4.0.0b36")
-f = jax.jit(lambda a: dq_postprocess(a, 1.0, seqlen_q=100, head_dim=128, layout=layout))
-try:
-    f.trace(jax.ShapeDtypeStruct(layout.accum_shape(1, 2, 100, 128), jnp.float32)).lower(lowering_platforms=("cuda",))
-except ModuleNotFoundError as e:
-    print("lowering:", e)
-if "cutlass" in sys.argv:
-    try:
-        cute_runtime.runtime_path()
-    except ModuleNotFoundError as e:
-        print("runtime:", e)
-os.environ["JAX_DQPOST_CACHE_DIR"] = os.environ["CACHE"]
-print("precompile:", precompile.main(["--presets", "90", "--head-dims", "64", "--dtypes", "bf16"]))
-"""
-
-
-@pytest.mark.parametrize("missing", [["cutlass", "cuda"], ["cutlass"], ["cuda.bindings"]], ids="-".join)
-def test_without_the_cute_dsl_lowering_and_precompile_name_what_to_install(missing, tmp_path):
-    """Installed with --no-deps, neither nvidia-cutlass-dsl (module cutlass) nor cuda-python is there: lowering for
-    CUDA (no disk cache to hit) and precompile say which distributions to install, with pyproject's version range,
-    precompile in one line with status 1 and no traceback."""
-    import tomllib
-
-    requires = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["dependencies"]
-    lines = {"cutlass": [r for r in requires if r.startswith("nvidia-cutlass-dsl")],
-             "cuda": [r for r in requires if r.startswith("cuda-python")]}
-    assert lines["cutlass"] == ["nvidia-cutlass-dsl>=4.8"] and lines["cuda"] == ["cuda-python"], lines
-    env = {**os.environ, "CUTE_DSL_ARCH": "sm_90a", "JAX_DQPOST_CACHE_DIR": "none", "CACHE": str(tmp_path)}
-    out = subprocess.run([sys.executable, "-c", _WITHOUT_THE_DSL, *missing], cwd=Path(__file__).parents[1], env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    want = {("cutlass", "cuda"): ("nvidia-cutlass-dsl and cuda-python", "cutlass", "them", '"nvidia-cutlass-dsl>=4.8" '
-                                  "cuda-python"),
-            ("cutlass",): ("nvidia-cutlass-dsl", "cutlass", "it", '"nvidia-cutlass-dsl>=4.8"'),
-            ("cuda.bindings",): ("cuda-python", "cuda.bindings.driver", "it", "cuda-python")}[tuple(missing)]
-    message = (f"jax_dqpost compiles its CUDA kernels with {want[0]}, not installed here (no module named "
-               f"'{want[1]}'). Install {want[2]}: python -m pip install {want[3]}")
-    assert out.stdout.splitlines() == [f"lowering: {message}"] + ["runtime: " + message] * ("cutlass" in missing) + [
-        "precompile: 1"], out.stdout
-    assert out.stderr.strip().splitlines() == [f"python -m jax_dqpost.precompile: error: {message}"], out.stderr
-    assert list(tmp_path.iterdir()) == []
-
-
 def test_ffi_handler_passes_the_calling_convention_of_abi():
     """The handler knows the calling convention only as: every buffer, then the extents (abi.EXTENTS per part, at
     most abi.PARTS parts), then the stream; pinned here to abi.py. Every call's pointer list fits its buffer array."""

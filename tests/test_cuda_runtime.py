@@ -128,9 +128,9 @@ def test_two_flavours_never_share_a_cache_entry(tmp_path, monkeypatch):
 
 
 def test_the_cuda_extras_pick_the_flavour_of_their_driver():
-    """pyproject's extras: cuda13 brings jax's CUDA 13 build and the DSL's cu13 flavour; cuda12 jax's CUDA 12
-    build, the DSL's default flavour (cu12) and a cuda-python of CUDA 12 (the DSL refuses bindings 13 under a CUDA 12
-    driver). Read from the installed distribution's metadata, as pip resolves them."""
+    """pyproject's extras: cuda13 brings jax's CUDA 13 build, the DSL's cu13 flavour and cuda-python; cuda12 jax's
+    CUDA 12 build, the DSL's default flavour (cu12) and a cuda-python of CUDA 12 (the DSL refuses bindings 13 under a
+    CUDA 12 driver). Read from the installed distribution's metadata, as pip resolves them."""
     from importlib import metadata
 
     extras: dict[str, list[str]] = {}
@@ -138,35 +138,47 @@ def test_the_cuda_extras_pick_the_flavour_of_their_driver():
         match = re.search(r';\s*extra\s*==\s*"([^"]+)"', requirement)
         if match:
             extras.setdefault(match.group(1), []).append(requirement.split(";")[0].replace(" ", ""))
-    assert sorted(extras["cuda13"]) == ["jax[cuda13]>=0.10", "nvidia-cutlass-dsl[cu13]>=4.8"], extras
+    assert sorted(extras["cuda13"]) == ["cuda-python", "jax[cuda13]>=0.10", "nvidia-cutlass-dsl[cu13]>=4.8"], extras
     assert sorted(extras["cuda12"]) == ["cuda-python<13,>=12.8", "jax[cuda12]>=0.10", "nvidia-cutlass-dsl>=4.8"], extras
 
 
 _IMPORT = """
 import json, sys
+path = list(sys.path)  # before jax_dqpost and jax import anything
 import jax_dqpost, jax
 maps = open("/proc/self/maps").read()
 print(json.dumps({"library": "libjax_dqpost_ffi" in maps, "registered": jax_dqpost._ffi._registered,
-                  "cutlass": "cutlass" in sys.modules, "backends": jax._src.xla_bridge.backends_are_initialized()}))
+                  "cutlass": "cutlass" in sys.modules, "backends": jax._src.xla_bridge.backends_are_initialized(),
+                  "path": path}))
 """
 
 
 @pytest.mark.parametrize("plugin", [False, True], ids=["no CUDA plugin", "a CUDA plugin"])
-def test_import_registers_the_target_only_where_jax_has_a_cuda_plugin(plugin, tmp_path):
+def test_import_registers_the_target_only_where_jax_has_a_cuda_plugin(plugin, tmp_path, monkeypatch):
     """``import jax_dqpost`` without jax's CUDA plugin loads no handler library; with one (here a stand-in
-    ``jax_plugins.xla_cuda13``) it loads the library and registers the target, so that a deserialized artifact finds
-    its handler. Neither imports the CuTe DSL or starts jax's backends."""
+    ``jax_plugins.xla_cuda13``, its folder put first on ``PYTHONPATH``) it loads the library and registers the target,
+    so that a deserialized artifact finds its handler. Neither imports the CuTe DSL or starts jax's backends. The
+    caller's ``PYTHONPATH`` is kept (where the package and the DSL are installed with ``pip --target``, they are
+    found through it): a folder of it (``caller``) stays on the child's path, after the stand-in plugin's."""
     if not plugin and _ffi.jax_has_cuda_plugin():
         pytest.skip("jax's CUDA plugin is installed here: the case without one cannot be made")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    caller = tmp_path / "caller"
+    caller.mkdir()
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(caller), os.environ.get("PYTHONPATH")])))
+    env = dict(os.environ)
     if plugin:
-        (tmp_path / "jax_plugins" / "xla_cuda13").mkdir(parents=True)
-        (tmp_path / "jax_plugins" / "xla_cuda13" / "__init__.py").write_text("def initialize():\n    pass\n")
-        env["PYTHONPATH"] = str(tmp_path)
+        (tmp_path / "plugin" / "jax_plugins" / "xla_cuda13").mkdir(parents=True)
+        (tmp_path / "plugin" / "jax_plugins" / "xla_cuda13" / "__init__.py").write_text("def initialize():\n"
+                                                                                          "    pass\n")
+        env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "plugin"), env["PYTHONPATH"]])
     out = subprocess.run([sys.executable, "-c", _IMPORT], capture_output=True, text=True, cwd=ROOT, env=env,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])
+    path = report.pop("path")
+    assert str(caller) in path, path  # the caller's PYTHONPATH is kept
+    if plugin:
+        assert path.index(str(tmp_path / "plugin")) < path.index(str(caller)), path  # the stand-in's folder first
     assert report == {"library": plugin, "registered": plugin, "cutlass": False, "backends": False}, report
 
 

@@ -56,7 +56,7 @@ def test_examples_import_only_what_their_install_brings(tmp_path):
     root = EXAMPLES.parent
     extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert extras["examples"] == ["flax>=0.10"] and "jax-dqpost[examples]" in extras["test"], extras
-    assert '`[examples]` for `examples/flax_attention.py`' in (root / "README.md").read_text()
+    assert "| `[examples]` | flax | `examples/flax_attention.py` |" in (root / "README.md").read_text()
     plain = {"jax", "numpy", "jax_dqpost", "train_step", "sys", "os", "functools", "dataclasses"}
     for example in sorted(EXAMPLES.glob("*.py")):
         tree = ast.parse(example.read_text())

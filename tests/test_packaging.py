@@ -161,10 +161,12 @@ def test_the_build_configuration():
 
 
 def test_the_test_extra_brings_pytest_xdist():
-    """``pip install ".[test]"`` brings what the tests run with: pytest-xdist too (``-n``; test_hygiene.py runs a
-    session on two workers sharing one kernel cache, which it does not skip)."""
+    """``pip install ".[test]"`` brings what the tests run with: pytest-xdist too, with which ``python -m pytest
+    tests`` runs one worker per core (pyproject's ``addopts``) and test_hygiene.py a session on two workers sharing
+    one kernel cache, which it does not skip."""
     names = [re.match(r"[\w.-]+", r).group(0).lower() for r in PYPROJECT["project"]["optional-dependencies"]["test"]]
     assert "pytest-xdist" in names, names
+    assert PYPROJECT["tool"]["pytest"]["ini_options"]["addopts"].split()[:2] == ["-n", "auto"]
     assert "importorskip" not in (ROOT / "tests" / "test_hygiene.py").read_text()
 
 

@@ -159,8 +159,21 @@ def test_work_list_slots_take_every_tile_once(rng, layout):
     """The kernel's reading of the work list (kernel.py): long-tile slot i < tile_start[K] converts tile i -
     tile_start[s] of span s = tile_span[i]; with short tiles, span k's short-tile slot converts its last tile when it
     has 1 .. short_rows rows. Together they take every tile of every span exactly once, for static offsets (the exact
-    slots) and traced ones (the bound), also where the offsets break the contract (clamped)."""
+    slots) and traced ones (the bound, built under jit as a call builds it), also where the offsets break the
+    contract (clamped)."""
     from jax_dqpost.varlen import WorkList, short_rows
+
+    def traced_build(cu, used, **kw):
+        """(WorkList, its int32 array) from offsets traced by jit."""
+        works = []
+
+        def build(cu, used):
+            work, meta = WorkList.build(jnp, cu, used, **kw)
+            works.append(work)  # static: made of the shapes and the layout alone
+            return meta
+
+        meta = jax.jit(build)(cu, used)
+        return works[0], meta
 
     tm, short = layout.tile_m, short_rows(layout)
     assert short == (min(16, tm - 1) if layout.swap_ab else 0)
@@ -175,9 +188,11 @@ def test_work_list_slots_take_every_tile_once(rng, layout):
         if case % 5 == 4:  # corrupt traced values: clamped to a partition of the rows
             cu = rng.integers(-50, T + 50, batch + 1).astype(np.int32)
         for traced in (False, True) if case % 5 != 4 else (True,):
-            xp = jnp if traced else np
-            num_tiles = WorkList.max_tiles(T, batch, layout) if traced else None
-            work, meta = WorkList.build(xp, cu, used, total=T, layout=layout, num_tiles=num_tiles)
+            if traced:
+                work, meta = traced_build(cu, used, total=T, layout=layout,
+                                          num_tiles=WorkList.max_tiles(T, batch, layout))
+            else:
+                work, meta = WorkList.build(np, cu, used, total=T, layout=layout)
             s = work.decode(np.asarray(meta))
             K = work.num_spans
             expect = {(k, m) for k in range(K) for m in range(-(-int(s.span_rows[k]) // tm))}

@@ -50,7 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _attention, _fa4jax_internals, abi, arch
+from . import _attention, _fa4jax_internals, _operands, abi, arch
 from ._checks import describe
 from .layout import ORDER_OF_FAMILY, AccumLayout
 
@@ -251,6 +251,10 @@ def _with_sink(packed: bool):
 
     def attention(q, k, v, *cu_seqlens, learnable_sink, causal=False, window_size=None, scale=None,
                   return_lse=False, seqused_q=None, seqused_k=None, defined_padding=False):
+        if packed:
+            for name, x in zip(("cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k"), (*cu_seqlens, seqused_q,
+                                                                                         seqused_k)):
+                _check_offsets_dtype(name, x)
         seqlens = _fa4jax_internals.seqlens(*cu_seqlens, seqused_q, seqused_k) if packed else None
         cfg = _fa4jax_internals.config(q, causal=causal, window_size=window_size, scale=scale, varlen=packed,
                                        defined_padding=defined_padding)
@@ -260,6 +264,22 @@ def _with_sink(packed: bool):
         return (out, lse) if return_lse else out
 
     return attention
+
+
+def _check_offsets_dtype(name: str, x) -> None:
+    """Offsets and lengths of the sink path as the op takes them (``_operands.WIDENED_DTYPES``): a jax array of int32
+    or of a type int32 holds exactly; a wider integer array only where this host sees values int32 holds (fa4-jax
+    casts to int32, which would narrow them silently)."""
+    dtype = getattr(x, "dtype", None)
+    if dtype is None or not np.issubdtype(dtype, np.integer) or np.dtype(dtype) == np.int32 \
+            or np.dtype(dtype) in _operands.WIDENED_DTYPES:
+        return
+    if isinstance(x, jax.core.Tracer):
+        raise TypeError(f"{name} must be int32 (int8, int16, uint8 and uint16 are widened), got traced dtype "
+                        f"{np.dtype(dtype).name}, which int32 cannot hold exactly: pass int32")
+    values = np.asarray(x)
+    if values.size and (values.min() < np.iinfo(np.int32).min or values.max() > np.iinfo(np.int32).max):
+        raise ValueError(f"{name} holds {int(values.max())}, beyond int32: offsets and lengths are int32")
 
 
 def _sink_call(packed: bool, q, k, v, cu_seqlens, sink, kwargs):

@@ -399,3 +399,25 @@ def test_gpus_whose_forward_takes_no_sink_are_refused(family, takes):
         return
     with pytest.raises(ValueError, match=rf"compute capability {family}\.x\) takes no learnable sink; the sm90"):
         fa4jax.check_sink_gpu(family)
+
+
+@pytest.mark.parametrize("values, error", [
+    (np.array([0, 50], np.int64), None), (np.array([0, 50], np.int16), None),
+    (np.array([0, 2 ** 32 + 5], np.int64), ValueError), (np.array([0, 2 ** 32 - 1], np.uint32), ValueError),
+], ids=["int64-fits", "int16", "int64-beyond", "uint32-beyond"])
+def test_offsets_the_sink_path_would_narrow_are_refused(values, error):
+    """fa4-jax casts offsets to int32; the sink path refuses what that would narrow: values this host sees beyond
+    int32, and traced types wider than int32 (int8/int16/uint8/uint16 widen exactly)."""
+    from jax_dqpost.fa4jax import _check_offsets_dtype
+
+    if error is None:
+        _check_offsets_dtype("cu_seqlens_q", values)
+    else:
+        with pytest.raises(error, match=r"^cu_seqlens_q holds \d+, beyond int32"):
+            _check_offsets_dtype("cu_seqlens_q", values)
+    traced = jax.jit(lambda cu: _check_offsets_dtype("cu_seqlens_q", cu) or cu)
+    if values.dtype == np.int16:
+        traced(jnp.asarray(values))
+    elif values.dtype == np.uint32:
+        with pytest.raises(TypeError, match=r"^cu_seqlens_q must be int32 .* got traced dtype uint32"):
+            traced(jnp.asarray(values))

@@ -2,8 +2,9 @@
 
     python -m benchmarks [--out DIR] [--quick]       (from the repository root; benchmarks/README.md)
 
-For FlashAttention's Hopper configurations (head dims 64, 96, 128, 128 causal, 192, 256), dense and varlen (64
-random lengths, the same tokens), sizes from a few KB to 1 GB moved per call, it times
+For FlashAttention's Hopper configurations (head dims 64, 96, 128, 128 causal, 192, 256), dense and varlen (at the
+reference shape 64 random lengths, the same tokens; in the size sweep packs of 2 to 8, ``cases.pack_size``), sizes
+from a few KB to 1 GB moved per call, it times
 
 - ``ours``: our CuTe kernel (the module the FFI target runs), launched from a torch stream;
 - ``FA4``: FlashAttention-4's postprocess (``flash_attn.cute``), when importable;
@@ -19,9 +20,10 @@ buffers (>= 256 MiB) that no call finds its data in L2; the median of the sample
 the useful bytes of a call: for every row of dQ, the accumulator's row (4 bytes per element, head dim padded as
 the producer stores it) and the row written (2 bytes per element). ``xla_device`` is XLA's fused op of exactly the
 useful bytes in device time from jax.profiler's timeline (the roofline the goals are set against), beside our op's
-(``ours_jax_device``). It also sweeps short sequences (64 to 8000 random lengths over 16384 tokens, hd128, static
-and traced offsets, against a sector bound), the per-call cost in a jitted chain of 200 tiny calls, cold and warm
-start, and the jax.jit path with and without XLA's command buffers. Prints tables, writes ``bench.json`` (and
+(``ours_jax_device``); the wall-clock columns are taken at the reference shape only. It also sweeps short sequences
+(64 to 8000 random lengths over 16384 tokens, hd128, static and traced offsets, against a sector bound), the per-call
+cost in a jitted chain of 200 tiny calls, cold and warm start, the jax.jit path with and without XLA's command
+buffers, and the op inside a step (``benchmarks/step.py``). Prints tables, writes ``bench.json`` (and
 ``bench.png`` with matplotlib: device times only, of every row) into ``--out``; progress goes to stderr. ``--plot
 JSON`` only redraws the plot of a saved report; ``--devices N`` only compares one GPU with N (sharded over batch and
 over heads, device time).
@@ -111,7 +113,7 @@ def main(argv=None) -> int:
                   file=sys.stderr)
     has_plot = _import_optional("matplotlib", "no bench.png") is not None
 
-    from . import cases, fused, harness, probes, report as report_
+    from . import cases, fused, harness, probes, report as report_, step
 
     samples = args.samples or (9 if args.quick else 25)
     sizes = cases.SIZES[::2] if args.quick else cases.SIZES
@@ -159,7 +161,7 @@ def main(argv=None) -> int:
             continue  # kept from the run that was cut short
         harness.log(f"[{k + 1}/{len(todo)}] {name} {packing} "
                     f"{'B,H,S=' + str(cases.REFERENCE_SHAPE) if size is None else size}")
-        r = cases.measure(case, samples)
+        r = cases.measure(case, samples, wall=size is None)
         report["reference" if size is None else "sweep"].append(r)
         save()
     report["short"] = list(kept.get("short", []))
@@ -171,7 +173,8 @@ def main(argv=None) -> int:
         save()
     for name, what, probe in (("chain", "chain of 200 tiny calls", lambda: probes.chain_cost(samples)),
                               ("start", "cold and warm start", probes.start_costs),
-                              ("jax_path", "jax path with and without command buffers", probes.jax_path_costs)):
+                              ("jax_path", "jax path with and without command buffers", probes.jax_path_costs),
+                              ("step", "the postprocess inside a step", lambda: step.measure(args.quick))):
         if name not in kept:
             harness.log(what)
             report[name] = probe()

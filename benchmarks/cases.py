@@ -22,9 +22,9 @@ ROTATE_BYTES = 256 << 20  # distinct buffers cycled per sample (H200 L2: 50 MiB)
 PLOTTED = {"ours": "jax-dqpost", "FA4": "FlashAttention-4", "copy": "copy of the bytes", "xla_device": "XLA's op"}
 """The plot's columns, all device times (graph replay, or the GPU timeline for XLA's op), and their labels."""
 METHOD = ("ours/FA4/copy: CUDA events around the replay of a CUDA graph of back-to-back calls (*_eager: "
-          "events around eager launches); xla_device/ours_jax_device: the GPU timeline of one jitted program (every "
-          "row); ours_jax/xla_same_bytes/jnp_gather: wall clock of pipelined jitted calls; median of samples of >= 2 "
-          "ms; >= 256 MiB of rotated buffers; seconds per call")
+          "events around eager launches); xla_device/ours_jax_device: the GPU timeline of a jitted program, median of its "
+          "runs in one trace (every row); ours_jax/xla_same_bytes/jnp_gather: wall clock of pipelined jitted calls "
+          "(reference rows); median of samples of >= 2 ms; >= 256 MiB of rotated buffers; seconds per call")
 
 
 def problem(head_dim: int, target_bytes: int | None):
@@ -35,6 +35,15 @@ def problem(head_dim: int, target_bytes: int | None):
     heads = int(min(32, max(1, target_bytes // (per_token_head * 1024))))
     seqlen = max(8, round(target_bytes / (heads * per_token_head)))
     return 1, heads, seqlen
+
+
+REFERENCE_SEQUENCES = 64  # sequences of the reference shape's varlen row
+
+
+def pack_size(tokens: int) -> int:
+    """Sequences in a varlen row of the size sweep: a pack of 2 to 8 sequences of about 2048 tokens (one sequence
+    if there are fewer than 2 tokens); the short-sequence sweep times many short ones."""
+    return max(1, min(tokens, 8, max(2, round(tokens / 2048))))
 
 
 SHORT_SEQUENCES = (64, 164, 500, 2000, 4000, 8000)  # sequence counts of the short-sequence sweep (hd128)
@@ -80,9 +89,10 @@ class Case:
     """One (configuration, packing, size): the call's plan, buffers and launchers of every implementation.
     ``torch`` and ``fa4`` may be None (their columns are then not measured)."""
 
-    def __init__(self, name, head_dim, causal, packing, target_bytes, rng, torch, fa4, sequences=64, cu=None,
+    def __init__(self, name, head_dim, causal, packing, target_bytes, rng, torch, fa4, sequences=None, cu=None,
                  traced=False):
-        """``cu``: the varlen ``cu_seqlens_q`` (default: ``sequences`` random lengths over the problem's tokens);
+        """``cu``: the varlen ``cu_seqlens_q`` (default: ``sequences`` random lengths over the problem's tokens;
+        default :data:`REFERENCE_SEQUENCES` at the reference shape, else :func:`pack_size`);
         ``traced``: launch the grid of traced offsets (``WorkList.max_tiles`` slots) instead of the exact one of
         static offsets."""
         if packing not in PACKINGS:
@@ -98,6 +108,8 @@ class Case:
             self.part, self.cu, self.meta = internals.dense_part(self.layout, head_dim, jnp.bfloat16, S), None, None
             self.acc_shape, self.out_shape = self.layout.accum_shape(B, H, S, head_dim), (B, S, H, head_dim)
         else:
+            if sequences is None:
+                sequences = REFERENCE_SEQUENCES if target_bytes is None else pack_size(self.tokens)
             self.cu = random_lengths(rng, self.tokens, sequences) if cu is None else list(cu)
             if self.cu[-1] != self.tokens:
                 raise ValueError(f"cu must end at the problem's {self.tokens} tokens, got {self.cu[-1]}")
@@ -219,7 +231,7 @@ class Case:
         for name, fn, args, kernel in (
                 ("xla_device", lambda xs: [(x * scale).astype(jnp.bfloat16) for x in xs], flat, ""),
                 ("ours_jax_device", lambda xs: [ours(x) for x in xs], self.j_acc, harness.OUR_KERNEL)):
-            t = harness.device_time_per_call(jax.jit(fn), (args,), kernel, self.copies, max(3, samples // 5))
+            t = harness.device_time_per_call(jax.jit(fn), (args,), kernel, self.copies, max(5, samples // 2))
             if t:
                 out[name] = t
         return out
@@ -259,9 +271,9 @@ class Case:
         return bool(t.equal(mine.view(t.int16), self.t_out[0].view(t.int16)))
 
 
-def measure(case: Case, samples: int) -> dict:
+def measure(case: Case, samples: int, wall: bool = True) -> dict:
     """Every implementation of ``case`` this machine can run: torch's (ours, FA4 and copy by graph replay), the
-    GPU-timeline columns (:meth:`Case.device_times`) and the wall-clock ones."""
+    GPU-timeline columns (:meth:`Case.device_times`) and, with ``wall`` (the reference rows), the wall-clock ones."""
     res = {"config": case.name, "packing": case.packing, "head_dim": case.D, "B": case.B, "H": case.H, "S": case.S,
            "tokens": case.tokens, "bytes": case.bytes, "buffers": case.copies,
            "layout": [case.layout.tile_m, case.layout.num_threads, case.layout.atom_layout, case.layout.swap_ab,
@@ -281,13 +293,14 @@ def measure(case: Case, samples: int) -> dict:
         res["copy"], res["copy_eager"] = harness.graph_per_call(torch, case.copy_run(), case.copies, samples)
         case.free_torch()
     case.jax_inputs()
-    wall = functools.partial(harness.per_call, calls=case.copies, samples=samples, clock=harness.wall_clock,
-                             min_sample_s=harness.MIN_WALL_SAMPLE_S)
-    res["ours_jax"] = wall(case.jax_run(case.ours_jax_fn()))
-    res["ours_jax_same_input"] = wall(case.jax_run(case.ours_jax_fn(), rotate=False))
-    res["xla_same_bytes"] = wall(case.jax_run(case.same_bytes_fn()))
     res.update(case.device_times(samples))
-    res["jnp_gather"] = wall(case.jax_run(case.gather_fn()))
+    if wall:
+        timed = functools.partial(harness.per_call, calls=case.copies, samples=samples, clock=harness.wall_clock,
+                                  min_sample_s=harness.MIN_WALL_SAMPLE_S)
+        res["ours_jax"] = timed(case.jax_run(case.ours_jax_fn()))
+        res["ours_jax_same_input"] = timed(case.jax_run(case.ours_jax_fn(), rotate=False))
+        res["xla_same_bytes"] = timed(case.jax_run(case.same_bytes_fn()))
+        res["jnp_gather"] = timed(case.jax_run(case.gather_fn()))
     case.j_acc = None
     return res
 

@@ -23,9 +23,12 @@ OUR_KERNEL = "jax_dqpostkernelPostprocess"
 """What our kernel's name on the GPU timeline contains (``jax_dqpost.kernel.Postprocess``)."""
 
 
+_STARTED = time.perf_counter()
+
+
 def log(*a) -> None:
-    """Progress, on stderr (the report goes to stdout)."""
-    print(*a, file=sys.stderr, flush=True)
+    """Progress on stderr (the report goes to stdout), after the seconds since this module was imported."""
+    print(f"[{time.perf_counter() - _STARTED:6.1f} s]", *a, file=sys.stderr, flush=True)
 
 
 def per_call(run, calls: int, samples: int, clock, min_sample_s: float = MIN_SAMPLE_S) -> float:
@@ -94,16 +97,17 @@ def gpu_activities(trace_dir, with_plane: bool = False) -> list[tuple]:
             for line in plane.lines for e in line.events]
 
 
-def traced_activities(f, args) -> list[tuple]:
-    """Run ``f(*args)`` once (compile, warm up), then once more under jax.profiler: every GPU activity of the
-    traced run, as :func:`gpu_activities` with planes."""
+def traced_activities(f, args, executions: int = 1) -> list[tuple]:
+    """Run ``f(*args)`` once (compile, warm up), then ``executions`` times under one jax.profiler trace, each to its
+    result: every GPU activity of the traced runs, as :func:`gpu_activities` with planes."""
     import jax
 
     jax.block_until_ready(f(*args))
     trace_dir = tempfile.mkdtemp(prefix="jax_dqpost_trace_")
     try:
         with jax.profiler.trace(trace_dir):
-            jax.block_until_ready(f(*args))
+            for _ in range(executions):
+                jax.block_until_ready(f(*args))
         return gpu_activities(trace_dir, with_plane=True)
     finally:
         shutil.rmtree(trace_dir, ignore_errors=True)
@@ -125,21 +129,43 @@ def device_per_kernel(f, args, name: str) -> dict:
             "median_gap": statistics.median(gaps) * 1e-9}
 
 
-def device_spans(f, args, name: str = "") -> dict[str, float]:
-    """One execution of ``f(*args)`` under jax.profiler: per GPU, seconds from the first kernel's start to the last
-    one's end, over the kernels whose name contains ``name`` (all: ``""``; copies and memsets never count)."""
-    spans: dict[str, list] = {}
-    for plane, _, ev, start, dur in traced_activities(f, args):
+def device_spans(f, args, name: str = "", executions: int = 1) -> dict[str, list[float]]:
+    """``executions`` runs of ``f(*args)`` in one jax.profiler trace: per GPU, the seconds from the first kernel's
+    start to the last one's end of each run, over the kernels whose name contains ``name`` (all: ``""``; copies and
+    memsets never count). A GPU's kernels are split into ``executions`` runs of equal count, in time order."""
+    kernels: dict[str, list] = {}
+    for plane, _, ev, start, dur in traced_activities(f, args, executions):
         if name in ev and not ev.lower().startswith(("memcpy", "memset")):
-            spans.setdefault(plane, []).append((start, start + dur))
-    return {p: (max(e for _, e in v) - min(s for s, _ in v)) * 1e-9 for p, v in spans.items()}
+            kernels.setdefault(plane, []).append((start, start + dur))
+    spans = {}
+    for plane, evs in kernels.items():
+        evs.sort()
+        n = len(evs) // executions
+        if n * executions != len(evs):
+            raise RuntimeError(f"{len(evs)} kernels on {plane} for {executions} runs")
+        spans[plane] = [(max(e for _, e in run) - run[0][0]) * 1e-9
+                        for run in (evs[k * n:(k + 1) * n] for k in range(executions))]
+    return spans
 
 
-def device_time_per_call(f, args, name: str, calls: int, repeats: int) -> float | None:
-    """Device seconds per call of a program ``f(*args)`` making ``calls`` calls: the median over ``repeats``
-    traced executions of the slowest GPU's :func:`device_spans`, over ``calls``; None if nothing was recorded."""
-    spans = [max(s.values()) for s in (device_spans(f, args, name) for _ in range(repeats)) if s]
-    return statistics.median(spans) / calls if spans else None
+def device_time_per_call(f, args, name: str, calls: int, executions: int) -> float | None:
+    """Device seconds per call of a program ``f(*args)`` making ``calls`` calls: over ``executions`` runs in one trace,
+    the median of the slowest GPU's :func:`device_spans`, over ``calls``; None if nothing was recorded."""
+    spans = device_spans(f, args, name, executions)
+    if not spans:
+        return None
+    per_run = [max(s[k] for s in spans.values()) for k in range(executions)]
+    return statistics.median(per_run) / calls
+
+
+_ROOT = str(Path(__file__).resolve().parents[1])  # the folder holding benchmarks/
+
+
+def python_child(code: str, env: dict, *args: str) -> subprocess.CompletedProcess:
+    """``python -c code args`` in a fresh process (this one's working directory, ``env``), where ``benchmarks``
+    imports as here: the folder holding it comes last on the path, after the jax_dqpost that process finds."""
+    prelude = f"import sys; sys.path.append({_ROOT!r})\n"
+    return subprocess.run([sys.executable, "-c", prelude + code, *args], env=env, capture_output=True, text=True)
 
 
 def commit() -> str:

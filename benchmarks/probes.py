@@ -6,10 +6,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
@@ -76,16 +73,6 @@ def chain_cost(samples: int, n: int = 200) -> dict:
     return out
 
 
-_ROOT = str(Path(__file__).resolve().parents[1])  # the folder holding benchmarks/
-
-
-def _probe(code: str, env: dict, *args: str) -> subprocess.CompletedProcess:
-    """``python -c code args`` in a fresh process (this one's working directory, ``env``), where ``benchmarks``
-    imports as here: the folder holding it comes last on the path, after the jax_dqpost that process finds."""
-    prelude = f"import sys; sys.path.append({_ROOT!r})\n"
-    return subprocess.run([sys.executable, "-c", prelude + code, *args], env=env, capture_output=True, text=True)
-
-
 _START_PROBE = r"""
 import os, sys, time, json
 t0 = time.perf_counter()
@@ -133,7 +120,7 @@ def jax_path_costs() -> dict:
     for name, flags in (("default", ""), ("command_buffers_off", "--xla_gpu_enable_command_buffer=")):
         env = {**os.environ, "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " " + flags).strip(),
                "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
-        p = _probe(_JAX_PATH_PROBE, env)
+        p = harness.python_child(_JAX_PATH_PROBE, env)
         out[name] = json.loads(p.stdout.strip().splitlines()[-1]) if p.returncode == 0 else {"error": p.stderr[-1500:]}
     return out
 
@@ -149,7 +136,7 @@ def start_costs(head_dims=(64, 128, 256)) -> dict:
     with tempfile.TemporaryDirectory(prefix="jax_dqpost_bench_cache_") as cache:
         env = {**os.environ, "JAX_DQPOST_CACHE_DIR": cache, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
         for name in ("cold", "warm"):
-            p = _probe(_START_PROBE, env, arg)
+            p = harness.python_child(_START_PROBE, env, arg)
             if p.returncode:
                 return {"error": p.stderr[-2000:]}
             out[name] = json.loads(p.stdout.strip().splitlines()[-1])

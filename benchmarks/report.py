@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .cases import CONFIGS, PACKINGS, PLOTTED, REFERENCE_SHAPE
+from .cases import CONFIGS, PACKINGS, PLOTTED, REFERENCE_SEQUENCES, REFERENCE_SHAPE
 
 
 def _tbps(res, impl):
@@ -127,7 +127,7 @@ def summary(report: dict) -> str:
     """The printed report of a run (everything but the plot)."""
     out = [f"== {report['gpu']}, {report['date']}, commit {report['commit']}, jax {report['jax']}, "
            f"FlashAttention-4 {report['flash_attn']}; median of {report['samples']} samples",
-           f"\n== B, H, S = {REFERENCE_SHAPE}, bf16 (varlen: 64 random lengths, same tokens)",
+           f"\n== B, H, S = {REFERENCE_SHAPE}, bf16 (varlen: {REFERENCE_SEQUENCES} random lengths, same tokens)",
            table(report["reference"])]
     if report.get("fused"):
         from .fused import GQA_SHAPE, table as fused_table
@@ -183,4 +183,8 @@ def summary(report: dict) -> str:
         out.append(f"== jax.jit(dq_postprocess) hd128 dense {REFERENCE_SHAPE}, XLA command buffers {name}: " + (
             r["error"][-300:] if "error" in r else
             ", ".join(f"{k.replace('_', ' ')} {v * 1e6:.1f} us per call" for k, v in r.items())))
+    if report.get("step"):
+        from .step import table as step_table
+
+        out += ["\n== inside a step: producer -> slot -> consumer (benchmarks/step.py)", step_table(report["step"])]
     return "\n".join(out)

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.append(str(ROOT))  # benchmarks/; last on the path, so that jax_dqpost stays the one imported first
 
 from benchmarks import __main__ as bench_main  # noqa: E402
-from benchmarks import cases, fused, harness, probes, report  # noqa: E402
+from benchmarks import cases, fused, harness, probes, report, step  # noqa: E402
 
 
 @pytest.mark.parametrize("packing", cases.PACKINGS)
@@ -127,11 +127,12 @@ def test_main_reports_from_measurements(tmp_path, monkeypatch, capsys, with_torc
     import sys
     import types
 
-    def fake_measure(case, samples, device=True):
+    def fake_measure(case, samples, wall=True):
         t = case.bytes / 4e12
         r = {"config": case.name, "packing": case.packing, "bytes": case.bytes, "tokens": case.tokens,
-             "ours_jax": t * 1.1, "xla_same_bytes": t * 1.05, "jnp_gather": t * 4, "xla_device": t * 0.99,
-             "ours_jax_device": t}
+             "xla_device": t * 0.99, "ours_jax_device": t}
+        if wall:
+            r.update(ours_jax=t * 1.1, xla_same_bytes=t * 1.05, jnp_gather=t * 4)
         if case.torch is not None:
             r.update(ours=t, FA4=t * 1.01, copy=t * 0.98)
         if case.cu is not None:
@@ -179,6 +180,11 @@ def test_main_reports_from_measurements(tmp_path, monkeypatch, capsys, with_torc
                                                                          "first_result": 0.35}]}
     monkeypatch.setattr(probes, "start_costs", lambda: {"cold": start, "warm": start})
     monkeypatch.setattr(probes, "jax_path_costs", lambda: {"default": {"rotated_inputs": 1e-4}})
+    step_row = dict(packing="dense", head_dim=128, batch=1, seqlen=1024, tokens=1024, bytes=25_000_000,
+                    wall_us=9.0, slot_us=6.0, gap_us=0.5)
+    monkeypatch.setattr(step, "measure", lambda quick: {
+        "default": [dict(step_row, slot="ours", slot_us=7.5, gap_us=2.0), dict(step_row, slot="xla")],
+        "captured": {"error": "the child failed"}})
     try:
         import matplotlib  # noqa: F401
         has_plot = True
@@ -192,6 +198,8 @@ def test_main_reports_from_measurements(tmp_path, monkeypatch, capsys, with_torc
     assert "goal short of granule bound >= 75%" in out
     assert "fused dQ + dK + dV (+ dsink) in one launch" in out and "hd128-dense-sink" in out
     assert "GPU timeline (jax.profiler, one execution): ours 2.00 us per call" in out
+    assert "| hd128 B=1 S=1024 | 25.0 | default | 7.5 | 6.0 | 1.250 | 2.00 / 0.50 | 9.0 / 9.0 |" in out
+    assert "the child failed" in out
     assert ("torch is not installed" in captured.err) == (not with_torch)
     result = json.loads((tmp_path / "bench.json").read_text())
     assert len(result["reference"]) == 2 * len(cases.CONFIGS)
@@ -321,3 +329,57 @@ def test_resume_goes_on_only_with_an_unfinished_run_of_the_same_setup_and_packag
     assert why.startswith("it measured commit 0000000, whose jax_dqpost/, ffi/ or benchmarks/ differ"), why
     assert _cannot_resume({**kept, "method": "other"}, {**now, "method": "ours"}) == ("its method is 'other', this "
                                                                                       "run's 'ours'")
+
+
+def test_step_shapes_are_one_layers_dq_from_ten_megabytes(rng):
+    """The in-step shapes: H=32, head dims 64-256, B 1-2 and S 1k-8k dense, packs of 2-8 sequences, every one moving
+    at least 10 MB; the quick set is a subset; the sweep's varlen rows pack 2-8 sequences (1 if there are fewer
+    tokens)."""
+    full, quick = step.shapes(False), step.shapes(True)
+    assert quick and all(s in full for s in quick)
+    for s in full:
+        assert s["head_dim"] in (64, 128, 256)
+        if s["packing"] == "dense":
+            assert s["batch"] in (1, 2) and 1024 <= s["seqlen"] <= 8192
+        else:
+            assert 2 <= s["sequences"] <= 8
+        assert s["tokens"] * step.H * s["head_dim"] * 6 >= 10e6, s
+    assert [cases.pack_size(t) for t in (1, 3, 1000, 4096, 10_000, 1 << 20)] == [1, 2, 2, 2, 5, 8]
+    for size in cases.SIZES:
+        case = cases.Case("x", 128, False, "varlen", size, rng, None, None)
+        assert len(case.cu) - 1 == cases.pack_size(case.tokens) and case.cu[-1] == case.tokens
+
+
+def test_step_spans_are_read_from_the_kernel_before_the_slot():
+    """The timeline arithmetic of benchmarks/step.py on a synthetic trace: programs split at the marker kernels, each
+    program's executions into equal runs, and per slot kernel end(slot) - end(previous) and start(slot) -
+    end(previous) (ns in, us out), against values written out by hand."""
+    rng = np.random.default_rng()
+    t, events, want = 0, [], {"slot": [], "gap": []}
+    for program in range(2):
+        events.append((t, t + 100, "loop_sine_fusion"))
+        t += 1000
+        for _ in range(3):  # executions: producer, slot, consumer, producer, slot, consumer
+            for _ in range(2):
+                p_end = t + int(rng.integers(500, 900))
+                events.append((t, p_end, "loop_multiply_fusion"))
+                gap = int(rng.integers(0, 3000))
+                s_end = p_end + gap + int(rng.integers(1000, 5000))
+                events.append((p_end + gap, s_end, "jax_dqpostkernelPostprocess_0" if program == 0 else "convert"))
+                c_end = s_end + 400
+                events.append((s_end + 10, c_end, "loop_add_fusion"))
+                t = c_end + 5
+                if program == 1:
+                    want["slot"].append((s_end - p_end) * 1e-3)
+                    want["gap"].append(gap * 1e-3)
+            t += 20_000
+    parts = step._split(events, 2)
+    assert [len(p) for p in parts] == [18, 18]
+    got = step._spans(parts[1], 3, [1, 4])
+    assert got["kernels_per_execution"] == 6 and got["slot_kernel"] == "convert"
+    assert got["slot_us"] == pytest.approx(np.median(want["slot"]))
+    assert got["gap_us"] == pytest.approx(np.median(want["gap"]))
+    with pytest.raises(RuntimeError, match="marker"):
+        step._split(events[1:], 2)
+    with pytest.raises(RuntimeError, match="executions"):
+        step._spans(parts[1][:-1], 3, [1, 4])

@@ -18,13 +18,15 @@ CONFIGS = [("hd64", 64, False), ("hd96", 96, False), ("hd128-causal", 128, True)
 PACKINGS = ("dense", "varlen")
 SIZES = [2**12, 2**16, 2**20, 2**24, 2**27, 2**30]  # bytes moved per call (approximately)
 REFERENCE_SHAPE = (2, 32, 8192)  # (B, H, S): the table of docs/performance.md
-ROTATE_BYTES = 256 << 20  # distinct buffers cycled per sample (H200 L2: 50 MiB)
+ROTATE_BYTES = 256 << 20  # distinct buffers cycled per sample
+L2_BYTES = 50 << 20  # the H200's L2
 PLOTTED = {"ours": "jax-dqpost", "FA4": "FlashAttention-4", "copy": "copy of the bytes", "xla_device": "XLA's op"}
 """The plot's columns, all device times (graph replay, or the GPU timeline for XLA's op), and their labels."""
 METHOD = ("ours/FA4/copy: CUDA events around the replay of a CUDA graph of back-to-back calls (*_eager: "
           "events around eager launches); xla_device/ours_jax_device: the GPU timeline of a jitted program, median of its "
           "runs in one trace (every row); ours_jax/xla_same_bytes/jnp_gather: wall clock of pipelined jitted calls "
-          "(reference rows); median of samples of >= 2 ms; >= 256 MiB of rotated buffers; seconds per call")
+          "(reference rows); median of samples of >= 2 ms; >= 256 MiB of rotated buffers (32 buffers where 256 would "
+          "fit in the L2); seconds per call")
 
 
 def problem(head_dim: int, target_bytes: int | None):
@@ -125,7 +127,8 @@ class Case:
         dr = self.part.padded_head_dim
         self.bytes = self.tokens * H * (dr * 4 + head_dim * 2)  # useful bytes: rows of the sequences only
         per_call = int(np.prod(self.acc_shape)) * 4 + int(np.prod(self.out_shape)) * 2
-        self.copies = max(2, min(256, -(-ROTATE_BYTES // per_call)))
+        # as many buffers as fill ROTATE_BYTES, at most 256; 32 where even 256 would sit in the L2
+        self.copies = max(2, min(256 if 256 * per_call > L2_BYTES else 32, -(-ROTATE_BYTES // per_call)))
         self.scale = head_dim ** -0.5
 
     # torch-side buffers (ours, FA4, copy)

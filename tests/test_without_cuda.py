@@ -68,7 +68,8 @@ assert g.dq.shape == dq.shape and g.dk.shape == g.dv.shape == (2, 64, 2, 128) an
 with contextlib.redirect_stdout(io.StringIO()) as help_text, contextlib.suppress(SystemExit):
     precompile.main(["--help"])
 assert help_text.getvalue().startswith("usage:"), help_text.getvalue()
-print(json.dumps({"cutlass": "cutlass" in sys.modules, "cuda": "cuda" in sys.modules}))
+# cuda-python's modules (cuda.bindings); the namespace `cuda` alone may come with jax's CUDA plugin (cuda.pathfinder)
+print(json.dumps({"cutlass": "cutlass" in sys.modules, "cuda": "cuda.bindings" in sys.modules}))
 
 try:  # a lowering for CUDA (what a call on a GPU does), the disk cache empty
     f.trace(jax.ShapeDtypeStruct(acc.shape, jnp.float32), 1.0).lower(lowering_platforms=("cuda",))

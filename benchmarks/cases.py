@@ -23,10 +23,10 @@ L2_BYTES = 50 << 20  # the H200's L2
 PLOTTED = {"ours": "jax-dqpost", "FA4": "FlashAttention-4", "copy": "copy of the bytes", "xla_device": "XLA's op"}
 """The plot's columns, all device times (graph replay, or the GPU timeline for XLA's op), and their labels."""
 METHOD = ("ours/FA4/copy: CUDA events around the replay of a CUDA graph of back-to-back calls (*_eager: "
-          "events around eager launches); xla_device/ours_jax_device: the GPU timeline of a jitted program, median of its "
-          "runs in one trace (every row); ours_jax/xla_same_bytes/jnp_gather: wall clock of pipelined jitted calls "
-          "(reference rows); median of samples of >= 2 ms; >= 256 MiB of rotated buffers (32 buffers where 256 would "
-          "fit in the L2); seconds per call")
+          "events around eager launches); xla_device/ours_jax_device: the GPU timeline of a jitted program, median "
+          "of its runs in one trace (every row); ours_jax/xla_same_bytes/jnp_gather: wall clock of pipelined jitted "
+          "calls (reference rows); median of samples of >= 2 ms; >= 256 MiB of rotated buffers (32 buffers where "
+          "256 would fit in the L2); seconds per call")
 
 
 def problem(head_dim: int, target_bytes: int | None):

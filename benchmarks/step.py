@@ -178,8 +178,8 @@ def measure_all(quick: bool, reps: int) -> list[dict]:
                     if not ev.lower().startswith(("memcpy", "memset")))
     results, positions = [], []
     for (shape, slot, p), kernels in zip(programs, _split(events, len(programs))):
-        row = dict(shape, slot=slot, bytes=p.bytes, links=p.links, reps=reps, command_buffers=internals.command_buffers(),
-                   wall_us=p.wall * 1e6)
+        row = dict(shape, slot=slot, bytes=p.bytes, links=p.links, reps=reps, wall_us=p.wall * 1e6,
+                   command_buffers=internals.command_buffers())
         if slot == "ours":  # the xla program has the same kernels but the slot's: the same positions
             n = len(kernels) // reps
             positions = [j for j in range(n) if harness.OUR_KERNEL in kernels[j][2]]

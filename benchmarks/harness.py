@@ -151,7 +151,11 @@ def device_spans(f, args, name: str = "", executions: int = 1) -> dict[str, list
 def device_time_per_call(f, args, name: str, calls: int, executions: int) -> float | None:
     """Device seconds per call of a program ``f(*args)`` making ``calls`` calls: over ``executions`` runs in one trace,
     the median of the slowest GPU's :func:`device_spans`, over ``calls``; None if nothing was recorded."""
-    spans = device_spans(f, args, name, executions)
+    try:
+        spans = device_spans(f, args, name, executions)
+    except RuntimeError as e:  # a timeline that does not split into the runs: no number, the run goes on
+        log(f"device time not taken: {e}")
+        return None
     if not spans:
         return None
     per_run = [max(s[k] for s in spans.values()) for k in range(executions)]
@@ -161,11 +165,12 @@ def device_time_per_call(f, args, name: str, calls: int, executions: int) -> flo
 _ROOT = str(Path(__file__).resolve().parents[1])  # the folder holding benchmarks/
 
 
-def python_child(code: str, env: dict, *args: str) -> subprocess.CompletedProcess:
+def python_child(code: str, env: dict, *args: str, timeout: float | None = None) -> subprocess.CompletedProcess:
     """``python -c code args`` in a fresh process (this one's working directory, ``env``), where ``benchmarks``
     imports as here: the folder holding it comes last on the path, after the jax_dqpost that process finds."""
     prelude = f"import sys; sys.path.append({_ROOT!r})\n"
-    return subprocess.run([sys.executable, "-c", prelude + code, *args], env=env, capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-c", prelude + code, *args], env=env, capture_output=True, text=True,
+                          timeout=timeout)
 
 
 def commit() -> str:

@@ -6,7 +6,7 @@ One jitted program per shape and slot, ``links`` times in a chain: a producer wr
 fusion reading a base array), the slot converts it, a consumer fusion reads its output (``dq * 1.5 + 1``), and the
 consumer's first element feeds the next link's producer, so links run in order; optimization barriers keep the
 stages apart (no fusion across them). The slot is ``ours`` (``dq_postprocess``) or ``xla`` (XLA's ``(x *
-scale).astype(bf16)`` of exactly the call's useful accumulator elements: the practical roofline in JAX). Shapes
+scale).astype(bf16)`` of as many accumulator elements as the call's useful ones: the practical roofline in JAX). Shapes
 are one layer's dQ: H=32, head dims 64-256, B 1-2 and S 1k-8k dense; packs of 2-8 sequences of random lengths.
 
 Per link, on jax.profiler's timeline: ``slot`` = end(slot kernel) - end(the kernel before it) and ``gap`` =
@@ -24,7 +24,9 @@ import argparse
 import datetime
 import json
 import os
+import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -45,6 +47,7 @@ METHOD = ("per link of a jitted chain producer -> slot -> consumer: slot = end(s
           "gap = start(slot kernel) - end(previous kernel), on jax.profiler's timeline with XLA's command buffers "
           "recorded while profiling; medians over links and traced executions; wall = untraced wall clock per link")
 CHILD_FLAGS = "--xla_enable_command_buffers_during_profiling=true"
+CHILD_TIMEOUT_S = 900  # one registration's process, compiles included (about 25 s on the H200)
 
 
 def shapes(quick: bool) -> list[dict]:
@@ -76,10 +79,10 @@ class Program:
             ours = lambda a: dq_postprocess(a, scale, seqlen_q=S, head_dim=D, layout=layout)  # noqa: E731
         else:
             cu = cases.random_lengths(np.random.default_rng(seed), T, shape["sequences"])
-            shape["cu_seqlens"] = cu
             acc_shape = layout.varlen_accum_shape(len(cu) - 1, H, T, D)
             ours = lambda a: dq_postprocess(a, scale, head_dim=D, total_q=T, cu_seqlens_q=cu,  # noqa: E731
                                             layout=layout)
+        self.cu = None if shape["packing"] == "dense" else cu
         useful = T * H * Dr  # the accumulator elements of the rows of dQ
         xla = lambda a: (a.reshape(-1)[:useful] * scale).astype(jnp.bfloat16)  # noqa: E731
         convert = ours if slot == "ours" else xla
@@ -133,6 +136,22 @@ def _spans(kernels: list[tuple], reps: int, positions: list[int]) -> dict:
                 slot_kernel=kernels[positions[0]][2][:60])
 
 
+def _slot_positions(kernels: list[tuple], reps: int) -> list[int]:
+    """Where our kernel sits in an execution of the ``ours`` program (``reps`` of equal length)."""
+    n = len(kernels) // reps
+    return [j for j in range(n) if harness.OUR_KERNEL in kernels[j][2]]
+
+
+def _check_same_places(kernels: list[tuple], reps: int, positions: list[int]) -> None:
+    """The ``xla`` program has the ``ours`` program's kernels but the slot's: at ``positions`` of every execution one
+    kernel name, which is not the kernel's before it (the producer); else a RuntimeError."""
+    n = len(kernels) // reps
+    names = {kernels[r * n + j][2] for r in range(reps) for j in positions if r * n + j < len(kernels)}
+    before = {kernels[r * n + j - 1][2] for r in range(reps) for j in positions if 0 < r * n + j <= len(kernels)}
+    if len(names) != 1 or names & before:
+        raise RuntimeError(f"the slot's kernels at {positions} are {sorted(names)}, after {sorted(before)}")
+
+
 def _execution(kernels: list[tuple], reps: int) -> list[tuple[str, float]]:
     """An execution's kernels: each one's name (shortened) and median duration in us over the ``reps`` executions
     (evidence of what the program ran; empty if the kernels do not split into equal executions)."""
@@ -169,22 +188,28 @@ def measure_all(quick: bool, reps: int) -> list[dict]:
                 p.wall = (time.perf_counter() - t0) / (reps * p.links)
             programs.append((shape, slot, p))
     trace_dir = tempfile.mkdtemp(prefix="jax_dqpost_step_")
-    with jax.profiler.trace(trace_dir):
-        for _, _, p in programs:  # one program at a time, after a marker kernel
-            jax.block_until_ready(marker(small))
-            for _ in range(reps):
-                jax.block_until_ready(p.run())
-    events = sorted((s, s + d, ev) for _, ev, s, d in harness.gpu_activities(trace_dir)
-                    if not ev.lower().startswith(("memcpy", "memset")))
+    try:
+        with jax.profiler.trace(trace_dir):
+            for _, _, p in programs:  # one program at a time, after a marker kernel
+                jax.block_until_ready(marker(small))
+                for _ in range(reps):
+                    jax.block_until_ready(p.run())
+        events = sorted((s, s + d, ev) for _, ev, s, d in harness.gpu_activities(trace_dir)
+                        if not ev.lower().startswith(("memcpy", "memset")))
+    finally:
+        shutil.rmtree(trace_dir, ignore_errors=True)
     results, positions = [], []
     for (shape, slot, p), kernels in zip(programs, _split(events, len(programs))):
         row = dict(shape, slot=slot, bytes=p.bytes, links=p.links, reps=reps, wall_us=p.wall * 1e6,
                    command_buffers=internals.command_buffers())
-        if slot == "ours":  # the xla program has the same kernels but the slot's: the same positions
-            n = len(kernels) // reps
-            positions = [j for j in range(n) if harness.OUR_KERNEL in kernels[j][2]]
+        if p.cu is not None:
+            row["cu_seqlens"] = p.cu
         row["kernels"] = _execution(kernels, reps)
         try:
+            if slot == "ours":  # the xla program has the same kernels but the slot's: the same positions
+                positions = _slot_positions(kernels, reps)
+            else:
+                _check_same_places(kernels, reps, positions)
             row.update(_spans(kernels, reps, positions))
         except RuntimeError as e:
             row["error"] = str(e)
@@ -206,8 +231,12 @@ def measure(quick: bool = False, reps: int = 5) -> dict:
     for name, capture in (("default", ""), ("captured", "1")):
         env = {**os.environ, "JAX_DQPOST_COMMAND_BUFFERS": capture, "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
                "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " " + CHILD_FLAGS).strip()}
-        p = harness.python_child(_CHILD, env, "quick" if quick else "full", str(reps))
-        out[name] = json.loads(p.stdout.strip().splitlines()[-1]) if p.returncode == 0 else {"error": p.stderr[-2000:]}
+        try:
+            p = harness.python_child(_CHILD, env, "quick" if quick else "full", str(reps), timeout=CHILD_TIMEOUT_S)
+            out[name] = json.loads(p.stdout.strip().splitlines()[-1]) if p.returncode == 0 else {
+                "error": p.stderr[-2000:]}
+        except (subprocess.TimeoutExpired, ValueError, IndexError) as e:  # no report from the child
+            out[name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
     return out
 
 
@@ -256,7 +285,7 @@ def main(argv=None) -> int:
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "step.json").write_text(json.dumps(report, indent=1) + "\n")
     print(table(report["step"]))
-    return 0
+    return 1 if all(isinstance(rows, dict) for rows in report["step"].values()) else 0
 
 
 if __name__ == "__main__":

@@ -350,12 +350,13 @@ def test_step_shapes_are_one_layers_dq_from_ten_megabytes(rng):
         assert len(case.cu) - 1 == cases.pack_size(case.tokens) and case.cu[-1] == case.tokens
 
 
-def test_step_spans_are_read_from_the_kernel_before_the_slot():
+def test_step_spans_are_read_from_the_kernel_before_the_slot(rng):
     """The timeline arithmetic of benchmarks/step.py on a synthetic trace: programs split at the marker kernels, each
-    program's executions into equal runs, and per slot kernel end(slot) - end(previous) and start(slot) -
-    end(previous) (ns in, us out), against values written out by hand."""
-    rng = np.random.default_rng()
+    program's executions into equal runs, our kernel's places found in the ``ours`` program and checked to hold one
+    other kernel in the ``xla`` one, and per slot end(slot) - end(previous) and start(slot) - end(previous), negative
+    where the slot starts early (ns in, us out), against values written out by hand."""
     t, events, want = 0, [], {"slot": [], "gap": []}
+    slot_names = (harness.OUR_KERNEL + "_0", "loop_convert_fusion")
     for program in range(2):
         events.append((t, t + 100, "loop_sine_fusion"))
         t += 1000
@@ -363,9 +364,9 @@ def test_step_spans_are_read_from_the_kernel_before_the_slot():
             for _ in range(2):
                 p_end = t + int(rng.integers(500, 900))
                 events.append((t, p_end, "loop_multiply_fusion"))
-                gap = int(rng.integers(0, 3000))
-                s_end = p_end + gap + int(rng.integers(1000, 5000))
-                events.append((p_end + gap, s_end, "jax_dqpostkernelPostprocess_0" if program == 0 else "convert"))
+                gap = int(rng.integers(-300, 3000))
+                s_end = p_end + max(gap, 0) + int(rng.integers(1000, 5000))
+                events.append((p_end + gap, s_end, slot_names[program]))
                 c_end = s_end + 400
                 events.append((s_end + 10, c_end, "loop_add_fusion"))
                 t = c_end + 5
@@ -373,13 +374,18 @@ def test_step_spans_are_read_from_the_kernel_before_the_slot():
                     want["slot"].append((s_end - p_end) * 1e-3)
                     want["gap"].append(gap * 1e-3)
             t += 20_000
-    parts = step._split(events, 2)
-    assert [len(p) for p in parts] == [18, 18]
-    got = step._spans(parts[1], 3, [1, 4])
-    assert got["kernels_per_execution"] == 6 and got["slot_kernel"] == "convert"
+    ours, xla = step._split(events, 2)
+    assert len(ours) == len(xla) == 18
+    positions = step._slot_positions(ours, 3)
+    assert positions == [1, 4]
+    step._check_same_places(xla, 3, positions)
+    got = step._spans(xla, 3, positions)
+    assert got["kernels_per_execution"] == 6 and got["slot_kernel"] == "loop_convert_fusion"
     assert got["slot_us"] == pytest.approx(np.median(want["slot"]))
     assert got["gap_us"] == pytest.approx(np.median(want["gap"]))
     with pytest.raises(RuntimeError, match="marker"):
         step._split(events[1:], 2)
     with pytest.raises(RuntimeError, match="executions"):
-        step._spans(parts[1][:-1], 3, [1, 4])
+        step._spans(xla[:-1], 3, positions)
+    with pytest.raises(RuntimeError, match="slot's kernels"):  # another kernel where ours was: not the same program
+        step._check_same_places(xla, 3, [0, 4])

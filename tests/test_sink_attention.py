@@ -223,7 +223,8 @@ def _assert_close(got, want, what, rel=2 ** -6):
 
 def _assert_same(got, want, what):
     """Bit for bit where XLA compiles the stand-in's float32 arithmetic alike in both programs (the CPU); on a GPU a
-    batched or rematerialised program may sum in another order, and there they agree within a bf16 rounding."""
+    batched or rematerialised program may sum in another order, and there they agree within one bf16 step (2**-7) of
+    the largest magnitude."""
     if jax.default_backend() == "cpu":
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=what)
     else:

@@ -41,7 +41,7 @@ DENSE = [(64, 1, 1024), (64, 1, 4096), (64, 2, 8192), (128, 1, 1024), (128, 1, 4
          (256, 1, 1024), (256, 1, 4096), (256, 2, 8192)]
 """(head dim, B, S) of the dense shapes; :data:`PACKS`: (head dim, tokens, sequences) of the packed ones."""
 PACKS = [(64, 4096, 2), (64, 16384, 8), (128, 4096, 4), (128, 16384, 8), (256, 8192, 4)]
-QUICK = {(128, 1, 1024), (128, 2, 8192), (128, 16384, 8)}
+QUICK = {"hd128 B=1 S=1024", "hd128 B=2 S=8192", "hd128 8 seqs, 16384 tokens"}  # --quick: these (``_label``)
 LINK_BYTES = 1 << 30  # links per program: about this many bytes of accumulators, 2 to 8 links
 METHOD = ("per link of a jitted chain producer -> slot -> consumer: slot = end(slot kernel) - end(previous kernel), "
           "gap = start(slot kernel) - end(previous kernel), on jax.profiler's timeline with XLA's command buffers "
@@ -53,10 +53,7 @@ CHILD_TIMEOUT_S = 900  # one registration's process, compiles included (about 25
 def shapes(quick: bool) -> list[dict]:
     out = [dict(packing="dense", head_dim=d, batch=b, seqlen=s, tokens=b * s) for d, b, s in DENSE]
     out += [dict(packing="varlen", head_dim=d, tokens=t, sequences=n) for d, t, n in PACKS]
-    if quick:
-        out = [s for s in out if (s["head_dim"], s.get("batch", s["tokens"]), s.get("seqlen", s.get("sequences")))
-               in QUICK]
-    return out
+    return [s for s in out if _label(s) in QUICK] if quick else out
 
 
 class Program:

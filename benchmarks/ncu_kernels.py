@@ -6,6 +6,10 @@ repository root:
         checked bit-equal to the default's output; one that raises for a packing is reported and skipped),
         FlashAttention-4 and the same-bytes copy, side by side, median of 15 (as the benchmark measures them), dense
         and varlen (64 random lengths)
+    python -m benchmarks.ncu_kernels sizes [CONFIG ...]
+        the size sweep's rows from 1 MB to 1 GB (``cases.SIZES``; varlen: packs of 2-8 sequences), ours with the
+        tuning variants of SIZE_VARIANTS (each checked bit-equal to the default's output) against the same-bytes
+        copy, graph replay, median of 15
     python -m benchmarks.ncu_kernels short [COUNT ...] [--l2-fetch BYTES]
         the benchmark's short-sequence cases (hd128, 64 to 8000 sequences in 16384 tokens, static and traced offsets;
         COUNT: only those sequence counts, "ref": the varlen reference case, 64 random lengths), ours with the tuning
@@ -33,6 +37,8 @@ from . import cases as bench_cases, harness  # noqa: E402
 
 # Variants tried per configuration by `sweep` (the first, {}, is the package's default).
 VARIANTS = [{}, {"min_ctas_per_sm": 0}]
+# ... by `sizes`
+SIZE_VARIANTS = [{}, {"split": 2}]
 # ... and by `short` (varlen only).
 SHORT_VARIANTS = [{}, {"short_heads": 4}, {"short_heads": 16}, {"short_heads": 32}, {"min_ctas_per_sm": 3}]
 
@@ -58,6 +64,23 @@ def sweep(names, torch, fa4, samples=15):
         for label, t in rows:
             print(f"{case.name:13s} {case.packing:7s} {label:45s} {t * 1e6:8.1f} us {case.bytes / t / 1e12:5.2f} TB/s "
                   f"{copy / t:7.1%} of copy", flush=True)
+
+
+def sizes(names, torch, fa4, samples=15):
+    names = names or [c[0] for c in bench_cases.CONFIGS]
+    configs = {c[0]: c for c in bench_cases.CONFIGS}
+    rng = np.random.default_rng(0)
+    for size in bench_cases.SIZES[2:]:
+        for name in names:
+            _, D, causal = configs[name]
+            for packing in bench_cases.PACKINGS:
+                case = bench_cases.Case(name, D, causal, packing, size, rng, torch, fa4)
+                case.torch_buffers()
+                copy, _ = harness.graph_per_call(torch, case.copy_run(), case.copies, samples)
+                tag = f"{case.bytes / 1e6:8.1f} MB {name:13s} {packing:7s}"
+                for label, t in [("copy", copy)] + _time_variants(case, SIZE_VARIANTS, samples, tag):
+                    print(f"{tag} {label:36s} {t * 1e6:8.2f} us {copy / t:7.1%} of copy", flush=True)
+                case.free_torch()
 
 
 def _time_variants(case, variants, samples, tag):
@@ -148,8 +171,8 @@ def main(argv):
         from flash_attn.cute.interface import _bwd_postprocess_convert as fa4
     except Exception:  # noqa: BLE001
         fa4 = None
-    what, names = argv[0], argv[1:] or ([] if argv[0] == "short" else ["hd96", "hd128", "hd192"])
-    {"sweep": sweep, "short": short, "profile": profile}[what](names, torch, fa4)
+    what, names = argv[0], argv[1:] or ([] if argv[0] in ("short", "sizes") else ["hd96", "hd128", "hd192"])
+    {"sweep": sweep, "sizes": sizes, "short": short, "profile": profile}[what](names, torch, fa4)
 
 
 if __name__ == "__main__":

@@ -81,19 +81,24 @@ class Postprocess:
 
     ``spec``: the :class:`~jax_dqpost.kernel_spec.KernelSpec` (``Plan.kernel``); the binary depends on it and the
     target GPU only. Tuning, for experiments (benchmarks/ncu_kernels.py; the package compiles with the defaults):
-    ``min_ctas_per_sm`` (:class:`TileConverter`) and ``short_heads`` (``schedule.ShortTileScheduler``).
+    ``min_ctas_per_sm`` and ``split`` (:class:`TileConverter`; ``split`` for a kernel of its own grid only),
+    ``short_heads`` (``schedule.ShortTileScheduler``), and ``pdl``: launched with programmatic dependent launch
+    (``griddepcontrol.wait`` before the first global access, ``griddepcontrol.launch_dependents`` right after).
     """
 
     def __init__(self, spec: KernelSpec, *, target_sm: int = 90, min_ctas_per_sm: int | None = None,
-                 short_heads: int = varlen.SHORT_HEADS):
+                 short_heads: int = varlen.SHORT_HEADS, split: int = 1, pdl: bool = False):
         parts = spec.tensors
         sink = None if spec.sink is None else (cute_type(spec.sink[0]), cute_type(spec.sink[1]))
+        if split != 1 and not spec.own_grid:
+            raise ValueError(f"split={split}: only a kernel of one part without a sink launches its own grid")
+        self.pdl = pdl
         self.names = spec.names
         self.dtype = dtype = cute_type(spec.dtype)
         self.converters = tuple(TileConverter(dtype, p.layout, p.padded_head_dim, tiling=p.tiling, target_sm=target_sm,
-                                         min_ctas_per_sm=min_ctas_per_sm) for p in parts)
-        self.schedulers = tuple(scheduler(p.layout, p.padded_head_dim, p.tiling, short_heads) for p in parts)
-        self.num_threads = max(p.num_threads for p in self.converters)
+                                              min_ctas_per_sm=min_ctas_per_sm, split=split) for p in parts)
+        self.schedulers = tuple(scheduler(p.layout, p.padded_head_dim, p.tiling, short_heads, split) for p in parts)
+        self.num_threads = max(p.work_threads for p in self.converters)
         for part in self.converters:
             part.cta_threads = self.num_threads
         self.sink = sink
@@ -125,6 +130,7 @@ class Postprocess:
             # (32 registers/thread) and splits the fragment loads into dependent rounds.
             min_blocks_per_mp=self.min_ctas_per_sm,
             preferred_smem_carveout=100,  # streamed once: no use for L1, all of it to shared memory
+            use_pdl=self.pdl,
         )
 
     def _part_args(self, i: int, pointers, extents) -> TensorArgs:
@@ -137,6 +143,9 @@ class Postprocess:
     def kernel(self, pointers: tuple, extents: tuple):
         tidx, _, _ = cute.arch.thread_idx()
         bid, _, bz = cute.arch.block_idx()
+        if const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()
+            cute.arch.griddepcontrol_launch_dependents()
         if const_expr(self.own_grid):
             # The whole grid is the part's: no CTA count to compare, the tile allocated by the part (a count and a
             # shared buffer cost 20-100 ns a launch)
@@ -173,7 +182,7 @@ class Postprocess:
     @cute.jit
     def _part_tile(self, i: cutlass.Constexpr, local, count, tidx, part: TensorArgs, base):
         """CTA ``local`` of part ``i``'s ``count`` CTAs, if it is one (numbered as ``schedule.py`` describes)."""
-        if local >= 0 and local < count and tidx < self.converters[i].num_threads:
+        if local >= 0 and local < count and tidx < self.converters[i].work_threads:
             if const_expr(self.converters[i].tiling == Tiling.VARLEN):
                 self._cta(i, part, local, Int32(0), tidx, _SharedTile(base))
             else:
@@ -183,7 +192,7 @@ class Postprocess:
     @cute.jit
     def _cta(self, i: cutlass.Constexpr, part: TensorArgs, x, bz, tidx, smem):
         """CTA ``x`` of part ``i``'s scheduler (and batch ``bz``, dense tilings): the tile it gives, converted. Only
-        the CTA's first ``num_threads`` threads of the part call it; ``smem`` allocates the shared-memory tile."""
+        the CTA's first ``work_threads`` threads of the part call it; ``smem`` allocates the shared-memory tile."""
         # (self.converters[i] and self.schedulers[i] are not bound to locals out here: the DSL would carry them through
         # the ifs)
         if const_expr(isinstance(self.schedulers[i], VarlenScheduler) and self.schedulers[i].short is not None):
@@ -193,14 +202,18 @@ class Postprocess:
                 short = self.schedulers[i].short
                 self.converters[i].short_tile(part, group, short.tile(part, span), tidx, short.short_heads)
             else:
-                slot = (x - short_ctas) // part.heads
+                split = self.converters[i].split  # CTAs of a tile and head, consecutive
+                slot = (x - short_ctas) // split // part.heads
                 if slot < self.schedulers[i].long_tiles(part):  # the slots past them (traced offsets' bound) stop
-                    head = (x - short_ctas) % part.heads
+                    head = (x - short_ctas) // split % part.heads
                     tile = self.schedulers[i].tile(part, slot, head)
-                    self.converters[i].tile(part, head, tile, tidx, smem, may_be_empty=True)
+                    self.converters[i].tile(part, head, tile, tidx, smem, may_be_empty=True,
+                                            sub=(x - short_ctas) % split)
         else:
-            bx, head = x // part.heads, x % part.heads
-            self.converters[i].tile(part, head, self.schedulers[i].tile(part, bx, head, bz), tidx, smem)
+            split = self.converters[i].split
+            bx, head = x // split // part.heads, x // split % part.heads
+            self.converters[i].tile(part, head, self.schedulers[i].tile(part, bx, head, bz), tidx, smem,
+                                    sub=x % split)
 
     # ---- the sink gradient ------------------------------------------------------------------------
     def _sink_sync(self):

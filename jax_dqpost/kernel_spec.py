@@ -129,20 +129,50 @@ def store_tiling(layout, padded_head_dim: int) -> tuple[int, int] | None:
     others wait). The swizzled shared-memory tile is partitioned in 16-row blocks: a pass covers at least two
     rows and whole blocks or a divisor of one (the DSL refuses, or aborts on, other row counts).
     """
-    vecs_per_row = padded_head_dim * OUT_BYTES // VEC_BYTES
-    threads = layout.num_threads
+    return region_store_tiling(layout.tile_m, padded_head_dim, layout.num_threads)
+
+
+def region_store_tiling(rows_m: int, cols: int, threads: int) -> tuple[int, int] | None:
+    """:func:`store_tiling` of a ``(rows_m, cols)`` region of the tile by ``threads`` threads."""
+    vecs_per_row = cols * OUT_BYTES // VEC_BYTES
     while threads >= 32:
         best = None
         for per_row in range(1, vecs_per_row + 1):
             if vecs_per_row % per_row or threads % per_row:
                 continue
             rows = threads // per_row
-            if rows >= 2 and layout.tile_m % rows == 0 and (rows % SMEM_ROWS == 0 or SMEM_ROWS % rows == 0):
+            if rows >= 2 and rows_m % rows == 0 and (rows % SMEM_ROWS == 0 or SMEM_ROWS % rows == 0):
                 best = (rows, per_row)
         if best is not None or threads % 2:
             return best
         threads //= 2
     return None
+
+
+def warpgroup_regions(layout, padded_head_dim: int):
+    """``((R, C), ((r0, c0), ...))``: the ``R x C`` rectangle of the dQ tile that each warpgroup's fragment holds, in
+    a Hopper (wgmma) order of several warpgroups (warpgroup ``w``'s floats are the tile's ``w``-th contiguous chunk);
+    None for other orders, or where a warpgroup's elements do not form such a rectangle, or where a region cannot be
+    stored as whole 16-byte vectors by one warpgroup (:func:`region_store_tiling`)."""
+    import numpy as np
+
+    groups = layout.num_threads // 128
+    if layout.arch != 90 or groups < 2:
+        return None
+    owner = layout.tile_index_map(padded_head_dim) // (layout.tile_m * padded_head_dim // groups)
+    corners, shape = [], None
+    for w in range(groups):
+        mine = owner == w
+        rows, cols = np.flatnonzero(mine.any(axis=1)), np.flatnonzero(mine.any(axis=0))
+        (r0, c0), size = (int(rows[0]), int(cols[0])), (len(rows), len(cols))
+        if mine.sum() != size[0] * size[1] or not mine[r0:r0 + size[0], c0:c0 + size[1]].all() or \
+                (shape or size) != size or r0 % size[0] or c0 % size[1]:
+            return None
+        corners.append((r0, c0))
+        shape = size
+    if region_store_tiling(*shape, 128) is None:
+        return None
+    return shape, tuple(corners)
 
 
 def smem_bytes(layout, head_dim: int) -> int:

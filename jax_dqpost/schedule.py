@@ -86,13 +86,13 @@ def read_span(aux_ptr: cute.Pointer, num_spans: Int32, span: Int32):
 class DenseScheduler:
     """Tiles of a dense part (module docstring); ``seqused``: rows past ``seqused[b]`` are zeros."""
 
-    def __init__(self, layout: AccumLayout, padded_head_dim: int, seqused: bool):
-        self.layout, self.padded_head_dim, self.seqused = layout, padded_head_dim, seqused
+    def __init__(self, layout: AccumLayout, padded_head_dim: int, seqused: bool, split: int = 1):
+        self.layout, self.padded_head_dim, self.seqused, self.split = layout, padded_head_dim, seqused, split
         self.unread = layout.alloc_head_dim(padded_head_dim) - padded_head_dim  # Da - Dr: per row, after the tiles
 
     def num_ctas(self, dim0, heads, grid_x):
-        """The part's CTAs per batch."""
-        return heads * grid_x
+        """The part's CTAs per batch (``split`` per tile and head)."""
+        return self.split * heads * grid_x
 
     @cute.jit
     def tile(self, part: TensorArgs, m_block, head, batch) -> Tile:
@@ -122,8 +122,9 @@ class VarlenScheduler:
     """Long tiles of a packed part, the work list's slots, and its short tiles' scheduler (``short``) for the swapped
     Hopper orders (module docstring)."""
 
-    def __init__(self, layout: AccumLayout, padded_head_dim: int, short_heads: int = varlen.SHORT_HEADS):
-        self.layout, self.padded_head_dim = layout, padded_head_dim
+    def __init__(self, layout: AccumLayout, padded_head_dim: int, short_heads: int = varlen.SHORT_HEADS,
+                 split: int = 1):
+        self.layout, self.padded_head_dim, self.split = layout, padded_head_dim, split
         self.unread = layout.alloc_head_dim(padded_head_dim) - padded_head_dim  # Da - Dr: per row, after the tiles
         self.short = ShortTileScheduler(layout, short_heads) if varlen.short_rows(layout) > 0 else None
 
@@ -131,7 +132,7 @@ class VarlenScheduler:
         """The part's CTAs (``varlen.grid_ctas``): the short tiles' first, then the long tiles'."""
         short_rows, short_heads = (0, varlen.SHORT_HEADS) if self.short is None else (self.short.short_rows,
                                                                                       self.short.short_heads)
-        return varlen.grid_ctas(heads, grid_x, dim0, short_rows, short_heads)
+        return varlen.grid_ctas(heads, grid_x, dim0, short_rows, short_heads, self.split)
 
     @cute.jit
     def tile(self, part: TensorArgs, slot, head, _batch=None) -> Tile:
@@ -197,8 +198,9 @@ class ShortTileScheduler:
         return ShortTile(row0, rows_total, rows_conv, acc_row, padded_total)
 
 
-def scheduler(layout: AccumLayout, padded_head_dim: int, tiling: Tiling, short_heads: int = varlen.SHORT_HEADS):
-    """The scheduler of a part of this tiling."""
+def scheduler(layout: AccumLayout, padded_head_dim: int, tiling: Tiling, short_heads: int = varlen.SHORT_HEADS,
+              split: int = 1):
+    """The scheduler of a part of this tiling; ``split``: CTAs per tile and head (its warpgroups' shares)."""
     if tiling == Tiling.VARLEN:
-        return VarlenScheduler(layout, padded_head_dim, short_heads)
-    return DenseScheduler(layout, padded_head_dim, tiling == Tiling.DENSE_SEQUSED)
+        return VarlenScheduler(layout, padded_head_dim, short_heads, split)
+    return DenseScheduler(layout, padded_head_dim, tiling == Tiling.DENSE_SEQUSED, split)

@@ -71,12 +71,15 @@ class TileConverter:
     """
 
     def __init__(self, dtype: type[cutlass.Numeric], layout: AccumLayout, padded_head_dim: int, *,
-                 tiling: Tiling = Tiling.DENSE, target_sm: int = 90, min_ctas_per_sm: int | None = None):
+                 tiling: Tiling = Tiling.DENSE, target_sm: int = 90, min_ctas_per_sm: int | None = None,
+                 split: int = 1):
         """``padded_head_dim``: ``Dr``, the head dim as padded in the accumulator. ``tiling``: the part's
         (``schedule.py``; outside ``DENSE`` the loads of rows past ``rows_conv`` are skipped). ``target_sm``: the GPU
         generation compiled for (e.g. 80, 90, 100). Tuning (benchmarks/ncu_kernels.py compares it):
-        ``min_ctas_per_sm``, the launch-bounds hint given to ptxas (None: chosen here; 0: none). The layout and
-        ``Dr`` are a :class:`~jax_dqpost.kernel_spec.KernelSpec`'s, which checked that the kernel exists."""
+        ``min_ctas_per_sm``, the launch-bounds hint given to ptxas (None: chosen here; 0: none). ``split``: 1, or
+        the order's warpgroups (``kernel_spec.warpgroup_regions``): a CTA of one warpgroup converts that warpgroup's
+        share of a tile (:meth:`tile`'s ``sub``). The layout and ``Dr`` are a
+        :class:`~jax_dqpost.kernel_spec.KernelSpec`'s, which checked that the kernel exists."""
         self.tiling = Tiling(tiling)
         self.family = {90: "mma", 80: "mma", 100: "rows", None: "rowmajor"}[layout.arch]
         self.use_stmatrix = target_sm >= 90
@@ -89,8 +92,17 @@ class TileConverter:
         self.layout = layout
         self.tile_m = layout.tile_m
         self.padded_head_dim = padded_head_dim
-        self.num_threads = layout.num_threads
-        self.cta_threads = layout.num_threads  # threads of the CTA (more when another part is wider, kernel.py)
+        self.num_threads = layout.num_threads  # the producer's threads, whose fragments make a tile
+        self.split = split
+        if split != 1:
+            regions = kernel_spec.warpgroup_regions(layout, padded_head_dim)
+            if regions is None or split != layout.num_threads // 128:
+                raise ValueError(f"split={split}: {layout} at Dr={padded_head_dim} has no warpgroup shares to split "
+                                 "a tile into")
+            self.region_shape, self.region_corners = regions
+            self.region_store = kernel_spec.region_store_tiling(*self.region_shape, 128)
+        self.work_threads = self.num_threads // split  # the threads converting a tile, or a warpgroup's share of it
+        self.cta_threads = self.work_threads  # threads of the CTA (more when another part is wider, kernel.py)
         geom = layout.mma_geometry(padded_head_dim)
         self.mma_mn = (geom["m"], geom["n"])
         self.atoms_mn = (geom["atoms_m"], geom["atoms_n"])
@@ -109,8 +121,8 @@ class TileConverter:
         if min_ctas_per_sm is None:
             # Room for the whole fp32 fragment (all its loads in flight at once) plus ~24 registers of
             # addresses and converted values, and as many CTAs per SM as that allows.
-            min_ctas_per_sm = _REGS_PER_SM // (self.num_threads * (live + 24))
-        self.min_ctas_per_sm = max(0, min(min_ctas_per_sm, _THREADS_PER_SM // self.num_threads))
+            min_ctas_per_sm = _REGS_PER_SM // (self.work_threads * (live + 24))
+        self.min_ctas_per_sm = max(0, min(min_ctas_per_sm, _THREADS_PER_SM // self.work_threads))
 
     # ----------------------------------------------------------------------------------------------
     def _tiled_mma(self):
@@ -146,27 +158,31 @@ class TileConverter:
         return cute.tile_to_shape(atom, (self.tile_m, self.padded_head_dim), (0, 1))
 
     @cute.jit
-    def tile(self, part: TensorArgs, head, t: Tile, tidx, smem, may_be_empty: cutlass.Constexpr = False):
+    def tile(self, part: TensorArgs, head, t: Tile, tidx, smem, may_be_empty: cutlass.Constexpr = False, sub=0):
         """Converts tile ``t`` of head ``head`` through the shared-memory tile, which ``smem`` allocates
-        (``allocate_tensor``). Only the CTA's first ``num_threads`` threads call it. ``may_be_empty``: a tile of no
-        rows does nothing (a varlen slot past the long tiles)."""
+        (``allocate_tensor``); with ``split`` > 1, warpgroup ``sub``'s share of it. Only the CTA's first
+        ``work_threads`` threads call it. ``may_be_empty``: a tile of no rows does nothing (a varlen slot past the
+        long tiles)."""
         s_layout = self._smem_layout()
         s_tile = smem.allocate_tensor(self.dtype, s_layout, byte_alignment=1024)
         if const_expr(may_be_empty):
             if t.rows_total > 0:
-                self._tile_via_smem(part, head, t, s_tile, s_layout, tidx)
+                self._tile_via_smem(part, head, t, s_tile, s_layout, tidx, sub)
         else:
-            self._tile_via_smem(part, head, t, s_tile, s_layout, tidx)
+            self._tile_via_smem(part, head, t, s_tile, s_layout, tidx, sub)
 
     @cute.jit
-    def _tile_via_smem(self, part: TensorArgs, head, t: Tile, s_tile, s_layout, tidx):
-        """Steps 1-4 (module docstring): the fragment into the shared-memory tile, then its rows out."""
+    def _tile_via_smem(self, part: TensorArgs, head, t: Tile, s_tile, s_layout, tidx, sub):
+        """Steps 1-4 (module docstring): the fragment (or warpgroup ``sub``'s share: its threads act as the
+        producer's threads ``128 sub ..``) into the shared-memory tile, then its rows out."""
         heads, head_dim = part.heads, part.head_dim
         if t.rows_conv > 0:
-            self._convert_tile(part.acc, t.acc_elem, part.scale, s_tile, s_layout, t.rows_conv, tidx)
+            self._convert_tile(part.acc, t.acc_elem, part.scale, s_tile, s_layout, t.rows_conv,
+                               tidx + sub * self.work_threads if const_expr(self.split > 1) else tidx)
         self.sync()
         out_offset = (t.out_row0 * Int64(heads) + Int64(head)) * Int64(head_dim)
-        self._store_tile(part.out, out_offset, heads * head_dim, head_dim, s_tile, t.rows_total, t.rows_conv, tidx)
+        self._store_tile(part.out, out_offset, heads * head_dim, head_dim, s_tile, t.rows_total, t.rows_conv, tidx,
+                         sub)
 
     @cute.jit
     def short_tile(self, part: TensorArgs, group, t: ShortTile, tidx, short_heads: cutlass.Constexpr):
@@ -187,7 +203,7 @@ class TileConverter:
         pairs, blocks = (rows_total + 1) // 2, dr // 16
         if rows_total > 0:
             slots = pairs * blocks
-            step = self.num_threads // slots  # heads per round (slots <= 8 pairs * 16 blocks <= num_threads)
+            step = self.work_threads // slots  # heads per round (slots <= 8 pairs * 16 blocks <= 128 threads)
             slot, g0 = tidx % slots, tidx // slots
             p, j = slot % pairs, slot // pairs  # row pair fastest: 4 lanes read 64 contiguous bytes
             src_at = Int64(acc_row) * Int64(dr) + Int64(self.short_vector(p, j))
@@ -231,10 +247,10 @@ class TileConverter:
     def sync(self):
         """The barrier between the shared-memory writes and reads: the whole CTA, or (a part with fewer threads
         than its CTA) a named barrier of this part's threads."""
-        if const_expr(self.cta_threads == self.num_threads):
+        if const_expr(self.cta_threads == self.work_threads):
             cute.arch.barrier()
         else:
-            cute.arch.barrier(barrier_id=1, number_of_threads=self.num_threads)
+            cute.arch.barrier(barrier_id=1, number_of_threads=self.work_threads)
 
     @cute.jit
     def _convert_tile(self, acc_ptr, tile_elem, scale_ptr, s_tile, s_layout, rows_conv, tidx):
@@ -366,8 +382,9 @@ class TileConverter:
                 s_tile[row, 4 * q + e] = out[e]
 
     @cute.jit
-    def _store_tile(self, out_ptr, out_offset, row_stride, head_dim, s_tile, rows_total, rows_conv, tidx):
-        """Step 4: 16-byte row vectors to global memory; rows >= rows_conv are zeros."""
+    def _store_tile(self, out_ptr, out_offset, row_stride, head_dim, s_tile, rows_total, rows_conv, tidx, sub):
+        """Step 4: 16-byte row vectors to global memory; rows >= rows_conv are zeros. With ``split`` > 1, only
+        warpgroup ``sub``'s region of the tile."""
         tile_m, padded_head_dim = self.tile_m, self.padded_head_dim
         dst_ptr = _aligned(out_ptr + out_offset, cute.AddressSpace.gmem)
         vec = _VEC_BYTES * 8 // self.dtype.width
@@ -375,18 +392,34 @@ class TileConverter:
             dst_ptr,
             cute.make_layout((tile_m, padded_head_dim), stride=(cute.assume(row_stride, divby=vec), 1)),
         )
-        rows, per_row = self.store_threads
-        if const_expr(rows * per_row < self.num_threads):  # the first rows * per_row threads store (layout.py)
-            if tidx < rows * per_row:
-                self._store_rows(g_out, s_tile, rows, per_row, vec, rows_total, rows_conv, head_dim, tidx)
+        crd = cute.make_identity_tensor((tile_m, padded_head_dim))
+        if const_expr(self.split == 1):
+            self._store_region(g_out, s_tile, crd, self.store_threads, vec, rows_total, rows_conv, head_dim, tidx)
         else:
-            self._store_rows(g_out, s_tile, rows, per_row, vec, rows_total, rows_conv, head_dim, tidx)
+            shape = self.region_shape
+            for s in cutlass.range_constexpr(self.split):
+                if sub == s:
+                    at = (self.region_corners[s][0] // shape[0], self.region_corners[s][1] // shape[1])
+                    self._store_region(cute.local_tile(g_out, shape, at), cute.local_tile(s_tile, shape, at),
+                                       cute.local_tile(crd, shape, at), self.region_store, vec, rows_total, rows_conv,
+                                       head_dim, tidx)
 
     @cute.jit
-    def _store_rows(self, g_out, s_tile, rows: cutlass.Constexpr, per_row: cutlass.Constexpr, vec: cutlass.Constexpr,
-                    rows_total, rows_conv, head_dim, tidx):
+    def _store_region(self, g_out, s_tile, crd, tiling: cutlass.Constexpr, vec: cutlass.Constexpr, rows_total,
+                      rows_conv, head_dim, tidx):
+        """The stores of a region of the tile (``crd``: its tile coordinates) by the ``rows x per_row`` threads of
+        ``tiling`` (the first ones of the ``work_threads``, layout.py)."""
+        rows, per_row = tiling
+        if const_expr(rows * per_row < self.work_threads):
+            if tidx < rows * per_row:
+                self._store_rows(g_out, s_tile, crd, rows, per_row, vec, rows_total, rows_conv, head_dim, tidx)
+        else:
+            self._store_rows(g_out, s_tile, crd, rows, per_row, vec, rows_total, rows_conv, head_dim, tidx)
+
+    @cute.jit
+    def _store_rows(self, g_out, s_tile, crd, rows: cutlass.Constexpr, per_row: cutlass.Constexpr,
+                    vec: cutlass.Constexpr, rows_total, rows_conv, head_dim, tidx):
         """The stores of thread ``tidx`` of the ``rows x per_row`` storing threads."""
-        tile_m, padded_head_dim = self.tile_m, self.padded_head_dim
         store_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
         s2g = cute.make_tiled_copy_tv(
             store_atom,
@@ -396,7 +429,7 @@ class TileConverter:
         thr_s2g = s2g.get_slice(tidx)
         t_src = thr_s2g.partition_S(s_tile)
         t_dst = thr_s2g.partition_D(g_out)
-        t_crd = thr_s2g.partition_S(cute.make_identity_tensor((tile_m, padded_head_dim)))
+        t_crd = thr_s2g.partition_S(crd)
         t_reg = cute.make_rmem_tensor_like(t_src, self.dtype)
         cute.autovec_copy(t_src, t_reg)
         zeros = cute.make_rmem_tensor_like(t_reg[None, 0, 0], self.dtype)

@@ -67,13 +67,14 @@ def short_rows(layout) -> int:
     return 0
 
 
-def grid_ctas(heads, num_tiles, num_spans, short_rows: int, short_heads: int = SHORT_HEADS):
-    """CTAs of a varlen launch: one per long-tile slot and head, and (orders with short tiles) one per span and
-    group of ``short_heads`` heads. ``short_rows``, ``short_heads``: Python ints; the rest plain arithmetic, also
-    evaluated on the kernel's run-time integers."""
+def grid_ctas(heads, num_tiles, num_spans, short_rows: int, short_heads: int = SHORT_HEADS, split: int = 1):
+    """CTAs of a varlen launch: ``split`` per long-tile slot and head (a tile's warpgroups in CTAs of their own when
+    ``split`` > 1), and (orders with short tiles) one per span and group of ``short_heads`` heads. ``short_rows``,
+    ``short_heads``, ``split``: Python ints; the rest plain arithmetic, also evaluated on the kernel's run-time
+    integers."""
     if short_rows:
-        return num_spans * ((heads + short_heads - 1) // short_heads) + heads * (num_tiles - num_spans)
-    return heads * num_tiles
+        return num_spans * ((heads + short_heads - 1) // short_heads) + split * heads * (num_tiles - num_spans)
+    return split * heads * num_tiles
 
 
 def padded_total(total, batch, pad_rows: int):

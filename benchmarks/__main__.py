@@ -4,7 +4,7 @@
 
 For FlashAttention's Hopper configurations (head dims 64, 96, 128, 128 causal, 192, 256), dense and varlen (at the
 reference shape 64 random lengths, the same tokens; in the size sweep packs of 2 to 8, ``cases.pack_size``), sizes
-from a few KB to 1 GB moved per call, it times
+from 64 KB to 1 GB moved per call, it times
 
 - ``ours``: our CuTe kernel (the module the FFI target runs), launched from a torch stream;
 - ``FA4``: FlashAttention-4's postprocess (``flash_attn.cute``), when importable;

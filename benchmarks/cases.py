@@ -16,13 +16,13 @@ from . import harness, internals
 CONFIGS = [("hd64", 64, False), ("hd96", 96, False), ("hd128-causal", 128, True), ("hd128", 128, False),
            ("hd192", 192, False), ("hd256", 256, False)]
 PACKINGS = ("dense", "varlen")
-SIZES = [2**12, 2**16, 2**20, 2**24, 2**27, 2**30]  # bytes moved per call (approximately)
+SIZES = [2**16, 2**20, 2**24, 2**27, 2**30]  # bytes moved per call (approximately)
 REFERENCE_SHAPE = (2, 32, 8192)  # (B, H, S): the table of docs/performance.md
 ROTATE_BYTES = 256 << 20  # distinct buffers cycled per sample
 L2_BYTES = 50 << 20  # the H200's L2
 PLOTTED = {"ours": "jax-dqpost", "FA4": "FlashAttention-4", "copy": "copy of the bytes", "xla_device": "XLA's op"}
 """The plot's columns, all device times (graph replay, or the GPU timeline for XLA's op), and their labels."""
-METHOD = ("ours/FA4/copy: CUDA events around the replay of a CUDA graph of back-to-back calls (*_eager: "
+METHOD = ("ours/FA4/copy: CUDA events around the replay of a CUDA graph of back-to-back calls, >= 5 ms (*_eager: "
           "events around eager launches); xla_device/ours_jax_device: the GPU timeline of a jitted program, median "
           "of its runs in one trace (every row); ours_jax/xla_same_bytes/jnp_gather: wall clock of pipelined jitted "
           "calls (reference rows); median of samples of >= 2 ms; >= 256 MiB of rotated buffers (32 buffers where "
@@ -145,10 +145,10 @@ class Case:
         self.torch.cuda.empty_cache()
 
     def ours(self, **tuning):
-        """Launcher of our kernel; ``tuning``: ``kernel.Postprocess``'s tuning keywords (experiments only)."""
+        """Launcher of our kernel; ``tuning``: ``internals.executor``'s keywords (experiments only)."""
         import cuda.bindings.driver as cuda
 
-        ex = internals.executor(self.plan, **tuning)
+        ex = internals.executor(self.plan, [self.acc_shape], **tuning)
         args = [internals.launch_args(self.plan, [self.acc_shape], dict(dq_accum=a, q_aux=self.t_meta,
                                                                          scales=self.t_scale, dq=o))
                 for a, o in zip(self.t_acc, self.t_out)]

@@ -89,7 +89,7 @@ class FusedCase:
         import cuda.bindings.driver as cuda
 
         plan = self.plan if sink else internals.plan(self.parts)
-        ex = internals.executor(plan)
+        ex = internals.executor(plan, self.acc_shapes)
         args = []
         for i in range(self.copies):
             (qa, ka, va), (qo, ko, vo) = self.t_acc[i], self.t_out[i]
@@ -109,7 +109,7 @@ class FusedCase:
         import cuda.bindings.driver as cuda
 
         plans = [internals.plan([p]) for p in self.parts]
-        executors = [internals.executor(p) for p in plans]
+        executors = [internals.executor(p, [s]) for p, s in zip(plans, self.acc_shapes)]
         scales = [self.t_scales[j:j + 1] for j in range(3)]
 
         def run(n):

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 MIN_SAMPLE_S = 2e-3
+GRAPH_SAMPLE_S = 5e-3  # a CUDA graph's replay: its launch (a few us) amortised below 0.1%
 # Pipelined jax.jit calls: a sample's fixed costs (first dispatch, final sync: ~60 us) amortised below 1%
 MIN_WALL_SAMPLE_S = 10e-3
 
@@ -56,7 +57,7 @@ def graph_per_call(torch, run, calls: int, samples: int) -> tuple[float, float]:
     """(device seconds per call from CUDA-graph replay, eager seconds per call). ``run(n)`` enqueues n calls
     on torch's current stream."""
     eager = per_call(run, calls, samples, event_clock(torch))
-    n = max(calls, min(4000, max(200, math.ceil(MIN_SAMPLE_S / eager))) // calls * calls)
+    n = max(calls, min(4000, math.ceil(GRAPH_SAMPLE_S / eager)) // calls * calls)
     graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
     # thread_local: only this thread's calls can invalidate the capture (JAX's runtime threads run alongside)
     with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):

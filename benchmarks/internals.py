@@ -8,6 +8,8 @@ buffers (``jax_dqpost.kernel_cache``, ``jax_dqpost.kernel``, ``jax_dqpost.abi``)
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from jax_dqpost import _ffi, abi, arch, kernel_cache
@@ -39,17 +41,22 @@ def plan(parts, sink_dtype=None) -> Plan:
     return Plan(tuple(parts), sink_dtype=sink_dtype, dsink_dtype=sink_dtype)
 
 
-def get_kernel(p: Plan):
-    """The package's own kernel lookup for ``p`` (memory, disk, else a compile), as its first lowering does it."""
-    return kernel_cache.get_kernel(p.kernel)
+def get_kernel(p: Plan, acc_shapes):
+    """The package's own kernel lookup for ``p`` on accumulators of ``acc_shapes`` (memory, disk, else a compile), as
+    its first lowering does it."""
+    return kernel_cache.get_kernel(p.kernel(acc_shapes))
 
 
-def executor(p: Plan, **tuning):
-    """CuTe's executor of ``p``'s kernel for this GPU, compiled once per kernel and tuning; ``tuning``:
+def executor(p: Plan, acc_shapes, split: int | None = None, **tuning):
+    """CuTe's executor of ``p``'s kernel on accumulators of ``acc_shapes`` for this GPU, compiled once per kernel and
+    tuning; ``split``: the tiles' split instead of the package's choice (``TensorKernel.split``); ``tuning``:
     ``kernel.Postprocess`` keyword arguments (experiments: the package compiles with the defaults)."""
-    key = (p.kernel, tuple(sorted(tuning.items())))
+    spec = p.kernel(acc_shapes)
+    if split is not None:
+        spec = dataclasses.replace(spec, tensors=tuple(dataclasses.replace(t, split=split) for t in spec.tensors))
+    key = (spec, tuple(sorted(tuning.items())))
     if key not in _EXECUTORS:
-        _EXECUTORS[key] = kernel_cache.compile_executor(p.kernel, arch.target_arch(), **tuning)
+        _EXECUTORS[key] = kernel_cache.compile_executor(spec, arch.target_arch(), **tuning)
     return _EXECUTORS[key]
 
 
@@ -57,7 +64,7 @@ def launch_args(p: Plan, acc_shapes, buffers: dict) -> tuple:
     """:func:`executor`'s arguments but the stream, for accumulators of ``acc_shapes``: the device address of each
     of the kernel's pointers (``buffers``: torch tensors by ``abi.pointers`` name, extra ones unused), then the
     extents."""
-    spec = p.kernel
+    spec = p.kernel(acc_shapes)
     extents, _ = p.launch(acc_shapes)
     addresses = [buffers[name].data_ptr() for name in abi.pointers(len(p.parts), p.has_sink)]
     from jax_dqpost.kernel import entry_args  # imports cutlass

@@ -38,7 +38,7 @@ from . import cases as bench_cases, harness  # noqa: E402
 # Variants tried per configuration by `sweep` (the first, {}, is the package's default).
 VARIANTS = [{}, {"min_ctas_per_sm": 0}]
 # ... by `sizes`
-SIZE_VARIANTS = [{}, {"split": 2}]
+SIZE_VARIANTS = [{}, {"split": 1}, {"split": 2}, {"pdl": False}]
 # ... and by `short` (varlen only).
 SHORT_VARIANTS = [{}, {"short_heads": 4}, {"short_heads": 16}, {"short_heads": 32}, {"min_ctas_per_sm": 3}]
 
@@ -70,7 +70,7 @@ def sizes(names, torch, fa4, samples=15):
     names = names or [c[0] for c in bench_cases.CONFIGS]
     configs = {c[0]: c for c in bench_cases.CONFIGS}
     rng = np.random.default_rng(0)
-    for size in bench_cases.SIZES[2:]:
+    for size in bench_cases.SIZES[1:]:
         for name in names:
             _, D, causal = configs[name]
             for packing in bench_cases.PACKINGS:

@@ -89,7 +89,7 @@ for D in map(int, sys.argv[1].split(",")):
     layout = AccumLayout.flash_attention(90, D, causal=False, tensor="dq", version="4.0.0b36")
     acc = jnp.ones(layout.accum_shape(1, 2, 256, D), jnp.float32).block_until_ready()
     s = time.perf_counter()
-    internals.get_kernel(internals.plan([internals.dense_part(layout, D, jnp.bfloat16, 256)]))
+    internals.get_kernel(internals.plan([internals.dense_part(layout, D, jnp.bfloat16, 256)]), [acc.shape])
     k = time.perf_counter()
     jax.jit(lambda a: dq_postprocess(a, 0.1, seqlen_q=256, head_dim=D, layout=layout))(acc).block_until_ready()
     e = time.perf_counter()

@@ -25,7 +25,7 @@ def lower(ctx, *args, plan: Plan):
 
     accs = plan.split(ctx.avals_in).acc
     extents, ctas = plan.launch([a.shape for a in accs])  # CUDA's grid limits, checked before any compile
-    kernel = kernel_cache.get_kernel(plan.kernel)
+    kernel = kernel_cache.get_kernel(plan.kernel([a.shape for a in accs]))
     if arch.cuda_devices():  # lowering for export on a machine without a GPU needs no registration
         _ffi.register()
     sizes = [int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in list(ctx.avals_in) + list(ctx.avals_out)]

@@ -3,8 +3,9 @@
 Imports cutlass at module import: load this module lazily (``kernel_cache.py`` does).
 
 The entry point takes its arguments in the order of ``abi.py`` (:func:`entry_args`). A call of one part without a
-sink launches that part's own grid: ``(H * grid_x, 1, B)`` dense (``KernelSpec.batch_on_grid_z``),
-``(varlen.grid_ctas(...), 1, 1)`` varlen, every CTA the part's, with a shared-memory allocator of its own. Any other
+sink launches that part's own grid: ``(split * H * grid_x, 1, B)`` dense (``KernelSpec.batch_on_grid_z``),
+``(varlen.grid_ctas(...), 1, 1)`` varlen, every CTA the part's, with a shared-memory allocator of its own; with
+``split`` > 1 (``TensorKernel.split``) a tile's ``split`` consecutive CTAs each convert one warpgroup's share. Any other
 call launches a one-dimensional grid: with a sink, first ``H`` CTAs (one per query head) reducing ``dsink``, first
 because each reads every row of its head; then the CTAs of dQ, of dK and of dV, each part's numbered by its
 scheduler (``schedule.py``), a dense part's CTA ``x`` being its CTA ``x % (H * grid_x)`` of batch ``x // (H *
@@ -81,23 +82,26 @@ class Postprocess:
 
     ``spec``: the :class:`~jax_dqpost.kernel_spec.KernelSpec` (``Plan.kernel``); the binary depends on it and the
     target GPU only. Tuning, for experiments (benchmarks/ncu_kernels.py; the package compiles with the defaults):
-    ``min_ctas_per_sm`` and ``split`` (:class:`TileConverter`; ``split`` for a kernel of its own grid only),
-    ``short_heads`` (``schedule.ShortTileScheduler``), and ``pdl``: launched with programmatic dependent launch
-    (``griddepcontrol.wait`` before the first global access, ``griddepcontrol.launch_dependents`` right after).
+    ``min_ctas_per_sm`` (:class:`TileConverter`), ``short_heads`` (``schedule.ShortTileScheduler``) and ``pdl``
+    (None: where the target has it, sm_90 on).
+
+    With ``pdl`` the kernel is launched with programmatic dependent launch: it may start while the kernel before it
+    on the stream is still running, and waits for that one's completion (``griddepcontrol.wait``) before its
+    first access to global memory; at once it lets the kernel after it do the same
+    (``griddepcontrol.launch_dependents``).
     """
 
     def __init__(self, spec: KernelSpec, *, target_sm: int = 90, min_ctas_per_sm: int | None = None,
-                 short_heads: int = varlen.SHORT_HEADS, split: int = 1, pdl: bool = False):
+                 short_heads: int = varlen.SHORT_HEADS, pdl: bool | None = None):
         parts = spec.tensors
         sink = None if spec.sink is None else (cute_type(spec.sink[0]), cute_type(spec.sink[1]))
-        if split != 1 and not spec.own_grid:
-            raise ValueError(f"split={split}: only a kernel of one part without a sink launches its own grid")
-        self.pdl = pdl
+        self.pdl = target_sm >= 90 if pdl is None else pdl
         self.names = spec.names
         self.dtype = dtype = cute_type(spec.dtype)
         self.converters = tuple(TileConverter(dtype, p.layout, p.padded_head_dim, tiling=p.tiling, target_sm=target_sm,
-                                              min_ctas_per_sm=min_ctas_per_sm, split=split) for p in parts)
-        self.schedulers = tuple(scheduler(p.layout, p.padded_head_dim, p.tiling, short_heads, split) for p in parts)
+                                              min_ctas_per_sm=min_ctas_per_sm, split=p.split) for p in parts)
+        self.schedulers = tuple(scheduler(p.layout, p.padded_head_dim, p.tiling, short_heads, p.split)
+                                for p in parts)
         self.num_threads = max(p.work_threads for p in self.converters)
         for part in self.converters:
             part.cta_threads = self.num_threads

@@ -8,6 +8,7 @@ arguments of the compiled module: never part of it."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from . import abi
 from .abi import Tiling
@@ -26,15 +27,19 @@ KiB, sm_90 and sm_100 227 KiB). The kernel stages one ``tile_m x Dr`` dQ tile th
 @dataclasses.dataclass(frozen=True)
 class TensorKernel:
     """What of one tensor (dQ, dK or dV) changes the binary: its accumulator's order, its padded head dim ``Dr``
-    (``AccumLayout.padded_head_dim``) and how a CTA finds its tile."""
+    (``AccumLayout.padded_head_dim``), how a CTA finds its tile and ``split``, the CTAs a tile is converted by: 1, or
+    the order's warpgroups, each a CTA of its own converting its share (:func:`warpgroup_regions`; :func:`split_for`
+    chooses)."""
 
     layout: object  # an AccumLayout
     padded_head_dim: int
     tiling: Tiling
+    split: int = 1
 
     def __post_init__(self):
         object.__setattr__(self, "padded_head_dim", int(self.padded_head_dim))
         object.__setattr__(self, "tiling", Tiling(self.tiling))
+        object.__setattr__(self, "split", int(self.split))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +78,11 @@ class KernelSpec:
                     why = str(e)
             if why:
                 raise ValueError(f"jax_dqpost: no kernel for {t.layout}, padded head dim {t.padded_head_dim}: {why}")
+            if t.split != 1 and (t.split != max_split(t.layout, t.padded_head_dim) or not self.own_grid):
+                raise ValueError(f"jax_dqpost: a kernel's tiles are split only into the warpgroups of an order that "
+                                 f"has them, in a kernel of one tensor without a sink; got split={t.split} for "
+                                 f"{t.layout}, padded head dim {t.padded_head_dim}, {len(self.tensors)} tensor(s)"
+                                 f"{' with a sink' if self.sink else ''}")
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -88,8 +98,10 @@ class KernelSpec:
 
     @property
     def label(self) -> str:
-        """A short name: the dtype, each tensor's tiling, ``sink`` (``"bf16-dense-sink"``)."""
-        return "-".join([self.dtype] + [t.tiling.name.lower() for t in self.tensors] + (["sink"] if self.sink else []))
+        """A short name: the dtype, each tensor's tiling (and split), ``sink`` (``"bf16-dense-sink"``,
+        ``"bf16-varlen2"``)."""
+        return "-".join([self.dtype] + [t.tiling.name.lower() + (str(t.split) if t.split != 1 else "")
+                                        for t in self.tensors] + (["sink"] if self.sink else []))
 
 
 def own_grid(num_tensors: int, sink: bool) -> bool:
@@ -147,6 +159,27 @@ def region_store_tiling(rows_m: int, cols: int, threads: int) -> tuple[int, int]
             return best
         threads //= 2
     return None
+
+
+SPLIT_BELOW = {Tiling.DENSE: 1024, Tiling.DENSE_SEQUSED: 1024, Tiling.VARLEN: 256}
+"""A kernel of its own grid splits its tiles (:func:`split_for`) when it would launch fewer CTAs than this unsplit.
+Set from ``python -m benchmarks.ncu_kernels sizes`` on the H200 (132 SMs): split, dense calls of 1 to 17 MB (22-476
+tiles) gain up to 11% of the copy's speed, 134 MB (1376-2752 tiles) and 1 GB stay within 1%; varlen calls gain at 1
+MB but lose from 134 MB on (up to 10% at 1 GB): each CTA looks its tile up in the work list, and split, twice as
+many do."""
+
+
+def split_for(layout, padded_head_dim: int, tiling: Tiling, unsplit_ctas: int) -> int:
+    """``split`` (:class:`TensorKernel`) of a kernel of its own grid (one tensor, no sink) that launches
+    ``unsplit_ctas`` CTAs unsplit: :func:`max_split` below :data:`SPLIT_BELOW`, else 1."""
+    return max_split(layout, padded_head_dim) if unsplit_ctas < SPLIT_BELOW[Tiling(tiling)] else 1
+
+
+@functools.lru_cache(maxsize=256)
+def max_split(layout, padded_head_dim: int) -> int:
+    """The warpgroups a tile of this order splits into (:func:`warpgroup_regions`), or 1."""
+    regions = warpgroup_regions(layout, padded_head_dim)
+    return 1 if regions is None else len(regions[1])
 
 
 def warpgroup_regions(layout, padded_head_dim: int):

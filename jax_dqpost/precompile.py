@@ -18,7 +18,7 @@ import sys
 import time
 
 from . import _checks, abi, arch as arch_, cute_runtime, kernel_cache
-from .kernel_spec import KernelSpec, TensorKernel
+from .kernel_spec import KernelSpec, TensorKernel, max_split
 from .layout import AccumLayout
 from .presets import FLASH_ATTENTION_ARCHS, FLASH_ATTENTION_RELEASES, GPU_ARCHS, has_postprocess
 from .abi import Tiling
@@ -164,8 +164,11 @@ def main(argv=None) -> int:
         print(f"{parser.prog}: error: {unusable}: nothing would be kept", file=sys.stderr)
         return 1
     tilings = [Tiling[name.upper()] for name in args.tilings]
-    kinds = [("kernels", [((layout, dr, t),) for layout, dr in configs for t in tilings], [None],
-              f"{len(configs)} layouts x {len(args.dtypes)} dtypes x {len(tilings)} tilings")]
+    # one part: both kernels a call may choose, tiles whole or split between their warpgroups (Plan.kernel)
+    singles = [((layout, dr, t, split),) for layout, dr in configs for t in tilings
+               for split in sorted({1, max_split(layout, dr)})]
+    kinds = [("kernels", singles, [None], f"{len(configs)} layouts x {len(args.dtypes)} dtypes x {len(tilings)} "
+              "tilings, whole or split tiles")]
     if args.fused:
         fused = fused_configurations(presets, args.head_dims)
         sinks = [None if sink == "none" else (sink, sink) for sink in args.fused]

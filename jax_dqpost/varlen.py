@@ -130,9 +130,9 @@ class WorkList:
         """The slots of short tiles: one per span, or none."""
         return self.num_spans if self.short_rows else 0
 
-    def ctas(self, heads: int) -> int:
-        """CTAs of the launch for ``heads`` heads (:func:`grid_ctas`)."""
-        return grid_ctas(heads, self.num_tiles, self.num_spans, self.short_rows)
+    def ctas(self, heads: int, split: int = 1) -> int:
+        """CTAs of the launch for ``heads`` heads, long tiles converted by ``split`` CTAs each (:func:`grid_ctas`)."""
+        return grid_ctas(heads, self.num_tiles, self.num_spans, self.short_rows, split=split)
 
     @staticmethod
     def max_tiles(total: int, batch: int, layout) -> int:

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from jax_dqpost import AccumLayout, dq_postprocess, kernel_cache, varlen
-from jax_dqpost.kernel_spec import SMEM_LIMIT, KernelSpec, TensorKernel, store_tiling
+from jax_dqpost.kernel_spec import SMEM_LIMIT, KernelSpec, TensorKernel, max_split, store_tiling, warpgroup_regions
+from jax_dqpost.plan import Part, Plan
 from jax_dqpost.abi import Tiling
 
 ARCHS = ("sm_80", "sm_90a", "sm_100a")
@@ -84,11 +85,13 @@ def compile_all(seed: int, count: int) -> None:
             tilings.add(Tiling.VARLEN)  # the short-tile path
         for tiling, arch in itertools.product(sorted(tilings), ARCHS):
             print(f"compiling {layout} head_dim={head_dim} {tiling.name} {arch}", flush=True)
-            with warnings.catch_warnings():
-                warnings.simplefilter("error")  # a user sees no warning from compiling
-                tensor = TensorKernel(layout, layout.padded_head_dim(head_dim), tiling)
-                kernel = kernel_cache.get_kernel(KernelSpec(jnp.bfloat16, (tensor,)), arch=arch)
-            assert kernel.module[:4] == b"\x7fELF", (layout, head_dim, arch)
+            dr = layout.padded_head_dim(head_dim)
+            for split in sorted({1, max_split(layout, dr)}):  # a small call splits its tiles (Plan.kernel)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("error")  # a user sees no warning from compiling
+                    tensor = TensorKernel(layout, dr, tiling, split)
+                    kernel = kernel_cache.get_kernel(KernelSpec(jnp.bfloat16, (tensor,)), arch=arch)
+                assert kernel.module[:4] == b"\x7fELF", (layout, head_dim, arch, split)
     print("compiled", len(cases), "cases", flush=True)
 
 
@@ -99,6 +102,63 @@ def test_every_accepted_layout_compiles_for_every_target(seed):
     lines = out.stdout.strip().splitlines()
     assert out.returncode == 0, f"seed {seed}: failed at {lines[-1:]}\n{out.stderr[-3000:]}"
     assert lines[-1] == f"compiled {len(EDGES) + 10} cases"
+
+
+def test_a_warpgroups_region_holds_its_floats(seed):
+    """Where a tile splits between its warpgroups' CTAs, the rectangle each converts holds exactly the floats of that
+    warpgroup's chunk of the tile (the ``w``-th ``tile_m * Dr / groups`` floats), by the index map; FlashAttention-4's
+    Hopper dQ presets of two warpgroups all split."""
+    cases = EDGES + _random_accepted(np.random.default_rng(seed), 200)
+    split = 0
+    for layout, head_dim in cases:
+        dr = layout.padded_head_dim(head_dim)
+        regions = warpgroup_regions(layout, dr)
+        if regions is None:
+            continue
+        split += 1
+        (rows, cols), corners = regions
+        groups, where = layout.num_threads // 128, layout.tile_index_map(head_dim)
+        chunk = layout.tile_m * dr // groups
+        assert len(corners) == groups == max_split(layout, dr), (layout, head_dim)
+        for w, (r0, c0) in enumerate(corners):
+            got = np.sort(where[r0:r0 + rows, c0:c0 + cols].ravel())
+            np.testing.assert_array_equal(got, np.arange(w * chunk, (w + 1) * chunk), err_msg=f"{layout} {head_dim}")
+    assert split >= 5
+    for head_dim, causal in [(64, False), (128, True), (128, False), (192, False), (256, False)]:
+        layout = AccumLayout.flash_attention(90, head_dim, causal=causal, tensor="dq", version="4.0.0b36")
+        assert max_split(layout, head_dim) == 2, (head_dim, causal)
+    assert max_split(AccumLayout.flash_attention(90, 96, causal=False, tensor="dq", version="4.0.0b36"), 96) == 1
+
+
+def test_small_calls_split_their_tiles():
+    """A kernel of one part and no sink converts each tile with one CTA per warpgroup below 1024 unsplit CTAs (dense,
+    per batch) or 256 (varlen: each CTA reads the work list); the launch's CTAs count them. A fused or sink kernel,
+    and an order of one warpgroup, never split; a split the order cannot take is refused."""
+    layout = AccumLayout.flash_attention(90, 128, causal=True, tensor="dq", version="4.0.0b36")  # 64-row tiles
+    dense = Plan((Part(layout, 128, np.dtype(jnp.bfloat16), seqlen=64 * 31),))
+    for batch, heads, split in [(1, 33, 2), (1, 34, 1), (2, 17, 1)]:  # 31 tiles a head: 1023 CTAs, then 1054
+        shape = layout.accum_shape(batch, heads, 64 * 31, 128)
+        assert dense.kernel([shape]).tensors[0].split == split
+        assert dense.launch([shape])[1] == batch * split * heads * 31
+    work, _ = varlen.WorkList.build(np, [0, 64 * 3, 64 * 8], None, total=64 * 8, layout=layout)
+    packed = Plan((Part(layout, 128, np.dtype(jnp.bfloat16), work=work),))
+    for heads, split in [(31, 2), (32, 1)]:  # 8 tiles: 248 CTAs, then 256
+        shape = (heads, work.padded_total * 128)
+        assert packed.kernel([shape]).tensors[0].split == split
+        assert packed.launch([shape])[1] == split * heads * 8
+    fused = Plan((dense.parts[0],) * 3)
+    shape = layout.accum_shape(1, 2, 64 * 31, 128)
+    assert all(t.split == 1 for t in fused.kernel([shape] * 3).tensors)
+    sink = Plan(dense.parts, sink_dtype=np.dtype(np.float32), dsink_dtype=np.dtype(np.float32))
+    assert sink.kernel([shape]).tensors[0].split == 1
+    single = AccumLayout.flash_attention(90, 96, causal=False, tensor="dq", version="4.0.0b36")
+    small = Plan((Part(single, 96, np.dtype(jnp.bfloat16), seqlen=64),))
+    assert small.kernel([single.accum_shape(1, 1, 64, 96)]).tensors[0].split == 1
+    for tensors, why in [((TensorKernel(single, 96, Tiling.DENSE, 2),), "split=2"),
+                         ((TensorKernel(layout, 128, Tiling.DENSE, 3),), "split=3"),
+                         ((TensorKernel(layout, 128, Tiling.DENSE, 2),) * 3, r"3 tensor\(s\)")]:
+        with pytest.raises(ValueError, match=why):
+            KernelSpec("bf16", tensors)
 
 
 def test_short_tile_vectors_follow_the_index_map(rng):

@@ -35,10 +35,10 @@ def test_gather_baseline_matches_the_op(rng, name, head_dim, causal, packing):
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_problem_sizes_span_kilobytes_to_a_gigabyte(rng, head_dim):
+def test_problem_sizes_span_tens_of_kilobytes_to_a_gigabyte(rng, head_dim):
     for packing in cases.PACKINGS:
         sizes = [cases.Case("x", head_dim, False, packing, s, rng, None, None).bytes for s in cases.SIZES]
-        assert sizes == sorted(sizes) and sizes[0] < 16 << 10 and 0.8 * 2**30 < sizes[-1] < 1.3 * 2**30, sizes
+        assert sizes == sorted(sizes) and sizes[0] < 128 << 10 and 0.8 * 2**30 < sizes[-1] < 1.3 * 2**30, sizes
     ref = cases.Case("x", head_dim, False, "dense", None, rng, None, None)
     assert (ref.B, ref.H, ref.S) == cases.REFERENCE_SHAPE
     lengths = np.diff(cases.Case("x", head_dim, False, "varlen", None, rng, None, None).cu)

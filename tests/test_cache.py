@@ -20,17 +20,18 @@ from jax_dqpost import arch as arch_, kernel_cache
 from support import export_dq, export_layout, fake_compile, one_part_kernel
 
 LAYOUT = export_layout()  # FlashAttention-4's sm90 dQ at head dim 128
+SMALL_CALL = one_part_kernel(jnp.bfloat16, LAYOUT, 128, split=2)  # export_dq's kernel: its tiles split (Plan.kernel)
 
 
 def test_cuda_arch_chooses_the_target_and_validates():
     for arch in ("sm_80", "sm_100a"):
         with cuda_arch(arch):
             text = export_dq().mlir_module()
-        assert kernel_cache.get_kernel(one_part_kernel(jnp.bfloat16, LAYOUT, 128), arch=arch).fingerprint in text
+        assert kernel_cache.get_kernel(SMALL_CALL, arch=arch).fingerprint in text
     with cuda_arch("sm_90"):  # the Hopper kernel needs sm_90a code: sm_90 means sm_90a
         assert arch_.target_arch() == "sm_90a"
         text = export_dq().mlir_module()
-    assert kernel_cache.get_kernel(one_part_kernel(jnp.bfloat16, LAYOUT, 128), arch="sm_90a").fingerprint in text
+    assert kernel_cache.get_kernel(SMALL_CALL, arch="sm_90a").fingerprint in text
     for bad in ("hopper", "sm_75", "sm_90f", "sm_107a", "sm_90a "):
         with pytest.raises(ValueError, match=rf"^arch={bad!r} is not a GPU architecture the kernel compiles for; "
                                              r"the accepted names are sm_80, sm_86, .*sm_90a, .*sm_120a, .*"
@@ -142,7 +143,7 @@ def test_a_damaged_entry_is_recompiled_and_rewritten_with_one_warning(tmp_path, 
 
     monkeypatch.setenv("JAX_DQPOST_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(kernel_cache, "_cache", {})
-    key = one_part_kernel(jnp.bfloat16, LAYOUT, 128, Tiling.VARLEN)
+    key = one_part_kernel(jnp.bfloat16, LAYOUT, 128, Tiling.VARLEN, split=2)  # the small call's below
     good = kernel_cache.get_kernel(key, arch="sm_90a")
     (entry,) = tmp_path.glob("*.cute")
     intact = entry.read_bytes()
@@ -189,18 +190,19 @@ def test_cache_off_and_precompile_cli(tmp_path):
                           "--head-dims", "64,128", "--dtypes", "bf16", "--tilings", "dense,varlen"],
                          cwd="/", env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "6 kernels for sm_90a (3 layouts x 1 dtypes x 2 tilings): 6 compiled in " in out.stdout, out.stdout
-    assert len(list(tmp_path.glob("*.cute"))) == 6
+    # each layout's tiles whole, and split between its 2 warpgroups (a small call's kernel)
+    head = "12 kernels for sm_90a (3 layouts x 1 dtypes x 2 tilings, whole or split tiles)"
+    assert f"{head}: 12 compiled in " in out.stdout, out.stdout
+    assert len(list(tmp_path.glob("*.cute"))) == 12 and len(list(tmp_path.glob("bf16-varlen2-*.cute"))) == 3
     again = subprocess.run([sys.executable, "-m", "jax_dqpost.precompile", "--arch", "sm_90a", "--presets", "90",
                             "--head-dims", "128,64", "--dtypes", "bfloat16", "--tilings", "varlen,dense"],
                            cwd="/", env=env, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-2000:]  # either spelling of the dtype; nothing left to compile
-    assert again.stdout.strip() == (f"6 kernels for sm_90a (3 layouts x 1 dtypes x 2 tilings): all already cached "
-                                    f"in {tmp_path}"), again.stdout
+    assert again.stdout.strip() == f"{head}: all already cached in {tmp_path}", again.stdout
     damaged = sorted(tmp_path.glob("*.cute"))[0]
     damaged.write_bytes(damaged.read_bytes()[:100])
     healed = subprocess.run(again.args, cwd="/", env=env, capture_output=True, text=True, timeout=600)
-    assert healed.returncode == 0 and ": 1 compiled in " in healed.stdout and "5 already cached" in healed.stdout
+    assert healed.returncode == 0 and ": 1 compiled in " in healed.stdout and "11 already cached" in healed.stdout
     assert healed.stderr.count(f"the kernel cache entry {damaged} was damaged") == 1, healed.stderr[-2000:]
     # The fused kernels too: hd64 has one (dQ, dK/dV) preset pair, hd128 two (causal or not).
     fused = subprocess.run([sys.executable, "-m", "jax_dqpost.precompile", "--arch", "sm_90a", "--presets", "90",
@@ -271,9 +273,9 @@ def test_precompile_checks_cute_dsl_arch_and_takes_sm_90_for_sm_90a(tmp_path):
         "for; the accepted names are sm_80, "), bad.stderr
     for out in (run(["--arch", "sm_90", *small]), run(small, CUTE_DSL_ARCH="sm_90")):
         assert out.returncode == 0, out.stderr[-2000:]
-        assert "1 kernels for sm_90a (1 layouts x 1 dtypes x 1 tilings)" in out.stdout
-    (entry,) = tmp_path.glob("*.cute")
-    assert "-sm_90a-" in entry.name, entry.name
+        assert "2 kernels for sm_90a (1 layouts x 1 dtypes x 1 tilings, whole or split tiles)" in out.stdout
+    entries = list(tmp_path.glob("*.cute"))
+    assert len(entries) == 2 and all("-sm_90a-" in entry.name for entry in entries), entries
 
 
 def test_precompile_help_describes_every_option(capsys):

@@ -19,7 +19,7 @@ import pytest
 
 import jax_dqpost
 from jax_dqpost import DISABLED_CHECKS, AccumLayout, dq_postprocess
-from jax_dqpost import _ffi, kernel_cache
+from jax_dqpost import _ffi, kernel_cache, kernel_spec
 from jax_dqpost.abi import Tiling
 from support import export_dq, export_layout, one_part_kernel
 
@@ -39,13 +39,14 @@ def test_export_for_cuda_emits_our_custom_call(dtype, name):
     calls = re.findall(r"stablehlo.custom_call @(\w+)\(", text)
     assert calls == [_ffi.TARGET_NAME], calls
     tiles = -(-1000 // 80)
-    # abi.py: dq_accum, q_aux (empty), scales (1,), then dq; extents (B, H, S, D, tiles); CTAs H * tiles per batch
+    # abi.py: dq_accum, q_aux (empty), scales (1,), then dq; extents (B, H, S, D, tiles); CTAs: a call this small
+    # splits each tile between its 2 warpgroups' CTAs, so 2 * H * tiles per batch
     acc_bytes, out_bytes = 2 * 4 * tiles * 80 * 128 * 4, 2 * 1000 * 4 * 128 * 2
     assert f"bytes = dense<[{acc_bytes}, 0, 4, {out_bytes}]> : tensor<4xi64>" in text
-    assert f"extents = dense<[2, 4, 1000, 128, {tiles}]>" in text and f"ctas = {2 * 4 * tiles} : i64" in text
+    assert f"extents = dense<[2, 4, 1000, 128, {tiles}]>" in text and f"ctas = {2 * 2 * 4 * tiles} : i64" in text
     assert "mhlo.backend_config = {" in text  # typed XLA FFI: attributes as a dictionary
     assert "tensor<2x1000x4x128x" in text  # (B, S, H, D) result
-    kernel = kernel_cache.get_kernel(one_part_kernel(dtype, LAYOUT, 128), arch="sm_90a")
+    kernel = kernel_cache.get_kernel(one_part_kernel(dtype, LAYOUT, 128, split=2), arch="sm_90a")
     assert kernel.module[:4] == b"\x7fELF"  # a host object holding the sm_90a cubin
     assert f'fingerprint = "{kernel.fingerprint}"' in text
 
@@ -167,8 +168,9 @@ def test_every_order_and_mode_compiles_for(arch):
                AccumLayout(None, 64, 256, 1, False, 32)]
     for layout in layouts:
         for tiling in Tiling:
-            k = kernel_cache.get_kernel(one_part_kernel(jnp.bfloat16, layout, 128, tiling), arch=arch)
-            assert k.arch == arch and k.module[:4] == b"\x7fELF"
+            for split in sorted({1, kernel_spec.max_split(layout, 128)}):  # a tile per CTA, or per warpgroup
+                k = kernel_cache.get_kernel(one_part_kernel(jnp.bfloat16, layout, 128, tiling, split), arch=arch)
+                assert k.arch == arch and k.module[:4] == b"\x7fELF"
 
 
 def test_compiling_for_another_arch_leaves_the_dsl_setting_alone():
@@ -255,7 +257,7 @@ def test_command_buffers_mode_is_in_the_lowered_call(command_buffers_env):
 
     if arch.cuda_devices():
         _ffi.register()  # with the process's own setting, before this test changes it (lowering registers once)
-    fingerprint = kernel_cache.get_kernel(one_part_kernel(jnp.bfloat16, LAYOUT, 128)).fingerprint
+    fingerprint = kernel_cache.get_kernel(one_part_kernel(jnp.bfloat16, LAYOUT, 128, split=2)).fingerprint
     texts = {}
     for value in ("", "0", "1"):
         command_buffers_env(value)

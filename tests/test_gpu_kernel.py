@@ -6,6 +6,8 @@ The oracle comparisons of test_postprocess.py also run on the GPU through the FF
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,17 +25,36 @@ POISON = oracle.POISON_BITS[2]  # a NaN in both bf16 and fp16: any element the k
 GUARD = 4096  # poisoned elements after the output: any write past its end shows
 
 
-def _run_on_poisoned_output(torch, plan, executor, t_acc, t_aux, t_scale, n, acc_shape, what):
-    """Run the compiled ``executor`` of ``plan`` directly, its output a poisoned buffer of ``n`` 16-bit elements with a
-    poisoned guard zone after it: the output's bits (uint16), once nothing past its end was written."""
+_EXECUTORS = {}
+
+
+def _kernels(plan, acc_shape):
+    """The kernel of a one-part ``plan`` on an accumulator of ``acc_shape``, with each split of its tiles the package
+    may choose (``TensorKernel.split``: 1, and the order's warpgroups where it has them)."""
+    from jax_dqpost import kernel_spec
+
+    spec = plan.kernel([acc_shape])
+    t = spec.tensors[0]
+    return [dataclasses.replace(spec, tensors=(dataclasses.replace(t, split=s),))
+            for s in sorted({1, kernel_spec.max_split(t.layout, t.padded_head_dim)})]
+
+
+def _run_on_poisoned_output(torch, spec, plan, t_acc, t_aux, t_scale, n, acc_shape, what):
+    """Run kernel ``spec`` of ``plan`` directly, its output a poisoned buffer of ``n`` 16-bit elements with a poisoned
+    guard zone after it: the output's bits (uint16), once nothing past its end was written."""
     import cuda.bindings.driver as cuda
 
+    from jax_dqpost import arch, kernel_cache
     from jax_dqpost.kernel import entry_args
+
+    if spec not in _EXECUTORS:
+        _EXECUTORS[spec] = kernel_cache.compile_executor(spec, arch.target_arch())
+    executor = _EXECUTORS[spec]
 
     t_out = torch.full((n + GUARD,), np.uint16(POISON).view(np.int16).item(), dtype=torch.int16, device="cuda")
     # abi.pointers(1, False): dq_accum, q_aux (varlen metadata; unused when dense), scales, dq
     addresses = [t_acc.data_ptr(), t_aux.data_ptr(), t_scale.data_ptr(), t_out.data_ptr()]
-    executor(*entry_args(plan.kernel.dtype, 1, None, addresses, plan.launch([acc_shape])[0]),
+    executor(*entry_args(spec.dtype, 1, None, addresses, plan.launch([acc_shape])[0]),
              cuda.CUstream(torch.cuda.current_stream().cuda_stream))
     torch.cuda.synchronize()
     out = t_out.cpu().numpy().view(np.uint16)
@@ -45,7 +66,6 @@ def _kernel_on_poisoned_output(rng, layout, head_dim, seqlen, dtype, what):
     """Run the compiled module directly on a poisoned buffer with a poisoned guard zone after it."""
     torch = pytest.importorskip("torch")
 
-    from jax_dqpost import arch, kernel_cache
     from jax_dqpost.plan import Part, Plan
 
     B, H, D, S = 2, 3, head_dim, seqlen
@@ -56,10 +76,10 @@ def _kernel_on_poisoned_output(rng, layout, head_dim, seqlen, dtype, what):
     scale = float(rng.uniform(0.05, 2.0))
     want = oracle.expected_dq(logical, scale, dtype)
     plan = Plan((Part(layout, D, np.dtype(dtype), seqlen=S),))
-    executor = kernel_cache.compile_executor(plan.kernel, arch.target_arch())
     t_acc, t_scale = torch.from_numpy(acc).cuda(), torch.tensor([scale], dtype=torch.float32).cuda()
-    out = _run_on_poisoned_output(torch, plan, executor, t_acc, t_scale, t_scale, B * S * H * D, acc.shape, what)
-    assert_same_bits(out.view(np.dtype(dtype)).reshape(B, S, H, D), want, what)
+    for spec in _kernels(plan, acc.shape):
+        out = _run_on_poisoned_output(torch, spec, plan, t_acc, t_scale, t_scale, B * S * H * D, acc.shape, what)
+        assert_same_bits(out.view(np.dtype(dtype)).reshape(B, S, H, D), want, f"{what} split {spec.tensors[0].split}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "f16"])
@@ -68,6 +88,37 @@ def test_kernel_on_poisoned_output(rng, name, dtype):
     layout = AccumLayout(90, *FA_HOPPER_CONFIGS[name])
     for seqlen in (layout.tile_m - 3, 5 * layout.tile_m + 1):
         _kernel_on_poisoned_output(rng, layout, FA_HOPPER_HEAD_DIM[name], seqlen, dtype, f"kernel {name} S={seqlen}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "f16"])
+@pytest.mark.parametrize("name", sorted(FA_HOPPER_CONFIGS))
+def test_varlen_kernel_on_poisoned_output(rng, name, dtype):
+    """Packed sequences (an empty one, partial and whole tiles, seqused shorter than some, rows after the last), each
+    split of the tiles, static and traced offsets' slots: the module run directly on a poisoned buffer with a
+    poisoned guard zone after it."""
+    torch = pytest.importorskip("torch")
+
+    from jax_dqpost import varlen
+    from jax_dqpost.plan import Part, Plan
+
+    layout, D, H = AccumLayout(90, *FA_HOPPER_CONFIGS[name]), FA_HOPPER_HEAD_DIM[name], 3
+    tm = layout.tile_m
+    lengths = [0, tm - 3, 2 * tm, 3 * tm + 17, 1, 5]
+    used = [n if i % 2 else int(rng.integers(0, n + 1)) for i, n in enumerate(lengths)]
+    cu = cu_seqlens(lengths).tolist()
+    T, scale = cu[-1] + 9, float(rng.uniform(0.05, 2.0))
+    acc, want = oracle.build_varlen(rng, cu, used, T, H, D,
+                                    (layout.tile_m, layout.num_threads, layout.atom_layout, layout.swap_ab),
+                                    hdim_multiple_of=layout.hdim_multiple_of, scale=scale, dtype=dtype)
+    t_acc, t_scale = torch.from_numpy(acc).cuda(), torch.tensor([scale], dtype=torch.float32).cuda()
+    for num_tiles in (None, varlen.WorkList.max_tiles(T, len(lengths), layout)):
+        work, meta = varlen.WorkList.build(np, cu, used, total=T, layout=layout, num_tiles=num_tiles)
+        plan = Plan((Part(layout, D, np.dtype(dtype), work=work),))
+        t_meta = torch.from_numpy(meta).cuda()
+        for spec in _kernels(plan, acc.shape):
+            out = _run_on_poisoned_output(torch, spec, plan, t_acc, t_meta, t_scale, T * H * D, acc.shape, name)
+            assert_same_bits(out.view(np.dtype(dtype)).reshape(T, H, D), want,
+                             f"varlen {name} {work} split {spec.tensors[0].split}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "f16"])
@@ -95,7 +146,7 @@ def test_short_varlen_tiles_on_poisoned_output(rng, name, dtype, heads):
     it."""
     torch = pytest.importorskip("torch")
 
-    from jax_dqpost import arch, kernel_cache, varlen
+    from jax_dqpost import varlen
     from jax_dqpost.plan import Part, Plan
 
     layout, D = SHORT_TILE_LAYOUTS[name]
@@ -111,14 +162,14 @@ def test_short_varlen_tiles_on_poisoned_output(rng, name, dtype, heads):
                                     (layout.tile_m, layout.num_threads, layout.atom_layout, layout.swap_ab),
                                     hdim_multiple_of=layout.hdim_multiple_of, scale=scale, dtype=dtype)
     t_acc, t_scale = torch.from_numpy(acc).cuda(), torch.tensor([scale], dtype=torch.float32).cuda()
-    executor = None
     for num_tiles in (None, varlen.WorkList.max_tiles(T, batch, layout)):  # static offsets' slots, traced ones'
         work, meta = varlen.WorkList.build(np, cu, used, total=T, layout=layout, num_tiles=num_tiles)
         plan = Plan((Part(layout, D, np.dtype(dtype), work=work),))
-        executor = executor or kernel_cache.compile_executor(plan.kernel, arch.target_arch())
         t_meta = torch.from_numpy(meta).cuda()
-        out = _run_on_poisoned_output(torch, plan, executor, t_acc, t_meta, t_scale, T * H * D, acc.shape, name)
-        assert_same_bits(out.view(np.dtype(dtype)).reshape(T, H, D), want, f"{name} short tiles {work}")
+        for spec in _kernels(plan, acc.shape):
+            out = _run_on_poisoned_output(torch, spec, plan, t_acc, t_meta, t_scale, T * H * D, acc.shape, name)
+            assert_same_bits(out.view(np.dtype(dtype)).reshape(T, H, D), want,
+                             f"{name} short tiles {work} split {spec.tensors[0].split}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "f16"])

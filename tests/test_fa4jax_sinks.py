@@ -14,7 +14,6 @@ at head dims 64 and 128; one case for every other head dim fa4-jax runs on Hoppe
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 
 import jax

@@ -162,11 +162,9 @@ def region_store_tiling(rows_m: int, cols: int, threads: int) -> tuple[int, int]
 
 
 SPLIT_BELOW = {Tiling.DENSE: 1024, Tiling.DENSE_SEQUSED: 1024, Tiling.VARLEN: 256}
-"""A kernel of its own grid splits its tiles (:func:`split_for`) when it would launch fewer CTAs than this unsplit.
-Set from ``python -m benchmarks.ncu_kernels sizes`` on the H200 (132 SMs): split, dense calls of 1 to 17 MB (22-476
-tiles) gain up to 11% of the copy's speed, 134 MB (1376-2752 tiles) and 1 GB stay within 1%; varlen calls gain at 1
-MB but lose from 134 MB on (up to 10% at 1 GB): each CTA looks its tile up in the work list, and split, twice as
-many do."""
+"""A kernel of its own grid splits its tiles (:func:`split_for`) when it would launch fewer CTAs than this unsplit,
+chosen with ``python -m benchmarks.ncu_kernels sizes`` on the H200 (docs/performance.md): lower for varlen, whose
+CTAs each look their tile up in the work list."""
 
 
 def split_for(layout, padded_head_dim: int, tiling: Tiling, unsplit_ctas: int) -> int:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 MIN_SAMPLE_S = 2e-3
 GRAPH_SAMPLE_S = 5e-3  # a CUDA graph's replay: its launch (a few us) amortised below 0.1%
+MAX_GRAPH_CALLS = 20000
 # Pipelined jax.jit calls: a sample's fixed costs (first dispatch, final sync: ~60 us) amortised below 1%
 MIN_WALL_SAMPLE_S = 10e-3
 
@@ -55,17 +56,34 @@ def event_clock(torch):
 
 def graph_per_call(torch, run, calls: int, samples: int) -> tuple[float, float]:
     """(device seconds per call from CUDA-graph replay, eager seconds per call). ``run(n)`` enqueues n calls
-    on torch's current stream."""
+    on torch's current stream. A sample is one replay of a graph of ``n`` calls lasting about ``GRAPH_SAMPLE_S``
+    (``n`` a multiple of ``calls``, at most ``MAX_GRAPH_CALLS``), sized from a first graph of the calls that take that
+    long to launch eagerly."""
     eager = per_call(run, calls, samples, event_clock(torch))
-    n = max(calls, min(4000, math.ceil(GRAPH_SAMPLE_S / eager)) // calls * calls)
+    clock = event_clock(torch)
+    n = _multiple(GRAPH_SAMPLE_S / eager, calls)
+    graph = _capture(torch, run, n)
+    device = clock(lambda _: graph.replay(), n) / n
+    if device * n < GRAPH_SAMPLE_S and n < _multiple(MAX_GRAPH_CALLS, calls):  # launch-bound calls: a longer graph
+        n = _multiple(GRAPH_SAMPLE_S / device, calls)
+        graph = _capture(torch, run, n)
+    return statistics.median(clock(lambda _: graph.replay(), n) / n for _ in range(samples)), eager
+
+
+def _multiple(count: float, calls: int) -> int:
+    """``count`` rounded up to a multiple of ``calls``, within ``calls .. MAX_GRAPH_CALLS``."""
+    return max(calls, min(MAX_GRAPH_CALLS, math.ceil(count)) // calls * calls)
+
+
+def _capture(torch, run, n: int):
+    """A CUDA graph of ``run(n)``, replayed once."""
     graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
     # thread_local: only this thread's calls can invalidate the capture (JAX's runtime threads run alongside)
     with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
         run(n)
     graph.replay()
     torch.cuda.synchronize()
-    replay = event_clock(torch)
-    return statistics.median(replay(lambda _: graph.replay(), n) / n for _ in range(samples)), eager
+    return graph
 
 
 def wall_clock(run, n) -> float:

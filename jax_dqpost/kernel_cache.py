@@ -1,7 +1,7 @@
 """Compile the CuTe DSL kernel once per binary-changing configuration; cutlass is imported lazily here.
 
 The key (``Plan.kernel``, a :class:`~jax_dqpost.kernel_spec.KernelSpec`, and the target GPU) holds what changes the
-binary: output dtype, each part's accumulator layout, padded head dim and tiling, the sink's dtypes and the GPU
+binary: output dtype, each part's accumulator layout, padded head dim, tiling and split, the sink's dtypes and the GPU
 architecture. Batch, heads, sequence lengths, head dims and scales are run-time arguments of the compiled module, so
 they never trigger a compile.
 
@@ -245,7 +245,7 @@ def compile_executor(spec: KernelSpec, arch: str, **tuning):
     """``cute.compile`` the kernel of ``spec`` for ``arch``; CuTe's executor, callable from Python with
     ``kernel.entry_args`` and a stream. Callers serialise through ``_lock`` or accept that the DSL's global arch is
     set here (and restored afterwards). ``tuning``: ``kernel.Postprocess``'s tuning keywords (``min_ctas_per_sm``,
-    ``short_heads``) for experiments (benchmarks/ncu_kernels.py); the package itself always compiles with the
+    ``short_heads``, ``pdl``) for experiments (benchmarks/ncu_kernels.py); the package itself always compiles with the
     defaults, which is why they are not part of the key."""
     try:
         from .kernel import Postprocess, entry_args

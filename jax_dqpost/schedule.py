@@ -8,10 +8,10 @@ once, here: where the tile starts in the accumulator and in the result, how many
 and how many of them come from the accumulator (``rows_conv``; the rest are zeros: seqused shorter than the
 sequence, rows no sequence covers). The converters (``tile.py``) only convert.
 
-* :class:`DenseScheduler` (``DENSE``, ``DENSE_SEQUSED``): ``H * grid_x`` CTAs per batch ``b``, ``grid_x =
-  ceil(S / tile_m)``, heads fastest: CTA ``x`` takes tile ``(b, h, m) = (b, x % H, x // H)``, so the CTAs in flight
-  write whole rows of the result, every head of them, as a copy would. With seqused, rows past ``seqused[b]`` are
-  zeros.
+* :class:`DenseScheduler` (``DENSE``, ``DENSE_SEQUSED``): ``split * H * grid_x`` CTAs per batch ``b``, ``grid_x =
+  ceil(S / tile_m)``, heads fastest: CTA ``x`` takes tile ``(b, h, m) = (b, y % H, y // H)``, ``y = x // split``
+  (its warpgroup ``x % split``'s share, when ``split`` > 1), so the CTAs in flight write whole rows of the result,
+  every head of them, as a copy would. With seqused, rows past ``seqused[b]`` are zeros.
 * :class:`VarlenScheduler` (``VARLEN``): the work list's long-tile slots (``varlen.py``), heads fastest: slot ``m``
   looks its span up (:func:`read_span`) and takes tile ``m - tile_start[span]`` of it.
 * :class:`ShortTileScheduler` (``VARLEN`` of the swapped Hopper orders, ``varlen.short_rows``): before the long

@@ -4,7 +4,7 @@
 
 Imports cutlass at module import: load this module lazily (``kernel_cache.py`` does).
 
-Per tile with rows to convert, every thread
+Per tile with rows to convert (or one warpgroup's share of it: ``split``), every thread
   1. loads its fp32 accumulator fragment straight from global memory, coalesced, in the order the
      producer's threads stored it (no shared-memory staging of the fp32 tile); outside the dense tiling it
      skips the loads whose rows are all past ``rows_conv`` (those rows are written as zeros),
@@ -408,7 +408,7 @@ class TileConverter:
     def _store_region(self, g_out, s_tile, crd, tiling: cutlass.Constexpr, vec: cutlass.Constexpr, rows_total,
                       rows_conv, head_dim, tidx):
         """The stores of a region of the tile (``crd``: its tile coordinates) by the ``rows x per_row`` threads of
-        ``tiling`` (the first ones of the ``work_threads``, layout.py)."""
+        ``tiling`` (the first ones of the ``work_threads``: ``kernel_spec.store_tiling``)."""
         rows, per_row = tiling
         if const_expr(rows * per_row < self.work_threads):
             if tidx < rows * per_row:

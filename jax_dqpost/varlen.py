@@ -26,9 +26,10 @@ The work list is one flat int32 array, in three sections (:func:`sections` gives
                                 nothing), then, for orders with short tiles, one short-tile slot per span (k)
 
 A span of ``r`` rows has ``ceil(r / tile_m)`` tiles. For most orders every tile is a *long* tile: one CTA per tile
-and head (the shared-memory path). For the orders with short tiles (:func:`short_rows`: the swapped Hopper orders)
-a span's last tile is *short* when it has ``1 .. short_rows`` rows; it is not among the long tiles, and the span's
-short-tile slot converts it, for up to :data:`SHORT_HEADS` heads per CTA (:func:`grid_ctas`).
+and head (the shared-memory path; ``split`` CTAs, one per warpgroup's share, in a small call's kernel). For the
+orders with short tiles (:func:`short_rows`: the swapped Hopper orders) a span's last tile is *short* when it has
+``1 .. short_rows`` rows; it is not among the long tiles, and the span's short-tile slot converts it, for up to
+:data:`SHORT_HEADS` heads per CTA (:func:`grid_ctas`).
 
 ``num_tiles`` is the number of slots: the long tiles (exactly, for static offsets; the bound :meth:`WorkList.max_tiles`
 for traced ones), plus ``K`` short-tile slots for orders with short tiles. :meth:`WorkList.build` makes the list from

@@ -136,7 +136,7 @@ def test_small_calls_split_their_tiles():
     and an order of one warpgroup, never split; a split the order cannot take is refused."""
     layout = AccumLayout.flash_attention(90, 128, causal=True, tensor="dq", version="4.0.0b36")  # 64-row tiles
     dense = Plan((Part(layout, 128, np.dtype(jnp.bfloat16), seqlen=64 * 31),))
-    for batch, heads, split in [(1, 33, 2), (1, 34, 1), (2, 17, 1)]:  # 31 tiles a head: 1023 CTAs, then 1054
+    for batch, heads, split in [(1, 33, 2), (1, 34, 1), (2, 17, 1), (2, 16, 2)]:  # 31 tiles a head: 1023, 1054, 992
         shape = layout.accum_shape(batch, heads, 64 * 31, 128)
         assert dense.kernel([shape]).tensors[0].split == split
         assert dense.launch([shape])[1] == batch * split * heads * 31
@@ -146,6 +146,12 @@ def test_small_calls_split_their_tiles():
         shape = (heads, work.padded_total * 128)
         assert packed.kernel([shape]).tensors[0].split == split
         assert packed.launch([shape])[1] == split * heads * 8
+    swapped = AccumLayout.flash_attention(90, 128, causal=False, tensor="dq", version="4.0.0b36")  # short tiles
+    work, _ = varlen.WorkList.build(np, [0, 245, 400], None, total=400, layout=swapped)  # 3 + 2 long tiles, 1 short
+    shape = (3, work.padded_total * 128)
+    short = Plan((Part(swapped, 128, np.dtype(jnp.bfloat16), work=work),))
+    assert short.kernel([shape]).tensors[0].split == 2
+    assert short.launch([shape])[1] == 4 * 1 + 2 * 3 * 5  # a short-tile CTA per span (one group of 8 heads), whole
     fused = Plan((dense.parts[0],) * 3)
     shape = layout.accum_shape(1, 2, 64 * 31, 128)
     assert all(t.split == 1 for t in fused.kernel([shape] * 3).tensors)
@@ -159,6 +165,8 @@ def test_small_calls_split_their_tiles():
                          ((TensorKernel(layout, 128, Tiling.DENSE, 2),) * 3, r"3 tensor\(s\)")]:
         with pytest.raises(ValueError, match=why):
             KernelSpec("bf16", tensors)
+    with pytest.raises(ValueError, match="1 tensor.s. with a sink"):
+        KernelSpec("bf16", (TensorKernel(layout, 128, Tiling.DENSE, 2),), sink=("f32", "f32"))
 
 
 def test_short_tile_vectors_follow_the_index_map(rng):

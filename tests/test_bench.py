@@ -389,3 +389,69 @@ def test_step_spans_are_read_from_the_kernel_before_the_slot(rng):
         step._spans(xla[:-1], 3, positions)
     with pytest.raises(RuntimeError, match="slot's kernels"):  # another kernel where ours was: not the same program
         step._check_same_places(xla, 3, [0, 4])
+
+
+class _FakeGpu:
+    """A stand-in for torch's CUDA events and graphs (``harness.graph_per_call``): a device clock that an eager call
+    advances by its launch cost and a replayed call by its device time."""
+
+    def __init__(self, launch_s: float, device_s: float):
+        self.now, self.launch_s, self.device_s, self.capturing, self.samples = 0.0, launch_s, device_s, None, []
+        gpu = self
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                self.t = None
+
+            def record(self):
+                self.t = gpu.now
+
+            def synchronize(self):
+                pass
+
+            def elapsed_time(self, other):
+                gpu.samples.append(other.t - self.t)
+                return (other.t - self.t) * 1e3  # ms
+
+        class CUDAGraph:
+            def __init__(self):
+                self.calls = 0
+
+            def replay(self):
+                gpu.now += self.calls * gpu.device_s
+
+        class Capture:
+            def __init__(self, graph, **_):
+                self.graph = graph
+
+            def __enter__(self):
+                gpu.capturing = self.graph
+
+            def __exit__(self, *_):
+                gpu.capturing = None
+
+        self.cuda = type("cuda", (), dict(Event=Event, CUDAGraph=CUDAGraph, Stream=lambda: None, graph=Capture,
+                                          synchronize=staticmethod(lambda: None)))
+
+    def run(self, n):
+        if self.capturing is not None:
+            self.capturing.calls += n
+        else:
+            self.now += n * max(self.launch_s, self.device_s)
+
+
+@pytest.mark.parametrize("launch_s, device_s", [(28e-6, 1.1e-6), (10e-6, 250e-6), (5e-6, 3e-3)])
+def test_graph_samples_last_five_milliseconds_of_device_time(launch_s, device_s):
+    """Launch-bound tiny calls and long ones alike: every timed replay lasts about ``GRAPH_SAMPLE_S`` (or holds
+    ``MAX_GRAPH_CALLS`` calls, or is one call longer than that), and the per-call time is the device's."""
+    gpu = _FakeGpu(launch_s, device_s)
+    per_call, eager = harness.graph_per_call(gpu, gpu.run, 2, 9)
+    assert per_call == pytest.approx(device_s) and eager == pytest.approx(max(launch_s, device_s))
+    replays = gpu.samples[-9:]
+    assert replays == pytest.approx([replays[0]] * 9)
+    calls = round(replays[0] / device_s)
+    if device_s * 2 > harness.GRAPH_SAMPLE_S:
+        assert calls == 2  # the fewest: one sample is one graph of the calls rotated through
+    else:
+        assert calls % 2 == 0
+        assert harness.GRAPH_SAMPLE_S <= replays[0] * (1 + 1e-9) < harness.GRAPH_SAMPLE_S + 2 * device_s

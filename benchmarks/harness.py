@@ -65,7 +65,7 @@ def graph_per_call(torch, run, calls: int, samples: int) -> tuple[float, float]:
     graph = _capture(torch, run, n)
     device = clock(lambda _: graph.replay(), n) / n
     if device * n < GRAPH_SAMPLE_S and n < _multiple(MAX_GRAPH_CALLS, calls):  # launch-bound calls: a longer graph
-        n = _multiple(GRAPH_SAMPLE_S / device, calls)
+        n = _multiple(GRAPH_SAMPLE_S / max(device, 1e-9), calls)
         graph = _capture(torch, run, n)
     return statistics.median(clock(lambda _: graph.replay(), n) / n for _ in range(samples)), eager
 

@@ -96,29 +96,37 @@ def test_varlen_kernel_on_poisoned_output(rng, name, dtype):
     """Packed sequences (an empty one, partial and whole tiles, seqused shorter than some, rows after the last), each
     split of the tiles, static and traced offsets' slots: the module run directly on a poisoned buffer with a
     poisoned guard zone after it."""
+    layout, D = AccumLayout(90, *FA_HOPPER_CONFIGS[name]), FA_HOPPER_HEAD_DIM[name]
+    tm = layout.tile_m
+    lengths = [0, tm - 3, 2 * tm, 3 * tm + 17, 1, 5]
+    used = [n if i % 2 else int(rng.integers(0, n + 1)) for i, n in enumerate(lengths)]
+    _varlen_on_poisoned_output(rng, layout, D, 3, lengths, used, 9, float(rng.uniform(0.05, 2.0)), dtype,
+                               f"varlen {name}")
+
+
+def _varlen_on_poisoned_output(rng, layout, D, H, lengths, used, rows_after, scale, dtype, what):
+    """Sequences of ``lengths`` rows (the first ``used`` of each converted) packed before ``rows_after`` more rows:
+    each kernel the package may choose (:func:`_kernels`), with static offsets' slots and traced ones', run directly
+    on a poisoned buffer with a poisoned guard zone after it, its bits against the oracle's."""
     torch = pytest.importorskip("torch")
 
     from jax_dqpost import varlen
     from jax_dqpost.plan import Part, Plan
 
-    layout, D, H = AccumLayout(90, *FA_HOPPER_CONFIGS[name]), FA_HOPPER_HEAD_DIM[name], 3
-    tm = layout.tile_m
-    lengths = [0, tm - 3, 2 * tm, 3 * tm + 17, 1, 5]
-    used = [n if i % 2 else int(rng.integers(0, n + 1)) for i, n in enumerate(lengths)]
     cu = cu_seqlens(lengths).tolist()
-    T, scale = cu[-1] + 9, float(rng.uniform(0.05, 2.0))
+    T = cu[-1] + rows_after
     acc, want = oracle.build_varlen(rng, cu, used, T, H, D,
                                     (layout.tile_m, layout.num_threads, layout.atom_layout, layout.swap_ab),
                                     hdim_multiple_of=layout.hdim_multiple_of, scale=scale, dtype=dtype)
     t_acc, t_scale = torch.from_numpy(acc).cuda(), torch.tensor([scale], dtype=torch.float32).cuda()
-    for num_tiles in (None, varlen.WorkList.max_tiles(T, len(lengths), layout)):
+    for num_tiles in (None, varlen.WorkList.max_tiles(T, len(lengths), layout)):  # static offsets' slots, traced ones'
         work, meta = varlen.WorkList.build(np, cu, used, total=T, layout=layout, num_tiles=num_tiles)
         plan = Plan((Part(layout, D, np.dtype(dtype), work=work),))
         t_meta = torch.from_numpy(meta).cuda()
         for spec in _kernels(plan, acc.shape):
-            out = _run_on_poisoned_output(torch, spec, plan, t_acc, t_meta, t_scale, T * H * D, acc.shape, name)
+            out = _run_on_poisoned_output(torch, spec, plan, t_acc, t_meta, t_scale, T * H * D, acc.shape, what)
             assert_same_bits(out.view(np.dtype(dtype)).reshape(T, H, D), want,
-                             f"varlen {name} {work} split {spec.tensors[0].split}")
+                             f"{what} {work} split {spec.tensors[0].split}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "f16"])
@@ -144,32 +152,14 @@ def test_short_varlen_tiles_on_poisoned_output(rng, name, dtype, heads):
     with short last tiles, 6 or 40 heads (one group of heads per short-tile CTA, or two with the last partial) and a
     negative scale (zeros stay +0): the module run directly on a poisoned buffer with a poisoned guard zone after
     it."""
-    torch = pytest.importorskip("torch")
-
-    from jax_dqpost import varlen
-    from jax_dqpost.plan import Part, Plan
-
     layout, D = SHORT_TILE_LAYOUTS[name]
-    H, batch = heads, 300
-    lengths = [int(n) for n in rng.integers(0, 21, batch)]
+    lengths = [int(n) for n in rng.integers(0, 21, 300)]
     # an empty sequence, long ones (both paths in one launch: short last tiles of 5 and 16 rows, a long last tile of
     # 17, whole tiles), one row
     lengths[:6] = [0, layout.tile_m + 5, 2 * layout.tile_m + 16, layout.tile_m + 17, 2 * layout.tile_m, 1]
-    cu = cu_seqlens(lengths).tolist()
     used = [int(rng.integers(0, n + 1)) if i % 3 == 0 else n for i, n in enumerate(lengths)]
-    T, scale = cu[-1] + 7, -float(rng.uniform(0.05, 2.0))
-    acc, want = oracle.build_varlen(rng, cu, used, T, H, D,
-                                    (layout.tile_m, layout.num_threads, layout.atom_layout, layout.swap_ab),
-                                    hdim_multiple_of=layout.hdim_multiple_of, scale=scale, dtype=dtype)
-    t_acc, t_scale = torch.from_numpy(acc).cuda(), torch.tensor([scale], dtype=torch.float32).cuda()
-    for num_tiles in (None, varlen.WorkList.max_tiles(T, batch, layout)):  # static offsets' slots, traced ones'
-        work, meta = varlen.WorkList.build(np, cu, used, total=T, layout=layout, num_tiles=num_tiles)
-        plan = Plan((Part(layout, D, np.dtype(dtype), work=work),))
-        t_meta = torch.from_numpy(meta).cuda()
-        for spec in _kernels(plan, acc.shape):
-            out = _run_on_poisoned_output(torch, spec, plan, t_acc, t_meta, t_scale, T * H * D, acc.shape, name)
-            assert_same_bits(out.view(np.dtype(dtype)).reshape(T, H, D), want,
-                             f"{name} short tiles {work} split {spec.tensors[0].split}")
+    _varlen_on_poisoned_output(rng, layout, D, heads, lengths, used, 7, -float(rng.uniform(0.05, 2.0)), dtype,
+                               f"{name} short tiles")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "f16"])

@@ -87,8 +87,8 @@ class Postprocess:
 
     With ``pdl`` the kernel is launched with programmatic dependent launch: it may start while the kernel before it
     on the stream is still running, and waits for that one's completion (``griddepcontrol.wait``) before its
-    first access to global memory; at once it lets the kernel after it do the same
-    (``griddepcontrol.launch_dependents``).
+    first access to global memory. It does not trigger the kernel after it early
+    (``griddepcontrol.launch_dependents``): that one's waiting CTAs would hold SMs our later CTAs need.
     """
 
     def __init__(self, spec: KernelSpec, *, target_sm: int = 90, min_ctas_per_sm: int | None = None,
@@ -149,7 +149,6 @@ class Postprocess:
         bid, _, bz = cute.arch.block_idx()
         if const_expr(self.pdl):
             cute.arch.griddepcontrol_wait()
-            cute.arch.griddepcontrol_launch_dependents()
         if const_expr(self.own_grid):
             # The whole grid is the part's: no CTA count to compare, the tile allocated by the part (a count and a
             # shared buffer cost 20-100 ns a launch)

@@ -82,8 +82,8 @@ class Postprocess:
 
     ``spec``: the :class:`~jax_dqpost.kernel_spec.KernelSpec` (``Plan.kernel``); the binary depends on it and the
     target GPU only. Tuning, for experiments (benchmarks/ncu_kernels.py; the package compiles with the defaults):
-    ``min_ctas_per_sm`` (:class:`TileConverter`), ``short_heads`` (``schedule.ShortTileScheduler``) and ``pdl``
-    (None: where the target has it, sm_90 on).
+    ``min_ctas_per_sm`` (:class:`TileConverter`), ``short_heads`` (``schedule.ShortTileScheduler``; None: the
+    call's) and ``pdl`` (None: where the target has it, sm_90 on).
 
     With ``pdl`` the kernel is launched with programmatic dependent launch: it may start while the kernel before it
     on the stream is still running, and waits for that one's completion (``griddepcontrol.wait``) before its
@@ -92,7 +92,7 @@ class Postprocess:
     """
 
     def __init__(self, spec: KernelSpec, *, target_sm: int = 90, min_ctas_per_sm: int | None = None,
-                 short_heads: int = varlen.SHORT_HEADS, pdl: bool | None = None):
+                 short_heads: int | None = None, pdl: bool | None = None):
         parts = spec.tensors
         sink = None if spec.sink is None else (cute_type(spec.sink[0]), cute_type(spec.sink[1]))
         self.pdl = target_sm >= 90 if pdl is None else pdl
@@ -203,7 +203,7 @@ class Postprocess:
             if x < short_ctas:
                 span, group = x % part.dim0, x // part.dim0
                 short = self.schedulers[i].short
-                self.converters[i].short_tile(part, group, short.tile(part, span), tidx, short.short_heads)
+                self.converters[i].short_tile(part, group, short.tile(part, span), tidx, short.heads_per_cta(part))
             else:
                 split = self.converters[i].split  # CTAs of a tile and head, consecutive
                 slot = (x - short_ctas) // split // part.heads

@@ -151,7 +151,7 @@ def test_small_calls_split_their_tiles():
     shape = (3, work.padded_total * 128)
     short = Plan((Part(swapped, 128, np.dtype(jnp.bfloat16), work=work),))
     assert short.kernel([shape]).tensors[0].split == 2
-    assert short.launch([shape])[1] == 4 * 1 + 2 * 3 * 5  # a short-tile CTA per span (one group of 8 heads), whole
+    assert short.launch([shape])[1] == 4 * 3 + 2 * 3 * 5  # a short-tile CTA per span and head (few spans), whole
     fused = Plan((dense.parts[0],) * 3)
     shape = layout.accum_shape(1, 2, 64 * 31, 128)
     assert all(t.split == 1 for t in fused.kernel([shape] * 3).tensors)

@@ -144,16 +144,19 @@ SHORT_TILE_LAYOUTS = {  # the swapped Hopper orders, whose short varlen tiles ta
 }
 
 
-@pytest.mark.parametrize("heads", [6, 40])
+@pytest.mark.parametrize("heads,sequences,per_cta", [(6, 300, 8), (44, 300, 8), (40, 10, 1)])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "f16"])
 @pytest.mark.parametrize("name", SHORT_TILE_LAYOUTS)
-def test_short_varlen_tiles_on_poisoned_output(rng, name, dtype, heads):
-    """Many sequences shorter than a tile (0..20 rows, seqused shorter still, rows no sequence covers), long ones
-    with short last tiles, 6 or 40 heads (one group of heads per short-tile CTA, or two with the last partial) and a
-    negative scale (zeros stay +0): the module run directly on a poisoned buffer with a poisoned guard zone after
-    it."""
+def test_short_varlen_tiles_on_poisoned_output(rng, name, dtype, heads, sequences, per_cta):
+    """Sequences shorter than a tile (0..20 rows, seqused shorter still, rows no sequence covers), long ones with
+    short last tiles, and a negative scale (zeros stay +0): the module run directly on a poisoned buffer with a
+    poisoned guard zone after it. Short-tile CTAs take 8 heads in 300 sequences (6 heads: one partial group; 44: the
+    sixth group partial), one head in 10 sequences (``varlen.short_heads``)."""
+    from jax_dqpost import varlen
+
+    assert varlen.short_heads(sequences + 2, heads) == per_cta
     layout, D = SHORT_TILE_LAYOUTS[name]
-    lengths = [int(n) for n in rng.integers(0, 21, 300)]
+    lengths = [int(n) for n in rng.integers(0, 21, sequences)]
     # an empty sequence, long ones (both paths in one launch: short last tiles of 5 and 16 rows, a long last tile of
     # 17, whole tiles), one row
     lengths[:6] = [0, layout.tile_m + 5, 2 * layout.tile_m + 16, layout.tile_m + 17, 2 * layout.tile_m, 1]

@@ -233,6 +233,22 @@ def _op_on(argument):
                                                   seqlen_q=50, **kw(v))), values
 
 
+def test_short_tile_ctas_take_eight_heads_only_where_they_are_many(rng):
+    """``varlen.short_heads``, the kernel's choice on its run-time extents (int32, no comparison), against the rule
+    it implements: 8 heads per short-tile CTA where that makes at least SHORT_CTAS CTAs, else 1; and the launch's
+    CTA count (``grid_ctas``) follows it."""
+    from jax_dqpost import varlen
+
+    spans = np.concatenate([rng.integers(3, 300, 200), [3, 128, 127, 16, 15, 65536]]).astype(np.int32)
+    heads = np.concatenate([rng.integers(1, 130, 200), [1, 1, 1, 8, 9, 128]]).astype(np.int32)
+    want = np.where(spans.astype(np.int64) * ((heads + 7) // 8) >= varlen.SHORT_CTAS, varlen.SHORT_HEADS, 1)
+    got = varlen.short_heads(spans, heads)
+    assert got.dtype == np.int32 and np.array_equal(got, want)
+    for k, h, w in zip(spans.tolist(), heads.tolist(), want.tolist()):
+        assert varlen.short_heads(k, h) == w
+        assert varlen.grid_ctas(h, k + 5, k, 16) == k * -(-h // w) + 5 * h
+
+
 @pytest.mark.parametrize("argument", ["cu_seqlens_q", "seqused_q", "cu_seqlens_k", "seqused_k"])
 def test_a_jax_array_of_offsets_is_int32_or_widened_exactly(argument):
     """A jax array's dtype is known when the call is traced: int8, int16, uint8 and uint16 are widened to int32 (the

@@ -83,7 +83,7 @@ class Postprocess:
     ``spec``: the :class:`~jax_dqpost.kernel_spec.KernelSpec` (``Plan.kernel``); the binary depends on it and the
     target GPU only. Tuning, for experiments (benchmarks/ncu_kernels.py; the package compiles with the defaults):
     ``min_ctas_per_sm`` (:class:`TileConverter`), ``short_heads`` (``schedule.ShortTileScheduler``; None: the
-    call's) and ``pdl`` (None: where the target has it, sm_90 on).
+    spec's) and ``pdl`` (None: where the target has it, sm_90 on).
 
     With ``pdl`` the kernel is launched with programmatic dependent launch: it may start while the kernel before it
     on the stream is still running, and waits for that one's completion (``griddepcontrol.wait``) before its
@@ -100,7 +100,8 @@ class Postprocess:
         self.dtype = dtype = cute_type(spec.dtype)
         self.converters = tuple(TileConverter(dtype, p.layout, p.padded_head_dim, tiling=p.tiling, target_sm=target_sm,
                                               min_ctas_per_sm=min_ctas_per_sm, split=p.split) for p in parts)
-        self.schedulers = tuple(scheduler(p.layout, p.padded_head_dim, p.tiling, short_heads, p.split)
+        self.schedulers = tuple(scheduler(p.layout, p.padded_head_dim, p.tiling,
+                                          p.short_heads if short_heads is None else short_heads, p.split)
                                 for p in parts)
         self.num_threads = max(p.work_threads for p in self.converters)
         for part in self.converters:
@@ -203,7 +204,7 @@ class Postprocess:
             if x < short_ctas:
                 span, group = x % part.dim0, x // part.dim0
                 short = self.schedulers[i].short
-                self.converters[i].short_tile(part, group, short.tile(part, span), tidx, short.heads_per_cta(part))
+                self.converters[i].short_tile(part, group, short.tile(part, span), tidx, short.short_heads)
             else:
                 split = self.converters[i].split  # CTAs of a tile and head, consecutive
                 slot = (x - short_ctas) // split // part.heads

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from . import abi
+from . import abi, varlen
 from .abi import Tiling
 
 VEC_BYTES = 16
@@ -27,19 +27,21 @@ KiB, sm_90 and sm_100 227 KiB). The kernel stages one ``tile_m x Dr`` dQ tile th
 @dataclasses.dataclass(frozen=True)
 class TensorKernel:
     """What of one tensor (dQ, dK or dV) changes the binary: its accumulator's order, its padded head dim ``Dr``
-    (``AccumLayout.padded_head_dim``), how a CTA finds its tile and ``split``, the CTAs a tile is converted by: 1, or
+    (``AccumLayout.padded_head_dim``), how a CTA finds its tile, ``split``, the CTAs a tile is converted by: 1, or
     the order's warpgroups, each a CTA of its own converting its share (:func:`warpgroup_regions`; :func:`split_for`
-    chooses)."""
+    chooses), and ``short_heads``, the heads of a varlen short-tile CTA (``varlen.short_heads`` chooses)."""
 
     layout: object  # an AccumLayout
     padded_head_dim: int
     tiling: Tiling
     split: int = 1
+    short_heads: int = varlen.SHORT_HEADS
 
     def __post_init__(self):
         object.__setattr__(self, "padded_head_dim", int(self.padded_head_dim))
         object.__setattr__(self, "tiling", Tiling(self.tiling))
         object.__setattr__(self, "split", int(self.split))
+        object.__setattr__(self, "short_heads", int(self.short_heads))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +85,12 @@ class KernelSpec:
                                  f"has them, in a kernel of one tensor without a sink; got split={t.split} for "
                                  f"{t.layout}, padded head dim {t.padded_head_dim}, {len(self.tensors)} tensor(s)"
                                  f"{' with a sink' if self.sink else ''}")
+            if t.short_heads != varlen.SHORT_HEADS and (t.short_heads != 1 or not self.own_grid or t.tiling !=
+                                                        Tiling.VARLEN or not varlen.short_rows(t.layout)):
+                raise ValueError(f"jax_dqpost: a kernel's short-tile CTAs take {varlen.SHORT_HEADS} heads, or 1 in a "
+                                 f"varlen kernel of one tensor without a sink whose order has short tiles; got "
+                                 f"short_heads={t.short_heads} for {t.layout}, {t.tiling.name}, "
+                                 f"{len(self.tensors)} tensor(s){' with a sink' if self.sink else ''}")
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -98,9 +106,10 @@ class KernelSpec:
 
     @property
     def label(self) -> str:
-        """A short name: the dtype, each tensor's tiling (and split), ``sink`` (``"bf16-dense-sink"``,
-        ``"bf16-varlen2"``)."""
+        """A short name: the dtype, each tensor's tiling (and split, and short-tile heads), ``sink``
+        (``"bf16-dense-sink"``, ``"bf16-varlen2"``, ``"bf16-varlen2h1"``)."""
         return "-".join([self.dtype] + [t.tiling.name.lower() + (str(t.split) if t.split != 1 else "")
+                                        + (f"h{t.short_heads}" if t.short_heads != varlen.SHORT_HEADS else "")
                                         for t in self.tensors] + (["sink"] if self.sink else []))
 
 

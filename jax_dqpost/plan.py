@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import abi, kernel_spec
+from . import abi, kernel_spec, varlen
 from .abi import Tiling
 from .kernel_spec import KernelSpec, TensorKernel
 from .layout import AccumLayout
@@ -73,15 +73,19 @@ class Part:
         """``Da``: the head dim as the accumulator's allocation pads it (``AccumLayout.alloc_head_dim``)."""
         return self.layout.alloc_head_dim(self.padded_head_dim)
 
-    def kernel(self, split: int = 1) -> TensorKernel:
-        """What of this part changes the compiled binary, its tiles converted by ``split`` CTAs each."""
-        return TensorKernel(self.layout, self.padded_head_dim, self.tiling, split)
+    def kernel(self, split: int = 1, short_heads: int = varlen.SHORT_HEADS) -> TensorKernel:
+        """What of this part changes the compiled binary, its tiles converted by ``split`` CTAs each, its short
+        tiles by CTAs of ``short_heads`` heads."""
+        return TensorKernel(self.layout, self.padded_head_dim, self.tiling, split, short_heads)
 
-    def tile_split(self, acc_shape) -> int:
-        """CTAs per tile when this part is a kernel's own grid (``kernel_spec.split_for`` of its CTAs, every
-        batch's)."""
-        ctas = self.ctas(acc_shape) * (1 if self.work is not None else acc_shape[0])
-        return kernel_spec.split_for(self.layout, self.padded_head_dim, self.tiling, ctas)
+    def own_grid_kernel(self, acc_shape) -> TensorKernel:
+        """:meth:`kernel` when this part is a kernel's own grid: tiles split below ``kernel_spec.split_for``'s count
+        of CTAs (every batch's), short tiles by ``varlen.short_heads`` heads a CTA."""
+        short_heads = varlen.SHORT_HEADS
+        if self.work is not None and self.work.short_rows:
+            short_heads = varlen.short_heads(self.work.num_spans, self.heads(acc_shape))
+        ctas = self.ctas(acc_shape, 1, short_heads) * (1 if self.work is not None else acc_shape[0])
+        return self.kernel(kernel_spec.split_for(self.layout, self.padded_head_dim, self.tiling, ctas), short_heads)
 
     # ---- shapes ----------------------------------------------------------------------------------
     def aux_shape(self, batch: int) -> tuple[int]:
@@ -153,11 +157,11 @@ class Part:
                              f"heads={heads} and {extents[4]} tiles per head ({rows} rows)")
         return extents
 
-    def ctas(self, acc_shape, split: int = 1) -> int:
-        """CTAs of this part, ``split`` per tile and head: all of them varlen (``WorkList.ctas``), per batch (grid
-        z) dense."""
+    def ctas(self, acc_shape, split: int = 1, short_heads: int = varlen.SHORT_HEADS) -> int:
+        """CTAs of this part, ``split`` per tile and head (and ``short_heads`` heads per short-tile CTA): all of them
+        varlen (``WorkList.ctas``), per batch (grid z) dense."""
         _, heads, _, _, grid_x = self.launch_extents(acc_shape)
-        return self.work.ctas(heads, split) if self.work is not None else split * heads * grid_x
+        return self.work.ctas(heads, split, short_heads) if self.work is not None else split * heads * grid_x
 
 
 def _entries(count: int) -> str:
@@ -334,26 +338,26 @@ class Plan:
     # ---- the CUDA kernel -------------------------------------------------------------------------
     def kernel(self, acc_shapes) -> KernelSpec:
         """The kernel the call compiles for accumulators of ``acc_shapes`` (with the target GPU): what of it changes
-        the binary. A kernel of one part's own grid splits small calls' tiles (``Part.tile_split``)."""
+        the binary. A kernel of one part's own grid chooses its work units from the shapes (``Part.own_grid_kernel``:
+        small calls' tiles split, few spans' short tiles one head a CTA)."""
         sink = None if not self.has_sink else (abi.DTYPE_NAMES[np.dtype(self.sink_dtype)],
                                                abi.DTYPE_NAMES[np.dtype(self.dsink_dtype)])
-        return KernelSpec(abi.DTYPE_NAMES[np.dtype(self.dq.dtype)],
-                          tuple(p.kernel(s) for p, s in zip(self.parts, self._splits(acc_shapes))), sink)
+        return KernelSpec(abi.DTYPE_NAMES[np.dtype(self.dq.dtype)], self._tensor_kernels(acc_shapes), sink)
 
-    def _splits(self, acc_shapes) -> list[int]:
+    def _tensor_kernels(self, acc_shapes) -> tuple[TensorKernel, ...]:
         if not kernel_spec.own_grid(len(self.parts), self.has_sink):
-            return [1] * len(self.parts)
-        return [p.tile_split(s) for p, s in zip(self.parts, acc_shapes)]
+            return tuple(p.kernel() for p in self.parts)
+        return tuple(p.own_grid_kernel(s) for p, s in zip(self.parts, acc_shapes))
 
     def launch(self, acc_shapes) -> tuple[tuple[int, ...], int]:
         """``(extents, ctas)``: the kernel's int32 extents (``abi.EXTENTS`` of each part, ``Part.launch_extents``)
         and the CTAs of its launch (:meth:`kernel`'s): with a sink ``H`` sink CTAs, then every part's, every batch's
         (the grid's z is the batch when ``KernelSpec.batch_on_grid_z``). ``ValueError`` if CUDA cannot launch it."""
         extents, ctas = [], self.dq.heads(acc_shapes[0]) if self.has_sink else 0
-        for p, shape, split in zip(self.parts, acc_shapes, self._splits(acc_shapes)):
+        for p, shape, t in zip(self.parts, acc_shapes, self._tensor_kernels(acc_shapes)):
             ext = p.launch_extents(shape)
             extents += ext
-            ctas += p.ctas(shape, split) * (1 if p.work is not None else ext[0])
+            ctas += p.ctas(shape, t.split, t.short_heads) * (1 if p.work is not None else ext[0])
         on_z = kernel_spec.batch_on_grid_z(len(self.parts), self.has_sink, self.dq.tiling)
         grid_x = ctas // extents[0] if on_z and extents[0] else ctas
         if grid_x > INT32_MAX:

@@ -19,6 +19,7 @@ import time
 
 from . import _checks, abi, arch as arch_, cute_runtime, kernel_cache
 from .kernel_spec import KernelSpec, TensorKernel, max_split
+from .varlen import SHORT_HEADS, short_rows
 from .layout import AccumLayout
 from .presets import FLASH_ATTENTION_ARCHS, FLASH_ATTENTION_RELEASES, GPU_ARCHS, has_postprocess
 from .abi import Tiling
@@ -164,11 +165,13 @@ def main(argv=None) -> int:
         print(f"{parser.prog}: error: {unusable}: nothing would be kept", file=sys.stderr)
         return 1
     tilings = [Tiling[name.upper()] for name in args.tilings]
-    # one part: both kernels a call may choose, tiles whole or split between their warpgroups (Plan.kernel)
-    singles = [((layout, dr, t, split),) for layout, dr in configs for t in tilings
-               for split in sorted({1, max_split(layout, dr)})]
+    # one part: every kernel a call may choose (Plan.kernel): tiles whole or split between their warpgroups, varlen
+    # short tiles by CTAs of 8 heads or 1
+    singles = [((layout, dr, t, split, heads),) for layout, dr in configs for t in tilings
+               for split in sorted({1, max_split(layout, dr)})
+               for heads in sorted({SHORT_HEADS, 1 if t == Tiling.VARLEN and short_rows(layout) else SHORT_HEADS})]
     kinds = [("kernels", singles, [None], f"{len(configs)} layouts x {len(args.dtypes)} dtypes x {len(tilings)} "
-              "tilings, whole or split tiles")]
+              "tilings, whole or split tiles, short tiles of 8 heads or 1")]
     if args.fused:
         fused = fused_configurations(presets, args.head_dims)
         sinks = [None if sink == "none" else (sink, sink) for sink in args.fused]

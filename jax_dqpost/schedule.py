@@ -15,7 +15,7 @@ sequence, rows no sequence covers). The converters (``tile.py``) only convert.
 * :class:`VarlenScheduler` (``VARLEN``): the work list's long-tile slots (``varlen.py``), heads fastest: slot ``m``
   looks its span up (:func:`read_span`) and takes tile ``m - tile_start[span]`` of it.
 * :class:`ShortTileScheduler` (``VARLEN`` of the swapped Hopper orders, ``varlen.short_rows``): before the long
-  tiles, one CTA per span and group of heads (``varlen.short_heads`` of them) takes the span's short tile
+  tiles, one CTA per span and group of ``short_heads`` heads (``TensorKernel.short_heads``) takes the span's short tile
   (its last tile, if it has ``1 .. short_rows`` rows), if it has one. They come first in the grid so that a long
   span's short last tile never forms the kernel's tail. Long-tile slots past ``tile_start[K]`` (the bound of traced
   offsets is larger) stop after that one load.
@@ -122,14 +122,16 @@ class VarlenScheduler:
     """Long tiles of a packed part, the work list's slots, and its short tiles' scheduler (``short``) for the swapped
     Hopper orders (module docstring)."""
 
-    def __init__(self, layout: AccumLayout, padded_head_dim: int, short_heads: int | None = None, split: int = 1):
+    def __init__(self, layout: AccumLayout, padded_head_dim: int, short_heads: int = varlen.SHORT_HEADS,
+                 split: int = 1):
         self.layout, self.padded_head_dim, self.split = layout, padded_head_dim, split
         self.unread = layout.alloc_head_dim(padded_head_dim) - padded_head_dim  # Da - Dr: per row, after the tiles
         self.short = ShortTileScheduler(layout, short_heads) if varlen.short_rows(layout) > 0 else None
 
     def num_ctas(self, dim0, heads, grid_x):
         """The part's CTAs (``varlen.grid_ctas``): the short tiles' first, then the long tiles'."""
-        short_rows, short_heads = (0, None) if self.short is None else (self.short.short_rows, self.short.short_heads)
+        short_rows, short_heads = (0, varlen.SHORT_HEADS) if self.short is None else (self.short.short_rows,
+                                                                                      self.short.short_heads)
         return varlen.grid_ctas(heads, grid_x, dim0, short_rows, short_heads, self.split)
 
     @cute.jit
@@ -168,17 +170,12 @@ class VarlenScheduler:
 class ShortTileScheduler:
     """Short tiles of a packed part of a swapped Hopper order (module docstring)."""
 
-    def __init__(self, layout: AccumLayout, short_heads: int | None):
+    def __init__(self, layout: AccumLayout, short_heads: int):
         self.layout, self.short_rows, self.short_heads = layout, varlen.short_rows(layout), short_heads
 
-    def heads_per_cta(self, part: TensorArgs):
-        """``short_heads``, or (None) the call's (``varlen.short_heads``, from its run-time extents)."""
-        return varlen.short_heads(part.dim0, part.heads) if self.short_heads is None else self.short_heads
-
     def num_ctas(self, part: TensorArgs):
-        """One per span and group of :meth:`heads_per_cta` heads."""
-        per_cta = self.heads_per_cta(part)
-        return part.dim0 * ((part.heads + per_cta - 1) // per_cta)
+        """One per span and group of ``short_heads`` heads."""
+        return part.dim0 * ((part.heads + self.short_heads - 1) // self.short_heads)
 
     @cute.jit
     def tile(self, part: TensorArgs, span) -> ShortTile:
@@ -201,7 +198,7 @@ class ShortTileScheduler:
         return ShortTile(row0, rows_total, rows_conv, acc_row, padded_total)
 
 
-def scheduler(layout: AccumLayout, padded_head_dim: int, tiling: Tiling, short_heads: int | None = None,
+def scheduler(layout: AccumLayout, padded_head_dim: int, tiling: Tiling, short_heads: int = varlen.SHORT_HEADS,
               split: int = 1):
     """The scheduler of a part of this tiling; ``split``: CTAs per tile and head (its warpgroups' shares)."""
     if tiling == Tiling.VARLEN:

@@ -185,7 +185,7 @@ class TileConverter:
                          sub)
 
     @cute.jit
-    def short_tile(self, part: TensorArgs, group, t: ShortTile, tidx, short_heads):
+    def short_tile(self, part: TensorArgs, group, t: ShortTile, tidx, short_heads: cutlass.Constexpr):
         """Converts short tile ``t`` (``schedule.ShortTileScheduler``) for heads ``group * short_heads ..`` (at most
         ``short_heads`` of them), without shared memory or a barrier.
 

@@ -29,7 +29,7 @@ A span of ``r`` rows has ``ceil(r / tile_m)`` tiles. For most orders every tile 
 and head (the shared-memory path; ``split`` CTAs, one per warpgroup's share, in a small call's kernel). For the
 orders with short tiles (:func:`short_rows`: the swapped Hopper orders) a span's last tile is *short* when it has
 ``1 .. short_rows`` rows; it is not among the long tiles, and the span's short-tile slot converts it, for
-:func:`short_heads` heads per CTA (:func:`grid_ctas`).
+:data:`SHORT_HEADS` heads per CTA, or one (:func:`short_heads`; :func:`grid_ctas`).
 
 ``num_tiles`` is the number of slots: the long tiles (exactly, for static offsets; the bound :meth:`WorkList.max_tiles`
 for traced ones), plus ``K`` short-tile slots for orders with short tiles. :meth:`WorkList.build` makes the list from
@@ -53,10 +53,11 @@ INT32_MAX = 2**31 - 1  # row offsets, extents and the kernel's launch grid are i
 SHORT_ROWS = 16
 """A varlen tile of at most this many rows is a short tile, for the orders that have them (:func:`short_rows`)."""
 SHORT_HEADS = 8
-"""Heads per short-tile CTA when the short tiles are many (:func:`short_heads`), chosen by measurement on the H200
-(``python -m benchmarks.ncu_kernels short`` compares it with 1, 2 and 4)."""
+"""Heads per short-tile CTA (:func:`short_heads`), chosen by measurement on the H200 (``python -m
+benchmarks.ncu_kernels short`` compares it with 1, 2 and 4)."""
 SHORT_CTAS = 128
-"""Short-tile CTAs (at :data:`SHORT_HEADS` heads each) below which each takes one head (:func:`short_heads`)."""
+"""Short-tile CTAs (at :data:`SHORT_HEADS` heads each) below which a kernel of its own grid takes one head a CTA
+(:func:`short_heads`)."""
 
 
 def short_rows(layout) -> int:
@@ -70,23 +71,20 @@ def short_rows(layout) -> int:
     return 0
 
 
-def short_heads(num_spans, heads):
-    """Heads per short-tile CTA: :data:`SHORT_HEADS`, or 1 where that would make fewer than :data:`SHORT_CTAS` CTAs
-    (a pack of a few sequences, whose few short-tile CTAs, converting their heads in rounds, would be the call's
-    tail). Plain arithmetic (no comparison), also evaluated on the kernel's run-time integers."""
-    groups = num_spans * ((heads + SHORT_HEADS - 1) // SHORT_HEADS)
-    many = 1 - 1 // (groups // SHORT_CTAS + 1)  # 1 if groups >= SHORT_CTAS, else 0
-    return 1 + (SHORT_HEADS - 1) * many
+def short_heads(num_spans: int, heads: int) -> int:
+    """Heads per short-tile CTA in a kernel of its own grid (``TensorKernel.short_heads``): :data:`SHORT_HEADS`, or 1
+    where that would make fewer than :data:`SHORT_CTAS` CTAs (a pack of a few sequences, whose few short-tile CTAs,
+    converting their heads in rounds, would be the call's tail)."""
+    return SHORT_HEADS if num_spans * -(-heads // SHORT_HEADS) >= SHORT_CTAS else 1
 
 
-def grid_ctas(heads, num_tiles, num_spans, short_rows: int, heads_per_cta=None, split: int = 1):
+def grid_ctas(heads, num_tiles, num_spans, short_rows: int, short_heads: int = SHORT_HEADS, split: int = 1):
     """CTAs of a varlen launch: ``split`` per long-tile slot and head (a tile's warpgroups in CTAs of their own when
-    ``split`` > 1), and (orders with short tiles) one per span and group of ``heads_per_cta`` heads (None:
-    :func:`short_heads`). ``short_rows``, ``split``: Python ints; the rest plain arithmetic, also evaluated on the
-    kernel's run-time integers."""
+    ``split`` > 1), and (orders with short tiles) one per span and group of ``short_heads`` heads. ``short_rows``,
+    ``short_heads``, ``split``: Python ints; the rest plain arithmetic, also evaluated on the kernel's run-time
+    integers."""
     if short_rows:
-        per_cta = short_heads(num_spans, heads) if heads_per_cta is None else heads_per_cta
-        return num_spans * ((heads + per_cta - 1) // per_cta) + split * heads * (num_tiles - num_spans)
+        return num_spans * ((heads + short_heads - 1) // short_heads) + split * heads * (num_tiles - num_spans)
     return split * heads * num_tiles
 
 
@@ -143,9 +141,10 @@ class WorkList:
         """The slots of short tiles: one per span, or none."""
         return self.num_spans if self.short_rows else 0
 
-    def ctas(self, heads: int, split: int = 1) -> int:
-        """CTAs of the launch for ``heads`` heads, long tiles converted by ``split`` CTAs each (:func:`grid_ctas`)."""
-        return grid_ctas(heads, self.num_tiles, self.num_spans, self.short_rows, split=split)
+    def ctas(self, heads: int, split: int = 1, short_heads: int = SHORT_HEADS) -> int:
+        """CTAs of the launch for ``heads`` heads, long tiles converted by ``split`` CTAs each, short ones by CTAs of
+        ``short_heads`` heads (:func:`grid_ctas`)."""
+        return grid_ctas(heads, self.num_tiles, self.num_spans, self.short_rows, short_heads, split)
 
     @staticmethod
     def max_tiles(total: int, batch: int, layout) -> int:

@@ -86,12 +86,14 @@ def compile_all(seed: int, count: int) -> None:
         for tiling, arch in itertools.product(sorted(tilings), ARCHS):
             print(f"compiling {layout} head_dim={head_dim} {tiling.name} {arch}", flush=True)
             dr = layout.padded_head_dim(head_dim)
-            for split in sorted({1, max_split(layout, dr)}):  # a small call splits its tiles (Plan.kernel)
+            # a small call splits its tiles, a pack of few sequences takes one head a short-tile CTA (Plan.kernel)
+            one_head = 1 if tiling == Tiling.VARLEN and varlen.short_rows(layout) else varlen.SHORT_HEADS
+            for split, heads in itertools.product(sorted({1, max_split(layout, dr)}), {varlen.SHORT_HEADS, one_head}):
                 with warnings.catch_warnings():
                     warnings.simplefilter("error")  # a user sees no warning from compiling
-                    tensor = TensorKernel(layout, dr, tiling, split)
+                    tensor = TensorKernel(layout, dr, tiling, split, heads)
                     kernel = kernel_cache.get_kernel(KernelSpec(jnp.bfloat16, (tensor,)), arch=arch)
-                assert kernel.module[:4] == b"\x7fELF", (layout, head_dim, arch, split)
+                assert kernel.module[:4] == b"\x7fELF", (layout, head_dim, arch, split, heads)
     print("compiled", len(cases), "cases", flush=True)
 
 
@@ -151,7 +153,8 @@ def test_small_calls_split_their_tiles():
     shape = (3, work.padded_total * 128)
     short = Plan((Part(swapped, 128, np.dtype(jnp.bfloat16), work=work),))
     assert short.kernel([shape]).tensors[0].split == 2
-    assert short.launch([shape])[1] == 4 * 3 + 2 * 3 * 5  # a short-tile CTA per span and head (few spans), whole
+    assert short.kernel([shape]).tensors[0].short_heads == 1  # few spans: a short-tile CTA per span and head
+    assert short.launch([shape])[1] == 4 * 3 + 2 * 3 * 5
     fused = Plan((dense.parts[0],) * 3)
     shape = layout.accum_shape(1, 2, 64 * 31, 128)
     assert all(t.split == 1 for t in fused.kernel([shape] * 3).tensors)
@@ -167,6 +170,15 @@ def test_small_calls_split_their_tiles():
             KernelSpec("bf16", tensors)
     with pytest.raises(ValueError, match="1 tensor.s. with a sink"):
         KernelSpec("bf16", (TensorKernel(layout, 128, Tiling.DENSE, 2),), sink=("f32", "f32"))
+    # short-tile CTAs of one head: only a varlen kernel of its own grid, in an order with short tiles
+    assert KernelSpec("bf16", (TensorKernel(swapped, 128, Tiling.VARLEN, 2, 1),)).label == "bf16-varlen2h1"
+    for tensors, sink, why in [((TensorKernel(swapped, 128, Tiling.VARLEN, 1, 2),), None, "short_heads=2"),
+                               ((TensorKernel(swapped, 128, Tiling.DENSE, 1, 1),), None, "DENSE"),
+                               ((TensorKernel(layout, 128, Tiling.VARLEN, 1, 1),), None, "short_heads=1"),
+                               ((TensorKernel(swapped, 128, Tiling.VARLEN, 1, 1),) * 3, None, r"3 tensor\(s\)"),
+                               ((TensorKernel(swapped, 128, Tiling.VARLEN, 1, 1),), ("f32", "f32"), "with a sink")]:
+        with pytest.raises(ValueError, match=why):
+            KernelSpec("bf16", tensors, sink=sink)
 
 
 def test_short_tile_vectors_follow_the_index_map(rng):

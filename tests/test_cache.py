@@ -143,7 +143,7 @@ def test_a_damaged_entry_is_recompiled_and_rewritten_with_one_warning(tmp_path, 
 
     monkeypatch.setenv("JAX_DQPOST_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(kernel_cache, "_cache", {})
-    key = one_part_kernel(jnp.bfloat16, LAYOUT, 128, Tiling.VARLEN, split=2)  # the small call's below
+    key = one_part_kernel(jnp.bfloat16, LAYOUT, 128, Tiling.VARLEN, split=2, short_heads=1)  # the small call's below
     good = kernel_cache.get_kernel(key, arch="sm_90a")
     (entry,) = tmp_path.glob("*.cute")
     intact = entry.read_bytes()
@@ -190,10 +190,12 @@ def test_cache_off_and_precompile_cli(tmp_path):
                           "--head-dims", "64,128", "--dtypes", "bf16", "--tilings", "dense,varlen"],
                          cwd="/", env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
-    # each layout's tiles whole, and split between its 2 warpgroups (a small call's kernel)
-    head = "12 kernels for sm_90a (3 layouts x 1 dtypes x 2 tilings, whole or split tiles)"
-    assert f"{head}: 12 compiled in " in out.stdout, out.stdout
-    assert len(list(tmp_path.glob("*.cute"))) == 12 and len(list(tmp_path.glob("bf16-varlen2-*.cute"))) == 3
+    # each layout's tiles whole, and split between its 2 warpgroups (a small call's kernel); hd128's varlen short
+    # tiles also by CTAs of one head (a pack of few sequences)
+    head = "14 kernels for sm_90a (3 layouts x 1 dtypes x 2 tilings, whole or split tiles, short tiles of 8 heads or 1)"
+    assert f"{head}: 14 compiled in " in out.stdout, out.stdout
+    assert len(list(tmp_path.glob("*.cute"))) == 14 and len(list(tmp_path.glob("bf16-varlen2-*.cute"))) == 3
+    assert len(list(tmp_path.glob("bf16-varlen*h1-*.cute"))) == 2
     again = subprocess.run([sys.executable, "-m", "jax_dqpost.precompile", "--arch", "sm_90a", "--presets", "90",
                             "--head-dims", "128,64", "--dtypes", "bfloat16", "--tilings", "varlen,dense"],
                            cwd="/", env=env, capture_output=True, text=True, timeout=600)
@@ -202,7 +204,7 @@ def test_cache_off_and_precompile_cli(tmp_path):
     damaged = sorted(tmp_path.glob("*.cute"))[0]
     damaged.write_bytes(damaged.read_bytes()[:100])
     healed = subprocess.run(again.args, cwd="/", env=env, capture_output=True, text=True, timeout=600)
-    assert healed.returncode == 0 and ": 1 compiled in " in healed.stdout and "11 already cached" in healed.stdout
+    assert healed.returncode == 0 and ": 1 compiled in " in healed.stdout and "13 already cached" in healed.stdout
     assert healed.stderr.count(f"the kernel cache entry {damaged} was damaged") == 1, healed.stderr[-2000:]
     # The fused kernels too: hd64 has one (dQ, dK/dV) preset pair, hd128 two (causal or not).
     fused = subprocess.run([sys.executable, "-m", "jax_dqpost.precompile", "--arch", "sm_90a", "--presets", "90",
@@ -273,7 +275,7 @@ def test_precompile_checks_cute_dsl_arch_and_takes_sm_90_for_sm_90a(tmp_path):
         "for; the accepted names are sm_80, "), bad.stderr
     for out in (run(["--arch", "sm_90", *small]), run(small, CUTE_DSL_ARCH="sm_90")):
         assert out.returncode == 0, out.stderr[-2000:]
-        assert "2 kernels for sm_90a (1 layouts x 1 dtypes x 1 tilings, whole or split tiles)" in out.stdout
+        assert "2 kernels for sm_90a (1 layouts x 1 dtypes x 1 tilings, whole or split tiles" in out.stdout
     entries = list(tmp_path.glob("*.cute"))
     assert len(entries) == 2 and all("-sm_90a-" in entry.name for entry in entries), entries
 

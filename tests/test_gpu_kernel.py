@@ -29,14 +29,17 @@ _EXECUTORS = {}
 
 
 def _kernels(plan, acc_shape):
-    """The kernel of a one-part ``plan`` on an accumulator of ``acc_shape``, with each split of its tiles the package
-    may choose (``TensorKernel.split``: 1, and the order's warpgroups where it has them)."""
-    from jax_dqpost import kernel_spec
+    """The kernel of a one-part ``plan`` on an accumulator of ``acc_shape``, with each work unit the package may
+    choose: each split of its tiles (``TensorKernel.split``: 1, and the order's warpgroups where it has them) and,
+    varlen with short tiles, short-tile CTAs of 8 heads and of 1 (``TensorKernel.short_heads``)."""
+    from jax_dqpost import kernel_spec, varlen
 
     spec = plan.kernel([acc_shape])
     t = spec.tensors[0]
-    return [dataclasses.replace(spec, tensors=(dataclasses.replace(t, split=s),))
-            for s in sorted({1, kernel_spec.max_split(t.layout, t.padded_head_dim)})]
+    short = t.tiling == kernel_spec.Tiling.VARLEN and varlen.short_rows(t.layout)
+    return [dataclasses.replace(spec, tensors=(dataclasses.replace(t, split=s, short_heads=h),))
+            for s in sorted({1, kernel_spec.max_split(t.layout, t.padded_head_dim)})
+            for h in sorted({varlen.SHORT_HEADS, 1 if short else varlen.SHORT_HEADS})]
 
 
 def _run_on_poisoned_output(torch, spec, plan, t_acc, t_aux, t_scale, n, acc_shape, what):
@@ -125,8 +128,7 @@ def _varlen_on_poisoned_output(rng, layout, D, H, lengths, used, rows_after, sca
         t_meta = torch.from_numpy(meta).cuda()
         for spec in _kernels(plan, acc.shape):
             out = _run_on_poisoned_output(torch, spec, plan, t_acc, t_meta, t_scale, T * H * D, acc.shape, what)
-            assert_same_bits(out.view(np.dtype(dtype)).reshape(T, H, D), want,
-                             f"{what} {work} split {spec.tensors[0].split}")
+            assert_same_bits(out.view(np.dtype(dtype)).reshape(T, H, D), want, f"{what} {work} {spec.label}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "f16"])
@@ -144,19 +146,16 @@ SHORT_TILE_LAYOUTS = {  # the swapped Hopper orders, whose short varlen tiles ta
 }
 
 
-@pytest.mark.parametrize("heads,sequences,per_cta", [(6, 300, 8), (44, 300, 8), (40, 10, 1)])
+@pytest.mark.parametrize("heads", [6, 44])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "f16"])
 @pytest.mark.parametrize("name", SHORT_TILE_LAYOUTS)
-def test_short_varlen_tiles_on_poisoned_output(rng, name, dtype, heads, sequences, per_cta):
-    """Sequences shorter than a tile (0..20 rows, seqused shorter still, rows no sequence covers), long ones with
-    short last tiles, and a negative scale (zeros stay +0): the module run directly on a poisoned buffer with a
-    poisoned guard zone after it. Short-tile CTAs take 8 heads in 300 sequences (6 heads: one partial group; 44: the
-    sixth group partial), one head in 10 sequences (``varlen.short_heads``)."""
-    from jax_dqpost import varlen
-
-    assert varlen.short_heads(sequences + 2, heads) == per_cta
+def test_short_varlen_tiles_on_poisoned_output(rng, name, dtype, heads):
+    """Many sequences shorter than a tile (0..20 rows, seqused shorter still, rows no sequence covers), long ones
+    with short last tiles, 6 or 44 heads (short-tile CTAs of 8 heads: one group, partial, or six, the last partial;
+    or of one head) and a negative scale (zeros stay +0): the module run directly on a poisoned buffer with a
+    poisoned guard zone after it."""
     layout, D = SHORT_TILE_LAYOUTS[name]
-    lengths = [int(n) for n in rng.integers(0, 21, sequences)]
+    lengths = [int(n) for n in rng.integers(0, 21, 300)]
     # an empty sequence, long ones (both paths in one launch: short last tiles of 5 and 16 rows, a long last tile of
     # 17, whole tiles), one row
     lengths[:6] = [0, layout.tile_m + 5, 2 * layout.tile_m + 16, layout.tile_m + 17, 2 * layout.tile_m, 1]

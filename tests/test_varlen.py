@@ -233,20 +233,27 @@ def _op_on(argument):
                                                   seqlen_q=50, **kw(v))), values
 
 
-def test_short_tile_ctas_take_eight_heads_only_where_they_are_many(rng):
-    """``varlen.short_heads``, the kernel's choice on its run-time extents (int32, no comparison), against the rule
-    it implements: 8 heads per short-tile CTA where that makes at least SHORT_CTAS CTAs, else 1; and the launch's
-    CTA count (``grid_ctas``) follows it."""
+def test_a_packed_call_takes_one_head_per_short_tile_cta_where_eight_make_few_ctas(rng):
+    """The plan's choice for a varlen kernel of its own grid (``varlen.short_heads``): short-tile CTAs of 8 heads
+    where that makes at least SHORT_CTAS (128) of them, else of 1; the launch counts its CTAs with that choice. A
+    fused kernel keeps 8."""
     from jax_dqpost import varlen
+    from jax_dqpost.plan import Part, Plan
 
-    spans = np.concatenate([rng.integers(3, 300, 200), [3, 128, 127, 16, 15, 65536]]).astype(np.int32)
-    heads = np.concatenate([rng.integers(1, 130, 200), [1, 1, 1, 8, 9, 128]]).astype(np.int32)
-    want = np.where(spans.astype(np.int64) * ((heads + 7) // 8) >= varlen.SHORT_CTAS, varlen.SHORT_HEADS, 1)
-    got = varlen.short_heads(spans, heads)
-    assert got.dtype == np.int32 and np.array_equal(got, want)
-    for k, h, w in zip(spans.tolist(), heads.tolist(), want.tolist()):
-        assert varlen.short_heads(k, h) == w
-        assert varlen.grid_ctas(h, k + 5, k, 16) == k * -(-h // w) + 5 * h
+    layout = AccumLayout.flash_attention(90, 128, causal=False, tensor="dq", version="4.0.0b36")  # short tiles
+    for batch, heads in [(1, 8 * 42), (1, 8 * 43), (126, 8), (126, 1), (30, 33), (30, 32), (2, 21)] + \
+            [(int(b), int(h)) for b in rng.integers(1, 200, 6) for h in rng.integers(1, 70, 2)]:
+        lengths = rng.integers(0, 3 * layout.tile_m, batch)
+        work, _ = varlen.WorkList.build(np, cu_seqlens(lengths), None, total=int(lengths.sum()), layout=layout)
+        shape = (heads, work.padded_total * 128)
+        want = 8 if (batch + 2) * -(-heads // 8) >= 128 else 1
+        spec = Plan((Part(layout, 128, np.dtype(jnp.bfloat16), work=work),)).kernel([shape])
+        t = spec.tensors[0]
+        assert t.short_heads == want == varlen.short_heads(batch + 2, heads), (batch, heads)
+        ctas = Plan((Part(layout, 128, np.dtype(jnp.bfloat16), work=work),)).launch([shape])[1]
+        assert ctas == (batch + 2) * -(-heads // want) + t.split * heads * (work.num_tiles - batch - 2)
+        fused = Plan((Part(layout, 128, np.dtype(jnp.bfloat16), work=work),) * 3).kernel([shape] * 3)
+        assert {u.short_heads for u in fused.tensors} == {8}
 
 
 @pytest.mark.parametrize("argument", ["cu_seqlens_q", "seqused_q", "cu_seqlens_k", "seqused_k"])

@@ -8,8 +8,8 @@ repository root:
         and varlen (64 random lengths)
     python -m benchmarks.ncu_kernels sizes [CONFIG ...]
         the size sweep's rows from 1 MB to 1 GB (``cases.SIZES``; varlen: packs of 2-8 sequences), ours with the
-        tuning variants of SIZE_VARIANTS (each checked bit-equal to the default's output) against the same-bytes
-        copy, graph replay, median of 15
+        tuning variants of SIZE_VARIANTS (and SHORT_SIZE_VARIANTS where short tiles are; each checked bit-equal to
+        the default's output) against the same-bytes copy, graph replay, median of 15
     python -m benchmarks.ncu_kernels short [COUNT ...] [--l2-fetch BYTES]
         the benchmark's short-sequence cases (hd128, 64 to 8000 sequences in 16384 tokens, static and traced offsets;
         COUNT: only those sequence counts, "ref": the varlen reference case, 64 random lengths), ours with the tuning
@@ -33,14 +33,17 @@ import numpy as np
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
+from jax_dqpost.varlen import short_rows  # noqa: E402
+
 from . import cases as bench_cases, harness  # noqa: E402
 
 # Variants tried per configuration by `sweep` (the first, {}, is the package's default).
 VARIANTS = [{}, {"min_ctas_per_sm": 0}]
-# ... by `sizes`
+# ... by `sizes` (and, varlen with short tiles, SHORT_SIZE_VARIANTS)
 SIZE_VARIANTS = [{}, {"split": 1}, {"split": 2}, {"pdl": False}]
+SHORT_SIZE_VARIANTS = [{"short_heads": 1}, {"short_heads": 8}]
 # ... and by `short` (varlen only).
-SHORT_VARIANTS = [{}, {"short_heads": 4}, {"short_heads": 16}, {"short_heads": 32}, {"min_ctas_per_sm": 3}]
+SHORT_VARIANTS = [{}, {"short_heads": 1}, {"short_heads": 2}, {"short_heads": 4}, {"min_ctas_per_sm": 3}]
 
 
 def cases(names, torch, fa4, packings=("dense",)):
@@ -78,7 +81,9 @@ def sizes(names, torch, fa4, samples=15):
                 case.torch_buffers()
                 copy, _ = harness.graph_per_call(torch, case.copy_run(), case.copies, samples)
                 tag = f"{case.bytes / 1e6:8.1f} MB {name:13s} {packing:7s}"
-                for label, t in [("copy", copy)] + _time_variants(case, SIZE_VARIANTS, samples, tag):
+                short = case.cu is not None and short_rows(case.layout)
+                variants = SIZE_VARIANTS + (SHORT_SIZE_VARIANTS if short else [])
+                for label, t in [("copy", copy)] + _time_variants(case, variants, samples, tag):
                     print(f"{tag} {label:36s} {t * 1e6:8.2f} us {copy / t:7.1%} of copy", flush=True)
                 case.free_torch()
 

@@ -33,8 +33,6 @@ import numpy as np
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-from jax_dqpost.varlen import short_rows  # noqa: E402
-
 from . import cases as bench_cases, harness  # noqa: E402
 
 # Variants tried per configuration by `sweep` (the first, {}, is the package's default).
@@ -81,7 +79,7 @@ def sizes(names, torch, fa4, samples=15):
                 case.torch_buffers()
                 copy, _ = harness.graph_per_call(torch, case.copy_run(), case.copies, samples)
                 tag = f"{case.bytes / 1e6:8.1f} MB {name:13s} {packing:7s}"
-                short = case.cu is not None and short_rows(case.layout)
+                short = case.cu is not None and case.part.work.short_rows  # the work list's (internals.varlen_part)
                 variants = SIZE_VARIANTS + (SHORT_SIZE_VARIANTS if short else [])
                 for label, t in [("copy", copy)] + _time_variants(case, variants, samples, tag):
                     print(f"{tag} {label:36s} {t * 1e6:8.2f} us {copy / t:7.1%} of copy", flush=True)

@@ -87,8 +87,8 @@ class Postprocess:
 
     With ``pdl`` the kernel is launched with programmatic dependent launch: it may start while the kernel before it
     on the stream is still running, and waits for that one's completion (``griddepcontrol.wait``) before its
-    first access to global memory. It does not trigger the kernel after it early
-    (``griddepcontrol.launch_dependents``): that one's waiting CTAs would hold SMs our later CTAs need.
+    first access to global memory. It does not let the kernel after it start early
+    (``griddepcontrol.launch_dependents``; docs/performance.md weighs it).
     """
 
     def __init__(self, spec: KernelSpec, *, target_sm: int = 90, min_ctas_per_sm: int | None = None,

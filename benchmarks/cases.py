@@ -122,8 +122,7 @@ class Case:
             self.out_shape = (self.tokens, H, head_dim)
             self.tile_ctas = H * int(sum(-(-n // tm) for n in np.diff(self.cu)))  # a grid without the work list
         self.plan = internals.plan([self.part])
-        if packing == "varlen":
-            self.ctas = self.plan.launch([self.acc_shape])[1]  # launched: the work list's grid, tiles split or whole
+        self.ctas = self.plan.launch([self.acc_shape])[1]  # launched (every batch's): tiles split or whole
         dr = self.part.padded_head_dim
         self.bytes = self.tokens * H * (dr * 4 + head_dim * 2)  # useful bytes: rows of the sequences only
         per_call = int(np.prod(self.acc_shape)) * 4 + int(np.prod(self.out_shape)) * 2

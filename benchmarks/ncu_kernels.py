@@ -78,7 +78,7 @@ def sizes(names, torch, fa4, samples=15):
                 case = bench_cases.Case(name, D, causal, packing, size, rng, torch, fa4)
                 case.torch_buffers()
                 copy, _ = harness.graph_per_call(torch, case.copy_run(), case.copies, samples)
-                tag = f"{case.bytes / 1e6:8.1f} MB {name:13s} {packing:7s}"
+                tag = f"{case.bytes / 1e6:8.1f} MB {name:13s} {packing:7s} {case.ctas:6d} CTAs"
                 short = case.cu is not None and case.part.work.short_rows  # the work list's (internals.varlen_part)
                 variants = SIZE_VARIANTS + (SHORT_SIZE_VARIANTS if short else [])
                 for label, t in [("copy", copy)] + _time_variants(case, variants, samples, tag):

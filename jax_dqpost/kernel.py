@@ -39,6 +39,9 @@ from .schedule import TensorArgs, VarlenScheduler, read_span, scheduler
 from .tile import TileConverter
 
 _WARP = 32
+TRIGGER_CTAS = 0
+"""With ``pdl``: grids of at most this many CTAs let the kernel after them start early
+(``griddepcontrol.launch_dependents``, every CTA at its start); 0: none do."""
 _LOG2_E = math.log2(math.e)
 
 
@@ -83,7 +86,7 @@ class Postprocess:
     ``spec``: the :class:`~jax_dqpost.kernel_spec.KernelSpec` (``Plan.kernel``); the binary depends on it and the
     target GPU only. Tuning, for experiments (benchmarks/ncu_kernels.py; the package compiles with the defaults):
     ``min_ctas_per_sm`` (:class:`TileConverter`), ``short_heads`` (``schedule.ShortTileScheduler``; None: the
-    spec's) and ``pdl`` (None: where the target has it, sm_90 on).
+    spec's), ``pdl`` (None: where the target has it, sm_90 on) and ``trigger_ctas`` (None: :data:`TRIGGER_CTAS`).
 
     With ``pdl`` the kernel is launched with programmatic dependent launch: it may start while the kernel before it
     on the stream is still running, and waits for that one's completion (``griddepcontrol.wait``) before its
@@ -92,10 +95,11 @@ class Postprocess:
     """
 
     def __init__(self, spec: KernelSpec, *, target_sm: int = 90, min_ctas_per_sm: int | None = None,
-                 short_heads: int | None = None, pdl: bool | None = None):
+                 short_heads: int | None = None, pdl: bool | None = None, trigger_ctas: int | None = None):
         parts = spec.tensors
         sink = None if spec.sink is None else (cute_type(spec.sink[0]), cute_type(spec.sink[1]))
         self.pdl = target_sm >= 90 if pdl is None else pdl
+        self.trigger_ctas = TRIGGER_CTAS if trigger_ctas is None else trigger_ctas
         self.names = spec.names
         self.dtype = dtype = cute_type(spec.dtype)
         self.converters = tuple(TileConverter(dtype, p.layout, p.padded_head_dim, tiling=p.tiling, target_sm=target_sm,
@@ -150,6 +154,10 @@ class Postprocess:
         bid, _, bz = cute.arch.block_idx()
         if const_expr(self.pdl):
             cute.arch.griddepcontrol_wait()
+            if const_expr(self.trigger_ctas > 0):
+                grid_x, _, grid_z = cute.arch.grid_dim()
+                if grid_x * grid_z <= self.trigger_ctas:  # the same answer in every CTA
+                    cute.arch.griddepcontrol_launch_dependents()
         if const_expr(self.own_grid):
             # The whole grid is the part's: no CTA count to compare, the tile allocated by the part (a count and a
             # shared buffer cost 20-100 ns a launch)

@@ -80,11 +80,12 @@ class Part:
 
     def own_grid_kernel(self, acc_shape) -> TensorKernel:
         """:meth:`kernel` when this part is a kernel's own grid: tiles split below ``kernel_spec.split_for``'s count
-        of CTAs (every batch's), short tiles by ``varlen.short_heads`` heads a CTA."""
+        of CTAs (every batch's; short tiles counted at ``varlen.SHORT_HEADS`` heads a CTA, whatever the kernel's),
+        short tiles by ``varlen.short_heads`` heads a CTA."""
         short_heads = varlen.SHORT_HEADS
         if self.work is not None and self.work.short_rows:
             short_heads = varlen.short_heads(self.work.num_spans, self.heads(acc_shape))
-        ctas = self.ctas(acc_shape, 1, short_heads) * (1 if self.work is not None else acc_shape[0])
+        ctas = self.ctas(acc_shape, 1, varlen.SHORT_HEADS) * (1 if self.work is not None else acc_shape[0])
         return self.kernel(kernel_spec.split_for(self.layout, self.padded_head_dim, self.tiling, ctas), short_heads)
 
     # ---- shapes ----------------------------------------------------------------------------------

@@ -170,8 +170,9 @@ def main(argv=None) -> int:
     singles = [((layout, dr, t, split, heads),) for layout, dr in configs for t in tilings
                for split in sorted({1, max_split(layout, dr)})
                for heads in sorted({SHORT_HEADS, 1 if t == Tiling.VARLEN and short_rows(layout) else SHORT_HEADS})]
+    short = ", short tiles of 8 heads or 1" if any(heads != SHORT_HEADS for ((*_, heads),) in singles) else ""
     kinds = [("kernels", singles, [None], f"{len(configs)} layouts x {len(args.dtypes)} dtypes x {len(tilings)} "
-              "tilings, whole or split tiles, short tiles of 8 heads or 1")]
+              f"tilings, whole or split tiles{short}")]
     if args.fused:
         fused = fused_configurations(presets, args.head_dims)
         sinks = [None if sink == "none" else (sink, sink) for sink in args.fused]

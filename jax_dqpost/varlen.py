@@ -74,8 +74,8 @@ def short_rows(layout) -> int:
 def short_heads(num_spans: int, heads: int) -> int:
     """Heads per short-tile CTA in a kernel of its own grid (``TensorKernel.short_heads``): :data:`SHORT_HEADS`, or 1
     where that would make fewer than :data:`SHORT_CTAS` CTAs (a pack of a few sequences, whose few short-tile CTAs,
-    converting their heads in rounds, would be the call's tail)."""
-    return SHORT_HEADS if num_spans * -(-heads // SHORT_HEADS) >= SHORT_CTAS else 1
+    converting their heads in rounds, would be the call's tail). One head: :data:`SHORT_HEADS` (the same grid)."""
+    return SHORT_HEADS if heads <= 1 or num_spans * -(-heads // SHORT_HEADS) >= SHORT_CTAS else 1
 
 
 def grid_ctas(heads, num_tiles, num_spans, short_rows: int, short_heads: int = SHORT_HEADS, split: int = 1):

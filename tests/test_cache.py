@@ -275,7 +275,7 @@ def test_precompile_checks_cute_dsl_arch_and_takes_sm_90_for_sm_90a(tmp_path):
         "for; the accepted names are sm_80, "), bad.stderr
     for out in (run(["--arch", "sm_90", *small]), run(small, CUTE_DSL_ARCH="sm_90")):
         assert out.returncode == 0, out.stderr[-2000:]
-        assert "2 kernels for sm_90a (1 layouts x 1 dtypes x 1 tilings, whole or split tiles" in out.stdout
+        assert "2 kernels for sm_90a (1 layouts x 1 dtypes x 1 tilings, whole or split tiles)" in out.stdout
     entries = list(tmp_path.glob("*.cute"))
     assert len(entries) == 2 and all("-sm_90a-" in entry.name for entry in entries), entries
 

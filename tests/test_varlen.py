@@ -235,21 +235,30 @@ def _op_on(argument):
 
 def test_a_packed_call_takes_one_head_per_short_tile_cta_where_eight_make_few_ctas(rng):
     """The plan's choice for a varlen kernel of its own grid (``varlen.short_heads``): short-tile CTAs of 8 heads
-    where that makes at least SHORT_CTAS (128) of them, else of 1; the launch counts its CTAs with that choice. A
-    fused kernel keeps 8."""
-    from jax_dqpost import varlen
+    where that makes at least SHORT_CTAS (128) of them, else of 1 (one head: 8, the same grid); the launch counts
+    its CTAs with that choice, and the split (``kernel_spec.split_for``) counts short-tile CTAs at 8 heads whatever
+    the choice. A fused kernel keeps 8."""
+    from jax_dqpost import kernel_spec, varlen
     from jax_dqpost.plan import Part, Plan
 
     layout = AccumLayout.flash_attention(90, 128, causal=False, tensor="dq", version="4.0.0b36")  # short tiles
-    for batch, heads in [(1, 8 * 42), (1, 8 * 43), (126, 8), (126, 1), (30, 33), (30, 32), (2, 21)] + \
-            [(int(b), int(h)) for b in rng.integers(1, 200, 6) for h in rng.integers(1, 70, 2)]:
+    assert kernel_spec.max_split(layout, 128) > 1
+    for batch, heads in [(1, 8 * 42), (1, 8 * 43), (126, 8), (126, 1), (2, 1), (30, 33), (30, 32), (2, 21)] + \
+            [(2, 64), (2, 30)] + [(int(b), int(h)) for b in rng.integers(1, 200, 6) for h in rng.integers(1, 70, 2)]:
         lengths = rng.integers(0, 3 * layout.tile_m, batch)
+        if (batch, heads) in [(2, 64), (2, 30)]:  # splits at 8 heads a short CTA, would not at 1 (reviewed case)
+            lengths = np.array([90, 90])
         work, _ = varlen.WorkList.build(np, cu_seqlens(lengths), None, total=int(lengths.sum()), layout=layout)
         shape = (heads, work.padded_total * 128)
-        want = 8 if (batch + 2) * -(-heads // 8) >= 128 else 1
-        spec = Plan((Part(layout, 128, np.dtype(jnp.bfloat16), work=work),)).kernel([shape])
+        want = 8 if heads == 1 or (batch + 2) * -(-heads // 8) >= 128 else 1
+        part = Part(layout, 128, np.dtype(jnp.bfloat16), work=work)
+        spec = Plan((part,)).kernel([shape])
         t = spec.tensors[0]
         assert t.short_heads == want == varlen.short_heads(batch + 2, heads), (batch, heads)
+        at_eight = varlen.grid_ctas(heads, work.num_tiles, batch + 2, work.short_rows)
+        assert t.split == kernel_spec.split_for(layout, 128, part.tiling, at_eight), (batch, heads, at_eight)
+        if (batch, heads) in [(2, 64), (2, 30)]:
+            assert t.split > 1 and want == 1, (batch, heads, t)
         ctas = Plan((Part(layout, 128, np.dtype(jnp.bfloat16), work=work),)).launch([shape])[1]
         assert ctas == (batch + 2) * -(-heads // want) + t.split * heads * (work.num_tiles - batch - 2)
         fused = Plan((Part(layout, 128, np.dtype(jnp.bfloat16), work=work),) * 3).kernel([shape] * 3)

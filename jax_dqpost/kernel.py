@@ -39,9 +39,11 @@ from .schedule import TensorArgs, VarlenScheduler, read_span, scheduler
 from .tile import TileConverter
 
 _WARP = 32
-TRIGGER_CTAS = 0
-"""With ``pdl``: grids of at most this many CTAs let the kernel after them start early
-(``griddepcontrol.launch_dependents``, every CTA at its start); 0: none do."""
+TRIGGERS = ("none", "start", "tile")
+TRIGGER = "none"
+"""With ``pdl``, where a CTA lets the kernel after it start early (``griddepcontrol.launch_dependents``; the next
+kernel launches once every CTA has done so or exited): ``"none"``: nowhere (at exit), ``"start"``: every CTA at its
+start, ``"tile"``: a CTA that converts a tile (or reduces a sink), before its first load; an empty one exits."""
 _LOG2_E = math.log2(math.e)
 
 
@@ -86,7 +88,7 @@ class Postprocess:
     ``spec``: the :class:`~jax_dqpost.kernel_spec.KernelSpec` (``Plan.kernel``); the binary depends on it and the
     target GPU only. Tuning, for experiments (benchmarks/ncu_kernels.py; the package compiles with the defaults):
     ``min_ctas_per_sm`` (:class:`TileConverter`), ``short_heads`` (``schedule.ShortTileScheduler``; None: the
-    spec's), ``pdl`` (None: where the target has it, sm_90 on) and ``trigger_ctas`` (None: :data:`TRIGGER_CTAS`).
+    spec's), ``pdl`` (None: where the target has it, sm_90 on) and ``trigger`` (None: :data:`TRIGGER`).
 
     With ``pdl`` the kernel is launched with programmatic dependent launch: it may start while the kernel before it
     on the stream is still running, and waits for that one's completion (``griddepcontrol.wait``) before its
@@ -95,11 +97,13 @@ class Postprocess:
     """
 
     def __init__(self, spec: KernelSpec, *, target_sm: int = 90, min_ctas_per_sm: int | None = None,
-                 short_heads: int | None = None, pdl: bool | None = None, trigger_ctas: int | None = None):
+                 short_heads: int | None = None, pdl: bool | None = None, trigger: str | None = None):
         parts = spec.tensors
         sink = None if spec.sink is None else (cute_type(spec.sink[0]), cute_type(spec.sink[1]))
         self.pdl = target_sm >= 90 if pdl is None else pdl
-        self.trigger_ctas = TRIGGER_CTAS if trigger_ctas is None else trigger_ctas
+        self.trigger = TRIGGER if trigger is None else trigger
+        if self.trigger not in TRIGGERS:
+            raise ValueError(f"trigger must be one of {TRIGGERS}, got {self.trigger!r}")
         self.names = spec.names
         self.dtype = dtype = cute_type(spec.dtype)
         self.converters = tuple(TileConverter(dtype, p.layout, p.padded_head_dim, tiling=p.tiling, target_sm=target_sm,
@@ -154,10 +158,8 @@ class Postprocess:
         bid, _, bz = cute.arch.block_idx()
         if const_expr(self.pdl):
             cute.arch.griddepcontrol_wait()
-            if const_expr(self.trigger_ctas > 0):
-                grid_x, _, grid_z = cute.arch.grid_dim()
-                if grid_x * grid_z <= self.trigger_ctas:  # the same answer in every CTA
-                    cute.arch.griddepcontrol_launch_dependents()
+            if const_expr(self.trigger == "start"):
+                cute.arch.griddepcontrol_launch_dependents()
         if const_expr(self.own_grid):
             # The whole grid is the part's: no CTA count to compare, the tile allocated by the part (a count and a
             # shared buffer cost 20-100 ns a launch)
@@ -176,6 +178,7 @@ class Postprocess:
             q = self._part_args(0, pointers, extents)
             start = q.heads
             if bid < q.heads:
+                self._trigger()
                 if tidx < self.sink_threads:
                     self._reduce_sink(bid, tidx, pointers[at["learnable_sink"]], pointers[at["lse"]],
                                       pointers[at["dpsum"]], pointers[at["dsink"]], q, base)
@@ -212,11 +215,15 @@ class Postprocess:
             if x < short_ctas:
                 span, group = x % part.dim0, x // part.dim0
                 short = self.schedulers[i].short
-                self.converters[i].short_tile(part, group, short.tile(part, span), tidx, short.short_heads)
+                tile = short.tile(part, span)
+                if tile.rows_total > 0:
+                    self._trigger()
+                self.converters[i].short_tile(part, group, tile, tidx, short.short_heads)
             else:
                 split = self.converters[i].split  # CTAs of a tile and head, consecutive
                 slot = (x - short_ctas) // split // part.heads
                 if slot < self.schedulers[i].long_tiles(part):  # the slots past them (traced offsets' bound) stop
+                    self._trigger()
                     head = (x - short_ctas) // split % part.heads
                     tile = self.schedulers[i].tile(part, slot, head)
                     self.converters[i].tile(part, head, tile, tidx, smem, may_be_empty=True,
@@ -224,8 +231,15 @@ class Postprocess:
         else:
             split = self.converters[i].split
             bx, head = x // split // part.heads, x // split % part.heads
-            self.converters[i].tile(part, head, self.schedulers[i].tile(part, bx, head, bz), tidx, smem,
-                                    sub=x % split)
+            tile = self.schedulers[i].tile(part, bx, head, bz)
+            if tile.rows_total > 0:
+                self._trigger()
+            self.converters[i].tile(part, head, tile, tidx, smem, sub=x % split)
+
+    def _trigger(self):
+        """``griddepcontrol.launch_dependents`` where :data:`TRIGGER` is ``"tile"``."""
+        if const_expr(self.pdl and self.trigger == "tile"):
+            cute.arch.griddepcontrol_launch_dependents()
 
     # ---- the sink gradient ------------------------------------------------------------------------
     def _sink_sync(self):

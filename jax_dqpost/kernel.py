@@ -39,11 +39,12 @@ from .schedule import TensorArgs, VarlenScheduler, read_span, scheduler
 from .tile import TileConverter
 
 _WARP = 32
-TRIGGERS = ("none", "start", "tile")
+TRIGGERS = ("none", "start", "tile", "work")
 TRIGGER = "none"
 """With ``pdl``, where a CTA lets the kernel after it start early (``griddepcontrol.launch_dependents``; the next
 kernel launches once every CTA has done so or exited): ``"none"``: nowhere (at exit), ``"start"``: every CTA at its
-start, ``"tile"``: a CTA that converts a tile (or reduces a sink), before its first load; an empty one exits."""
+start, ``"tile"``: a CTA that converts a tile (or reduces a sink), before its first load; an empty one exits;
+``"work"``: as ``"tile"``, but short-tile CTAs at their start (before their span lookups)."""
 _LOG2_E = math.log2(math.e)
 
 
@@ -215,9 +216,12 @@ class Postprocess:
             if x < short_ctas:
                 span, group = x % part.dim0, x // part.dim0
                 short = self.schedulers[i].short
+                if const_expr(self.trigger == "work"):
+                    self._trigger()
                 tile = short.tile(part, span)
                 if tile.rows_total > 0:
-                    self._trigger()
+                    if const_expr(self.trigger == "tile"):
+                        self._trigger()
                 self.converters[i].short_tile(part, group, tile, tidx, short.short_heads)
             else:
                 split = self.converters[i].split  # CTAs of a tile and head, consecutive
@@ -237,8 +241,8 @@ class Postprocess:
             self.converters[i].tile(part, head, tile, tidx, smem, sub=x % split)
 
     def _trigger(self):
-        """``griddepcontrol.launch_dependents`` where :data:`TRIGGER` is ``"tile"``."""
-        if const_expr(self.pdl and self.trigger == "tile"):
+        """``griddepcontrol.launch_dependents`` where :data:`TRIGGER` is ``"tile"`` or ``"work"``."""
+        if const_expr(self.pdl and self.trigger in ("tile", "work")):
             cute.arch.griddepcontrol_launch_dependents()
 
     # ---- the sink gradient ------------------------------------------------------------------------

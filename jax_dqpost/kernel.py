@@ -39,12 +39,12 @@ from .schedule import TensorArgs, VarlenScheduler, read_span, scheduler
 from .tile import TileConverter
 
 _WARP = 32
-TRIGGERS = ("none", "start", "tile", "work")
-TRIGGER = "none"
-"""With ``pdl``, where a CTA lets the kernel after it start early (``griddepcontrol.launch_dependents``; the next
-kernel launches once every CTA has done so or exited): ``"none"``: nowhere (at exit), ``"start"``: every CTA at its
-start, ``"tile"``: a CTA that converts a tile (or reduces a sink), before its first load; an empty one exits;
-``"work"``: as ``"tile"``, but short-tile CTAs at their start (before their span lookups)."""
+TRIGGERS = ("tile", "start", "none")
+TRIGGER = "tile"
+"""With ``pdl``, where a CTA lets the kernel after it start early (``griddepcontrol.launch_dependents``; that kernel
+launches once every CTA has done so or exited): ``"tile"``: a CTA that converts a tile (or reduces a sink), once it
+knows it has one, before its first accumulator load; an empty one (a traced grid's slot past the work) just exits.
+``"start"``: every CTA at its start; ``"none"``: at exit (docs/performance.md weighs the three)."""
 _LOG2_E = math.log2(math.e)
 
 
@@ -93,8 +93,8 @@ class Postprocess:
 
     With ``pdl`` the kernel is launched with programmatic dependent launch: it may start while the kernel before it
     on the stream is still running, and waits for that one's completion (``griddepcontrol.wait``) before its
-    first access to global memory. It does not let the kernel after it start early
-    (``griddepcontrol.launch_dependents``; docs/performance.md weighs it).
+    first access to global memory; it lets the kernel after it start early where ``trigger`` says
+    (:data:`TRIGGER`).
     """
 
     def __init__(self, spec: KernelSpec, *, target_sm: int = 90, min_ctas_per_sm: int | None = None,
@@ -216,12 +216,9 @@ class Postprocess:
             if x < short_ctas:
                 span, group = x % part.dim0, x // part.dim0
                 short = self.schedulers[i].short
-                if const_expr(self.trigger == "work"):
-                    self._trigger()
                 tile = short.tile(part, span)
                 if tile.rows_total > 0:
-                    if const_expr(self.trigger == "tile"):
-                        self._trigger()
+                    self._trigger()
                 self.converters[i].short_tile(part, group, tile, tidx, short.short_heads)
             else:
                 split = self.converters[i].split  # CTAs of a tile and head, consecutive
@@ -241,8 +238,8 @@ class Postprocess:
             self.converters[i].tile(part, head, tile, tidx, smem, sub=x % split)
 
     def _trigger(self):
-        """``griddepcontrol.launch_dependents`` where :data:`TRIGGER` is ``"tile"`` or ``"work"``."""
-        if const_expr(self.pdl and self.trigger in ("tile", "work")):
+        """``griddepcontrol.launch_dependents`` in a CTA with work, where ``trigger`` is ``"tile"``."""
+        if const_expr(self.pdl and self.trigger == "tile"):
             cute.arch.griddepcontrol_launch_dependents()
 
     # ---- the sink gradient ------------------------------------------------------------------------

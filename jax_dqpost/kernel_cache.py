@@ -1,8 +1,8 @@
 """Compile the CuTe DSL kernel once per binary-changing configuration; cutlass is imported lazily here.
 
 The key (``Plan.kernel``, a :class:`~jax_dqpost.kernel_spec.KernelSpec`, and the target GPU) holds what changes the
-binary: output dtype, each part's accumulator layout, padded head dim, tiling and split, the sink's dtypes and the GPU
-architecture. Batch, heads, sequence lengths, head dims and scales are run-time arguments of the compiled module, so
+binary: output dtype, each part's accumulator layout, padded head dim, tiling, split and short-tile heads, the sink's
+dtypes and the GPU architecture. Batch, heads, sequence lengths, head dims and scales are run-time arguments of the compiled module, so
 they never trigger a compile.
 
 Two caches: in memory (per process), and on disk. ``JAX_DQPOST_CACHE_DIR`` names the disk cache's directory, an
@@ -245,8 +245,8 @@ def compile_executor(spec: KernelSpec, arch: str, **tuning):
     """``cute.compile`` the kernel of ``spec`` for ``arch``; CuTe's executor, callable from Python with
     ``kernel.entry_args`` and a stream. Callers serialise through ``_lock`` or accept that the DSL's global arch is
     set here (and restored afterwards). ``tuning``: ``kernel.Postprocess``'s tuning keywords (``min_ctas_per_sm``,
-    ``short_heads``, ``pdl``, ``trigger``) for experiments (benchmarks/ncu_kernels.py); the package itself always compiles with the
-    defaults, which is why they are not part of the key."""
+    ``short_heads``, ``pdl``, ``trigger``) for experiments (benchmarks/ncu_kernels.py); the package itself always
+    compiles with the defaults, which is why they are not part of the key."""
     try:
         from .kernel import Postprocess, entry_args
     except ModuleNotFoundError as e:
@@ -259,7 +259,9 @@ def compile_executor(spec: KernelSpec, arch: str, **tuning):
     return _cute_compile(kernel, args, arch)
 
 
-def _cute_compile(kernel, args: tuple, arch: str):
+def _cute_compile(kernel, args: tuple, arch: str, options: str = ""):
+    """``cute.compile`` for ``arch``, with the DSL's compile ``options`` beside ``--gpu-arch`` (e.g. ``--keep-ptx``:
+    the executor's ``__ptx__``)."""
     try:
         import cuda.bindings.driver as cuda
         import cutlass.cute as cute
@@ -282,7 +284,7 @@ def _cute_compile(kernel, args: tuple, arch: str):
             # with compile-time constants (a run-time index would move them to local memory). The DSL warns
             # about such loops from 64 iterations on; their compile time is measured in the tests.
             warnings.filterwarnings("ignore", category=DSLOptimizationWarning)
-            return cute.compile(kernel, *args, cuda.CUstream(0), options=f"--gpu-arch {arch}")
+            return cute.compile(kernel, *args, cuda.CUstream(0), options=f"--gpu-arch {arch} {options}".strip())
     finally:
         if raw:
             envar._arch = previous

@@ -181,6 +181,39 @@ def test_small_calls_split_their_tiles():
             KernelSpec("bf16", tensors, sink=sink)
 
 
+def test_programmatic_dependent_launch_where_the_target_has_it():
+    """sm_90 on: the kernel waits for the previous one (``griddepcontrol.wait``, once, first) and lets the next one
+    launch (``griddepcontrol.launch_dependents``) from each place a CTA finds its work (``kernel.TRIGGER``: a dense
+    tile; a varlen short tile and long-tile slot; each part of a fused kernel and its sink CTAs), at every CTA's start
+    with ``trigger="start"``, nowhere with ``"none"``; sm_80 has neither. A ``trigger`` of no mode is refused."""
+    from jax_dqpost.kernel import Postprocess, entry_args
+    from jax_dqpost import abi
+
+    swapped = AccumLayout.flash_attention(90, 128, causal=False, tensor="dq", version="4.0.0b36")  # short tiles
+    work, _ = varlen.WorkList.build(np, [0, 245, 400], None, total=400, layout=swapped)
+    dense = Part(swapped, 128, np.dtype(jnp.bfloat16), seqlen=256)
+    f32 = np.dtype(np.float32)
+    calls = [(Plan((dense,)), [swapped.accum_shape(1, 2, 256, 128)], 1),
+             (Plan((Part(swapped, 128, np.dtype(jnp.bfloat16), work=work),)), [(2, work.padded_total * 128)], 2),
+             (Plan((dense,) * 3, sink_dtype=f32, dsink_dtype=f32), [swapped.accum_shape(1, 2, 256, 128)] * 3, 4)]
+    for plan, shapes, places in calls:
+        spec = plan.kernel(shapes)
+        n = len(spec.tensors)
+        pointers = [16] * len(abi.pointers(n, spec.sink is not None))  # placeholders: compiled, not run
+        args = entry_args(spec.dtype, n, spec.sink, pointers, [1, 1, 1, 8, 1] * n)
+        for arch, trigger, waits, triggers in [("sm_90a", None, 1, places), ("sm_90a", "start", 1, 1),
+                                                ("sm_90a", "none", 1, 0), ("sm_80", None, 0, 0)]:
+            kernel = Postprocess(spec, target_sm=int(arch[3:5]), trigger=trigger)
+            ptx = kernel_cache._cute_compile(kernel, args, arch, "--keep-ptx").__ptx__
+            body = ptx[ptx.index(".entry"):]
+            got = (body.count("griddepcontrol.wait"), body.count("griddepcontrol.launch_dependents"))
+            assert got == (waits, triggers), (spec.label, arch, trigger, got)
+            if waits:
+                assert body.index("griddepcontrol.wait") < body.find("ld.global"), (spec.label, trigger)
+    with pytest.raises(ValueError, match="trigger must be one of .*got 'end'"):
+        Postprocess(calls[0][0].kernel(calls[0][1]), trigger="end")
+
+
 def test_short_tile_vectors_follow_the_index_map(rng):
     """The kernel's short-tile path reads rows (2p, 2p + 1), columns 16 j .. 16 j + 15 of a swapped Hopper tile as
     eight 16-byte vectors (``TileConverter.short_vector``): checked against ``tile_index_map`` for every row pair

@@ -2,8 +2,8 @@
 
 The key (``Plan.kernel``, a :class:`~jax_dqpost.kernel_spec.KernelSpec`, and the target GPU) holds what changes the
 binary: output dtype, each part's accumulator layout, padded head dim, tiling, split and short-tile heads, the sink's
-dtypes and the GPU architecture. Batch, heads, sequence lengths, head dims and scales are run-time arguments of the compiled module, so
-they never trigger a compile.
+dtypes and the GPU architecture. Batch, heads, sequence lengths, head dims and scales are run-time arguments of the
+compiled module, so they never trigger a compile.
 
 Two caches: in memory (per process), and on disk. ``JAX_DQPOST_CACHE_DIR`` names the disk cache's directory, an
 absolute path; ``none`` (that spelling only) turns it off; unset or empty, it is ``$XDG_CACHE_HOME/jax_dqpost`` (an

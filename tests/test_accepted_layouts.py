@@ -181,7 +181,7 @@ def test_small_calls_split_their_tiles():
             KernelSpec("bf16", tensors, sink=sink)
 
 
-def test_programmatic_dependent_launch_where_the_target_has_it():
+def test_programmatic_dependent_launch_where_the_target_has_it(tmp_path):
     """sm_90 on: the kernel waits for the previous one (``griddepcontrol.wait``, once, first) and lets the next one
     launch (``griddepcontrol.launch_dependents``) from each place a CTA finds its work (``kernel.TRIGGER``: a dense
     tile; a varlen short tile and long-tile slot; each part of a fused kernel and its sink CTAs), at every CTA's start
@@ -204,7 +204,7 @@ def test_programmatic_dependent_launch_where_the_target_has_it():
         for arch, trigger, waits, triggers in [("sm_90a", None, 1, places), ("sm_90a", "start", 1, 1),
                                                 ("sm_90a", "none", 1, 0), ("sm_80", None, 0, 0)]:
             kernel = Postprocess(spec, target_sm=int(arch[3:5]), trigger=trigger)
-            ptx = kernel_cache._cute_compile(kernel, args, arch, "--keep-ptx").__ptx__
+            ptx = kernel_cache._cute_compile(kernel, args, arch, f"--keep-ptx --dump-dir={tmp_path}").__ptx__
             body = ptx[ptx.index(".entry"):]
             got = (body.count("griddepcontrol.wait"), body.count("griddepcontrol.launch_dependents"))
             assert got == (waits, triggers), (spec.label, arch, trigger, got)

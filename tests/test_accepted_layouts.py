@@ -184,8 +184,9 @@ def test_small_calls_split_their_tiles():
 def test_programmatic_dependent_launch_where_the_target_has_it(tmp_path):
     """sm_90 on: the kernel waits for the previous one (``griddepcontrol.wait``, once, first) and lets the next one
     launch (``griddepcontrol.launch_dependents``) from each place a CTA finds its work (``kernel.TRIGGER``: a dense
-    tile; a varlen short tile and long-tile slot; each part of a fused kernel and its sink CTAs), at every CTA's start
-    with ``trigger="start"``, nowhere with ``"none"``; sm_80 has neither. A ``trigger`` of no mode is refused."""
+    tile; a varlen short tile and long-tile slot, after the work list's loads; each part of a fused kernel and its
+    sink CTAs), at every CTA's start with ``trigger="start"``, nowhere with ``"none"``; sm_80 has neither. A
+    ``trigger`` of no mode is refused."""
     from jax_dqpost.kernel import Postprocess, entry_args
     from jax_dqpost import abi
 
@@ -210,6 +211,9 @@ def test_programmatic_dependent_launch_where_the_target_has_it(tmp_path):
             assert got == (waits, triggers), (spec.label, arch, trigger, got)
             if waits:
                 assert body.index("griddepcontrol.wait") < body.find("ld.global"), (spec.label, trigger)
+            if triggers and spec.tensors[0].tiling == Tiling.VARLEN:  # after the work list's loads, or before any
+                early = body.index("griddepcontrol.launch_dependents") < body.index("ld.global")
+                assert early == (trigger == "start"), (spec.label, trigger)
     with pytest.raises(ValueError, match="trigger must be one of .*got 'end'"):
         Postprocess(calls[0][0].kernel(calls[0][1]), trigger="end")
 

@@ -188,7 +188,7 @@ def test_programmatic_dependent_launch_where_the_target_has_it(tmp_path):
     sink CTAs), at every CTA's start with ``trigger="start"``, nowhere with ``"none"``; sm_80 has neither. A
     ``trigger`` of no mode is refused."""
     from jax_dqpost.kernel import Postprocess, entry_args
-    from jax_dqpost import abi
+    from jax_dqpost import abi, arch as arch_
 
     swapped = AccumLayout.flash_attention(90, 128, causal=False, tensor="dq", version="4.0.0b36")  # short tiles
     work, _ = varlen.WorkList.build(np, [0, 245, 400], None, total=400, layout=swapped)
@@ -204,7 +204,7 @@ def test_programmatic_dependent_launch_where_the_target_has_it(tmp_path):
         args = entry_args(spec.dtype, n, spec.sink, pointers, [1, 1, 1, 8, 1] * n)
         for arch, trigger, waits, triggers in [("sm_90a", None, 1, places), ("sm_90a", "start", 1, 1),
                                                 ("sm_90a", "none", 1, 0), ("sm_80", None, 0, 0)]:
-            kernel = Postprocess(spec, target_sm=int(arch[3:5]), trigger=trigger)
+            kernel = Postprocess(spec, target_sm=arch_.sm_version(arch), trigger=trigger)
             ptx = kernel_cache._cute_compile(kernel, args, arch, f"--keep-ptx --dump-dir={tmp_path}").__ptx__
             body = ptx[ptx.index(".entry"):]
             got = (body.count("griddepcontrol.wait"), body.count("griddepcontrol.launch_dependents"))

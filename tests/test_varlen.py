@@ -260,9 +260,9 @@ def test_a_packed_call_takes_one_head_per_short_tile_cta_where_eight_make_few_ct
         if (batch, heads) == (2, 64):
             at_one = varlen.grid_ctas(heads, work.num_tiles, batch + 2, work.short_rows, short_heads=1)
             assert t.split > 1 == kernel_spec.split_for(layout, 128, part.tiling, at_one) and want == 1, (t, at_one)
-        ctas = Plan((Part(layout, 128, np.dtype(jnp.bfloat16), work=work),)).launch([shape])[1]
+        ctas = Plan((part,)).launch([shape])[1]
         assert ctas == (batch + 2) * -(-heads // want) + t.split * heads * (work.num_tiles - batch - 2)
-        fused = Plan((Part(layout, 128, np.dtype(jnp.bfloat16), work=work),) * 3).kernel([shape] * 3)
+        fused = Plan((part,) * 3).kernel([shape] * 3)
         assert {u.short_heads for u in fused.tensors} == {8}
 
 

@@ -43,7 +43,8 @@ TRIGGERS = ("tile", "start", "none")
 TRIGGER = "tile"
 """With ``pdl``, where a CTA lets the kernel after it start early (``griddepcontrol.launch_dependents``; that kernel
 launches once every CTA has done so or exited): ``"tile"``: a CTA that converts a tile (or reduces a sink), once it
-knows it has one, before its first accumulator load; an empty one (a traced grid's slot past the work) just exits.
+knows it has one, before its first accumulator load; a CTA with nothing to convert (a traced grid's slot past the work,
+a span without a short tile) just exits.
 ``"start"``: every CTA at its start; ``"none"``: at exit (docs/performance.md weighs the three)."""
 _LOG2_E = math.log2(math.e)
 
@@ -216,10 +217,10 @@ class Postprocess:
             if x < short_ctas:
                 span, group = x % part.dim0, x // part.dim0
                 short = self.schedulers[i].short
-                tile = short.tile(part, span)
-                if tile.rows_total > 0:
+                short_tile = short.tile(part, span)
+                if short_tile.rows_total > 0:
                     self._trigger()
-                self.converters[i].short_tile(part, group, tile, tidx, short.short_heads)
+                self.converters[i].short_tile(part, group, short_tile, tidx, short.short_heads)
             else:
                 split = self.converters[i].split  # CTAs of a tile and head, consecutive
                 slot = (x - short_ctas) // split // part.heads

@@ -166,11 +166,11 @@ def main(argv=None) -> int:
         return 1
     tilings = [Tiling[name.upper()] for name in args.tilings]
     # one part: every kernel a call may choose (Plan.kernel): tiles whole or split between their warpgroups, varlen
-    # short tiles by CTAs of 8 heads or 1
+    # short tiles by CTAs of SHORT_HEADS heads or 1
     singles = [((layout, dr, t, split, heads),) for layout, dr in configs for t in tilings
                for split in sorted({1, max_split(layout, dr)})
                for heads in sorted({SHORT_HEADS, 1 if t == Tiling.VARLEN and short_rows(layout) else SHORT_HEADS})]
-    short = ", short tiles of 8 heads or 1" if any(heads != SHORT_HEADS for ((*_, heads),) in singles) else ""
+    short = f", short tiles of {SHORT_HEADS} heads or 1" if any(heads != SHORT_HEADS for ((*_, heads),) in singles) else ""
     kinds = [("kernels", singles, [None], f"{len(configs)} layouts x {len(args.dtypes)} dtypes x {len(tilings)} "
               f"tilings, whole or split tiles{short}")]
     if args.fused:

@@ -54,7 +54,7 @@ SHORT_ROWS = 16
 """A varlen tile of at most this many rows is a short tile, for the orders that have them (:func:`short_rows`)."""
 SHORT_HEADS = 8
 """Heads per short-tile CTA (:func:`short_heads`), chosen by measurement on the H200 (``python -m
-benchmarks.ncu_kernels short`` compares it with 1, 2 and 4)."""
+benchmarks.ncu_kernels short`` compares it with 1 and 4)."""
 SHORT_CTAS = 128
 """Short-tile CTAs (at :data:`SHORT_HEADS` heads each) below which a kernel of its own grid takes one head a CTA
 (:func:`short_heads`)."""

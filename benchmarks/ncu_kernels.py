@@ -19,7 +19,8 @@ repository root:
         fetch DRAM in 64-byte granules?)
     ncu --clock-control none --profile-from-start off --set full python -m benchmarks.ncu_kernels profile hd96 hd128
         one launch of ours (each of VARIANTS) and one of FlashAttention-4 per dense configuration,
-        between cudaProfilerStart/Stop (after warm-up), for Nsight Compute's counters
+        between cudaProfilerStart/Stop (after warm-up), for Nsight Compute's counters; with ``--bytes N``, the size
+        sweep's cases of about N bytes instead (dense and varlen, a pack of 2-8 sequences), and the copy
 
 Configuration names are the benchmark's (``cases.CONFIGS``).
 """
@@ -44,12 +45,14 @@ SHORT_SIZE_VARIANTS = [{"short_heads": 1}, {"short_heads": 8}]
 SHORT_VARIANTS = [{}, {"short_heads": 1}, {"short_heads": 4}, {"trigger": "start"}, {"trigger": "none"}]
 
 
-def cases(names, torch, fa4, packings=("dense",)):
+def cases(names, torch, fa4, packings=("dense",), size=None):
+    """Each configuration's case of each packing, its torch buffers allocated while it is in use; ``size``: bytes a
+    call (``cases.SIZES``), None for the reference shape."""
     configs = {c[0]: c for c in bench_cases.CONFIGS}
     for name in names:
         for packing in packings:
             _, D, causal = configs[name]
-            case = bench_cases.Case(name, D, causal, packing, None, np.random.default_rng(0), torch, fa4)
+            case = bench_cases.Case(name, D, causal, packing, size, np.random.default_rng(0), torch, fa4)
             case.torch_buffers()
             yield case
             case.free_torch()
@@ -154,8 +157,15 @@ def short(names, torch, fa4, samples=15):
 
 
 def profile(names, torch, fa4):
-    for case in cases(names, torch, fa4):
+    size = None
+    if "--bytes" in names:
+        k = names.index("--bytes")
+        size, names = int(names[k + 1]), names[:k] + names[k + 2:]
+    names = names or ["hd96", "hd128", "hd192"]
+    packings = ("dense",) if size is None else bench_cases.PACKINGS
+    for case in cases(names, torch, fa4, packings, size):
         runs = [case.ours(**t) for t in VARIANTS] + ([case.fa4_run()] if fa4 is not None else [])
+        runs += [case.copy_run()] if size is not None else []
         for run in runs:
             run(2)  # compile, load, first touch
         torch.cuda.synchronize()
@@ -164,7 +174,9 @@ def profile(names, torch, fa4):
             run(1)
         torch.cuda.synchronize()
         torch.cuda.cudart().cudaProfilerStop()
-        print(f"profiled {case.name}: ours {VARIANTS}{' and FlashAttention-4' if fa4 else ''}", flush=True)
+        lengths = "" if case.cu is None else f" (lengths {np.diff(case.cu).tolist()})"
+        print(f"profiled {case.name} {case.packing}{lengths}, {case.bytes / 1e6:.1f} MB, {case.ctas} CTAs: ours "
+              f"{VARIANTS}{', FlashAttention-4' if fa4 else ''}{', the copy' if size else ''}", flush=True)
 
 
 def main(argv):
@@ -174,7 +186,7 @@ def main(argv):
         from flash_attn.cute.interface import _bwd_postprocess_convert as fa4
     except Exception:  # noqa: BLE001
         fa4 = None
-    what, names = argv[0], argv[1:] or ([] if argv[0] in ("short", "sizes") else ["hd96", "hd128", "hd192"])
+    what, names = argv[0], argv[1:] or ([] if argv[0] in ("short", "sizes", "profile") else ["hd96", "hd128", "hd192"])
     {"sweep": sweep, "sizes": sizes, "short": short, "profile": profile}[what](names, torch, fa4)
 
 

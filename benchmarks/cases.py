@@ -281,7 +281,7 @@ def measure(case: Case, samples: int, wall: bool = True) -> dict:
            "layout": [case.layout.tile_m, case.layout.num_threads, case.layout.atom_layout, case.layout.swap_ab,
                       case.layout.hdim_multiple_of]}
     if case.cu is not None:
-        res.update(sequences=len(case.cu) - 1, ctas=case.ctas, tile_ctas=case.tile_ctas)
+        res.update(sequences=len(case.cu) - 1, ctas=case.ctas, tile_ctas=case.tile_ctas, **bound_bytes(case))
     torch = case.torch
     if torch is not None:
         case.torch_buffers()
@@ -316,16 +316,21 @@ def short_cases(rng, torch, fa4):
             yield Case(f"hd128-{count}seq", 128, False, "varlen", None, rng, torch, fa4, cu=cu, traced=traced)
 
 
+def bound_bytes(case: Case) -> dict:
+    """A varlen case's ``bound_bytes`` and ``granule_bound_bytes`` (:func:`sector_bound_bytes`: in 32-byte sectors
+    and in the L2's fetch granules), and the granularity."""
+    granule = harness.l2_fetch_granularity()
+    return {"bound_bytes": sector_bound_bytes(case.layout, case.D, case.H, case.cu), "l2_fetch_granularity": granule,
+            "granule_bound_bytes": sector_bound_bytes(case.layout, case.D, case.H, case.cu, granule=max(32, granule))}
+
+
 def measure_short(case: Case, samples: int) -> dict:
     """A short-sequence case: ours and (static offsets) FlashAttention-4 by graph replay, ours through ``jax.jit``
     from the GPU timeline, and the bounds of the lengths in the layout's order (:func:`sector_bound_bytes`): the sector
     bound and the granule bound at the device's L2 fetch granularity."""
     lengths = np.diff(case.cu)
-    granule = harness.l2_fetch_granularity()
     res = {"config": case.name, "packing": "varlen", "traced": case.traced, "sequences": len(lengths),
-           "max_length": int(lengths.max()), "tokens": case.tokens, "bytes": case.bytes,
-           "bound_bytes": sector_bound_bytes(case.layout, case.D, case.H, case.cu), "l2_fetch_granularity": granule,
-           "granule_bound_bytes": sector_bound_bytes(case.layout, case.D, case.H, case.cu, granule=max(32, granule)),
+           "max_length": int(lengths.max()), "tokens": case.tokens, "bytes": case.bytes, **bound_bytes(case),
            "ctas": case.ctas, "tile_ctas": case.tile_ctas}
     if case.torch is not None:
         case.torch_buffers()

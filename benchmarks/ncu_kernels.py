@@ -20,7 +20,7 @@ repository root:
     ncu --clock-control none --profile-from-start off --set full python -m benchmarks.ncu_kernels profile hd96 hd128
         one launch of ours (each of VARIANTS) and one of FlashAttention-4 per dense configuration,
         between cudaProfilerStart/Stop (after warm-up), for Nsight Compute's counters; with ``--bytes N``, the size
-        sweep's cases of about N bytes instead (dense and varlen, a pack of 2-8 sequences), and the copy
+        sweep's cases of about N bytes instead (dense, varlen of one sequence, varlen of 2-8), and the copy
 
 Configuration names are the benchmark's (``cases.CONFIGS``).
 """
@@ -47,12 +47,16 @@ SHORT_VARIANTS = [{}, {"short_heads": 1}, {"short_heads": 4}, {"trigger": "start
 
 def cases(names, torch, fa4, packings=("dense",), size=None):
     """Each configuration's case of each packing, its torch buffers allocated while it is in use; ``size``: bytes a
-    call (``cases.SIZES``), None for the reference shape."""
+    call (``cases.SIZES``), None for the reference shape; packing ``"varlen1"``: varlen, one sequence of all the
+    tokens (dense's tiles, found through the work list)."""
     configs = {c[0]: c for c in bench_cases.CONFIGS}
     for name in names:
         for packing in packings:
             _, D, causal = configs[name]
-            case = bench_cases.Case(name, D, causal, packing, size, np.random.default_rng(0), torch, fa4)
+            B, _, S = bench_cases.problem(D, size)
+            cu = [0, B * S] if packing == "varlen1" else None
+            case = bench_cases.Case(name, D, causal, packing.rstrip("1"), size, np.random.default_rng(0), torch, fa4,
+                                    cu=cu)
             case.torch_buffers()
             yield case
             case.free_torch()
@@ -162,7 +166,7 @@ def profile(names, torch, fa4):
         k = names.index("--bytes")
         size, names = int(names[k + 1]), names[:k] + names[k + 2:]
     names = names or ["hd96", "hd128", "hd192"]
-    packings = ("dense",) if size is None else bench_cases.PACKINGS
+    packings = ("dense",) if size is None else ("dense", "varlen1", "varlen")
     for case in cases(names, torch, fa4, packings, size):
         runs = [case.ours(**t) for t in VARIANTS] + ([case.fa4_run()] if fa4 is not None else [])
         runs += [case.copy_run()] if size is not None else []
@@ -174,7 +178,7 @@ def profile(names, torch, fa4):
             run(1)
         torch.cuda.synchronize()
         torch.cuda.cudart().cudaProfilerStop()
-        lengths = "" if case.cu is None else f" (lengths {np.diff(case.cu).tolist()})"
+        lengths = "" if case.cu is None else f" ({len(case.cu) - 1} sequences: {np.diff(case.cu).tolist()})"
         print(f"profiled {case.name} {case.packing}{lengths}, {case.bytes / 1e6:.1f} MB, {case.ctas} CTAs: ours "
               f"{VARIANTS}{', FlashAttention-4' if fa4 else ''}{', the copy' if size else ''}", flush=True)
 

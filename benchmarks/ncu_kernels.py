@@ -55,8 +55,8 @@ def cases(names, torch, fa4, packings=("dense",), size=None):
             _, D, causal = configs[name]
             B, _, S = bench_cases.problem(D, size)
             cu = [0, B * S] if packing == "varlen1" else None
-            case = bench_cases.Case(name, D, causal, packing.rstrip("1"), size, np.random.default_rng(0), torch, fa4,
-                                    cu=cu)
+            case = bench_cases.Case(name, D, causal, "varlen" if cu else packing, size, np.random.default_rng(0),
+                                    torch, fa4, cu=cu)
             case.torch_buffers()
             yield case
             case.free_torch()

@@ -133,7 +133,6 @@ def main(argv=None) -> int:
     def save(done: bool = False):  # after every measurement: a run cut short keeps what it measured
         (out / "bench.json").write_text(json.dumps({**report, "complete": done}, indent=1) + "\n")
 
-    rng = np.random.default_rng(0)
     if args.devices is not None:
         from . import devices
 
@@ -153,13 +152,11 @@ def main(argv=None) -> int:
         print(f"\nwrote {out / 'bench.json'}")
         return 0
     # the reference shape of every configuration first (the tables), then the size sweeps (the plot)
-    todo = [(c, p, s) for s in [None] for c in cases.CONFIGS for p in cases.PACKINGS]
-    todo += [(c, p, s) for c in cases.CONFIGS for p in cases.PACKINGS for s in sizes]
-    for k, ((name, D, causal), packing, size) in enumerate(todo):
-        case = cases.Case(name, D, causal, packing, size, rng, torch, fa4)  # its random lengths, measured or not
+    rows = 2 * len(cases.CONFIGS) * (1 + len(sizes))
+    for k, (size, case) in enumerate(cases.benchmark_cases(torch, fa4, sizes)):  # every case draws its lengths
         if k < len(kept.get("reference", [])) + len(kept.get("sweep", [])):
             continue  # kept from the run that was cut short
-        harness.log(f"[{k + 1}/{len(todo)}] {name} {packing} "
+        harness.log(f"[{k + 1}/{rows}] {case.name} {case.packing} "
                     f"{'B,H,S=' + str(cases.REFERENCE_SHAPE) if size is None else size}")
         r = cases.measure(case, samples, wall=size is None)
         report["reference" if size is None else "sweep"].append(r)

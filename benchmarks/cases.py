@@ -87,6 +87,18 @@ def random_lengths(rng, total: int, count: int) -> list[int]:
     return [0] + [int(c) for c in cuts] + [total]
 
 
+def benchmark_cases(torch, fa4, sizes=SIZES):
+    """``(size, Case)`` for every row of ``python -m benchmarks``, in its order: each configuration's reference shape
+    (size None), dense then varlen, then each configuration's and packing's ``sizes``. One generator draws every
+    varlen row's lengths in that order, so a tool that measures some rows builds the cases before them too and
+    gets the benchmark's lengths."""
+    rng = np.random.default_rng(0)
+    todo = [(c, p, None) for c in CONFIGS for p in PACKINGS] + [(c, p, s) for c in CONFIGS for p in PACKINGS
+                                                                 for s in sizes]
+    for (name, head_dim, causal), packing, size in todo:
+        yield size, Case(name, head_dim, causal, packing, size, rng, torch, fa4)
+
+
 class Case:
     """One (configuration, packing, size): the call's plan, buffers and launchers of every implementation.
     ``torch`` and ``fa4`` may be None (their columns are then not measured)."""

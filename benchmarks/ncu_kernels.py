@@ -7,9 +7,9 @@ repository root:
         FlashAttention-4 and the same-bytes copy, side by side, median of 15 (as the benchmark measures them), dense
         and varlen (64 random lengths)
     python -m benchmarks.ncu_kernels sizes [CONFIG ...]
-        the size sweep's rows from 1 MB to 1 GB (``cases.SIZES``; varlen: packs of 2-8 sequences), ours with the
-        tuning variants of SIZE_VARIANTS (and SHORT_SIZE_VARIANTS where short tiles are; each checked bit-equal to
-        the default's output) against the same-bytes copy, graph replay, median of 15
+        the size sweep's rows from 1 MB to 1 GB (``cases.SIZES``; varlen: packs of 2-8 sequences, the benchmark's
+        lengths), ours with the tuning variants of SIZE_VARIANTS (and SHORT_SIZE_VARIANTS where short tiles are;
+        each checked bit-equal to the default's output) against the same-bytes copy, graph replay, median of 15
     python -m benchmarks.ncu_kernels short [COUNT ...] [--l2-fetch BYTES]
         the benchmark's short-sequence cases (hd128, 64 to 8000 sequences in 16384 tokens, static and traced offsets;
         COUNT: only those sequence counts, "ref": the varlen reference case, 64 random lengths), ours with the tuning
@@ -18,9 +18,10 @@ repository root:
         lengths. --l2-fetch sets this process's cudaLimitMaxL2FetchGranularity first (an experiment: does the L2
         fetch DRAM in 64-byte granules?)
     ncu --clock-control none --profile-from-start off --set full python -m benchmarks.ncu_kernels profile hd96 hd128
-        one launch of ours (each of VARIANTS) and one of FlashAttention-4 per dense configuration,
-        between cudaProfilerStart/Stop (after warm-up), for Nsight Compute's counters; with ``--bytes N``, the size
-        sweep's cases of about N bytes instead (dense, varlen of one sequence, varlen of 2-8), and the copy
+        one launch of ours (each of VARIANTS) and one of FlashAttention-4 per dense configuration (default: hd96,
+        hd128, hd192), between cudaProfilerStart/Stop (after warm-up), for Nsight Compute's counters; with
+        ``--bytes N`` (one of ``cases.SIZES``) the size sweep's rows of N bytes instead (default: every
+        configuration; dense, and varlen with the benchmark's lengths), a varlen call of one sequence, and the copy
 
 Configuration names are the benchmark's (``cases.CONFIGS``).
 """
@@ -46,20 +47,31 @@ SHORT_VARIANTS = [{}, {"short_heads": 1}, {"short_heads": 4}, {"trigger": "start
 
 
 def cases(names, torch, fa4, packings=("dense",), size=None):
-    """Each configuration's case of each packing, its torch buffers allocated while it is in use; ``size``: bytes a
-    call (``cases.SIZES``), None for the reference shape; packing ``"varlen1"``: varlen, one sequence of all the
-    tokens (dense's tiles, found through the work list)."""
+    """Each configuration's case of each packing, its torch buffers allocated while it is in use. ``size``: None,
+    the reference shape; else one of ``cases.SIZES``, the size sweep's rows of that size (varlen with the
+    benchmark's lengths: :func:`sweep_rows`). Packing ``"varlen1"``: varlen, one sequence of all the tokens."""
     configs = {c[0]: c for c in bench_cases.CONFIGS}
+    rows = {} if size is None else sweep_rows(names, size, torch, fa4)
     for name in names:
         for packing in packings:
             _, D, causal = configs[name]
-            B, _, S = bench_cases.problem(D, size)
-            cu = [0, B * S] if packing == "varlen1" else None
-            case = bench_cases.Case(name, D, causal, "varlen" if cu else packing, size, np.random.default_rng(0),
-                                    torch, fa4, cu=cu)
+            if (name, packing) in rows:
+                case = rows[name, packing]
+            else:
+                B, _, S = bench_cases.problem(D, size)
+                cu = [0, B * S] if packing == "varlen1" else None
+                case = bench_cases.Case(name, D, causal, "varlen" if cu else packing, size, np.random.default_rng(0),
+                                        torch, fa4, cu=cu)
             case.torch_buffers()
             yield case
             case.free_torch()
+
+
+def sweep_rows(names, size, torch, fa4) -> dict:
+    """``{(configuration, packing): Case}``: the size sweep's rows of ``size`` bytes of these configurations, as
+    ``python -m benchmarks`` builds them (``cases.benchmark_cases``: the same lengths)."""
+    return {(case.name, case.packing): case for s, case in bench_cases.benchmark_cases(torch, fa4)
+            if s == size and case.name in names}
 
 
 def sweep(names, torch, fa4, samples=15):
@@ -76,21 +88,17 @@ def sweep(names, torch, fa4, samples=15):
 
 def sizes(names, torch, fa4, samples=15):
     names = names or [c[0] for c in bench_cases.CONFIGS]
-    configs = {c[0]: c for c in bench_cases.CONFIGS}
-    rng = np.random.default_rng(0)
-    for size in bench_cases.SIZES[1:]:
-        for name in names:
-            _, D, causal = configs[name]
-            for packing in bench_cases.PACKINGS:
-                case = bench_cases.Case(name, D, causal, packing, size, rng, torch, fa4)
-                case.torch_buffers()
-                copy, _ = harness.graph_per_call(torch, case.copy_run(), case.copies, samples)
-                tag = f"{case.bytes / 1e6:8.1f} MB {name:13s} {packing:7s} {case.ctas:6d} CTAs"
-                short = case.cu is not None and case.part.work.short_rows  # the work list's (internals.varlen_part)
-                variants = SIZE_VARIANTS + (SHORT_SIZE_VARIANTS if short else [])
-                for label, t in [("copy", copy)] + _time_variants(case, variants, samples, tag):
-                    print(f"{tag} {label:36s} {t * 1e6:8.2f} us {copy / t:7.1%} of copy", flush=True)
-                case.free_torch()
+    for size, case in bench_cases.benchmark_cases(torch, fa4):  # every row, for the benchmark's lengths
+        if size is None or size == bench_cases.SIZES[0] or case.name not in names:
+            continue
+        case.torch_buffers()
+        copy, _ = harness.graph_per_call(torch, case.copy_run(), case.copies, samples)
+        tag = f"{case.bytes / 1e6:8.1f} MB {case.name:13s} {case.packing:7s} {case.ctas:6d} CTAs"
+        short = case.cu is not None and case.part.work.short_rows  # the work list's (internals.varlen_part)
+        variants = SIZE_VARIANTS + (SHORT_SIZE_VARIANTS if short else [])
+        for label, t in [("copy", copy)] + _time_variants(case, variants, samples, tag):
+            print(f"{tag} {label:36s} {t * 1e6:8.2f} us {copy / t:7.1%} of copy", flush=True)
+        case.free_torch()
 
 
 def _time_variants(case, variants, samples, tag):
@@ -160,12 +168,25 @@ def short(names, torch, fa4, samples=15):
         case.free_torch()
 
 
-def profile(names, torch, fa4):
-    size = None
+def profile_args(args) -> tuple:
+    """``(size, names)`` of ``profile``'s arguments (module docstring); ``ValueError`` naming a bad one."""
+    configs = [c[0] for c in bench_cases.CONFIGS]
+    size, names = None, list(args)
     if "--bytes" in names:
         k = names.index("--bytes")
-        size, names = int(names[k + 1]), names[:k] + names[k + 2:]
-    names = names or ["hd96", "hd128", "hd192"]
+        value = names[k + 1] if k + 1 < len(names) else None
+        if value is None or not value.isdigit() or int(value) not in bench_cases.SIZES:
+            raise ValueError(f"--bytes takes one of the size sweep's sizes {bench_cases.SIZES}, got "
+                             f"{'nothing' if value is None else repr(value)}")
+        size, names = int(value), names[:k] + names[k + 2:]
+    unknown = [n for n in names if n not in configs]
+    if unknown:
+        raise ValueError(f"unknown configurations {unknown}; they are {configs}")
+    return size, names or (["hd96", "hd128", "hd192"] if size is None else configs)
+
+
+def profile(args, torch, fa4):
+    size, names = profile_args(args)
     packings = ("dense",) if size is None else ("dense", "varlen1", "varlen")
     for case in cases(names, torch, fa4, packings, size):
         runs = [case.ours(**t) for t in VARIANTS] + ([case.fa4_run()] if fa4 is not None else [])
@@ -178,21 +199,36 @@ def profile(names, torch, fa4):
             run(1)
         torch.cuda.synchronize()
         torch.cuda.cudart().cudaProfilerStop()
-        lengths = "" if case.cu is None else f" ({len(case.cu) - 1} sequences: {np.diff(case.cu).tolist()})"
+        n = 0 if case.cu is None else len(case.cu) - 1
+        lengths = f" ({n} sequence{'s' * (n > 1)}: {np.diff(case.cu).tolist()})" if n else ""
         print(f"profiled {case.name} {case.packing}{lengths}, {case.bytes / 1e6:.1f} MB, {case.ctas} CTAs: ours "
-              f"{VARIANTS}{', FlashAttention-4' if fa4 else ''}{', the copy' if size else ''}", flush=True)
+              f"{VARIANTS}{', FlashAttention-4' if fa4 else ''}{', the copy' if size is not None else ''}", flush=True)
 
 
-def main(argv):
+COMMANDS = {"sweep": sweep, "sizes": sizes, "short": short, "profile": profile}
+
+
+def main(argv) -> int:
+    what = argv[0] if argv else None
+    if what not in COMMANDS:
+        print(f"ncu_kernels: error: the first argument is one of {sorted(COMMANDS)}, got {what!r}", file=sys.stderr)
+        return 2
+    if what == "profile":
+        try:
+            profile_args(argv[1:])
+        except ValueError as e:
+            print(f"ncu_kernels profile: error: {e}", file=sys.stderr)
+            return 2
     import torch
 
     try:
         from flash_attn.cute.interface import _bwd_postprocess_convert as fa4
     except Exception:  # noqa: BLE001
         fa4 = None
-    what, names = argv[0], argv[1:] or ([] if argv[0] in ("short", "sizes", "profile") else ["hd96", "hd128", "hd192"])
-    {"sweep": sweep, "sizes": sizes, "short": short, "profile": profile}[what](names, torch, fa4)
+    names = argv[1:] or ([] if what in ("short", "sizes", "profile") else ["hd96", "hd128", "hd192"])
+    COMMANDS[what](names, torch, fa4)
+    return 0
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main(sys.argv[1:]))

@@ -5,6 +5,7 @@ and varlen, for every FlashAttention configuration it times (so its speed is com
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -138,7 +139,7 @@ def test_main_reports_from_measurements(tmp_path, monkeypatch, capsys, with_torc
         if case.torch is not None:
             r.update(ours=t, FA4=t * 1.01, copy=t * 0.98)
         if case.cu is not None:
-            r.update(sequences=len(case.cu) - 1, ctas=case.ctas, tile_ctas=case.tile_ctas)
+            r.update(sequences=len(case.cu) - 1, ctas=case.ctas, tile_ctas=case.tile_ctas, cu=list(case.cu))
         return r
 
     fake_torch = types.SimpleNamespace(cuda=types.SimpleNamespace(is_available=lambda: True))
@@ -205,9 +206,47 @@ def test_main_reports_from_measurements(tmp_path, monkeypatch, capsys, with_torc
     assert ("torch is not installed" in captured.err) == (not with_torch)
     result = json.loads((tmp_path / "bench.json").read_text())
     assert len(result["reference"]) == 2 * len(cases.CONFIGS)
+    drawn = [case.cu for _, case in cases.benchmark_cases(None, None, cases.SIZES[::2]) if case.cu is not None]
+    assert [r["cu"] for r in result["reference"] + result["sweep"] if "cu" in r] == drawn  # the tools' lengths
     assert len(result["short"]) == 2 * len(cases.SHORT_SEQUENCES)
     assert all(("ours" in r) == with_torch and "xla_same_bytes" in r for r in result["reference"])
     assert (tmp_path / "bench.png").exists() == has_plot
+
+
+def test_the_kernel_tools_measure_the_benchmarks_rows():
+    """`ncu_kernels` times and profiles the size sweep's rows with the lengths `python -m benchmarks` drew: the
+    reference rows first, then each configuration's sizes, every varlen row a pack of 2-8 random lengths."""
+    from benchmarks import ncu_kernels
+
+    rows = list(cases.benchmark_cases(None, None))
+    assert [size for size, _ in rows[:2 * len(cases.CONFIGS)]] == [None] * 2 * len(cases.CONFIGS)
+    assert len(rows) == 2 * len(cases.CONFIGS) * (1 + len(cases.SIZES))
+    names = [c[0] for c in cases.CONFIGS]
+    for size in cases.SIZES[1:]:
+        picked = ncu_kernels.sweep_rows(names, size, None, None)
+        expected = {(case.name, case.packing): case.cu for s, case in rows if s == size}
+        assert {key: case.cu for key, case in picked.items()} == expected
+        packs = [len(cu) - 1 for cu in expected.values() if cu is not None]
+        assert len(packs) == len(names) and all(2 <= n <= 8 for n in packs), packs
+    lengths = {tuple(np.diff(cu)) for cu in expected.values() if cu is not None}
+    assert len(lengths) > 1  # drawn, not one fixed pack
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--bytes"], "got nothing"), (["--bytes", "hd128"], "got 'hd128'"), (["--bytes", "123"], "got '123'"),
+    (["hd7"], "unknown configurations ['hd7']")])
+def test_kernel_tools_name_a_bad_argument(args, message, capsys):
+    from benchmarks import ncu_kernels
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ncu_kernels.profile_args(args)
+    assert ncu_kernels.main(["profile", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ncu_kernels profile: error: ") and message in err and err.count("\n") == 1
+    assert ncu_kernels.main(["profiles"]) == 2 and "got 'profiles'" in capsys.readouterr().err
+    size, names = ncu_kernels.profile_args(["hd128", "--bytes", str(cases.SIZES[2])])
+    assert (size, names) == (cases.SIZES[2], ["hd128"])
+    assert ncu_kernels.profile_args(["--bytes", str(cases.SIZES[2])])[1] == [c[0] for c in cases.CONFIGS]
 
 
 def _run_cli(args, block=()):

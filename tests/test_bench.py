@@ -206,21 +206,36 @@ def test_main_reports_from_measurements(tmp_path, monkeypatch, capsys, with_torc
     assert ("torch is not installed" in captured.err) == (not with_torch)
     result = json.loads((tmp_path / "bench.json").read_text())
     assert len(result["reference"]) == 2 * len(cases.CONFIGS)
-    drawn = [case.cu for _, case in cases.benchmark_cases(None, None, cases.SIZES[::2]) if case.cu is not None]
-    assert [r["cu"] for r in result["reference"] + result["sweep"] if "cu" in r] == drawn  # the tools' lengths
+    measured = [r["cu"] for r in result["reference"] + result["sweep"] if "cu" in r]
+    assert measured == _lengths_in_the_benchmarks_order(cases.SIZES[::2])  # --quick: its own sizes' draw
     assert len(result["short"]) == 2 * len(cases.SHORT_SEQUENCES)
     assert all(("ours" in r) == with_torch and "xla_same_bytes" in r for r in result["reference"])
     assert (tmp_path / "bench.png").exists() == has_plot
 
 
+def _lengths_in_the_benchmarks_order(sizes):
+    """Every varlen row's ``cu_seqlens`` as the benchmark draws them, written out here independently of
+    ``cases.benchmark_cases``: one generator seeded 0, every configuration's reference shape (dense, varlen), then
+    each configuration's, packing's and size's row."""
+    rng, out = np.random.default_rng(0), []
+    todo = [(c, p, None) for c in cases.CONFIGS for p in cases.PACKINGS]
+    todo += [(c, p, s) for c in cases.CONFIGS for p in cases.PACKINGS for s in sizes]
+    for (_, head_dim, _), packing, size in todo:
+        if packing == "varlen":
+            B, _, S = cases.problem(head_dim, size)
+            count = cases.REFERENCE_SEQUENCES if size is None else cases.pack_size(B * S)
+            out.append(cases.random_lengths(rng, B * S, count))
+    return out
+
+
 def test_the_kernel_tools_measure_the_benchmarks_rows():
-    """`ncu_kernels` times and profiles the size sweep's rows with the lengths `python -m benchmarks` drew: the
-    reference rows first, then each configuration's sizes, every varlen row a pack of 2-8 random lengths."""
+    """`ncu_kernels` times and profiles the size sweep's rows with the lengths a full `python -m benchmarks` run
+    draws: the reference rows first, then each configuration's sizes, every varlen row a pack of 2-8 lengths."""
     from benchmarks import ncu_kernels
 
     rows = list(cases.benchmark_cases(None, None))
     assert [size for size, _ in rows[:2 * len(cases.CONFIGS)]] == [None] * 2 * len(cases.CONFIGS)
-    assert len(rows) == 2 * len(cases.CONFIGS) * (1 + len(cases.SIZES))
+    assert [case.cu for _, case in rows if case.cu is not None] == _lengths_in_the_benchmarks_order(cases.SIZES)
     names = [c[0] for c in cases.CONFIGS]
     for size in cases.SIZES[1:]:
         picked = ncu_kernels.sweep_rows(names, size, None, None)
@@ -228,15 +243,15 @@ def test_the_kernel_tools_measure_the_benchmarks_rows():
         assert {key: case.cu for key, case in picked.items()} == expected
         packs = [len(cu) - 1 for cu in expected.values() if cu is not None]
         assert len(packs) == len(names) and all(2 <= n <= 8 for n in packs), packs
-    lengths = {tuple(np.diff(cu)) for cu in expected.values() if cu is not None}
-    assert len(lengths) > 1  # drawn, not one fixed pack
 
 
 @pytest.mark.parametrize("args, message", [
     (["--bytes"], "got nothing"), (["--bytes", "hd128"], "got 'hd128'"), (["--bytes", "123"], "got '123'"),
     (["hd7"], "unknown configurations ['hd7']")])
-def test_kernel_tools_name_a_bad_argument(args, message, capsys):
+def test_kernel_tools_name_a_bad_argument(args, message, capsys, monkeypatch):
     from benchmarks import ncu_kernels
+
+    monkeypatch.setitem(sys.modules, "torch", None)  # a bad argument is named before torch is imported
 
     with pytest.raises(ValueError, match=re.escape(message)):
         ncu_kernels.profile_args(args)

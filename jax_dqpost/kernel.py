@@ -5,7 +5,7 @@ Imports cutlass at module import: load this module lazily (``kernel_cache.py`` d
 The entry point takes its arguments in the order of ``abi.py`` (:func:`entry_args`). A call of one part without a
 sink launches that part's own grid: ``(split * H * grid_x, 1, B)`` dense (``KernelSpec.batch_on_grid_z``),
 ``(varlen.grid_ctas(...), 1, 1)`` varlen, every CTA the part's, with a shared-memory allocator of its own; with
-``split`` > 1 (``TensorKernel.split``) a tile's ``split`` consecutive CTAs each convert one warpgroup's share. Any other
+``split`` > 1 (``TensorKernel.split``) a tile's ``split`` consecutive CTAs each convert a share of it. Any other
 call launches a one-dimensional grid: with a sink, first ``H`` CTAs (one per query head) reducing ``dsink``, first
 because each reads every row of its head; then the CTAs of dQ, of dK and of dV, each part's numbered by its
 scheduler (``schedule.py``), a dense part's CTA ``x`` being its CTA ``x % (H * grid_x)`` of batch ``x // (H *

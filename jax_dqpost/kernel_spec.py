@@ -28,8 +28,8 @@ KiB, sm_90 and sm_100 227 KiB). The kernel stages one ``tile_m x Dr`` dQ tile th
 class TensorKernel:
     """What of one tensor (dQ, dK or dV) changes the binary: its accumulator's order, its padded head dim ``Dr``
     (``AccumLayout.padded_head_dim``), how a CTA finds its tile, ``split``, the CTAs a tile is converted by: 1, or
-    the order's warpgroups, each a CTA of its own converting its share (:func:`warpgroup_regions`; :func:`split_for`
-    chooses), and ``short_heads``, the heads of a varlen short-tile CTA (``varlen.short_heads`` chooses)."""
+    one of :func:`splits`, each CTA converting the share of ``num_threads / split`` of the producer's threads
+    (:func:`split_regions`; :func:`split_for` chooses), and ``short_heads``, the heads of a varlen short-tile CTA (``varlen.short_heads`` chooses)."""
 
     layout: object  # an AccumLayout
     padded_head_dim: int
@@ -80,9 +80,10 @@ class KernelSpec:
                     why = str(e)
             if why:
                 raise ValueError(f"jax_dqpost: no kernel for {t.layout}, padded head dim {t.padded_head_dim}: {why}")
-            if t.split != 1 and (t.split != max_split(t.layout, t.padded_head_dim) or not self.own_grid):
-                raise ValueError(f"jax_dqpost: a kernel's tiles are split only into the warpgroups of an order that "
-                                 f"has them, in a kernel of one tensor without a sink; got split={t.split} for "
+            if t.split != 1 and (t.split not in splits(t.layout, t.padded_head_dim) or not self.own_grid):
+                raise ValueError(f"jax_dqpost: a kernel's tiles are split only into shares of whole warps that an "
+                                 f"order has ({splits(t.layout, t.padded_head_dim)} here), in a kernel of one tensor "
+                                 f"without a sink; got split={t.split} for "
                                  f"{t.layout}, padded head dim {t.padded_head_dim}, {len(self.tensors)} tensor(s)"
                                  f"{' with a sink' if self.sink else ''}")
             if t.short_heads != varlen.SHORT_HEADS and (t.short_heads != 1 or not self.own_grid or t.tiling !=
@@ -174,34 +175,48 @@ SPLIT_BELOW = {Tiling.DENSE: 1024, Tiling.DENSE_SEQUSED: 1024, Tiling.VARLEN: 25
 """A kernel of its own grid splits its tiles (:func:`split_for`) when it would launch fewer CTAs than this unsplit,
 chosen with ``python -m benchmarks.ncu_kernels sizes`` on the H200 (docs/performance.md): lower for varlen, whose
 CTAs each look their tile up in the work list."""
+SPLIT_THREADS = 128
+"""The threads of a CTA converting a share of a split tile (:func:`small_split`)."""
+_MIN_SPLIT_THREADS = 32
 
 
 def split_for(layout, padded_head_dim: int, tiling: Tiling, unsplit_ctas: int) -> int:
     """``split`` (:class:`TensorKernel`) of a kernel of its own grid (one tensor, no sink) that launches
-    ``unsplit_ctas`` CTAs unsplit: :func:`max_split` below :data:`SPLIT_BELOW`, else 1."""
-    return max_split(layout, padded_head_dim) if unsplit_ctas < SPLIT_BELOW[Tiling(tiling)] else 1
+    ``unsplit_ctas`` CTAs unsplit: :func:`small_split` below :data:`SPLIT_BELOW`, else 1."""
+    return small_split(layout, padded_head_dim) if unsplit_ctas < SPLIT_BELOW[Tiling(tiling)] else 1
+
+
+def small_split(layout, padded_head_dim: int) -> int:
+    """The split of a small call's tiles: into shares of :data:`SPLIT_THREADS` threads where the order has them
+    (:func:`split_regions`), else 1."""
+    split = layout.num_threads // SPLIT_THREADS
+    return split if split > 1 and split in splits(layout, padded_head_dim) else 1
 
 
 @functools.lru_cache(maxsize=256)
-def max_split(layout, padded_head_dim: int) -> int:
-    """The warpgroups a tile of this order splits into (:func:`warpgroup_regions`), or 1."""
-    regions = warpgroup_regions(layout, padded_head_dim)
-    return 1 if regions is None else len(regions[1])
+def splits(layout, padded_head_dim: int) -> tuple[int, ...]:
+    """Every ``split`` > 1 a tile of this order takes (:func:`split_regions`), increasing."""
+    candidates = [s for s in range(2, layout.num_threads // _MIN_SPLIT_THREADS + 1) if layout.num_threads % (32 * s) == 0]
+    return tuple(s for s in candidates if split_regions(layout, padded_head_dim, s) is not None)
 
 
-def warpgroup_regions(layout, padded_head_dim: int):
-    """``((R, C), ((r0, c0), ...))``: the ``R x C`` rectangle of the dQ tile that each warpgroup's fragment holds, in
-    a Hopper (wgmma) order of several warpgroups (warpgroup ``w``'s floats are the tile's ``w``-th contiguous chunk);
-    None for other orders, or where a warpgroup's elements do not form such a rectangle, or where a region cannot be
-    stored as whole 16-byte vectors by one warpgroup (:func:`region_store_tiling`)."""
+def split_regions(layout, padded_head_dim: int, split: int):
+    """``((R, C), ((r0, c0), ...))``: the ``R x C`` rectangle of the dQ tile that each of ``split`` CTAs converts in a
+    Hopper (wgmma) order, CTA ``s`` standing for the producer's threads ``s * n .. (s + 1) * n - 1`` (``n =
+    num_threads / split``, whole warps); None for other orders or splits, or where those threads' elements do not
+    form such a rectangle, or where a rectangle cannot be stored as whole 16-byte vectors by ``n`` threads
+    (:func:`region_store_tiling`). Thread ``t`` of warpgroup ``w`` holds the tile's floats ``w * chunk + 512 k + 4 t
+    + e`` (``chunk = tile_m * Dr / warpgroups``)."""
     import numpy as np
 
-    groups = layout.num_threads // 128
-    if layout.arch != 90 or groups < 2:
+    groups, threads = layout.num_threads // 128, layout.num_threads // max(split, 1)
+    if layout.arch != 90 or split < 2 or layout.num_threads % (32 * split):
         return None
-    owner = layout.tile_index_map(padded_head_dim) // (layout.tile_m * padded_head_dim // groups)
+    where = layout.tile_index_map(padded_head_dim)
+    chunk = layout.tile_m * padded_head_dim // groups
+    owner = (where // chunk * 128 + where % chunk % 512 // 4) // threads
     corners, shape = [], None
-    for w in range(groups):
+    for w in range(split):
         mine = owner == w
         rows, cols = np.flatnonzero(mine.any(axis=1)), np.flatnonzero(mine.any(axis=0))
         (r0, c0), size = (int(rows[0]), int(cols[0])), (len(rows), len(cols))
@@ -210,7 +225,7 @@ def warpgroup_regions(layout, padded_head_dim: int):
             return None
         corners.append((r0, c0))
         shape = size
-    if region_store_tiling(*shape, 128) is None:
+    if region_store_tiling(*shape, threads) is None:
         return None
     return shape, tuple(corners)
 

@@ -4,7 +4,7 @@
 
 Imports cutlass at module import: load this module lazily (``kernel_cache.py`` does).
 
-Per tile with rows to convert (or one warpgroup's share of it: ``split``), every thread
+Per tile with rows to convert (or one CTA's share of it: ``split``), every thread
   1. loads its fp32 accumulator fragment straight from global memory, coalesced, in the order the
      producer's threads stored it (no shared-memory staging of the fp32 tile); outside the dense tiling it
      skips the loads whose rows are all past ``rows_conv`` (those rows are written as zeros),
@@ -42,6 +42,7 @@ from .schedule import TensorArgs, ShortTile, Tile
 _VEC_BYTES = 16
 _REGS_PER_SM = 65536
 _THREADS_PER_SM = 2048
+_CTAS_PER_SM = 32
 
 
 def _aligned(ptr: cute.Pointer, space) -> cute.Pointer:
@@ -77,8 +78,8 @@ class TileConverter:
         (``schedule.py``; outside ``DENSE`` the loads of rows past ``rows_conv`` are skipped). ``target_sm``: the GPU
         generation compiled for (e.g. 80, 90, 100). Tuning (benchmarks/ncu_kernels.py compares it):
         ``min_ctas_per_sm``, the launch-bounds hint given to ptxas (None: chosen here; 0: none). ``split``: 1, or
-        the order's warpgroups (``kernel_spec.warpgroup_regions``): a CTA of one warpgroup converts that warpgroup's
-        share of a tile (:meth:`tile`'s ``sub``). The layout and ``Dr`` are a
+        one of ``kernel_spec.splits``: a CTA of ``num_threads / split`` threads converts those producer threads' share
+        of a tile (``kernel_spec.split_regions``; :meth:`tile`'s ``sub``). The layout and ``Dr`` are a
         :class:`~jax_dqpost.kernel_spec.KernelSpec`'s, which checked that the kernel exists."""
         self.tiling = Tiling(tiling)
         self.family = {90: "mma", 80: "mma", 100: "rows", None: "rowmajor"}[layout.arch]
@@ -94,14 +95,14 @@ class TileConverter:
         self.padded_head_dim = padded_head_dim
         self.num_threads = layout.num_threads  # the producer's threads, whose fragments make a tile
         self.split = split
+        self.work_threads = self.num_threads // split  # the threads converting a tile, or a share of it
         if split != 1:
-            regions = kernel_spec.warpgroup_regions(layout, padded_head_dim)
-            if regions is None or split != layout.num_threads // 128:
-                raise ValueError(f"split={split}: {layout} at Dr={padded_head_dim} has no warpgroup shares to split "
-                                 "a tile into")
+            regions = kernel_spec.split_regions(layout, padded_head_dim, split)
+            if regions is None:
+                raise ValueError(f"split={split}: {layout} at Dr={padded_head_dim} has no shares of "
+                                 f"{self.work_threads} threads to split a tile into")
             self.region_shape, self.region_corners = regions
-            self.region_store = kernel_spec.region_store_tiling(*self.region_shape, 128)
-        self.work_threads = self.num_threads // split  # the threads converting a tile, or a warpgroup's share of it
+            self.region_store = kernel_spec.region_store_tiling(*self.region_shape, self.work_threads)
         self.cta_threads = self.work_threads  # threads of the CTA (more when another part is wider, kernel.py)
         geom = layout.mma_geometry(padded_head_dim)
         self.mma_mn = (geom["m"], geom["n"])
@@ -122,7 +123,7 @@ class TileConverter:
             # Room for the whole fp32 fragment (all its loads in flight at once) plus ~24 registers of
             # addresses and converted values, and as many CTAs per SM as that allows.
             min_ctas_per_sm = _REGS_PER_SM // (self.work_threads * (live + 24))
-        self.min_ctas_per_sm = max(0, min(min_ctas_per_sm, _THREADS_PER_SM // self.work_threads))
+        self.min_ctas_per_sm = max(0, min(min_ctas_per_sm, _THREADS_PER_SM // self.work_threads, _CTAS_PER_SM))
 
     # ----------------------------------------------------------------------------------------------
     def _tiled_mma(self):
@@ -160,7 +161,7 @@ class TileConverter:
     @cute.jit
     def tile(self, part: TensorArgs, head, t: Tile, tidx, smem, may_be_empty: cutlass.Constexpr = False, sub=0):
         """Converts tile ``t`` of head ``head`` through the shared-memory tile, which ``smem`` allocates
-        (``allocate_tensor``); with ``split`` > 1, warpgroup ``sub``'s share of it. Only the CTA's first
+        (``allocate_tensor``); with ``split`` > 1, share ``sub`` of it. Only the CTA's first
         ``work_threads`` threads call it. ``may_be_empty``: a tile of no rows does nothing (a varlen slot past the
         long tiles)."""
         s_layout = self._smem_layout()
@@ -173,8 +174,8 @@ class TileConverter:
 
     @cute.jit
     def _tile_via_smem(self, part: TensorArgs, head, t: Tile, s_tile, s_layout, tidx, sub):
-        """Steps 1-4 (module docstring): the fragment (or warpgroup ``sub``'s share: its threads act as the
-        producer's threads ``128 sub ..``) into the shared-memory tile, then its rows out."""
+        """Steps 1-4 (module docstring): the fragment (or share ``sub``: its threads act as the
+        producer's threads ``work_threads * sub ..``) into the shared-memory tile, then its rows out."""
         heads, head_dim = part.heads, part.head_dim
         if t.rows_conv > 0:
             self._convert_tile(part.acc, t.acc_elem, part.scale, s_tile, s_layout, t.rows_conv,
@@ -384,7 +385,7 @@ class TileConverter:
     @cute.jit
     def _store_tile(self, out_ptr, out_offset, row_stride, head_dim, s_tile, rows_total, rows_conv, tidx, sub):
         """Step 4: 16-byte row vectors to global memory; rows >= rows_conv are zeros. With ``split`` > 1, only
-        warpgroup ``sub``'s region of the tile."""
+        share ``sub``'s region of the tile."""
         tile_m, padded_head_dim = self.tile_m, self.padded_head_dim
         dst_ptr = _aligned(out_ptr + out_offset, cute.AddressSpace.gmem)
         vec = _VEC_BYTES * 8 // self.dtype.width

@@ -26,7 +26,7 @@ The work list is one flat int32 array, in three sections (:func:`sections` gives
                                 nothing), then, for orders with short tiles, one short-tile slot per span (k)
 
 A span of ``r`` rows has ``ceil(r / tile_m)`` tiles. For most orders every tile is a *long* tile: one CTA per tile
-and head (the shared-memory path; ``split`` CTAs, one per warpgroup's share, in a small call's kernel). For the
+and head (the shared-memory path; ``split`` CTAs, each converting a share, in a small call's kernel). For the
 orders with short tiles (:func:`short_rows`: the swapped Hopper orders) a span's last tile is *short* when it has
 ``1 .. short_rows`` rows; it is not among the long tiles, and the span's short-tile slot converts it, for
 :data:`SHORT_HEADS` heads per CTA, or one (:func:`short_heads`; :func:`grid_ctas`).

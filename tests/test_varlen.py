@@ -242,7 +242,7 @@ def test_a_packed_call_takes_one_head_per_short_tile_cta_where_eight_make_few_ct
     from jax_dqpost.plan import Part, Plan
 
     layout = AccumLayout.flash_attention(90, 128, causal=False, tensor="dq", version="4.0.0b36")  # short tiles
-    assert kernel_spec.max_split(layout, 128) > 1
+    assert kernel_spec.small_split(layout, 128) > 1
     for batch, heads in [(1, 8 * 42), (1, 8 * 43), (126, 8), (126, 1), (2, 1), (30, 33), (30, 32), (2, 21)] + \
             [(2, 64)] + [(int(b), int(h)) for b in rng.integers(1, 200, 6) for h in rng.integers(1, 70, 2)]:
         lengths = rng.integers(0, 3 * layout.tile_m, batch)

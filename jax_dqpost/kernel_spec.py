@@ -230,9 +230,12 @@ def split_regions(layout, padded_head_dim: int, split: int):
     return shape, tuple(corners)
 
 
-def smem_bytes(layout, head_dim: int) -> int:
-    """Shared memory of the kernel's dQ tile: ``tile_m * Dr`` bf16/fp16 values."""
-    return layout.tile_m * layout.padded_head_dim(head_dim) * OUT_BYTES
+def smem_bytes(layout, head_dim: int, split: int = 1) -> int:
+    """Shared memory of the kernel's dQ tile: ``tile_m * Dr`` bf16/fp16 values, or (``split`` > 1) one share's
+    region of them (:func:`split_regions`)."""
+    dr = layout.padded_head_dim(head_dim)
+    rows, cols = split_regions(layout, dr, split)[0] if split > 1 else (layout.tile_m, dr)
+    return rows * cols * OUT_BYTES
 
 
 def _check_fragment_stores(layout, head_dim: int, what: str) -> None:

@@ -118,7 +118,7 @@ class TileConverter:
             live = self.regs if self.family == "mma" else 16
         self.chunk = self.tile_m * padded_head_dim // max(1, layout.num_threads // 128)  # arch 90: per warpgroup
         self.store_threads = kernel_spec.store_tiling(layout, padded_head_dim)
-        self.smem_bytes = kernel_spec.smem_bytes(layout, padded_head_dim)
+        self.smem_bytes = kernel_spec.smem_bytes(layout, padded_head_dim, split)
         if min_ctas_per_sm is None:
             # Room for the whole fp32 fragment (all its loads in flight at once) plus ~24 registers of
             # addresses and converted values, and as many CTAs per SM as that allows.
@@ -145,18 +145,30 @@ class TileConverter:
         )
 
     def _smem_layout(self):
-        """Row-major (tile_m, padded_head_dim) tile, swizzled; 16-byte row chunks stay contiguous.
+        """The CTA's shared-memory tile: row-major, swizzled, 16-byte row chunks contiguous; the whole
+        ``(tile_m, padded_head_dim)`` tile, or (``split`` > 1) its share's ``region_shape``.
 
         The swizzle atom must not straddle two warpgroups' column slabs, so its width is chosen from
-        one warpgroup's extent along the head dim (n_atom, or the 64-row atom when swapped).
+        one warpgroup's extent along the head dim (n_atom, or the 64-row atom when swapped), and the tile's.
         """
         if self.family != "mma" or self.layout.arch == 80:
             slab = 64
         else:
             slab = 64 if self.layout.swap_ab else self.n_atom
-        kind = sm90_helpers.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, math.gcd(slab, self.padded_head_dim))
+        rows, cols = self.region_shape if self.split > 1 else (self.tile_m, self.padded_head_dim)
+        kind = sm90_helpers.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, math.gcd(slab, cols))
         atom = warpgroup.make_smem_layout_atom(kind, self.dtype)
-        return cute.tile_to_shape(atom, (self.tile_m, self.padded_head_dim), (0, 1))
+        return cute.tile_to_shape(atom, (rows, cols), (0, 1))
+
+    def _tile_layout(self, s_layout):
+        """``s_layout`` at the whole tile's ``(tile_m, padded_head_dim)`` coordinates: with ``split`` > 1, the share's
+        region repeated over the tile with stride 0 (a CTA writes only its own region's coordinates)."""
+        if const_expr(self.split == 1):
+            return s_layout
+        rows, cols = self.region_shape
+        return cute.composition(s_layout, cute.make_layout(((rows, self.tile_m // rows),
+                                                            (cols, self.padded_head_dim // cols)),
+                                                           stride=((1, 0), (rows, 0))))
 
     @cute.jit
     def tile(self, part: TensorArgs, head, t: Tile, tidx, smem, may_be_empty: cutlass.Constexpr = False, sub=0):
@@ -165,7 +177,7 @@ class TileConverter:
         ``work_threads`` threads call it. ``may_be_empty``: a tile of no rows does nothing (a varlen slot past the
         long tiles)."""
         s_layout = self._smem_layout()
-        s_tile = smem.allocate_tensor(self.dtype, s_layout, byte_alignment=1024)
+        s_tile = smem.allocate_tensor(self.dtype, s_layout, byte_alignment=1024)  # the tile, or the share's region
         if const_expr(may_be_empty):
             if t.rows_total > 0:
                 self._tile_via_smem(part, head, t, s_tile, s_layout, tidx, sub)
@@ -178,8 +190,9 @@ class TileConverter:
         producer's threads ``work_threads * sub ..``) into the shared-memory tile, then its rows out."""
         heads, head_dim = part.heads, part.head_dim
         if t.rows_conv > 0:
-            self._convert_tile(part.acc, t.acc_elem, part.scale, s_tile, s_layout, t.rows_conv,
-                               tidx + sub * self.work_threads if const_expr(self.split > 1) else tidx)
+            full = self._tile_layout(s_layout)
+            self._convert_tile(part.acc, t.acc_elem, part.scale, cute.make_tensor(s_tile.iterator, full), full,
+                               t.rows_conv, tidx + sub * self.work_threads if const_expr(self.split > 1) else tidx)
         self.sync()
         out_offset = (t.out_row0 * Int64(heads) + Int64(head)) * Int64(head_dim)
         self._store_tile(part.out, out_offset, heads * head_dim, head_dim, s_tile, t.rows_total, t.rows_conv, tidx,
@@ -385,7 +398,7 @@ class TileConverter:
     @cute.jit
     def _store_tile(self, out_ptr, out_offset, row_stride, head_dim, s_tile, rows_total, rows_conv, tidx, sub):
         """Step 4: 16-byte row vectors to global memory; rows >= rows_conv are zeros. With ``split`` > 1, only
-        share ``sub``'s region of the tile."""
+        share ``sub``'s region of the tile (``s_tile`` holds that region alone)."""
         tile_m, padded_head_dim = self.tile_m, self.padded_head_dim
         dst_ptr = _aligned(out_ptr + out_offset, cute.AddressSpace.gmem)
         vec = _VEC_BYTES * 8 // self.dtype.width
@@ -401,7 +414,7 @@ class TileConverter:
             for s in cutlass.range_constexpr(self.split):
                 if sub == s:
                     at = (self.region_corners[s][0] // shape[0], self.region_corners[s][1] // shape[1])
-                    self._store_region(cute.local_tile(g_out, shape, at), cute.local_tile(s_tile, shape, at),
+                    self._store_region(cute.local_tile(g_out, shape, at), s_tile,
                                        cute.local_tile(crd, shape, at), self.region_store, vec, rows_total, rows_conv,
                                        head_dim, tidx)
 

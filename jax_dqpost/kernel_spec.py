@@ -172,31 +172,42 @@ def region_store_tiling(rows_m: int, cols: int, threads: int) -> tuple[int, int]
 
 
 SPLIT_BELOW = {Tiling.DENSE: 1024, Tiling.DENSE_SEQUSED: 1024, Tiling.VARLEN: 256}
-"""A kernel of its own grid splits its tiles (:func:`split_for`) when it would launch fewer CTAs than this unsplit,
-chosen with ``python -m benchmarks.ncu_kernels sizes`` on the H200 (docs/performance.md): lower for varlen, whose
-CTAs each look their tile up in the work list."""
-SPLIT_THREADS = 128
-"""The threads of a CTA converting a share of a split tile (:func:`small_split`)."""
-_MIN_SPLIT_THREADS = 32
+"""A kernel of its own grid splits its tiles between their warpgroups (:func:`split_for`) when it would launch fewer
+CTAs than this unsplit, chosen with ``python -m benchmarks.ncu_kernels sizes`` on the H200 (docs/performance.md):
+lower for varlen, whose CTAs each look their tile up in the work list."""
+FINE_SPLIT_BYTES = 24 << 20
+"""A kernel of its own grid whose tiles move fewer bytes than this (accumulator and output, padded) splits them
+into the finest shares of :func:`splits` (:func:`split_for`), chosen with ``ncu_kernels sizes`` on the H200."""
 
 
 def split_for(layout, padded_head_dim: int, tiling: Tiling, unsplit_ctas: int) -> int:
     """``split`` (:class:`TensorKernel`) of a kernel of its own grid (one tensor, no sink) that launches
-    ``unsplit_ctas`` CTAs unsplit: :func:`small_split` below :data:`SPLIT_BELOW`, else 1."""
+    ``unsplit_ctas`` CTAs unsplit: the finest of :func:`splits` below :data:`FINE_SPLIT_BYTES`, else its warpgroups
+    (:func:`small_split`) below :data:`SPLIT_BELOW` CTAs, else 1."""
+    fine = splits(layout, padded_head_dim)
+    if fine and unsplit_ctas * layout.tile_m * padded_head_dim * (4 + OUT_BYTES) < FINE_SPLIT_BYTES:
+        return fine[-1]
     return small_split(layout, padded_head_dim) if unsplit_ctas < SPLIT_BELOW[Tiling(tiling)] else 1
 
 
 def small_split(layout, padded_head_dim: int) -> int:
-    """The split of a small call's tiles: into shares of :data:`SPLIT_THREADS` threads where the order has them
-    (:func:`split_regions`), else 1."""
-    split = layout.num_threads // SPLIT_THREADS
+    """The split of a tile between its warpgroups (:func:`split_regions`), or 1."""
+    split = layout.num_threads // 128
     return split if split > 1 and split in splits(layout, padded_head_dim) else 1
+
+
+def call_splits(layout, padded_head_dim: int) -> tuple[int, ...]:
+    """Every ``split`` a call of this order may take (:func:`split_for`), increasing."""
+    fine = splits(layout, padded_head_dim)
+    return tuple(sorted({1, small_split(layout, padded_head_dim), *fine[-1:]}))
 
 
 @functools.lru_cache(maxsize=256)
 def splits(layout, padded_head_dim: int) -> tuple[int, ...]:
     """Every ``split`` > 1 a tile of this order takes (:func:`split_regions`), increasing."""
-    candidates = [s for s in range(2, layout.num_threads // _MIN_SPLIT_THREADS + 1) if layout.num_threads % (32 * s) == 0]
+    # a varlen short-tile CTA of a split kernel has the share's threads: one per row pair and 16 columns
+    least = max(32, (varlen.short_rows(layout) + 1) // 2 * (padded_head_dim // 16))
+    candidates = [s for s in range(2, layout.num_threads // least + 1) if layout.num_threads % (32 * s) == 0]
     return tuple(s for s in candidates if split_regions(layout, padded_head_dim, s) is not None)
 
 
@@ -230,12 +241,11 @@ def split_regions(layout, padded_head_dim: int, split: int):
     return shape, tuple(corners)
 
 
-def smem_bytes(layout, head_dim: int, split: int = 1) -> int:
-    """Shared memory of the kernel's dQ tile: ``tile_m * Dr`` bf16/fp16 values, or (``split`` > 1) one share's
-    region of them (:func:`split_regions`)."""
-    dr = layout.padded_head_dim(head_dim)
-    rows, cols = split_regions(layout, dr, split)[0] if split > 1 else (layout.tile_m, dr)
-    return rows * cols * OUT_BYTES
+def smem_bytes(layout, head_dim: int) -> int:
+    """Shared memory of the kernel's dQ tile: ``tile_m * Dr`` bf16/fp16 values. A CTA of a split tile reserves as
+    much (its share's region uses the first part): it caps the CTAs an SM holds as for whole tiles, which spreads a
+    small call's CTAs over the SMs (docs/performance.md)."""
+    return layout.tile_m * layout.padded_head_dim(head_dim) * OUT_BYTES
 
 
 def _check_fragment_stores(layout, head_dim: int, what: str) -> None:

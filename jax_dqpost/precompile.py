@@ -18,7 +18,7 @@ import sys
 import time
 
 from . import _checks, abi, arch as arch_, cute_runtime, kernel_cache
-from .kernel_spec import KernelSpec, TensorKernel, small_split
+from .kernel_spec import KernelSpec, TensorKernel, call_splits
 from .varlen import SHORT_HEADS, short_rows
 from .layout import AccumLayout
 from .presets import FLASH_ATTENTION_ARCHS, FLASH_ATTENTION_RELEASES, GPU_ARCHS, has_postprocess
@@ -168,7 +168,7 @@ def main(argv=None) -> int:
     # one part: every kernel a call may choose (Plan.kernel): tiles whole or split (a small call's), varlen short
     # tiles by CTAs of SHORT_HEADS heads or 1
     singles = [((layout, dr, t, split, heads),) for layout, dr in configs for t in tilings
-               for split in sorted({1, small_split(layout, dr)})
+               for split in call_splits(layout, dr)
                for heads in sorted({SHORT_HEADS, 1 if t == Tiling.VARLEN and short_rows(layout) else SHORT_HEADS})]
     one_head = any(heads != SHORT_HEADS for ((*_, heads),) in singles)
     short = f", short tiles of {SHORT_HEADS} heads or 1" if one_head else ""

@@ -118,7 +118,7 @@ class TileConverter:
             live = self.regs if self.family == "mma" else 16
         self.chunk = self.tile_m * padded_head_dim // max(1, layout.num_threads // 128)  # arch 90: per warpgroup
         self.store_threads = kernel_spec.store_tiling(layout, padded_head_dim)
-        self.smem_bytes = kernel_spec.smem_bytes(layout, padded_head_dim, split)
+        self.smem_bytes = kernel_spec.smem_bytes(layout, padded_head_dim)  # a whole tile, split or not
         if min_ctas_per_sm is None:
             # Room for the whole fp32 fragment (all its loads in flight at once) plus ~24 registers of
             # addresses and converted values, and as many CTAs per SM as that allows.

@@ -38,7 +38,7 @@ def _kernels(plan, acc_shape):
     t = spec.tensors[0]
     short = t.tiling == kernel_spec.Tiling.VARLEN and varlen.short_rows(t.layout)
     return [dataclasses.replace(spec, tensors=(dataclasses.replace(t, split=s, short_heads=h),))
-            for s in sorted({1, kernel_spec.small_split(t.layout, t.padded_head_dim)})
+            for s in kernel_spec.call_splits(t.layout, t.padded_head_dim)
             for h in sorted({varlen.SHORT_HEADS, 1 if short else varlen.SHORT_HEADS})]
 
 

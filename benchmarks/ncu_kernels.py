@@ -40,7 +40,8 @@ from . import cases as bench_cases, harness  # noqa: E402
 # Variants tried per configuration by `sweep` (the first, {}, is the package's default).
 VARIANTS = [{}, {"min_ctas_per_sm": 0}]
 # ... by `sizes` (and, varlen with short tiles, SHORT_SIZE_VARIANTS)
-SIZE_VARIANTS = [{}, {"split": 1}, {"split": 2}, {"trigger": "start"}, {"trigger": "none"}, {"pdl": False}]
+SIZE_VARIANTS = [{}, {"split": 1}, {"split": 2}, {"split": 4}, {"split": 8}, {"trigger": "start"}, {"trigger": "none"},
+                 {"pdl": False}]
 SHORT_SIZE_VARIANTS = [{"short_heads": 1}, {"short_heads": 8}]
 # ... and by `short` (varlen only).
 SHORT_VARIANTS = [{}, {"short_heads": 1}, {"short_heads": 4}, {"trigger": "start"}, {"trigger": "none"}]

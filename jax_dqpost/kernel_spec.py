@@ -29,7 +29,8 @@ class TensorKernel:
     """What of one tensor (dQ, dK or dV) changes the binary: its accumulator's order, its padded head dim ``Dr``
     (``AccumLayout.padded_head_dim``), how a CTA finds its tile, ``split``, the CTAs a tile is converted by: 1, or
     one of :func:`splits`, each CTA converting the share of ``num_threads / split`` of the producer's threads
-    (:func:`split_regions`; :func:`split_for` chooses), and ``short_heads``, the heads of a varlen short-tile CTA (``varlen.short_heads`` chooses)."""
+    (:func:`split_regions`; :func:`split_for` chooses), and ``short_heads``, the heads of a varlen short-tile CTA
+    (``varlen.short_heads`` chooses)."""
 
     layout: object  # an AccumLayout
     padded_head_dim: int
@@ -171,35 +172,23 @@ def region_store_tiling(rows_m: int, cols: int, threads: int) -> tuple[int, int]
     return None
 
 
-SPLIT_BELOW = {Tiling.DENSE: 1024, Tiling.DENSE_SEQUSED: 1024, Tiling.VARLEN: 256}
-"""A kernel of its own grid splits its tiles between their warpgroups (:func:`split_for`) when it would launch fewer
-CTAs than this unsplit, chosen with ``python -m benchmarks.ncu_kernels sizes`` on the H200 (docs/performance.md):
-lower for varlen, whose CTAs each look their tile up in the work list."""
-FINE_SPLIT_BYTES = 24 << 20
-"""A kernel of its own grid whose tiles move fewer bytes than this (accumulator and output, padded) splits them
-into the finest shares of :func:`splits` (:func:`split_for`), chosen with ``ncu_kernels sizes`` on the H200."""
+FINE_SPLIT_BYTES = 20 << 20
+"""A kernel of its own grid whose tiles move fewer bytes than this (accumulator and output, padded) splits each tile
+between CTAs (:func:`split_for`); chosen with ``python -m benchmarks.ncu_kernels sizes`` on the H200
+(docs/performance.md)."""
 
 
-def split_for(layout, padded_head_dim: int, tiling: Tiling, unsplit_ctas: int) -> int:
+def split_for(layout, padded_head_dim: int, unsplit_ctas: int) -> int:
     """``split`` (:class:`TensorKernel`) of a kernel of its own grid (one tensor, no sink) that launches
-    ``unsplit_ctas`` CTAs unsplit: the finest of :func:`splits` below :data:`FINE_SPLIT_BYTES`, else its warpgroups
-    (:func:`small_split`) below :data:`SPLIT_BELOW` CTAs, else 1."""
+    ``unsplit_ctas`` CTAs unsplit: the finest of :func:`splits` below :data:`FINE_SPLIT_BYTES`, else 1."""
     fine = splits(layout, padded_head_dim)
-    if fine and unsplit_ctas * layout.tile_m * padded_head_dim * (4 + OUT_BYTES) < FINE_SPLIT_BYTES:
-        return fine[-1]
-    return small_split(layout, padded_head_dim) if unsplit_ctas < SPLIT_BELOW[Tiling(tiling)] else 1
-
-
-def small_split(layout, padded_head_dim: int) -> int:
-    """The split of a tile between its warpgroups (:func:`split_regions`), or 1."""
-    split = layout.num_threads // 128
-    return split if split > 1 and split in splits(layout, padded_head_dim) else 1
+    small = unsplit_ctas * layout.tile_m * padded_head_dim * (4 + OUT_BYTES) < FINE_SPLIT_BYTES
+    return fine[-1] if fine and small else 1
 
 
 def call_splits(layout, padded_head_dim: int) -> tuple[int, ...]:
     """Every ``split`` a call of this order may take (:func:`split_for`), increasing."""
-    fine = splits(layout, padded_head_dim)
-    return tuple(sorted({1, small_split(layout, padded_head_dim), *fine[-1:]}))
+    return (1,) + splits(layout, padded_head_dim)[-1:]
 
 
 @functools.lru_cache(maxsize=256)

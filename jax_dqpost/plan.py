@@ -86,7 +86,7 @@ class Part:
         if self.work is not None and self.work.short_rows:
             short_heads = varlen.short_heads(self.work.num_spans, self.heads(acc_shape))
         ctas = self.ctas(acc_shape, 1, varlen.SHORT_HEADS) * (1 if self.work is not None else acc_shape[0])
-        return self.kernel(kernel_spec.split_for(self.layout, self.padded_head_dim, self.tiling, ctas), short_heads)
+        return self.kernel(kernel_spec.split_for(self.layout, self.padded_head_dim, ctas), short_heads)
 
     # ---- shapes ----------------------------------------------------------------------------------
     def aux_shape(self, batch: int) -> tuple[int]:

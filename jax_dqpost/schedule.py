@@ -10,7 +10,7 @@ sequence, rows no sequence covers). The converters (``tile.py``) only convert.
 
 * :class:`DenseScheduler` (``DENSE``, ``DENSE_SEQUSED``): ``split * H * grid_x`` CTAs per batch ``b``, ``grid_x =
   ceil(S / tile_m)``, heads fastest: CTA ``x`` takes tile ``(b, h, m) = (b, y % H, y // H)``, ``y = x // split``
-  (its warpgroup ``x % split``'s share, when ``split`` > 1), so the CTAs in flight write whole rows of the result,
+  (its share ``x % split``, when ``split`` > 1), so the CTAs in flight write whole rows of the result,
   every head of them, as a copy would. With seqused, rows past ``seqused[b]`` are zeros.
 * :class:`VarlenScheduler` (``VARLEN``): the work list's long-tile slots (``varlen.py``), heads fastest: slot ``m``
   looks its span up (:func:`read_span`) and takes tile ``m - tile_start[span]`` of it.
@@ -200,7 +200,7 @@ class ShortTileScheduler:
 
 def scheduler(layout: AccumLayout, padded_head_dim: int, tiling: Tiling, short_heads: int = varlen.SHORT_HEADS,
               split: int = 1):
-    """The scheduler of a part of this tiling; ``split``: CTAs per tile and head (its warpgroups' shares)."""
+    """The scheduler of a part of this tiling; ``split``: CTAs per tile and head (their shares: ``kernel_spec.split_regions``)."""
     if tiling == Tiling.VARLEN:
         return VarlenScheduler(layout, padded_head_dim, short_heads, split)
     return DenseScheduler(layout, padded_head_dim, tiling == Tiling.DENSE_SEQUSED, split)

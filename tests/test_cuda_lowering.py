@@ -168,7 +168,7 @@ def test_every_order_and_mode_compiles_for(arch):
                AccumLayout(None, 64, 256, 1, False, 32)]
     for layout in layouts:
         for tiling in Tiling:
-            for split in kernel_spec.call_splits(layout, 128):  # a tile per CTA, or per warpgroup
+            for split in kernel_spec.call_splits(layout, 128):  # a tile per CTA, or its finest split
                 k = kernel_cache.get_kernel(one_part_kernel(jnp.bfloat16, layout, 128, tiling, split), arch=arch)
                 assert k.arch == arch and k.module[:4] == b"\x7fELF"
 

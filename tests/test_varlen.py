@@ -242,7 +242,7 @@ def test_a_packed_call_takes_one_head_per_short_tile_cta_where_eight_make_few_ct
     from jax_dqpost.plan import Part, Plan
 
     layout = AccumLayout.flash_attention(90, 128, causal=False, tensor="dq", version="4.0.0b36")  # short tiles
-    assert kernel_spec.small_split(layout, 128) > 1
+    assert kernel_spec.splits(layout, 128)
     for batch, heads in [(1, 8 * 42), (1, 8 * 43), (126, 8), (126, 1), (2, 1), (30, 33), (30, 32), (2, 21)] + \
             [(2, 64)] + [(int(b), int(h)) for b in rng.integers(1, 200, 6) for h in rng.integers(1, 70, 2)]:
         lengths = rng.integers(0, 3 * layout.tile_m, batch)
@@ -256,10 +256,10 @@ def test_a_packed_call_takes_one_head_per_short_tile_cta_where_eight_make_few_ct
         t = spec.tensors[0]
         assert t.short_heads == want == varlen.short_heads(batch + 2, heads), (batch, heads)
         at_eight = varlen.grid_ctas(heads, work.num_tiles, batch + 2, work.short_rows)
-        assert t.split == kernel_spec.split_for(layout, 128, part.tiling, at_eight), (batch, heads, at_eight)
+        assert t.split == kernel_spec.split_for(layout, 128, at_eight), (batch, heads, at_eight)
         if (batch, heads) == (2, 64):
             at_one = varlen.grid_ctas(heads, work.num_tiles, batch + 2, work.short_rows, short_heads=1)
-            assert t.split > 1 == kernel_spec.split_for(layout, 128, part.tiling, at_one) and want == 1, (t, at_one)
+            assert t.split > 1 == kernel_spec.split_for(layout, 128, at_one) and want == 1, (t, at_one)
         ctas = Plan((part,)).launch([shape])[1]
         assert ctas == (batch + 2) * -(-heads // want) + t.split * heads * (work.num_tiles - batch - 2)
         fused = Plan((part,) * 3).kernel([shape] * 3)

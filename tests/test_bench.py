@@ -72,7 +72,7 @@ def test_short_sequences_launch_exactly_the_tiles_they_need(rng):
     T = cases.SHORT_TOKENS
     assert traced.ctas == H * min((T + (tm - 17) * spans) // tm, T // 17) + spans * -(-H // 8)
     small = cases.Case("x", 128, False, "varlen", 2**20, rng, None, None, cu=[0, 700, 1365])  # 9 + 9 long tiles
-    assert small.H == 1 and small.ctas == 4 * 1 + 2 * 18  # 22 CTAs unsplit: the long tiles split in two
+    assert small.H == 1 and small.ctas == 4 * 1 + 4 * 18  # 22 CTAs unsplit: the long tiles split in four
 
 
 @pytest.mark.parametrize("granule", [32, 64])

@@ -40,13 +40,13 @@ def test_export_for_cuda_emits_our_custom_call(dtype, name):
     assert calls == [_ffi.TARGET_NAME], calls
     tiles = -(-1000 // 80)
     # abi.py: dq_accum, q_aux (empty), scales (1,), then dq; extents (B, H, S, D, tiles); CTAs: a call this small
-    # splits each tile between its 2 warpgroups' CTAs, so 2 * H * tiles per batch
+    # splits each tile into its finest shares, 4 (kernel_spec.split_for), so 4 * H * tiles per batch
     acc_bytes, out_bytes = 2 * 4 * tiles * 80 * 128 * 4, 2 * 1000 * 4 * 128 * 2
     assert f"bytes = dense<[{acc_bytes}, 0, 4, {out_bytes}]> : tensor<4xi64>" in text
-    assert f"extents = dense<[2, 4, 1000, 128, {tiles}]>" in text and f"ctas = {2 * 2 * 4 * tiles} : i64" in text
+    assert f"extents = dense<[2, 4, 1000, 128, {tiles}]>" in text and f"ctas = {2 * 4 * 4 * tiles} : i64" in text
     assert "mhlo.backend_config = {" in text  # typed XLA FFI: attributes as a dictionary
     assert "tensor<2x1000x4x128x" in text  # (B, S, H, D) result
-    kernel = kernel_cache.get_kernel(one_part_kernel(dtype, LAYOUT, 128, split=2), arch="sm_90a")
+    kernel = kernel_cache.get_kernel(one_part_kernel(dtype, LAYOUT, 128, split=4), arch="sm_90a")
     assert kernel.module[:4] == b"\x7fELF"  # a host object holding the sm_90a cubin
     assert f'fingerprint = "{kernel.fingerprint}"' in text
 
@@ -257,7 +257,7 @@ def test_command_buffers_mode_is_in_the_lowered_call(command_buffers_env):
 
     if arch.cuda_devices():
         _ffi.register()  # with the process's own setting, before this test changes it (lowering registers once)
-    fingerprint = kernel_cache.get_kernel(one_part_kernel(jnp.bfloat16, LAYOUT, 128, split=2)).fingerprint
+    fingerprint = kernel_cache.get_kernel(one_part_kernel(jnp.bfloat16, LAYOUT, 128, split=4)).fingerprint
     texts = {}
     for value in ("", "0", "1"):
         command_buffers_env(value)

@@ -190,11 +190,12 @@ def test_cache_off_and_precompile_cli(tmp_path):
                           "--head-dims", "64,128", "--dtypes", "bf16", "--tilings", "dense,varlen"],
                          cwd="/", env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
-    # each layout's tiles whole, and split between its 2 warpgroups (a small call's kernel); hd128's varlen short
-    # tiles also by CTAs of one head (a pack of few sequences)
+    # each layout's tiles whole, and split into its finest shares (a small call's kernel: 8, the swapped hd128's 4);
+    # hd128's varlen short tiles also by CTAs of one head (a pack of few sequences)
     head = "14 kernels for sm_90a (3 layouts x 1 dtypes x 2 tilings, whole or split tiles, short tiles of 8 heads or 1)"
     assert f"{head}: 14 compiled in " in out.stdout, out.stdout
-    assert len(list(tmp_path.glob("*.cute"))) == 14 and len(list(tmp_path.glob("bf16-varlen2-*.cute"))) == 3
+    assert len(list(tmp_path.glob("*.cute"))) == 14 and len(list(tmp_path.glob("bf16-varlen8-*.cute"))) == 2 \
+        and len(list(tmp_path.glob("bf16-varlen4-*.cute"))) == 1
     assert len(list(tmp_path.glob("bf16-varlen*h1-*.cute"))) == 2
     again = subprocess.run([sys.executable, "-m", "jax_dqpost.precompile", "--arch", "sm_90a", "--presets", "90",
                             "--head-dims", "128,64", "--dtypes", "bfloat16", "--tilings", "varlen,dense"],

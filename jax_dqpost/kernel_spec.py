@@ -109,7 +109,7 @@ class KernelSpec:
     @property
     def label(self) -> str:
         """A short name: the dtype, each tensor's tiling (and split, and short-tile heads), ``sink``
-        (``"bf16-dense-sink"``, ``"bf16-varlen2"``, ``"bf16-varlen2h1"``)."""
+        (``"bf16-dense-sink"``, ``"bf16-varlen8"``, ``"bf16-varlen4h1"``)."""
         return "-".join([self.dtype] + [t.tiling.name.lower() + (str(t.split) if t.split != 1 else "")
                                         + (f"h{t.short_heads}" if t.short_heads != varlen.SHORT_HEADS else "")
                                         for t in self.tensors] + (["sink"] if self.sink else []))
@@ -173,14 +173,15 @@ def region_store_tiling(rows_m: int, cols: int, threads: int) -> tuple[int, int]
 
 
 FINE_SPLIT_BYTES = 20 << 20
-"""A kernel of its own grid whose tiles move fewer bytes than this (accumulator and output, padded) splits each tile
-between CTAs (:func:`split_for`); chosen with ``python -m benchmarks.ncu_kernels sizes`` on the H200
-(docs/performance.md)."""
+"""A kernel of its own grid whose unsplit CTAs times a tile's bytes (``tile_m * Dr`` floats read, as many values
+written) come to fewer than this splits each tile between CTAs (:func:`split_for`); chosen on the H200 by graph
+replay of each split at 8.4-33.5 MB (docs/performance.md)."""
 
 
 def split_for(layout, padded_head_dim: int, unsplit_ctas: int) -> int:
     """``split`` (:class:`TensorKernel`) of a kernel of its own grid (one tensor, no sink) that launches
-    ``unsplit_ctas`` CTAs unsplit: the finest of :func:`splits` below :data:`FINE_SPLIT_BYTES`, else 1."""
+    ``unsplit_ctas`` CTAs unsplit (a varlen short-tile CTA counted as a tile): the finest of :func:`splits` below
+    :data:`FINE_SPLIT_BYTES`, else 1."""
     fine = splits(layout, padded_head_dim)
     small = unsplit_ctas * layout.tile_m * padded_head_dim * (4 + OUT_BYTES) < FINE_SPLIT_BYTES
     return fine[-1] if fine and small else 1
@@ -193,7 +194,8 @@ def call_splits(layout, padded_head_dim: int) -> tuple[int, ...]:
 
 @functools.lru_cache(maxsize=256)
 def splits(layout, padded_head_dim: int) -> tuple[int, ...]:
-    """Every ``split`` > 1 a tile of this order takes (:func:`split_regions`), increasing."""
+    """Every ``split`` > 1 a tile of this order takes (:func:`split_regions`), increasing. A call takes the last
+    (:func:`call_splits`); the others are for experiments (``ncu_kernels`` checks their bits against the default's)."""
     # a varlen short-tile CTA of a split kernel has the share's threads: one per row pair and 16 columns
     least = max(32, (varlen.short_rows(layout) + 1) // 2 * (padded_head_dim // 16))
     candidates = [s for s in range(2, layout.num_threads // least + 1) if layout.num_threads % (32 * s) == 0]
@@ -231,9 +233,8 @@ def split_regions(layout, padded_head_dim: int, split: int):
 
 
 def smem_bytes(layout, head_dim: int) -> int:
-    """Shared memory of the kernel's dQ tile: ``tile_m * Dr`` bf16/fp16 values. A CTA of a split tile reserves as
-    much (its share's region uses the first part): it caps the CTAs an SM holds as for whole tiles, which spreads a
-    small call's CTAs over the SMs (docs/performance.md)."""
+    """Shared memory of the kernel's dQ tile: ``tile_m * Dr`` bf16/fp16 values; a CTA of a split tile reserves as
+    much, its share's region using the first part (docs/design.md, "Work units")."""
     return layout.tile_m * layout.padded_head_dim(head_dim) * OUT_BYTES
 
 

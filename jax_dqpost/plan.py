@@ -79,9 +79,9 @@ class Part:
         return TensorKernel(self.layout, self.padded_head_dim, self.tiling, split, short_heads)
 
     def own_grid_kernel(self, acc_shape) -> TensorKernel:
-        """:meth:`kernel` when this part is a kernel's own grid: tiles split below ``kernel_spec.split_for``'s count
-        of CTAs (every batch's; short tiles counted at ``varlen.SHORT_HEADS`` heads a CTA, whatever the kernel's),
-        short tiles by ``varlen.short_heads`` heads a CTA."""
+        """:meth:`kernel` when this part is a kernel's own grid: tiles split as ``kernel_spec.split_for`` chooses
+        from the unsplit CTAs (every batch's; short tiles counted at ``varlen.SHORT_HEADS`` heads a CTA, whatever the
+        kernel's), short tiles by ``varlen.short_heads`` heads a CTA."""
         short_heads = varlen.SHORT_HEADS
         if self.work is not None and self.work.short_rows:
             short_heads = varlen.short_heads(self.work.num_spans, self.heads(acc_shape))

@@ -200,7 +200,8 @@ class ShortTileScheduler:
 
 def scheduler(layout: AccumLayout, padded_head_dim: int, tiling: Tiling, short_heads: int = varlen.SHORT_HEADS,
               split: int = 1):
-    """The scheduler of a part of this tiling; ``split``: CTAs per tile and head (their shares: ``kernel_spec.split_regions``)."""
+    """The scheduler of a part of this tiling; ``split``: CTAs per tile and head (their shares:
+    ``kernel_spec.split_regions``)."""
     if tiling == Tiling.VARLEN:
         return VarlenScheduler(layout, padded_head_dim, short_heads, split)
     return DenseScheduler(layout, padded_head_dim, tiling == Tiling.DENSE_SEQUSED, split)

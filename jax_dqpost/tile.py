@@ -42,7 +42,7 @@ from .schedule import TensorArgs, ShortTile, Tile
 _VEC_BYTES = 16
 _REGS_PER_SM = 65536
 _THREADS_PER_SM = 2048
-_CTAS_PER_SM = 32
+_CTAS_PER_SM = 32  # sm_80, sm_90, sm_100 (sm_86 and sm_89 hold fewer: the hint then only asks for more)
 
 
 def _aligned(ptr: cute.Pointer, space) -> cute.Pointer:
@@ -149,7 +149,8 @@ class TileConverter:
         ``(tile_m, padded_head_dim)`` tile, or (``split`` > 1) its share's ``region_shape``.
 
         The swizzle atom must not straddle two warpgroups' column slabs, so its width is chosen from
-        one warpgroup's extent along the head dim (n_atom, or the 64-row atom when swapped), and the tile's.
+        one warpgroup's extent along the head dim (n_atom, or the 64-row atom when swapped), and from the staged
+        tile's (or region's) width.
         """
         if self.family != "mma" or self.layout.arch == 80:
             slab = 64

@@ -79,10 +79,10 @@ def short_heads(num_spans: int, heads: int) -> int:
 
 
 def grid_ctas(heads, num_tiles, num_spans, short_rows: int, short_heads: int = SHORT_HEADS, split: int = 1):
-    """CTAs of a varlen launch: ``split`` per long-tile slot and head (a tile's warpgroups in CTAs of their own when
-    ``split`` > 1), and (orders with short tiles) one per span and group of ``short_heads`` heads. ``short_rows``,
-    ``short_heads``, ``split``: Python ints; the rest plain arithmetic, also evaluated on the kernel's run-time
-    integers."""
+    """CTAs of a varlen launch: ``split`` per long-tile slot and head (a tile's shares,
+    ``kernel_spec.split_regions``, when ``split`` > 1), and (orders with short tiles) one per span and group of
+    ``short_heads`` heads. ``short_rows``, ``short_heads``, ``split``: Python ints; the rest plain arithmetic, also
+    evaluated on the kernel's run-time integers."""
     if short_rows:
         return num_spans * ((heads + short_heads - 1) // short_heads) + split * heads * (num_tiles - num_spans)
     return split * heads * num_tiles

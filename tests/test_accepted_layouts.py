@@ -109,7 +109,8 @@ def test_every_accepted_layout_compiles_for_every_target(seed):
 def test_a_shares_region_holds_its_threads_elements(seed):
     """Where a tile splits between CTAs (``kernel_spec.splits``), the rectangle CTA ``w`` converts holds exactly the
     elements of the producer's threads ``w * n .. (w + 1) * n - 1`` by the wgmma fragment's coordinates
-    (``fragments.wgmma_coord``, the PTX ISA's map, not the index map the regions are found from); FlashAttention-4's
+    (``fragments.wgmma_coord``, the PTX ISA's map; independent of the owner formula, not of that map), in whole
+    16-row blocks of the shared-memory tile that repeat over the tile; FlashAttention-4's
     Hopper dQ presets split down to one warp a CTA, short tiles' orders to a CTA per short tile's row pairs and
     16-column blocks."""
     from jax_dqpost import fragments
@@ -124,6 +125,7 @@ def test_a_shares_region_holds_its_threads_elements(seed):
             (rows, cols), corners = split_regions(layout, dr, split)
             n = layout.num_threads // split
             assert len(corners) == split and n % 32 == 0, (layout, head_dim, split)
+            assert rows % 16 == 0 and layout.tile_m % rows == 0 and dr % cols == 0, (layout, head_dim, split)
             for w, (r0, c0) in enumerate(corners):
                 tid, r = np.meshgrid(np.arange(w * n, (w + 1) * n), np.arange(geom["regs"]), indexing="ij")
                 i, j = fragments.wgmma_coord(tid, r, n_atom=geom["n_atom"], atoms_m=geom["atoms_m"],

@@ -30,7 +30,7 @@ _EXECUTORS = {}
 
 def _kernels(plan, acc_shape):
     """The kernel of a one-part ``plan`` on an accumulator of ``acc_shape``, with each work unit the package may
-    choose: each split of its tiles (``TensorKernel.split``: 1, and the order's warpgroups where it has them) and,
+    choose: each split of its tiles (``TensorKernel.split``: ``kernel_spec.call_splits``, 1 and the finest) and,
     varlen with short tiles, short-tile CTAs of 8 heads and of 1 (``TensorKernel.short_heads``)."""
     from jax_dqpost import kernel_spec, varlen
 

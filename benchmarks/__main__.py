@@ -152,7 +152,7 @@ def main(argv=None) -> int:
         print(f"\nwrote {out / 'bench.json'}")
         return 0
     # the reference shape of every configuration first (the tables), then the size sweeps (the plot)
-    rows = 2 * len(cases.CONFIGS) * (1 + len(sizes))
+    rows = cases.benchmark_rows(sizes)
     for k, (size, case) in enumerate(cases.benchmark_cases(torch, fa4, sizes)):  # every case draws its lengths
         if k < len(kept.get("reference", [])) + len(kept.get("sweep", [])):
             continue  # kept from the run that was cut short
@@ -162,7 +162,7 @@ def main(argv=None) -> int:
         report["reference" if size is None else "sweep"].append(r)
         save()
     report["short"] = list(kept.get("short", []))
-    for k, case in enumerate(cases.short_cases(np.random.default_rng(1), torch, fa4)):
+    for k, case in enumerate(cases.short_cases(torch, fa4)):
         if k < len(kept.get("short", [])):
             continue
         harness.log(f"short sequences: {case.name} {'traced' if case.traced else 'static'}")

@@ -87,11 +87,16 @@ def random_lengths(rng, total: int, count: int) -> list[int]:
     return [0] + [int(c) for c in cuts] + [total]
 
 
+def benchmark_rows(sizes=SIZES) -> int:
+    """How many cases :func:`benchmark_cases` yields for ``sizes``."""
+    return len(CONFIGS) * len(PACKINGS) * (1 + len(sizes))
+
+
 def benchmark_cases(torch, fa4, sizes=SIZES):
     """``(size, Case)`` for every row of ``python -m benchmarks``, in its order: each configuration's reference shape
     (size None), dense then varlen, then each configuration's and packing's ``sizes``. One generator draws every
     varlen row's lengths in that order, so a tool that measures some rows builds the cases before them too and
-    gets the benchmark's lengths."""
+    gets the lengths of a full run (``--quick`` measures fewer sizes: its later rows draw others)."""
     rng = np.random.default_rng(0)
     todo = [(c, p, None) for c in CONFIGS for p in PACKINGS] + [(c, p, s) for c in CONFIGS for p in PACKINGS
                                                                  for s in sizes]
@@ -319,9 +324,11 @@ def measure(case: Case, samples: int, wall: bool = True) -> dict:
     return res
 
 
-def short_cases(rng, torch, fa4):
+def short_cases(torch, fa4):
     """The short-sequence sweep (hd128, FlashAttention-4's dQ preset, 32 heads, :data:`SHORT_TOKENS` tokens): for
-    each count in :data:`SHORT_SEQUENCES`, random lengths (:func:`short_lengths`), static and traced offsets."""
+    each count in :data:`SHORT_SEQUENCES`, random lengths (:func:`short_lengths`, one generator of its own), static
+    and traced offsets."""
+    rng = np.random.default_rng(1)
     for count in SHORT_SEQUENCES:
         cu = short_lengths(rng, SHORT_TOKENS, count)
         for traced in (False, True):

@@ -5,14 +5,15 @@ repository root:
         graph-replay time of our kernel with tuning variants (kernel.Postprocess keyword arguments, VARIANTS; each
         checked bit-equal to the default's output; one that raises for a packing is reported and skipped),
         FlashAttention-4 and the same-bytes copy, side by side, median of 15 (as the benchmark measures them), dense
-        and varlen (64 random lengths)
-    python -m benchmarks.ncu_kernels sizes [CONFIG ...]
+        and varlen (the benchmark's reference rows)
+    python -m benchmarks.ncu_kernels sizes [CONFIG ...] [--bytes N ...]
         the size sweep's rows from 1 MB to 1 GB (``cases.SIZES``; varlen: packs of 2-8 sequences, the benchmark's
-        lengths), ours with the tuning variants of SIZE_VARIANTS (and SHORT_SIZE_VARIANTS where short tiles are;
-        each checked bit-equal to the default's output) against the same-bytes copy, graph replay, median of 15
+        lengths), or of the sizes N given (those outside the sweep with lengths of their own), ours with the tuning
+        variants of SIZE_VARIANTS (and SHORT_SIZE_VARIANTS where short tiles are; each checked bit-equal to the
+        default's output) against the same-bytes copy, graph replay, median of 15
     python -m benchmarks.ncu_kernels short [COUNT ...] [--l2-fetch BYTES]
         the benchmark's short-sequence cases (hd128, 64 to 8000 sequences in 16384 tokens, static and traced offsets;
-        COUNT: only those sequence counts, "ref": the varlen reference case, 64 random lengths), ours with the tuning
+        COUNT: only those sequence counts, "ref": the benchmark's hd128 varlen reference row), ours with the tuning
         variants of SHORT_VARIANTS (each checked bit-equal to the default's output, the default to FlashAttention-4's),
         FlashAttention-4 (static offsets), against our dense hd128 call of the same tokens and the sector bound of the
         lengths. --l2-fetch sets this process's cudaLimitMaxL2FetchGranularity first (an experiment: does the L2
@@ -23,7 +24,8 @@ repository root:
         ``--bytes N`` (one of ``cases.SIZES``) the size sweep's rows of N bytes instead (default: every
         configuration; dense, and varlen with the benchmark's lengths), a varlen call of one sequence, and the copy
 
-Configuration names are the benchmark's (``cases.CONFIGS``).
+Configuration names are the benchmark's (``cases.CONFIGS``); the benchmark's rows and lengths are a full run's
+(``cases.benchmark_cases``).
 """
 
 from __future__ import annotations
@@ -48,11 +50,11 @@ SHORT_VARIANTS = [{}, {"short_heads": 1}, {"short_heads": 4}, {"trigger": "start
 
 
 def cases(names, torch, fa4, packings=("dense",), size=None):
-    """Each configuration's case of each packing, its torch buffers allocated while it is in use. ``size``: None,
-    the reference shape; else one of ``cases.SIZES``, the size sweep's rows of that size (varlen with the
-    benchmark's lengths: :func:`sweep_rows`). Packing ``"varlen1"``: varlen, one sequence of all the tokens."""
+    """Each configuration's case of each packing, its torch buffers allocated while it is in use: the benchmark's
+    rows (:func:`sweep_rows`) of ``size`` (None: the reference shape; else one of ``cases.SIZES``). Packing
+    ``"varlen1"``: varlen, one sequence of all the tokens."""
     configs = {c[0]: c for c in bench_cases.CONFIGS}
-    rows = {} if size is None else sweep_rows(names, size, torch, fa4)
+    rows = sweep_rows(names, size, torch, fa4)
     for name in names:
         for packing in packings:
             _, D, causal = configs[name]
@@ -69,13 +71,30 @@ def cases(names, torch, fa4, packings=("dense",), size=None):
 
 
 def sweep_rows(names, size, torch, fa4) -> dict:
-    """``{(configuration, packing): Case}``: the size sweep's rows of ``size`` bytes of these configurations, as
-    ``python -m benchmarks`` builds them (``cases.benchmark_cases``: the same lengths)."""
+    """``{(configuration, packing): Case}``: the benchmark's rows of ``size`` bytes (None: the reference shape) of
+    these configurations, as ``python -m benchmarks`` builds them (``cases.benchmark_cases``: the same lengths)."""
     return {(case.name, case.packing): case for s, case in bench_cases.benchmark_cases(torch, fa4)
             if s == size and case.name in names}
 
 
-def sweep(names, torch, fa4, samples=15):
+def size_rows(names, sizes, torch, fa4):
+    """``(size, Case)`` of each configuration in ``names`` and packing at each of ``sizes``: the benchmark's rows at
+    its sweep's sizes, in its order (:func:`sweep_rows`), then those of other sizes, their lengths drawn from a
+    generator seeded by the size."""
+    for size, case in bench_cases.benchmark_cases(torch, fa4):
+        if size in sizes and case.name in names:
+            yield size, case
+    for size in sizes:
+        if size not in bench_cases.SIZES:
+            rng = np.random.default_rng(size)
+            for name, head_dim, causal in bench_cases.CONFIGS:
+                for packing in bench_cases.PACKINGS:
+                    if name in names:
+                        yield size, bench_cases.Case(name, head_dim, causal, packing, size, rng, torch, fa4)
+
+
+def sweep(args, torch, fa4, samples=15):
+    _, names = command_args("sweep", args)
     for case in cases(names, torch, fa4, packings=("dense", "varlen")):
         copy, _ = harness.graph_per_call(torch, case.copy_run(), case.copies, samples)
         rows = [("copy", copy)]
@@ -87,11 +106,9 @@ def sweep(names, torch, fa4, samples=15):
                   f"{copy / t:7.1%} of copy", flush=True)
 
 
-def sizes(names, torch, fa4, samples=15):
-    names = names or [c[0] for c in bench_cases.CONFIGS]
-    for size, case in bench_cases.benchmark_cases(torch, fa4):  # every row, for the benchmark's lengths
-        if size is None or size == bench_cases.SIZES[0] or case.name not in names:
-            continue
+def sizes(args, torch, fa4, samples=15):
+    sizes, names = command_args("sizes", args)
+    for size, case in size_rows(names, sizes, torch, fa4):
         case.torch_buffers()
         copy, _ = harness.graph_per_call(torch, case.copy_run(), case.copies, samples)
         tag = f"{case.bytes / 1e6:8.1f} MB {case.name:13s} {case.packing:7s} {case.ctas:6d} CTAs"
@@ -141,14 +158,13 @@ def short(names, torch, fa4, samples=15):
     else:
         torch.cuda.init()
         print(f"cudaLimitMaxL2FetchGranularity: {harness.l2_fetch_granularity()}", flush=True)
-    rng = np.random.default_rng(0)
-    dense = bench_cases.Case("hd128", 128, False, "dense", None, rng, torch, fa4)
+    dense, ref = short_reference(torch, fa4)
     dense.torch_buffers()
     d, _ = harness.graph_per_call(torch, dense.ours(), dense.copies, samples)
     dense.free_torch()
     print(f"dense hd128 {d * 1e6:.1f} us", flush=True)
-    todo = [bench_cases.Case("hd128", 128, False, "varlen", None, rng, torch, fa4, traced=t) for t in (False, True)]
-    todo = (todo if not names or "ref" in names else []) + list(bench_cases.short_cases(rng, torch, fa4))
+    traced = bench_cases.Case("hd128", 128, False, "varlen", None, None, torch, fa4, cu=ref.cu, traced=True)
+    todo = ([ref, traced] if not names or "ref" in names else []) + list(bench_cases.short_cases(torch, fa4))
     for case in todo:
         if names and case.cu is not None and case.name.startswith("hd128-") and \
                 case.name[len("hd128-"):-len("seq")] not in names:
@@ -169,25 +185,45 @@ def short(names, torch, fa4, samples=15):
         case.free_torch()
 
 
-def profile_args(args) -> tuple:
-    """``(size, names)`` of ``profile``'s arguments (module docstring); ``ValueError`` naming a bad one."""
-    configs = [c[0] for c in bench_cases.CONFIGS]
-    size, names = None, list(args)
-    if "--bytes" in names:
+def short_reference(torch, fa4):
+    """``short``'s yardsticks: the benchmark's hd128 reference rows, dense and varlen (:func:`sweep_rows`)."""
+    rows = sweep_rows(["hd128"], None, torch, fa4)
+    return rows["hd128", "dense"], rows["hd128", "varlen"]
+
+
+def command_args(command, args) -> tuple[list, list[str]]:
+    """``(sizes, names)`` of ``sweep``'s, ``sizes``' or ``profile``'s arguments (module docstring): configuration
+    names, and sizes given by ``--bytes N`` (``sizes``: each once, at least ``cases.SIZES[0]``; ``profile``: one of
+    ``cases.SIZES``, once; ``sweep``: none), each with its default. ``ValueError`` naming a bad one."""
+    configs, sizes, names = [c[0] for c in bench_cases.CONFIGS], [], list(args)
+    while "--bytes" in names:
         k = names.index("--bytes")
         value = names[k + 1] if k + 1 < len(names) else None
-        if value is None or not value.isdigit() or int(value) not in bench_cases.SIZES:
-            raise ValueError(f"--bytes takes one of the size sweep's sizes {bench_cases.SIZES}, got "
-                             f"{'nothing' if value is None else repr(value)}")
-        size, names = int(value), names[:k] + names[k + 2:]
+        got = "nothing" if value is None else repr(value)
+        if command == "profile":
+            if value is None or not value.isdigit() or int(value) not in bench_cases.SIZES:
+                raise ValueError(f"--bytes takes one of the size sweep's sizes {bench_cases.SIZES}, got {got}")
+            if sizes:
+                raise ValueError(f"--bytes is given once, got {sizes[0]} and {value}")
+        elif command == "sizes":
+            if value is None or not value.isdigit() or int(value) < bench_cases.SIZES[0]:
+                raise ValueError(f"--bytes takes a size of at least {bench_cases.SIZES[0]} bytes, got {got}")
+            if int(value) in sizes:
+                raise ValueError(f"--bytes {value} is given twice")
+        else:
+            raise ValueError(f"{command} takes no --bytes: it measures the reference shape")
+        sizes, names = sizes + [int(value)], names[:k] + names[k + 2:]
     unknown = [n for n in names if n not in configs]
     if unknown:
         raise ValueError(f"unknown configurations {unknown}; they are {configs}")
-    return size, names or (["hd96", "hd128", "hd192"] if size is None else configs)
+    if command == "sizes":
+        return sizes or bench_cases.SIZES[1:], names or configs
+    return sizes, names or (["hd96", "hd128", "hd192"] if not sizes else configs)
 
 
 def profile(args, torch, fa4):
-    size, names = profile_args(args)
+    sizes, names = command_args("profile", args)
+    size = sizes[0] if sizes else None
     packings = ("dense",) if size is None else ("dense", "varlen1", "varlen")
     for case in cases(names, torch, fa4, packings, size):
         runs = [case.ours(**t) for t in VARIANTS] + ([case.fa4_run()] if fa4 is not None else [])
@@ -214,11 +250,11 @@ def main(argv) -> int:
     if what not in COMMANDS:
         print(f"ncu_kernels: error: the first argument is one of {sorted(COMMANDS)}, got {what!r}", file=sys.stderr)
         return 2
-    if what == "profile":
+    if what != "short":
         try:
-            profile_args(argv[1:])
+            command_args(what, argv[1:])
         except ValueError as e:
-            print(f"ncu_kernels profile: error: {e}", file=sys.stderr)
+            print(f"ncu_kernels {what}: error: {e}", file=sys.stderr)
             return 2
     import torch
 
@@ -226,8 +262,7 @@ def main(argv) -> int:
         from flash_attn.cute.interface import _bwd_postprocess_convert as fa4
     except Exception:  # noqa: BLE001
         fa4 = None
-    names = argv[1:] or ([] if what in ("short", "sizes", "profile") else ["hd96", "hd128", "hd192"])
-    COMMANDS[what](names, torch, fa4)
+    COMMANDS[what](argv[1:], torch, fa4)
     return 0
 
 

@@ -245,23 +245,68 @@ def test_the_kernel_tools_measure_the_benchmarks_rows():
         assert len(packs) == len(names) and all(2 <= n <= 8 for n in packs), packs
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--bytes"], "got nothing"), (["--bytes", "hd128"], "got 'hd128'"), (["--bytes", "123"], "got '123'"),
-    (["hd7"], "unknown configurations ['hd7']")])
-def test_kernel_tools_name_a_bad_argument(args, message, capsys, monkeypatch):
+@pytest.mark.parametrize("command, args, message", [
+    ("profile", ["--bytes"], "got nothing"), ("profile", ["--bytes", "hd128"], "got 'hd128'"),
+    ("profile", ["--bytes", "123"], "got '123'"), ("profile", ["hd7"], "unknown configurations ['hd7']"),
+    ("profile", ["--bytes", "1048576", "--bytes", "16777216"], "given once, got 1048576 and 16777216"),
+    ("sizes", ["--bytes", "4096"], "at least 65536 bytes, got '4096'"), ("sizes", ["hd96", "--bytes"], "got nothing"),
+    ("sizes", ["--bytes", "8388608", "--bytes", "8388608"], "--bytes 8388608 is given twice"),
+    ("sizes", ["hd128", "hd7"], "unknown configurations ['hd7']"), ("sweep", ["hd7"], "unknown configurations ['hd7']"),
+    ("sweep", ["--bytes", "1048576"], "sweep takes no --bytes")])
+def test_kernel_tools_name_a_bad_argument(command, args, message, capsys, monkeypatch):
     from benchmarks import ncu_kernels
 
     monkeypatch.setitem(sys.modules, "torch", None)  # a bad argument is named before torch is imported
 
     with pytest.raises(ValueError, match=re.escape(message)):
-        ncu_kernels.profile_args(args)
-    assert ncu_kernels.main(["profile", *args]) == 2
+        ncu_kernels.command_args(command, args)
+    assert ncu_kernels.main([command, *args]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("ncu_kernels profile: error: ") and message in err and err.count("\n") == 1
+    assert err.startswith(f"ncu_kernels {command}: error: ") and message in err and err.count("\n") == 1
     assert ncu_kernels.main(["profiles"]) == 2 and "got 'profiles'" in capsys.readouterr().err
-    size, names = ncu_kernels.profile_args(["hd128", "--bytes", str(cases.SIZES[2])])
-    assert (size, names) == (cases.SIZES[2], ["hd128"])
-    assert ncu_kernels.profile_args(["--bytes", str(cases.SIZES[2])])[1] == [c[0] for c in cases.CONFIGS]
+
+
+def test_kernel_tools_arguments_and_their_defaults():
+    from benchmarks import ncu_kernels
+
+    configs = [c[0] for c in cases.CONFIGS]
+    assert ncu_kernels.command_args("profile", ["hd128", "--bytes", str(cases.SIZES[2])]) == ([cases.SIZES[2]],
+                                                                                             ["hd128"])
+    assert ncu_kernels.command_args("profile", ["--bytes", str(cases.SIZES[2])]) == ([cases.SIZES[2]], configs)
+    assert ncu_kernels.command_args("profile", []) == ([], ["hd96", "hd128", "hd192"])
+    assert ncu_kernels.command_args("sizes", []) == (cases.SIZES[1:], configs)
+    assert ncu_kernels.command_args("sizes", ["--bytes", "8388608", "hd64", "--bytes", str(cases.SIZES[2])]) == \
+        ([8388608, cases.SIZES[2]], ["hd64"])
+    assert ncu_kernels.command_args("sweep", ["hd256"]) == ([], ["hd256"])
+
+
+def test_kernel_tools_measure_sizes_off_the_sweep_with_lengths_of_their_own():
+    """`ncu_kernels sizes --bytes N` takes the benchmark's rows at its sweep's sizes and builds the others, each
+    configuration dense and varlen, the varlen lengths from a generator seeded by the size (the same in every run);
+    `short` measures the benchmark's short-sequence lengths against its hd128 reference rows."""
+    from benchmarks import ncu_kernels
+
+    rows = list(ncu_kernels.size_rows(["hd64", "hd192"], [8388608, cases.SIZES[2]], None, None))
+    assert [(size, case.name, case.packing) for size, case in rows] == \
+        [(cases.SIZES[2], n, p) for n in ("hd64", "hd192") for p in cases.PACKINGS] + \
+        [(8388608, n, p) for n in ("hd64", "hd192") for p in cases.PACKINGS]
+    bench = ncu_kernels.sweep_rows(["hd64", "hd192"], cases.SIZES[2], None, None)
+    assert [case.cu for _, case in rows[:4]] == [bench[case.name, case.packing].cu for _, case in rows[:4]]
+    again = list(ncu_kernels.size_rows(["hd64", "hd192"], [8388608], None, None))
+    assert [case.cu for _, case in again] == [case.cu for _, case in rows[4:]]
+    packs = [case.cu for _, case in again if case.cu is not None]
+    assert len(packs) == 2 and all(cu[-1] == case.tokens for (_, case), cu in zip(again[1::2], packs))
+    assert all(abs(case.bytes - 8388608) < 0.05 * 8388608 for _, case in again)
+    dense, ref = ncu_kernels.short_reference(None, None)
+    reference = dict(((case.name, case.packing), case) for size, case in cases.benchmark_cases(None, None)
+                     if size is None)
+    assert (dense.packing, ref.cu) == ("dense", reference["hd128", "varlen"].cu) and len(ref.cu) == 65
+    short = list(cases.short_cases(None, None))
+    assert [c.cu for c in short[::2]] == [c.cu for c in short[1::2]]  # static and traced: the same lengths
+    assert [c.cu for c in short] == [c.cu for c in cases.short_cases(None, None)]
+    measured = json.loads((ROOT / "docs" / "bench.json").read_text())["short"]  # what a full run measured
+    assert [(len(c.cu) - 1, int(np.diff(c.cu).max()), c.traced) for c in short] == \
+        [(r["sequences"], r["max_length"], r["traced"]) for r in measured]
 
 
 def _run_cli(args, block=()):

@@ -1,23 +1,23 @@
 """Kernel-level evidence for the benchmark's gaps, on the GPU machine (B, H, S = 2, 32, 8192, bf16), from the
 repository root:
 
-    python -m benchmarks.ncu_kernels sweep hd96 hd128 hd192
+    python -m benchmarks.ncu_kernels sweep [CONFIG ...]
         graph-replay time of our kernel with tuning variants (kernel.Postprocess keyword arguments, VARIANTS; each
         checked bit-equal to the default's output; one that raises for a packing is reported and skipped),
-        FlashAttention-4 and the same-bytes copy, side by side, median of 15 (as the benchmark measures them), dense
-        and varlen (the benchmark's reference rows)
+        FlashAttention-4 and the same-bytes copy, side by side, median of 15 (the benchmark's timing), dense and
+        varlen (the benchmark's reference rows); CONFIG: default hd96 hd128 hd192
     python -m benchmarks.ncu_kernels sizes [CONFIG ...] [--bytes N ...]
         the size sweep's rows from 1 MB to 1 GB (``cases.SIZES``; varlen: packs of 2-8 sequences, the benchmark's
-        lengths), or of the sizes N given (those outside the sweep with lengths of their own), ours with the tuning
-        variants of SIZE_VARIANTS (and SHORT_SIZE_VARIANTS where short tiles are; each checked bit-equal to the
-        default's output) against the same-bytes copy, graph replay, median of 15
+        lengths), or of the sizes N given (64 KiB to 4 GiB; outside the sweep with lengths of their own), ours with
+        the tuning variants of SIZE_VARIANTS (and SHORT_SIZE_VARIANTS where short tiles are; each checked bit-equal
+        to the default's output) against the same-bytes copy, graph replay, median of 15
     python -m benchmarks.ncu_kernels short [COUNT ...] [--l2-fetch BYTES]
         the benchmark's short-sequence cases (hd128, 64 to 8000 sequences in 16384 tokens, static and traced offsets;
-        COUNT: only those sequence counts, "ref": the benchmark's hd128 varlen reference row), ours with the tuning
-        variants of SHORT_VARIANTS (each checked bit-equal to the default's output, the default to FlashAttention-4's),
-        FlashAttention-4 (static offsets), against our dense hd128 call of the same tokens and the sector bound of the
-        lengths. --l2-fetch sets this process's cudaLimitMaxL2FetchGranularity first (an experiment: does the L2
-        fetch DRAM in 64-byte granules?)
+        COUNT: only those of ``cases.SHORT_SEQUENCES``, "ref": the benchmark's hd128 varlen reference row), ours with
+        the tuning variants of SHORT_VARIANTS (each checked bit-equal to the default's output, the default to
+        FlashAttention-4's), FlashAttention-4 (static offsets), against our dense hd128 call of the same tokens and
+        the sector bound of the lengths. --l2-fetch sets this process's cudaLimitMaxL2FetchGranularity first (an
+        experiment: does the L2 fetch DRAM in 64-byte granules?)
     ncu --clock-control none --profile-from-start off --set full python -m benchmarks.ncu_kernels profile hd96 hd128
         one launch of ours (each of VARIANTS) and one of FlashAttention-4 per dense configuration (default: hd96,
         hd128, hd192), between cudaProfilerStart/Stop (after warm-up), for Nsight Compute's counters; with
@@ -79,15 +79,15 @@ def sweep_rows(names, size, torch, fa4) -> dict:
 
 def size_rows(names, sizes, torch, fa4):
     """``(size, Case)`` of each configuration in ``names`` and packing at each of ``sizes``: the benchmark's rows at
-    its sweep's sizes, in its order (:func:`sweep_rows`), then those of other sizes, their lengths drawn from a
-    generator seeded by the size."""
+    its sweep's sizes, in its order (:func:`sweep_rows`), then those of other sizes, each configuration's lengths
+    drawn from a generator seeded by the size and the configuration."""
     for size, case in bench_cases.benchmark_cases(torch, fa4):
         if size in sizes and case.name in names:
             yield size, case
     for size in sizes:
         if size not in bench_cases.SIZES:
-            rng = np.random.default_rng(size)
-            for name, head_dim, causal in bench_cases.CONFIGS:
+            for k, (name, head_dim, causal) in enumerate(bench_cases.CONFIGS):
+                rng = np.random.default_rng([size, k])
                 for packing in bench_cases.PACKINGS:
                     if name in names:
                         yield size, bench_cases.Case(name, head_dim, causal, packing, size, rng, torch, fa4)
@@ -147,14 +147,12 @@ def _set_l2_fetch_granularity(nbytes: int) -> int:
     return harness.l2_fetch_granularity()
 
 
-def short(names, torch, fa4, samples=15):
-    if "--l2-fetch" in names:
-        k = names.index("--l2-fetch")
+def short(args, torch, fa4, samples=15):
+    l2_fetch, names = short_args(args)
+    if l2_fetch is not None:
         torch.cuda.init()
         before = harness.l2_fetch_granularity()
-        print(f"cudaLimitMaxL2FetchGranularity: {before} -> {_set_l2_fetch_granularity(int(names[k + 1]))}",
-              flush=True)
-        names = names[:k] + names[k + 2:]
+        print(f"cudaLimitMaxL2FetchGranularity: {before} -> {_set_l2_fetch_granularity(l2_fetch)}", flush=True)
     else:
         torch.cuda.init()
         print(f"cudaLimitMaxL2FetchGranularity: {harness.l2_fetch_granularity()}", flush=True)
@@ -191,6 +189,34 @@ def short_reference(torch, fa4):
     return rows["hd128", "dense"], rows["hd128", "varlen"]
 
 
+def short_args(args) -> tuple[int | None, list[str]]:
+    """``(l2_fetch, counts)`` of ``short``'s arguments (module docstring): sequence counts of
+    ``cases.SHORT_SEQUENCES`` or ``ref``, and ``--l2-fetch BYTES`` once (None without it). ``ValueError`` naming a
+    bad one."""
+    names, l2_fetch = list(args), None
+    if "--l2-fetch" in names:
+        k = names.index("--l2-fetch")
+        value = names[k + 1] if k + 1 < len(names) else None
+        twice = names.count("--l2-fetch") > 1
+        if value is None or not _is_count(value) or twice:
+            got = "nothing" if value is None else repr(value) + (" and another" if twice else "")
+            raise ValueError(f"--l2-fetch takes a size in bytes, once, got {got}")
+        l2_fetch, names = int(value), names[:k] + names[k + 2:]
+    allowed = [str(n) for n in bench_cases.SHORT_SEQUENCES] + ["ref"]
+    unknown = [n for n in names if n not in allowed]
+    if unknown:
+        raise ValueError(f"unknown sequence counts {unknown}; they are {allowed}")
+    return l2_fetch, names
+
+
+def _is_count(value: str) -> bool:
+    return value.isascii() and value.isdigit()
+
+
+MAX_BYTES = 1 << 32
+"""The largest ``--bytes`` of ``sizes`` (its buffers fill 256 MiB or more of the GPU's memory, several per call)."""
+
+
 def command_args(command, args) -> tuple[list, list[str]]:
     """``(sizes, names)`` of ``sweep``'s, ``sizes``' or ``profile``'s arguments (module docstring): configuration
     names, and sizes given by ``--bytes N`` (``sizes``: each once, at least ``cases.SIZES[0]``; ``profile``: one of
@@ -201,13 +227,13 @@ def command_args(command, args) -> tuple[list, list[str]]:
         value = names[k + 1] if k + 1 < len(names) else None
         got = "nothing" if value is None else repr(value)
         if command == "profile":
-            if value is None or not value.isdigit() or int(value) not in bench_cases.SIZES:
+            if value is None or not _is_count(value) or int(value) not in bench_cases.SIZES:
                 raise ValueError(f"--bytes takes one of the size sweep's sizes {bench_cases.SIZES}, got {got}")
             if sizes:
                 raise ValueError(f"--bytes is given once, got {sizes[0]} and {value}")
         elif command == "sizes":
-            if value is None or not value.isdigit() or int(value) < bench_cases.SIZES[0]:
-                raise ValueError(f"--bytes takes a size of at least {bench_cases.SIZES[0]} bytes, got {got}")
+            if value is None or not _is_count(value) or not bench_cases.SIZES[0] <= int(value) <= MAX_BYTES:
+                raise ValueError(f"--bytes takes a size of {bench_cases.SIZES[0]} to {MAX_BYTES} bytes, got {got}")
             if int(value) in sizes:
                 raise ValueError(f"--bytes {value} is given twice")
         else:
@@ -250,12 +276,11 @@ def main(argv) -> int:
     if what not in COMMANDS:
         print(f"ncu_kernels: error: the first argument is one of {sorted(COMMANDS)}, got {what!r}", file=sys.stderr)
         return 2
-    if what != "short":
-        try:
-            command_args(what, argv[1:])
-        except ValueError as e:
-            print(f"ncu_kernels {what}: error: {e}", file=sys.stderr)
-            return 2
+    try:
+        short_args(argv[1:]) if what == "short" else command_args(what, argv[1:])
+    except ValueError as e:
+        print(f"ncu_kernels {what}: error: {e}", file=sys.stderr)
+        return 2
     import torch
 
     try:

@@ -175,7 +175,7 @@ def region_store_tiling(rows_m: int, cols: int, threads: int) -> tuple[int, int]
 FINE_SPLIT_BYTES = 20 << 20
 """A kernel of its own grid whose unsplit CTAs times a tile's bytes (``tile_m * Dr`` floats read, as many values
 written) come to fewer than this splits each tile between CTAs (:func:`split_for`); chosen on the H200 by graph
-replay of each split at 8.4-33.5 MB (docs/performance.md)."""
+replay of each split at 8.4-25.2 MB (docs/performance.md)."""
 
 
 def split_for(layout, padded_head_dim: int, unsplit_ctas: int) -> int:

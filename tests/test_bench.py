@@ -249,20 +249,30 @@ def test_the_kernel_tools_measure_the_benchmarks_rows():
     ("profile", ["--bytes"], "got nothing"), ("profile", ["--bytes", "hd128"], "got 'hd128'"),
     ("profile", ["--bytes", "123"], "got '123'"), ("profile", ["hd7"], "unknown configurations ['hd7']"),
     ("profile", ["--bytes", "1048576", "--bytes", "16777216"], "given once, got 1048576 and 16777216"),
-    ("sizes", ["--bytes", "4096"], "at least 65536 bytes, got '4096'"), ("sizes", ["hd96", "--bytes"], "got nothing"),
+    ("sizes", ["--bytes", "4096"], "of 65536 to 4294967296 bytes, got '4096'"),
+    ("sizes", ["hd96", "--bytes"], "got nothing"),
     ("sizes", ["--bytes", "8388608", "--bytes", "8388608"], "--bytes 8388608 is given twice"),
     ("sizes", ["hd128", "hd7"], "unknown configurations ['hd7']"), ("sweep", ["hd7"], "unknown configurations ['hd7']"),
-    ("sweep", ["--bytes", "1048576"], "sweep takes no --bytes")])
+    ("sweep", ["--bytes", "1048576"], "sweep takes no --bytes"), ("sizes", ["--bytes", "8589934592"], "got '85"),
+    ("sizes", ["--bytes", "\u00b2"], "got '\u00b2'"), ("short", ["66"], "unknown sequence counts ['66']"),
+    ("short", ["--l2-fetch"], "got nothing"), ("short", ["--l2-fetch", "-1"], "got '-1'"),
+    ("short", ["64", "--l2-fetch", "32", "--l2-fetch", "64"], "got '32' and another")])
 def test_kernel_tools_name_a_bad_argument(command, args, message, capsys, monkeypatch):
     from benchmarks import ncu_kernels
 
     monkeypatch.setitem(sys.modules, "torch", None)  # a bad argument is named before torch is imported
 
+    parse = ncu_kernels.short_args if command == "short" else lambda a: ncu_kernels.command_args(command, a)
     with pytest.raises(ValueError, match=re.escape(message)):
-        ncu_kernels.command_args(command, args)
+        parse(args)
     assert ncu_kernels.main([command, *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"ncu_kernels {command}: error: ") and message in err and err.count("\n") == 1
+
+
+def test_kernel_tools_name_a_bad_command(capsys):
+    from benchmarks import ncu_kernels
+
     assert ncu_kernels.main(["profiles"]) == 2 and "got 'profiles'" in capsys.readouterr().err
 
 
@@ -278,6 +288,10 @@ def test_kernel_tools_arguments_and_their_defaults():
     assert ncu_kernels.command_args("sizes", ["--bytes", "8388608", "hd64", "--bytes", str(cases.SIZES[2])]) == \
         ([8388608, cases.SIZES[2]], ["hd64"])
     assert ncu_kernels.command_args("sweep", ["hd256"]) == ([], ["hd256"])
+    assert ncu_kernels.short_args(["ref", "8000", "--l2-fetch", "64"]) == (64, ["ref", "8000"])
+    assert ncu_kernels.short_args([]) == (None, [])
+    for sizes in (cases.SIZES, cases.SIZES[::2], []):
+        assert cases.benchmark_rows(sizes) == len(list(cases.benchmark_cases(None, None, sizes)))
 
 
 def test_kernel_tools_measure_sizes_off_the_sweep_with_lengths_of_their_own():
@@ -290,13 +304,16 @@ def test_kernel_tools_measure_sizes_off_the_sweep_with_lengths_of_their_own():
     assert [(size, case.name, case.packing) for size, case in rows] == \
         [(cases.SIZES[2], n, p) for n in ("hd64", "hd192") for p in cases.PACKINGS] + \
         [(8388608, n, p) for n in ("hd64", "hd192") for p in cases.PACKINGS]
-    bench = ncu_kernels.sweep_rows(["hd64", "hd192"], cases.SIZES[2], None, None)
-    assert [case.cu for _, case in rows[:4]] == [bench[case.name, case.packing].cu for _, case in rows[:4]]
-    again = list(ncu_kernels.size_rows(["hd64", "hd192"], [8388608], None, None))
-    assert [case.cu for _, case in again] == [case.cu for _, case in rows[4:]]
-    packs = [case.cu for _, case in again if case.cu is not None]
-    assert len(packs) == 2 and all(cu[-1] == case.tokens for (_, case), cu in zip(again[1::2], packs))
-    assert all(abs(case.bytes - 8388608) < 0.05 * 8388608 for _, case in again)
+    at_sweep = [case.cu for s, case in cases.benchmark_cases(None, None) if s == cases.SIZES[2] and
+                case.name in ("hd64", "hd192")]
+    assert [case.cu for _, case in rows[:4]] == at_sweep
+    alone = list(ncu_kernels.size_rows(["hd192"], [8388608], None, None))  # lengths whatever else is named
+    assert [case.cu for _, case in alone] == [case.cu for _, case in rows[6:]]
+    assert 2 <= len(rows[5][1].cu) - 1 <= 8 and rows[5][1].cu != rows[7][1].cu
+    assert all(abs(case.bytes - 8388608) < 0.05 * 8388608 for _, case in rows[4:])
+    default = list(ncu_kernels.size_rows([c[0] for c in cases.CONFIGS], cases.SIZES[1:], None, None))
+    assert [(s, c.name, c.packing, c.cu) for s, c in default] == \
+        [(s, c.name, c.packing, c.cu) for s, c in cases.benchmark_cases(None, None) if s not in (None, cases.SIZES[0])]
     dense, ref = ncu_kernels.short_reference(None, None)
     reference = dict(((case.name, case.packing), case) for size, case in cases.benchmark_cases(None, None)
                      if size is None)

@@ -30,9 +30,10 @@ def dense_part(layout, head_dim: int, dtype, seqlen: int) -> Part:
 
 def varlen_part(layout, head_dim: int, dtype, cu, total: int, traced: bool = False) -> tuple[Part, np.ndarray]:
     """``(part, work list)`` of packed sequences ``cu`` (``cu_seqlens``) over ``total`` tokens: the work list (the
-    aux operand) of static offsets, the exact grid, or with ``traced`` the grid of traced ones (its bound)."""
+    aux operand) of static offsets, the exact grid, or with ``traced`` the grid of traced ones (its bound); with the
+    slots' records (``WorkList.build``'s ``records``), which only the ``slot_records`` experiment reads."""
     grid = WorkList.max_tiles(total, len(cu) - 1, layout) if traced else None
-    work, work_list = WorkList.build(np, cu, None, total=total, layout=layout, num_tiles=grid)
+    work, work_list = WorkList.build(np, cu, None, total=total, layout=layout, num_tiles=grid, records=True)
     return Part(layout, head_dim, np.dtype(dtype), work=work), work_list
 
 

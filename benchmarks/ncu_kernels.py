@@ -9,8 +9,9 @@ repository root:
     python -m benchmarks.ncu_kernels sizes [CONFIG ...] [--bytes N ...]
         the size sweep's rows from 1 MB to 1 GB (``cases.SIZES``; varlen: packs of 2-8 sequences, the benchmark's
         lengths), or of the sizes N given (64 KiB to 4 GiB; outside the sweep with lengths of their own), ours with
-        the tuning variants of SIZE_VARIANTS (and SHORT_SIZE_VARIANTS where short tiles are; each checked bit-equal
-        to the default's output) against the same-bytes copy, graph replay, median of 15
+        the tuning variants of SIZE_VARIANTS (and SHORT_SIZE_VARIANTS where short tiles are, LOOKUP_VARIANTS for
+        varlen; each checked bit-equal to the default's output) against the same-bytes copy, graph replay, median
+        of 15, then each row's fastest variant
     python -m benchmarks.ncu_kernels short [COUNT ...] [--l2-fetch BYTES]
         the benchmark's short-sequence cases (hd128, 64 to 8000 sequences in 16384 tokens, static and traced offsets;
         COUNT: only those of ``cases.SHORT_SEQUENCES``, "ref": the benchmark's hd128 varlen reference row), ours with
@@ -45,8 +46,11 @@ VARIANTS = [{}, {"min_ctas_per_sm": 0}]
 SIZE_VARIANTS = [{}, {"split": 1}, {"split": 2}, {"split": 4}, {"split": 8}, {"trigger": "start"}, {"trigger": "none"},
                  {"pdl": False}]
 SHORT_SIZE_VARIANTS = [{"short_heads": 1}, {"short_heads": 8}]
+# ... by `sizes` for varlen: the work-list lookups (kernel.Postprocess: one load a slot, before griddepcontrol.wait)
+LOOKUP_VARIANTS = [{"slot_records": True}, {"early_lookup": True}, {"slot_records": True, "early_lookup": True}]
 # ... and by `short` (varlen only).
-SHORT_VARIANTS = [{}, {"short_heads": 1}, {"short_heads": 4}, {"trigger": "start"}, {"trigger": "none"}]
+SHORT_VARIANTS = [{}, {"short_heads": 1}, {"short_heads": 4}, {"trigger": "start"}, {"trigger": "none"}] + \
+    LOOKUP_VARIANTS
 
 
 def cases(names, torch, fa4, packings=("dense",), size=None):
@@ -113,9 +117,15 @@ def sizes(args, torch, fa4, samples=15):
         copy, _ = harness.graph_per_call(torch, case.copy_run(), case.copies, samples)
         tag = f"{case.bytes / 1e6:8.1f} MB {case.name:13s} {case.packing:7s} {case.ctas:6d} CTAs"
         short = case.cu is not None and case.part.work.short_rows  # the work list's (internals.varlen_part)
-        variants = SIZE_VARIANTS + (SHORT_SIZE_VARIANTS if short else [])
-        for label, t in [("copy", copy)] + _time_variants(case, variants, samples, tag):
+        variants = SIZE_VARIANTS + (SHORT_SIZE_VARIANTS if short else []) + \
+            (LOOKUP_VARIANTS if case.cu is not None else [])
+        rows = _time_variants(case, variants, samples, tag)
+        for label, t in [("copy", copy)] + rows:
             print(f"{tag} {label:36s} {t * 1e6:8.2f} us {copy / t:7.1%} of copy", flush=True)
+        same = [(label, t) for label, t in rows if label.endswith("(same bits)")]
+        if same:  # the first row is the default's (or, if that failed, the reference of the bits)
+            label, t = min(same, key=lambda r: r[1])
+            print(f"{tag} fastest: {label} {t * 1e6:.2f} us, {rows[0][1] / t - 1:+.1%} over the first", flush=True)
         case.free_torch()
 
 

@@ -90,7 +90,11 @@ class Postprocess:
     ``spec``: the :class:`~jax_dqpost.kernel_spec.KernelSpec` (``Plan.kernel``); the binary depends on it and the
     target GPU only. Tuning, for experiments (benchmarks/ncu_kernels.py; the package compiles with the defaults):
     ``min_ctas_per_sm`` (:class:`TileConverter`), ``short_heads`` (``schedule.ShortTileScheduler``; None: the
-    spec's), ``pdl`` (None: where the target has it, sm_90 on) and ``trigger`` (None: :data:`TRIGGER`).
+    spec's), ``pdl`` (None: where the target has it, sm_90 on), ``trigger`` (None: :data:`TRIGGER`), and for a
+    varlen kernel of its own grid ``slot_records`` (long tiles from the slots' records: a work list built with
+    ``records``, ``varlen.py``) and ``early_lookup`` (with ``pdl``: a CTA looks its tile up in the work list before
+    ``griddepcontrol.wait``, which is right only where no kernel before it on the stream writes the work list, as
+    for a constant).
 
     With ``pdl`` the kernel is launched with programmatic dependent launch: it may start while the kernel before it
     on the stream is still running, and waits for that one's completion (``griddepcontrol.wait``) before its
@@ -99,19 +103,28 @@ class Postprocess:
     """
 
     def __init__(self, spec: KernelSpec, *, target_sm: int = 90, min_ctas_per_sm: int | None = None,
-                 short_heads: int | None = None, pdl: bool | None = None, trigger: str | None = None):
+                 short_heads: int | None = None, pdl: bool | None = None, trigger: str | None = None,
+                 slot_records: bool = False, early_lookup: bool = False):
         parts = spec.tensors
         sink = None if spec.sink is None else (cute_type(spec.sink[0]), cute_type(spec.sink[1]))
         self.pdl = target_sm >= 90 if pdl is None else pdl
         self.trigger = TRIGGER if trigger is None else trigger
         if self.trigger not in TRIGGERS:
             raise ValueError(f"trigger must be one of {TRIGGERS}, got {self.trigger!r}")
+        own_varlen = spec.own_grid and parts[0].tiling == Tiling.VARLEN
+        for name, value, allowed in (("slot_records", slot_records, own_varlen),
+                                     ("early_lookup", early_lookup, own_varlen and self.pdl)):
+            if value and not allowed:
+                raise ValueError(f"{name} is for a varlen kernel of its own grid (early_lookup: with pdl), got "
+                                 f"{name}={value!r} for the kernel {spec.label}, pdl={self.pdl}")
+        self.early_lookup = bool(early_lookup)
         self.names = spec.names
         self.dtype = dtype = cute_type(spec.dtype)
         self.converters = tuple(TileConverter(dtype, p.layout, p.padded_head_dim, tiling=p.tiling, target_sm=target_sm,
                                               min_ctas_per_sm=min_ctas_per_sm, split=p.split) for p in parts)
         self.schedulers = tuple(scheduler(p.layout, p.padded_head_dim, p.tiling,
-                                          p.short_heads if short_heads is None else short_heads, p.split)
+                                          p.short_heads if short_heads is None else short_heads, p.split,
+                                          bool(slot_records))
                                 for p in parts)
         self.num_threads = max(p.work_threads for p in self.converters)
         for part in self.converters:
@@ -159,7 +172,8 @@ class Postprocess:
         tidx, _, _ = cute.arch.thread_idx()
         bid, _, bz = cute.arch.block_idx()
         if const_expr(self.pdl):
-            cute.arch.griddepcontrol_wait()
+            if const_expr(not self.early_lookup):
+                cute.arch.griddepcontrol_wait()
             if const_expr(self.trigger == "start"):
                 cute.arch.griddepcontrol_launch_dependents()
         if const_expr(self.own_grid):
@@ -218,25 +232,41 @@ class Postprocess:
                 span, group = x % part.dim0, x // part.dim0
                 short = self.schedulers[i].short
                 short_tile = short.tile(part, span)
+                self._late_wait()
                 if short_tile.rows_total > 0:
                     self._trigger()
                 self.converters[i].short_tile(part, group, short_tile, tidx, short.short_heads)
             else:
                 split = self.converters[i].split  # CTAs of a tile and head, consecutive
                 slot = (x - short_ctas) // split // part.heads
-                if slot < self.schedulers[i].long_tiles(part):  # the slots past them (traced offsets' bound) stop
+                if const_expr(self.schedulers[i].slot_records):  # a slot past the long tiles has no rows
+                    head = (x - short_ctas) // split % part.heads
+                    tile = self.schedulers[i].tile(part, slot, head)
+                    self._late_wait()
+                    if tile.rows_total > 0:
+                        self._trigger()
+                    self.converters[i].tile(part, head, tile, tidx, smem, may_be_empty=True,
+                                            sub=(x - short_ctas) % split)
+                elif slot < self.schedulers[i].long_tiles(part):  # the slots past them (traced offsets' bound) stop
                     self._trigger()
                     head = (x - short_ctas) // split % part.heads
                     tile = self.schedulers[i].tile(part, slot, head)
+                    self._late_wait()
                     self.converters[i].tile(part, head, tile, tidx, smem, may_be_empty=True,
                                             sub=(x - short_ctas) % split)
         else:
             split = self.converters[i].split
             bx, head = x // split // part.heads, x // split % part.heads
             tile = self.schedulers[i].tile(part, bx, head, bz)
+            self._late_wait()
             if tile.rows_total > 0:
                 self._trigger()
             self.converters[i].tile(part, head, tile, tidx, smem, sub=x % split)
+
+    def _late_wait(self):
+        """``griddepcontrol.wait`` once a CTA has its tile, with ``early_lookup`` (else the kernel waits at entry)."""
+        if const_expr(self.early_lookup):
+            cute.arch.griddepcontrol_wait()
 
     def _trigger(self):
         """``griddepcontrol.launch_dependents`` in a CTA with work, where ``trigger`` is ``"tile"``."""

@@ -13,7 +13,8 @@ sequence, rows no sequence covers). The converters (``tile.py``) only convert.
   (its share ``x % split``, when ``split`` > 1), so the CTAs in flight write whole rows of the result,
   every head of them, as a copy would. With seqused, rows past ``seqused[b]`` are zeros.
 * :class:`VarlenScheduler` (``VARLEN``): the work list's long-tile slots (``varlen.py``), heads fastest: slot ``m``
-  looks its span up (:func:`read_span`) and takes tile ``m - tile_start[span]`` of it.
+  looks its span up (:func:`read_span`) and takes tile ``m - tile_start[span]`` of it; with ``slot_records`` (an
+  experiment, on a work list built with ``records``) it reads slot ``m``'s record instead, one lookup for two.
 * :class:`ShortTileScheduler` (``VARLEN`` of the swapped Hopper orders, ``varlen.short_rows``): before the long
   tiles, one CTA per span and group of ``short_heads`` heads (``TensorKernel.short_heads``) takes the span's short tile
   (its last tile, if it has ``1 .. short_rows`` rows), if it has one. They come first in the grid so that a long
@@ -123,8 +124,9 @@ class VarlenScheduler:
     Hopper orders (module docstring)."""
 
     def __init__(self, layout: AccumLayout, padded_head_dim: int, short_heads: int = varlen.SHORT_HEADS,
-                 split: int = 1):
+                 split: int = 1, slot_records: bool = False):
         self.layout, self.padded_head_dim, self.split = layout, padded_head_dim, split
+        self.slot_records = slot_records
         self.unread = layout.alloc_head_dim(padded_head_dim) - padded_head_dim  # Da - Dr: per row, after the tiles
         self.short = ShortTileScheduler(layout, short_heads) if varlen.short_rows(layout) > 0 else None
 
@@ -139,22 +141,35 @@ class VarlenScheduler:
         """Long-tile slot ``slot`` of head ``head``; no rows (``rows_total = 0``) for a slot past the long tiles."""
         tile_m, padded_head_dim = self.layout.tile_m, self.padded_head_dim
         aux_ptr, num_spans, rows, grid_x = part.aux, part.dim0, part.rows, part.grid_x
-        # the work list (varlen.py): tile_start[K + 1] | spans[K][SPAN_FIELDS] | tile_span[grid_x]
+        # the work list (varlen.py): tile_start[K + 1] | spans[K][SPAN_FIELDS] | tile_span[grid_x] | slots[L][4]
         _, tile_span_at = varlen.sections(num_spans)
-        meta = cute.make_tensor(aux_ptr, cute.make_layout(tile_span_at + grid_x))
-        span = meta[tile_span_at + slot]
-        tile_in_span = slot - meta[span]
-        row_start, span_rows, conv_rows, span_acc_row = read_span(aux_ptr, num_spans, span)
-        row0 = row_start + tile_in_span * tile_m
-        rows_total = cutlass.min(span_rows - tile_in_span * tile_m, tile_m)
-        rows_conv = cutlass.max(cutlass.min(conv_rows - tile_in_span * tile_m, tile_m), 0)
-        acc_row = span_acc_row + tile_in_span * tile_m
-        padded_total = varlen.padded_total(rows, num_spans - 2, self.layout.pad_rows)
-        # Defence in depth; the work list already guarantees all of these.
-        if slot >= meta[num_spans] or row0 < 0 or rows_total > rows - row0:
-            rows_total = 0
-        if acc_row < 0 or acc_row + tile_m > padded_total:
-            rows_conv = 0
+        if const_expr(self.slot_records):
+            fields = cute.make_tensor(aux_ptr + tile_span_at + grid_x + len(varlen.SLOT_FIELDS) * slot,
+                                      cute.make_layout(len(varlen.SLOT_FIELDS)))
+            row0, rows_total, rows_conv, acc_row = fields[0], fields[1], fields[2], fields[3]
+            padded_total = varlen.padded_total(rows, num_spans - 2, self.layout.pad_rows)
+            # Defence in depth (the work list guarantees them): a tile's rows, inside the result and the accumulator
+            rows_total = cutlass.max(cutlass.min(rows_total, tile_m), 0)
+            rows_conv = cutlass.max(rows_conv, 0)
+            if row0 < 0 or rows_total > rows - row0:
+                rows_total = 0
+            if acc_row < 0 or acc_row > padded_total - tile_m:
+                rows_conv = 0
+        else:
+            meta = cute.make_tensor(aux_ptr, cute.make_layout(tile_span_at + grid_x))
+            span = meta[tile_span_at + slot]
+            tile_in_span = slot - meta[span]
+            row_start, span_rows, conv_rows, span_acc_row = read_span(aux_ptr, num_spans, span)
+            row0 = row_start + tile_in_span * tile_m
+            rows_total = cutlass.min(span_rows - tile_in_span * tile_m, tile_m)
+            rows_conv = cutlass.max(cutlass.min(conv_rows - tile_in_span * tile_m, tile_m), 0)
+            acc_row = span_acc_row + tile_in_span * tile_m
+            padded_total = varlen.padded_total(rows, num_spans - 2, self.layout.pad_rows)
+            # Defence in depth; the work list already guarantees all of these.
+            if slot >= meta[num_spans] or row0 < 0 or rows_total > rows - row0:
+                rows_total = 0
+            if acc_row < 0 or acc_row + tile_m > padded_total:
+                rows_conv = 0
         rows_conv = cutlass.min(rows_conv, rows_total)
         acc_elem = (Int64(head) * Int64(padded_total) + Int64(acc_row)) * Int64(padded_head_dim)
         if const_expr(self.unread):  # each head's row is Tp * Da floats: its tiles, then Tp * (Da - Dr)
@@ -199,9 +214,9 @@ class ShortTileScheduler:
 
 
 def scheduler(layout: AccumLayout, padded_head_dim: int, tiling: Tiling, short_heads: int = varlen.SHORT_HEADS,
-              split: int = 1):
+              split: int = 1, slot_records: bool = False):
     """The scheduler of a part of this tiling; ``split``: CTAs per tile and head (their shares:
-    ``kernel_spec.split_regions``)."""
+    ``kernel_spec.split_regions``); ``slot_records``: varlen long tiles from the slots' records."""
     if tiling == Tiling.VARLEN:
-        return VarlenScheduler(layout, padded_head_dim, short_heads, split)
+        return VarlenScheduler(layout, padded_head_dim, short_heads, split, slot_records)
     return DenseScheduler(layout, padded_head_dim, tiling == Tiling.DENSE_SEQUSED, split)

@@ -24,6 +24,13 @@ The work list is one flat int32 array, in three sections (:func:`sections` gives
     spans[K][SPAN_FIELDS]       (row_start, span_rows, conv_rows, acc_row) of each span
     tile_span[0..num_tiles)     the span of each long-tile slot of the launch grid (slots >= tile_start[K] do
                                 nothing), then, for orders with short tiles, one short-tile slot per span (k)
+    slots[L][SLOT_FIELDS]       only in a list built with ``records``: each long-tile slot's tile, ready to use
+                                (row0, rows_total, rows_conv, acc_row; all 0 past tile_start[K]), L the long-tile
+                                slots (``num_tiles`` less the short-tile slots)
+
+A long-tile CTA that reads ``tile_span`` makes two dependent lookups (its span, then the span's fields) before its
+first accumulator load; one that reads its slot's record makes one (``kernel.Postprocess``'s ``slot_records``, an
+experiment that ``benchmarks/ncu_kernels.py`` times).
 
 A span of ``r`` rows has ``ceil(r / tile_m)`` tiles. For most orders every tile is a *long* tile: one CTA per tile
 and head (the shared-memory path; ``split`` CTAs, each converting a share, in a small call's kernel). For the
@@ -49,6 +56,9 @@ import numpy as np
 
 SPAN_FIELDS = ("row_start", "span_rows", "conv_rows", "acc_row")
 ROW_START, SPAN_ROWS, CONV_ROWS, ACC_ROW = range(len(SPAN_FIELDS))
+SLOT_FIELDS = ("row0", "rows_total", "rows_conv", "acc_row")
+"""A long-tile slot's record: its tile's first row of the result, rows to write, rows from the accumulator, first
+accumulator row (``schedule.Tile``'s, before a head's offsets)."""
 INT32_MAX = 2**31 - 1  # row offsets, extents and the kernel's launch grid are int32
 SHORT_ROWS = 16
 """A varlen tile of at most this many rows is a short tile, for the orders that have them (:func:`short_rows`)."""
@@ -109,13 +119,15 @@ class Spans(NamedTuple):
     conv_rows: object
     acc_row: object
     tile_span: object  # (num_tiles,)
+    slots: object = None  # (L, len(SLOT_FIELDS)): the long-tile slots' records; None without ``records``
 
 
 @dataclasses.dataclass(frozen=True)
 class WorkList:
     """The static shape of a work list: ``batch`` sequences packed into ``total`` rows, ``tile_m``-row tiles,
     ``num_tiles`` slots (module docstring), accumulator rows padded in units of ``pad_rows`` (``tile_m *
-    cluster_size``), tiles of at most ``short_rows`` rows short (0: none)."""
+    cluster_size``), tiles of at most ``short_rows`` rows short (0: none), the long-tile slots' records appended
+    or not (``records``)."""
 
     total: int
     batch: int
@@ -123,6 +135,7 @@ class WorkList:
     num_tiles: int
     pad_rows: int
     short_rows: int = 0
+    records: bool = False
 
     @property
     def num_spans(self) -> int:
@@ -130,7 +143,12 @@ class WorkList:
 
     @property
     def size(self) -> int:
-        return sections(self.num_spans)[1] + self.num_tiles
+        return sections(self.num_spans)[1] + self.num_tiles + len(SLOT_FIELDS) * self.long_slots * self.records
+
+    @property
+    def long_slots(self) -> int:
+        """The slots of long tiles (those from ``tile_start[K]`` on convert nothing)."""
+        return self.num_tiles - self.short_slots
 
     @property
     def padded_total(self) -> int:
@@ -160,12 +178,13 @@ class WorkList:
         return min((total + (tile_m - s - 1) * spans) // tile_m, total // (s + 1)) + spans
 
     @classmethod
-    def build(cls, xp, cu_seqlens, seqused, *, total: int, layout, num_tiles: int | None = None):
+    def build(cls, xp, cu_seqlens, seqused, *, total: int, layout, num_tiles: int | None = None,
+              records: bool = False):
         """``(WorkList, int32 array)``; ``xp`` is ``numpy`` (static values) or ``jax.numpy`` (traced values).
 
         ``layout``: the accumulator's ``AccumLayout`` (its tile, row padding and short tiles). ``num_tiles``: the
         slots of the launch (None: exactly the tiles needed, which needs static values; traced values take
-        :meth:`max_tiles`).
+        :meth:`max_tiles`). ``records``: append the long-tile slots' records (module docstring).
         """
         tile_m, pad_rows, short = layout.tile_m, layout.pad_rows, short_rows(layout)
         cu = xp.asarray(cu_seqlens).astype(np.int32)
@@ -202,12 +221,22 @@ class WorkList:
         tile_span = xp.searchsorted(tile_start, xp.arange(num_tiles - short_slots, dtype=np.int32), side="right") - 1
         tile_span = xp.clip(tile_span, 0, batch + 1).astype(np.int32)
         work = cls(total=total, batch=batch, tile_m=tile_m, num_tiles=num_tiles, pad_rows=pad_rows,
-                   short_rows=short)
-        return work, xp.concatenate([tile_start, spans, tile_span,
-                                     xp.arange(short_slots, dtype=np.int32)]).astype(np.int32)
+                   short_rows=short, records=records)
+        parts = [tile_start, spans, tile_span, xp.arange(short_slots, dtype=np.int32)]
+        if records:  # each long-tile slot's tile, as the kernel derives it from tile_span and its span's fields
+            slot = xp.arange(num_tiles - short_slots, dtype=np.int32)
+            first = (slot - tile_start[tile_span]) * tile_m  # the tile's first row in its span
+            fields = [starts[tile_span] + first, xp.minimum(span_rows[tile_span] - first, tile_m),
+                      xp.clip(conv_rows[tile_span] - first, 0, tile_m), acc_row[tile_span] + first]
+            used = slot < tile_start[-1]
+            parts.append(xp.stack([xp.where(used, f, 0) for f in fields], axis=1).reshape(-1))
+        return work, xp.concatenate(parts).astype(np.int32)
 
     def decode(self, work_list) -> Spans:
         """The sections of the work list ``work_list`` (numpy or jax array of :attr:`size` entries)."""
         spans_at, tile_span_at = sections(self.num_spans)
         spans = work_list[spans_at:tile_span_at].reshape(self.num_spans, len(SPAN_FIELDS))
-        return Spans(work_list[:spans_at], *(spans[:, f] for f in range(len(SPAN_FIELDS))), work_list[tile_span_at:])
+        slots_at = tile_span_at + self.num_tiles
+        slots = work_list[slots_at:].reshape(self.long_slots, len(SLOT_FIELDS)) if self.records else None
+        return Spans(work_list[:spans_at], *(spans[:, f] for f in range(len(SPAN_FIELDS))),
+                     work_list[tile_span_at:slots_at], slots)

@@ -234,6 +234,50 @@ def test_programmatic_dependent_launch_where_the_target_has_it(tmp_path):
         Postprocess(calls[0][0].kernel(calls[0][1]), trigger="end")
 
 
+def test_work_list_lookup_experiments_compile_and_read_what_they_say(tmp_path):
+    """``kernel.Postprocess``'s lookup experiments, in the PTX for sm_90a: with ``early_lookup`` a varlen CTA loads
+    its tile's place from the work list before ``griddepcontrol.wait`` (one wait on each path to a tile: long tiles,
+    and short ones where the order has them), and with ``slot_records`` too the loads before the wait are the slot's
+    record's four fields, where the span's lookup makes more. Both are refused for a dense kernel and a fused one,
+    ``early_lookup`` also without programmatic dependent launch."""
+    from jax_dqpost.kernel import Postprocess, entry_args
+    from jax_dqpost import abi
+
+    def ptx_lines(spec, **tuning):
+        args = entry_args(spec.dtype, 1, None, [16] * len(abi.pointers(1, False)), [1, 1, 1, 8, 1])
+        ptx = kernel_cache._cute_compile(Postprocess(spec, target_sm=90, **tuning), args, "sm_90a",
+                                         f"--keep-ptx --dump-dir={tmp_path}").__ptx__
+        return ptx[ptx.index(".entry"):].splitlines()
+
+    def at(lines, what):
+        return [i for i, line in enumerate(lines) if what in line]
+
+    for head_dim, paths in ((64, 1), (128, 2)):  # hd128: short tiles (the swapped order)
+        layout = AccumLayout.flash_attention(90, head_dim, causal=False, tensor="dq", version="4.0.0b36")
+        work, _ = varlen.WorkList.build(np, [0, 245, 400], None, total=400, layout=layout, records=True)
+        spec = Plan((Part(layout, head_dim, np.dtype(jnp.bfloat16), work=work),)).kernel(
+            [(2, work.padded_total * head_dim)])
+        loads_before_wait = {}
+        for records in (False, True):
+            lines = ptx_lines(spec, early_lookup=True, slot_records=records)
+            waits, loads = at(lines, "griddepcontrol.wait"), at(lines, "ld.global")
+            assert len(waits) == paths and loads[0] < waits[0], (head_dim, records, waits, loads[:8])
+            loads_before_wait[records] = sum(i < waits[0] for i in loads)
+        if paths == 1:
+            assert loads_before_wait[True] == len(varlen.SLOT_FIELDS) < loads_before_wait[False], loads_before_wait
+        assert len(at(ptx_lines(spec, slot_records=True), "griddepcontrol.wait")) == 1  # at entry, as by default
+    dense = Part(layout, 128, np.dtype(jnp.bfloat16), seqlen=256)
+    refused = [(Plan((dense,)).kernel([layout.accum_shape(1, 2, 256, 128)]), {}),
+               (Plan((dense,) * 3).kernel([layout.accum_shape(1, 2, 256, 128)] * 3), {}),
+               (spec, {"pdl": False})]
+    for kernel, tuning in refused:
+        for name in ("slot_records", "early_lookup"):
+            if name == "slot_records" and tuning:
+                continue
+            with pytest.raises(ValueError, match=f"^{name} is for a varlen kernel of its own grid.*got {name}=True"):
+                Postprocess(kernel, **tuning, **{name: True})
+
+
 def test_short_tile_vectors_follow_the_index_map(rng):
     """The kernel's short-tile path reads rows (2p, 2p + 1), columns 16 j .. 16 j + 15 of a swapped Hopper tile as
     eight 16-byte vectors (``TileConverter.short_vector``): checked against ``tile_index_map`` for every row pair

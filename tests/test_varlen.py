@@ -6,6 +6,7 @@ Their results against the oracle: tests/test_postprocess.py; static validation e
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -160,7 +161,9 @@ def test_work_list_slots_take_every_tile_once(rng, layout):
     tile_start[s] of span s = tile_span[i]; with short tiles, span k's short-tile slot converts its last tile when it
     has 1 .. short_rows rows. Together they take every tile of every span exactly once, for static offsets (the exact
     slots) and traced ones (the bound, built under jit as a call builds it), also where the offsets break the
-    contract (clamped)."""
+    contract (clamped). Built with ``records``, the list is the same followed by each long-tile slot's record: that
+    tile's first row, rows, converted rows and first accumulator row, zeros for a slot without a tile (the
+    ``slot_records`` experiment reads them)."""
     from jax_dqpost.varlen import WorkList, short_rows
 
     def traced_build(cu, used, **kw):
@@ -189,21 +192,31 @@ def test_work_list_slots_take_every_tile_once(rng, layout):
             cu = rng.integers(-50, T + 50, batch + 1).astype(np.int32)
         for traced in (False, True) if case % 5 != 4 else (True,):
             if traced:
-                work, meta = traced_build(cu, used, total=T, layout=layout,
+                build = functools.partial(traced_build, cu, used, total=T, layout=layout,
                                           num_tiles=WorkList.max_tiles(T, batch, layout))
             else:
-                work, meta = WorkList.build(np, cu, used, total=T, layout=layout)
+                build = functools.partial(WorkList.build, np, cu, used, total=T, layout=layout)
+            work, meta = build()
+            with_records, meta_records = build(records=True)
             s = work.decode(np.asarray(meta))
+            assert s.slots is None and with_records.records and len(meta_records) == with_records.size
+            np.testing.assert_array_equal(np.asarray(meta_records)[:work.size], meta)  # the same, then the records
+            records = with_records.decode(np.asarray(meta_records)).slots
             K = work.num_spans
             expect = {(k, m) for k in range(K) for m in range(-(-int(s.span_rows[k]) // tm))}
             taken = []
+            assert records.shape == (work.num_tiles - work.short_slots, 4)
             for i in range(work.num_tiles - work.short_slots):  # long-tile slots
+                record = [0, 0, 0, 0]
                 if i < s.tile_start[K]:
                     k = int(s.tile_span[i])
                     m = i - int(s.tile_start[k])
                     taken.append((k, m))
                     rows = min(int(s.span_rows[k]) - m * tm, tm)
                     assert rows > short or rows == tm, (k, m, rows)
+                    conv = min(max(int(s.conv_rows[k]) - m * tm, 0), tm)
+                    record = [int(s.row_start[k]) + m * tm, rows, conv, int(s.acc_row[k]) + m * tm]
+                assert records[i].tolist() == record, (case, traced, i)
             for k in range(work.short_slots):  # short-tile slots: span k
                 assert s.tile_span[work.num_tiles - K + k] == k
                 rem = int(s.span_rows[k]) % tm

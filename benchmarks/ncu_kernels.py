@@ -159,13 +159,11 @@ def _set_l2_fetch_granularity(nbytes: int) -> int:
 
 def short(args, torch, fa4, samples=15):
     l2_fetch, names = short_args(args)
+    torch.cuda.init()
+    granularity = harness.l2_fetch_granularity()
     if l2_fetch is not None:
-        torch.cuda.init()
-        before = harness.l2_fetch_granularity()
-        print(f"cudaLimitMaxL2FetchGranularity: {before} -> {_set_l2_fetch_granularity(l2_fetch)}", flush=True)
-    else:
-        torch.cuda.init()
-        print(f"cudaLimitMaxL2FetchGranularity: {harness.l2_fetch_granularity()}", flush=True)
+        granularity = f"{granularity} -> {_set_l2_fetch_granularity(l2_fetch)}"
+    print(f"cudaLimitMaxL2FetchGranularity: {granularity}", flush=True)
     dense, ref = short_reference(torch, fa4)
     dense.torch_buffers()
     d, _ = harness.graph_per_call(torch, dense.ours(), dense.copies, samples)

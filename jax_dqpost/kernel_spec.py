@@ -196,8 +196,8 @@ def call_splits(layout, padded_head_dim: int) -> tuple[int, ...]:
 def splits(layout, padded_head_dim: int) -> tuple[int, ...]:
     """Every ``split`` > 1 a tile of this order takes (:func:`split_regions`), increasing. A call takes the last
     (:func:`call_splits`); the others are for experiments (``ncu_kernels`` checks their bits against the default's)."""
-    # a varlen short-tile CTA of a split kernel has the share's threads: one per row pair and 16 columns
-    least = max(32, (varlen.short_rows(layout) + 1) // 2 * (padded_head_dim // 16))
+    # a varlen short-tile CTA of a split kernel has the share's threads
+    least = max(32, varlen.short_tile_threads(layout, padded_head_dim))
     candidates = [s for s in range(2, layout.num_threads // least + 1) if layout.num_threads % (32 * s) == 0]
     return tuple(s for s in candidates if split_regions(layout, padded_head_dim, s) is not None)
 

@@ -218,7 +218,7 @@ class TileConverter:
         pairs, blocks = (rows_total + 1) // 2, dr // 16
         if rows_total > 0:
             slots = pairs * blocks
-            step = self.work_threads // slots  # heads per round (slots <= 8 pairs * 16 blocks <= 128 threads)
+            step = self.work_threads // slots  # heads per round (slots <= varlen.short_tile_threads <= work_threads)
             slot, g0 = tidx % slots, tidx // slots
             p, j = slot % pairs, slot // pairs  # row pair fastest: 4 lanes read 64 contiguous bytes
             src_at = Int64(acc_row) * Int64(dr) + Int64(self.short_vector(p, j))

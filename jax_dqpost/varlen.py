@@ -81,6 +81,13 @@ def short_rows(layout) -> int:
     return 0
 
 
+def short_tile_threads(layout, padded_head_dim: int) -> int:
+    """Threads a short-tile CTA needs to convert a short tile of one head in one round: one per row pair and 16
+    columns (``tile.TileConverter.short_tile``); 0 for orders without short tiles. A CTA of fewer threads would drop
+    work items (``kernel_spec.splits`` keeps at least this many)."""
+    return (short_rows(layout) + 1) // 2 * (padded_head_dim // 16)
+
+
 def short_heads(num_spans: int, heads: int) -> int:
     """Heads per short-tile CTA in a kernel of its own grid (``TensorKernel.short_heads``): :data:`SHORT_HEADS`, or 1
     where that would make fewer than :data:`SHORT_CTAS` CTAs (a pack of a few sequences, whose few short-tile CTAs,

@@ -91,8 +91,9 @@ class Postprocess:
     target GPU only. Tuning, for experiments (benchmarks/ncu_kernels.py; the package compiles with the defaults):
     ``min_ctas_per_sm`` (:class:`TileConverter`), ``short_heads`` (``schedule.ShortTileScheduler``; None: the
     spec's), ``pdl`` (None: where the target has it, sm_90 on), ``trigger`` (None: :data:`TRIGGER`), and for a
-    varlen kernel of its own grid ``slot_records`` (long tiles from the slots' records: a work list built with
-    ``records``, ``varlen.py``) and ``early_lookup`` (with ``pdl``: a CTA looks its tile up in the work list before
+    varlen kernel of its own grid ``slot_records`` (long tiles from the slots' records, ``schedule.py``: the work
+    list must be built with ``records``, ``varlen.py``; the kernel cannot see that, and reads past the end of one
+    built without) and ``early_lookup`` (with ``pdl``: a CTA looks its tile up in the work list before
     ``griddepcontrol.wait``, which is right only where no kernel before it on the stream writes the work list, as
     for a constant).
 
@@ -248,10 +249,13 @@ class Postprocess:
                     self.converters[i].tile(part, head, tile, tidx, smem, may_be_empty=True,
                                             sub=(x - short_ctas) % split)
                 elif slot < self.schedulers[i].long_tiles(part):  # the slots past them (traced offsets' bound) stop
-                    self._trigger()
+                    if const_expr(not self.early_lookup):
+                        self._trigger()
                     head = (x - short_ctas) // split % part.heads
                     tile = self.schedulers[i].tile(part, slot, head)
                     self._late_wait()
+                    if const_expr(self.early_lookup):  # as on the other paths: after the wait
+                        self._trigger()
                     self.converters[i].tile(part, head, tile, tidx, smem, may_be_empty=True,
                                             sub=(x - short_ctas) % split)
         else:

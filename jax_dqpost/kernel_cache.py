@@ -244,8 +244,7 @@ def unusable(directory: Path) -> str | None:
 def compile_executor(spec: KernelSpec, arch: str, **tuning):
     """``cute.compile`` the kernel of ``spec`` for ``arch``; CuTe's executor, callable from Python with
     ``kernel.entry_args`` and a stream. Callers serialise through ``_lock`` or accept that the DSL's global arch is
-    set here (and restored afterwards). ``tuning``: ``kernel.Postprocess``'s tuning keywords (``min_ctas_per_sm``,
-    ``short_heads``, ``pdl``, ``trigger``, ``slot_records``, ``early_lookup``) for experiments
+    set here (and restored afterwards). ``tuning``: ``kernel.Postprocess``'s tuning keywords, for experiments
     (benchmarks/ncu_kernels.py); the package itself always compiles with the defaults, which is why they are not part
     of the key."""
     try:

@@ -13,13 +13,14 @@ sequence, rows no sequence covers). The converters (``tile.py``) only convert.
   (its share ``x % split``, when ``split`` > 1), so the CTAs in flight write whole rows of the result,
   every head of them, as a copy would. With seqused, rows past ``seqused[b]`` are zeros.
 * :class:`VarlenScheduler` (``VARLEN``): the work list's long-tile slots (``varlen.py``), heads fastest: slot ``m``
-  looks its span up (:func:`read_span`) and takes tile ``m - tile_start[span]`` of it; with ``slot_records`` (an
-  experiment, on a work list built with ``records``) it reads slot ``m``'s record instead, one lookup for two.
+  looks its span up (:func:`read_span`) and takes tile ``m - tile_start[span]`` of it: two dependent lookups before
+  its first accumulator load, three in the orders with short tiles (the kernel first reads ``tile_start[K]``). With
+  ``slot_records`` (an experiment, on a work list built with ``records``) it reads slot ``m``'s record instead: one.
 * :class:`ShortTileScheduler` (``VARLEN`` of the swapped Hopper orders, ``varlen.short_rows``): before the long
   tiles, one CTA per span and group of ``short_heads`` heads (``TensorKernel.short_heads``) takes the span's short tile
   (its last tile, if it has ``1 .. short_rows`` rows), if it has one. They come first in the grid so that a long
   span's short last tile never forms the kernel's tail. Long-tile slots past ``tile_start[K]`` (the bound of traced
-  offsets is larger) stop after that one load.
+  offsets is larger) stop after that one load (with ``slot_records``, after their record, which has no rows).
 
 :func:`read_span` is the one reader of a span: the long tiles, the short tiles and the sink reduction use it.
 
@@ -144,9 +145,10 @@ class VarlenScheduler:
         # the work list (varlen.py): tile_start[K + 1] | spans[K][SPAN_FIELDS] | tile_span[grid_x] | slots[L][4]
         _, tile_span_at = varlen.sections(num_spans)
         if const_expr(self.slot_records):
-            fields = cute.make_tensor(aux_ptr + tile_span_at + grid_x + len(varlen.SLOT_FIELDS) * slot,
+            fields = cute.make_tensor(aux_ptr + varlen.slots_at(num_spans, grid_x) + len(varlen.SLOT_FIELDS) * slot,
                                       cute.make_layout(len(varlen.SLOT_FIELDS)))
-            row0, rows_total, rows_conv, acc_row = fields[0], fields[1], fields[2], fields[3]
+            row0, rows_total = fields[varlen.ROW0], fields[varlen.ROWS_TOTAL]
+            rows_conv, acc_row = fields[varlen.ROWS_CONV], fields[varlen.TILE_ACC_ROW]
             padded_total = varlen.padded_total(rows, num_spans - 2, self.layout.pad_rows)
             # Defence in depth (the work list guarantees them): a tile's rows, inside the result and the accumulator
             rows_total = cutlass.max(cutlass.min(rows_total, tile_m), 0)

@@ -18,7 +18,8 @@ other values it is still a partition of the rows, so every output row is written
 tile read lies inside the ``(H, Tp * Dr)`` accumulator: corrupt device data can never cause an access out of
 bounds, and the result is still a deterministic function of the inputs.
 
-The work list is one flat int32 array, in three sections (:func:`sections` gives their offsets):
+The work list is one flat int32 array, in three sections (:func:`sections` gives their offsets), and a fourth in a
+list built with ``records`` (:func:`slots_at`):
 
     tile_start[0..K]            exclusive prefix sum of the spans' long tiles; tile_start[K] long tiles in all
     spans[K][SPAN_FIELDS]       (row_start, span_rows, conv_rows, acc_row) of each span
@@ -28,9 +29,8 @@ The work list is one flat int32 array, in three sections (:func:`sections` gives
                                 (row0, rows_total, rows_conv, acc_row; all 0 past tile_start[K]), L the long-tile
                                 slots (``num_tiles`` less the short-tile slots)
 
-A long-tile CTA that reads ``tile_span`` makes two dependent lookups (its span, then the span's fields) before its
-first accumulator load; one that reads its slot's record makes one (``kernel.Postprocess``'s ``slot_records``, an
-experiment that ``benchmarks/ncu_kernels.py`` times).
+The records are for an experiment (``kernel.Postprocess``'s ``slot_records``, timed by ``benchmarks/ncu_kernels.py``):
+how many dependent lookups a long-tile CTA makes either way is said in ``schedule.py``.
 
 A span of ``r`` rows has ``ceil(r / tile_m)`` tiles. For most orders every tile is a *long* tile: one CTA per tile
 and head (the shared-memory path; ``split`` CTAs, each converting a share, in a small call's kernel). For the
@@ -59,6 +59,7 @@ ROW_START, SPAN_ROWS, CONV_ROWS, ACC_ROW = range(len(SPAN_FIELDS))
 SLOT_FIELDS = ("row0", "rows_total", "rows_conv", "acc_row")
 """A long-tile slot's record: its tile's first row of the result, rows to write, rows from the accumulator, first
 accumulator row (``schedule.Tile``'s, before a head's offsets)."""
+ROW0, ROWS_TOTAL, ROWS_CONV, TILE_ACC_ROW = range(len(SLOT_FIELDS))
 INT32_MAX = 2**31 - 1  # row offsets, extents and the kernel's launch grid are int32
 SHORT_ROWS = 16
 """A varlen tile of at most this many rows is a short tile, for the orders that have them (:func:`short_rows`)."""
@@ -117,6 +118,12 @@ def sections(num_spans):
     return num_spans + 1, (len(SPAN_FIELDS) + 1) * num_spans + 1
 
 
+def slots_at(num_spans, num_tiles):
+    """Offset of the slots' records in a work list of ``num_spans`` spans and ``num_tiles`` slots built with
+    ``records``. Plain arithmetic: also evaluated on the kernel's run-time integers."""
+    return sections(num_spans)[1] + num_tiles
+
+
 class Spans(NamedTuple):
     """A decoded work list (arrays of the builder's kind)."""
 
@@ -150,7 +157,7 @@ class WorkList:
 
     @property
     def size(self) -> int:
-        return sections(self.num_spans)[1] + self.num_tiles + len(SLOT_FIELDS) * self.long_slots * self.records
+        return slots_at(self.num_spans, self.num_tiles) + len(SLOT_FIELDS) * self.long_slots * self.records
 
     @property
     def long_slots(self) -> int:
@@ -243,7 +250,7 @@ class WorkList:
         """The sections of the work list ``work_list`` (numpy or jax array of :attr:`size` entries)."""
         spans_at, tile_span_at = sections(self.num_spans)
         spans = work_list[spans_at:tile_span_at].reshape(self.num_spans, len(SPAN_FIELDS))
-        slots_at = tile_span_at + self.num_tiles
-        slots = work_list[slots_at:].reshape(self.long_slots, len(SLOT_FIELDS)) if self.records else None
+        records_at = slots_at(self.num_spans, self.num_tiles)
+        slots = work_list[records_at:].reshape(self.long_slots, len(SLOT_FIELDS)) if self.records else None
         return Spans(work_list[:spans_at], *(spans[:, f] for f in range(len(SPAN_FIELDS))),
-                     work_list[tile_span_at:slots_at], slots)
+                     work_list[tile_span_at:records_at], slots)

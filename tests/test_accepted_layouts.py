@@ -235,37 +235,57 @@ def test_programmatic_dependent_launch_where_the_target_has_it(tmp_path):
 
 
 def test_work_list_lookup_experiments_compile_and_read_what_they_say(tmp_path):
-    """``kernel.Postprocess``'s lookup experiments, in the PTX for sm_90a: with ``early_lookup`` a varlen CTA loads
-    its tile's place from the work list before ``griddepcontrol.wait`` (one wait on each path to a tile: long tiles,
-    and short ones where the order has them), and with ``slot_records`` too the loads before the wait are the slot's
-    record's four fields, where the span's lookup makes more. Both are refused for a dense kernel and a fused one,
-    ``early_lookup`` also without programmatic dependent launch."""
+    """``kernel.Postprocess``'s lookup experiments, in the PTX for sm_90a. With ``early_lookup`` each path to a tile
+    (long tiles, and short ones where the order has them) loads its place from the work list, then waits
+    (``griddepcontrol.wait``), then loads the scale, and every accumulator load (16-byte vectors) comes after a
+    scale; with ``slot_records`` too the long-tile path's loads before its wait are the slot's record's four fields,
+    where the span's lookup makes more (the short-tile path reads its span's four either way). Both are refused
+    for a dense kernel and a fused one, ``early_lookup`` also without programmatic dependent launch."""
     from jax_dqpost.kernel import Postprocess, entry_args
     from jax_dqpost import abi
 
+    pointers = abi.pointers(1, False)
+
     def ptx_lines(spec, **tuning):
-        args = entry_args(spec.dtype, 1, None, [16] * len(abi.pointers(1, False)), [1, 1, 1, 8, 1])
+        args = entry_args(spec.dtype, 1, None, [16] * len(pointers), [1, 1, 1, 8, 1])
         ptx = kernel_cache._cute_compile(Postprocess(spec, target_sm=90, **tuning), args, "sm_90a",
                                          f"--keep-ptx --dump-dir={tmp_path}").__ptx__
         return ptx[ptx.index(".entry"):].splitlines()
 
-    def at(lines, what):
-        return [i for i, line in enumerate(lines) if what in line]
+    def events(lines):
+        """Line numbers of the waits, the scale's loads, the 16-byte loads and the other global loads."""
+        param = f"_param_{pointers.index('scales')}]"
+        scale = next(line.split()[1].rstrip(",") for line in lines if "ld.param" in line and param in line)
+        found = {"wait": [], "scale": [], "vector": [], "other": []}
+        for i, line in enumerate(lines):
+            if "griddepcontrol.wait" in line:
+                found["wait"].append(i)
+            elif "ld.global" in line:
+                kind = "scale" if f"[{scale}]" in line else "vector" if ".v4." in line else "other"
+                found[kind].append(i)
+        return found
 
     for head_dim, paths in ((64, 1), (128, 2)):  # hd128: short tiles (the swapped order)
         layout = AccumLayout.flash_attention(90, head_dim, causal=False, tensor="dq", version="4.0.0b36")
         work, _ = varlen.WorkList.build(np, [0, 245, 400], None, total=400, layout=layout, records=True)
         spec = Plan((Part(layout, head_dim, np.dtype(jnp.bfloat16), work=work),)).kernel(
             [(2, work.padded_total * head_dim)])
-        loads_before_wait = {}
         for records in (False, True):
-            lines = ptx_lines(spec, early_lookup=True, slot_records=records)
-            waits, loads = at(lines, "griddepcontrol.wait"), at(lines, "ld.global")
-            assert len(waits) == paths and loads[0] < waits[0], (head_dim, records, waits, loads[:8])
-            loads_before_wait[records] = sum(i < waits[0] for i in loads)
-        if paths == 1:
-            assert loads_before_wait[True] == len(varlen.SLOT_FIELDS) < loads_before_wait[False], loads_before_wait
-        assert len(at(ptx_lines(spec, slot_records=True), "griddepcontrol.wait")) == 1  # at entry, as by default
+            e = events(ptx_lines(spec, early_lookup=True, slot_records=records))
+            waits, scales = e["wait"], e["scale"]
+            assert len(waits) == len(scales) == paths, (head_dim, records, e)
+            bounds = [0] + scales
+            for k in range(paths):  # each path: its lookups, its wait, its scale (before the next path's wait)
+                assert bounds[k] < waits[k] < scales[k] < (waits[k + 1] if k + 1 < paths else float("inf"))
+            assert e["vector"] and min(e["vector"]) > scales[0], (head_dim, records)
+            lookups = sorted(sum(bounds[k] < i < waits[k] for i in e["other"]) for k in range(paths))
+            fields = len(varlen.SLOT_FIELDS)  # a span's fields are as many
+            if records:
+                assert lookups == [fields] * paths, (head_dim, lookups)
+            else:
+                assert lookups[:-1] == [fields] * (paths - 1) and lookups[-1] > fields, (head_dim, lookups)
+        assert len(events(ptx_lines(spec, slot_records=True))["wait"]) == 1  # at entry, as by default
+        Postprocess(spec, pdl=False, slot_records=True)
     dense = Part(layout, 128, np.dtype(jnp.bfloat16), seqlen=256)
     refused = [(Plan((dense,)).kernel([layout.accum_shape(1, 2, 256, 128)]), {}),
                (Plan((dense,) * 3).kernel([layout.accum_shape(1, 2, 256, 128)] * 3), {}),

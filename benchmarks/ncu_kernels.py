@@ -6,12 +6,11 @@ repository root:
         checked bit-equal to the default's output; one that raises for a packing is reported and skipped),
         FlashAttention-4 and the same-bytes copy, side by side, median of 15 (the benchmark's timing), dense and
         varlen (the benchmark's reference rows); CONFIG: default hd96 hd128 hd192
-    python -m benchmarks.ncu_kernels sizes [CONFIG ...] [--bytes N ...]
+    python -m benchmarks.ncu_kernels sizes [CONFIG ...] [--bytes N ...] [--variants GROUP,...]
         the size sweep's rows from 1 MB to 1 GB (``cases.SIZES``; varlen: packs of 2-8 sequences, the benchmark's
         lengths), or of the sizes N given (64 KiB to 4 GiB; outside the sweep with lengths of their own), ours with
-        the tuning variants of SIZE_VARIANTS (and SHORT_SIZE_VARIANTS where short tiles are, LOOKUP_VARIANTS for
-        varlen; each checked bit-equal to the default's output) against the same-bytes copy, graph replay, median
-        of 15, then each row's fastest variant
+        the default and the tuning variants of SIZE_VARIANTS' groups (all, or those named; each checked bit-equal to
+        the default's output) against the same-bytes copy, graph replay, median of 15, then each row's fastest
     python -m benchmarks.ncu_kernels short [COUNT ...] [--l2-fetch BYTES]
         the benchmark's short-sequence cases (hd128, 64 to 8000 sequences in 16384 tokens, static and traced offsets;
         COUNT: only those of ``cases.SHORT_SEQUENCES``, "ref": the benchmark's hd128 varlen reference row), ours with
@@ -42,12 +41,14 @@ from . import cases as bench_cases, harness  # noqa: E402
 
 # Variants tried per configuration by `sweep` (the first, {}, is the package's default).
 VARIANTS = [{}, {"min_ctas_per_sm": 0}]
-# ... by `sizes` (and, varlen with short tiles, SHORT_SIZE_VARIANTS)
-SIZE_VARIANTS = [{}, {"split": 1}, {"split": 2}, {"split": 4}, {"split": 8}, {"trigger": "start"}, {"trigger": "none"},
-                 {"pdl": False}]
-SHORT_SIZE_VARIANTS = [{"short_heads": 1}, {"short_heads": 8}]
-# ... by `sizes` for varlen: the work-list lookups (kernel.Postprocess: one load a slot, before griddepcontrol.wait)
+# ... by `sizes` after the default, by group: (which rows, variants); "short": varlen of orders with short tiles
 LOOKUP_VARIANTS = [{"slot_records": True}, {"early_lookup": True}, {"slot_records": True, "early_lookup": True}]
+SIZE_VARIANTS = {
+    "split": ("all", [{"split": 1}, {"split": 2}, {"split": 4}, {"split": 8}]),
+    "trigger": ("all", [{"trigger": "start"}, {"trigger": "none"}, {"pdl": False}]),
+    "short": ("short", [{"short_heads": 1}, {"short_heads": 8}]),
+    "lookup": ("varlen", LOOKUP_VARIANTS),  # the work list's (kernel.Postprocess: slot_records, early_lookup)
+}
 # ... and by `short` (varlen only).
 SHORT_VARIANTS = [{}, {"short_heads": 1}, {"short_heads": 4}, {"trigger": "start"}, {"trigger": "none"}] + \
     LOOKUP_VARIANTS
@@ -111,17 +112,19 @@ def sweep(args, torch, fa4, samples=15):
 
 
 def sizes(args, torch, fa4, samples=15):
+    groups, args = variant_args("sizes", args)
     sizes, names = command_args("sizes", args)
     for size, case in size_rows(names, sizes, torch, fa4):
         case.torch_buffers()
         copy, _ = harness.graph_per_call(torch, case.copy_run(), case.copies, samples)
         tag = f"{case.bytes / 1e6:8.1f} MB {case.name:13s} {case.packing:7s} {case.ctas:6d} CTAs"
-        short = case.cu is not None and case.part.work.short_rows  # the work list's (internals.varlen_part)
-        variants = SIZE_VARIANTS + (SHORT_SIZE_VARIANTS if short else []) + \
-            (LOOKUP_VARIANTS if case.cu is not None else [])
+        kinds = {"all"} | ({"varlen"} if case.cu is not None else set())
+        if case.cu is not None and case.part.work.short_rows:  # the work list's (internals.varlen_part)
+            kinds.add("short")
+        variants = [{}] + [v for g in groups if SIZE_VARIANTS[g][0] in kinds for v in SIZE_VARIANTS[g][1]]
         rows = _time_variants(case, variants, samples, tag)
         for label, t in [("copy", copy)] + rows:
-            print(f"{tag} {label:36s} {t * 1e6:8.2f} us {copy / t:7.1%} of copy", flush=True)
+            print(f"{tag} {label:60s} {t * 1e6:8.2f} us {copy / t:7.1%} of copy", flush=True)
         same = [(label, t) for label, t in rows if label.endswith("(same bits)")]
         if same:  # the first row is the default's (or, if that failed, the reference of the bits)
             label, t = min(same, key=lambda r: r[1])
@@ -225,6 +228,25 @@ MAX_BYTES = 1 << 32
 """The largest ``--bytes`` of ``sizes`` (its buffers fill 256 MiB or more of the GPU's memory, several per call)."""
 
 
+def variant_args(command, args) -> tuple[tuple[str, ...], list[str]]:
+    """``(groups, rest)``: the groups of :data:`SIZE_VARIANTS` named by ``--variants GROUP,...`` (``sizes`` only,
+    once; all without it) and the other arguments. ``ValueError`` naming a bad one."""
+    rest = list(args)
+    if "--variants" not in rest:
+        return tuple(SIZE_VARIANTS), rest
+    if command != "sizes":
+        raise ValueError(f"{command} takes no --variants: only sizes does")
+    k = rest.index("--variants")
+    value = rest[k + 1] if k + 1 < len(rest) else None
+    groups = [] if value is None else value.split(",")
+    unknown = [g for g in groups if g not in SIZE_VARIANTS]
+    if value is None or unknown or not groups or rest.count("--variants") > 1 or len(set(groups)) < len(groups):
+        got = "nothing" if value is None else repr(value) + (" and another" if rest.count("--variants") > 1 else "")
+        raise ValueError(f"--variants takes groups of {list(SIZE_VARIANTS)}, comma-separated, each once, once; "
+                         f"got {got}")
+    return tuple(groups), rest[:k] + rest[k + 2:]
+
+
 def command_args(command, args) -> tuple[list, list[str]]:
     """``(sizes, names)`` of ``sweep``'s, ``sizes``' or ``profile``'s arguments (module docstring): configuration
     names, and sizes given by ``--bytes N`` (``sizes``: each once, at least ``cases.SIZES[0]``; ``profile``: one of
@@ -285,7 +307,7 @@ def main(argv) -> int:
         print(f"ncu_kernels: error: the first argument is one of {sorted(COMMANDS)}, got {what!r}", file=sys.stderr)
         return 2
     try:
-        short_args(argv[1:]) if what == "short" else command_args(what, argv[1:])
+        short_args(argv[1:]) if what == "short" else command_args(what, variant_args(what, argv[1:])[1])
     except ValueError as e:
         print(f"ncu_kernels {what}: error: {e}", file=sys.stderr)
         return 2

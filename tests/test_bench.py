@@ -256,13 +256,19 @@ def test_the_kernel_tools_measure_the_benchmarks_rows():
     ("sweep", ["--bytes", "1048576"], "sweep takes no --bytes"), ("sizes", ["--bytes", "8589934592"], "got '85"),
     ("sizes", ["--bytes", "\u00b2"], "got '\u00b2'"), ("short", ["66"], "unknown sequence counts ['66']"),
     ("short", ["--l2-fetch"], "got nothing"), ("short", ["--l2-fetch", "-1"], "got '-1'"),
-    ("short", ["64", "--l2-fetch", "32", "--l2-fetch", "64"], "got '32' and another")])
+    ("short", ["64", "--l2-fetch", "32", "--l2-fetch", "64"], "got '32' and another"),
+    ("sizes", ["--variants", "splits"], "got 'splits'"), ("sizes", ["--variants"], "got nothing"),
+    ("sizes", ["--variants", "split,split"], "each once"), ("sizes", ["--variants", ""], "got ''"),
+    ("sizes", ["--variants", "split", "--variants", "lookup"], "got 'split' and another"),
+    ("sweep", ["--variants", "split"], "sweep takes no --variants"),
+    ("profile", ["--variants", "split"], "profile takes no --variants")])
 def test_kernel_tools_name_a_bad_argument(command, args, message, capsys, monkeypatch):
     from benchmarks import ncu_kernels
 
     monkeypatch.setitem(sys.modules, "torch", None)  # a bad argument is named before torch is imported
 
-    parse = ncu_kernels.short_args if command == "short" else lambda a: ncu_kernels.command_args(command, a)
+    parse = ncu_kernels.short_args if command == "short" else \
+        lambda a: ncu_kernels.command_args(command, ncu_kernels.variant_args(command, a)[1])
     with pytest.raises(ValueError, match=re.escape(message)):
         parse(args)
     assert ncu_kernels.main([command, *args]) == 2
@@ -290,6 +296,9 @@ def test_kernel_tools_arguments_and_their_defaults():
     assert ncu_kernels.command_args("sweep", ["hd256"]) == ([], ["hd256"])
     assert ncu_kernels.short_args(["ref", "8000", "--l2-fetch", "64"]) == (64, ["ref", "8000"])
     assert ncu_kernels.short_args([]) == (None, [])
+    groups = tuple(ncu_kernels.SIZE_VARIANTS)
+    assert ncu_kernels.variant_args("sizes", ["hd64", "--bytes", "8388608"]) == (groups, ["hd64", "--bytes", "8388608"])
+    assert ncu_kernels.variant_args("sizes", ["hd64", "--variants", "lookup,split"]) == (("lookup", "split"), ["hd64"])
     for sizes in (cases.SIZES, cases.SIZES[::2], []):
         assert cases.benchmark_rows(sizes) == len(list(cases.benchmark_cases(None, None, sizes)))
 

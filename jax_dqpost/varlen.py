@@ -232,7 +232,11 @@ class WorkList:
         short_slots = batch + 2 if short else 0
         if num_tiles is None:
             num_tiles = int(tile_start[-1]) + short_slots
-        tile_span = xp.searchsorted(tile_start, xp.arange(num_tiles - short_slots, dtype=np.int32), side="right") - 1
+        # jax.numpy's default searchsorted is a while loop, which XLA runs an iteration a launch and splits its
+        # command buffers around; unrolled, its log2(K) steps fuse
+        unrolled = {} if xp is np else {"method": "scan_unrolled"}
+        tile_span = xp.searchsorted(tile_start, xp.arange(num_tiles - short_slots, dtype=np.int32), side="right",
+                                    **unrolled) - 1
         tile_span = xp.clip(tile_span, 0, batch + 1).astype(np.int32)
         work = cls(total=total, batch=batch, tile_m=tile_m, num_tiles=num_tiles, pad_rows=pad_rows,
                    short_rows=short, records=records)

@@ -50,6 +50,28 @@ def test_new_traced_values_do_not_retrace_or_recompile(rng):
 
 
 
+@pytest.mark.parametrize("layout_name", ["cute-hd128", "cute-hd64"])
+def test_traced_offsets_add_no_loop_to_the_program(layout_name):
+    """The work list of traced offsets is built without a loop in the program lowered for CUDA: XLA would run it an
+    iteration a launch and split its command buffers around it (jax.numpy's default searchsorted is one)."""
+    import jax_dqpost
+
+    layout = _layout(layout_name)
+    D = 128 if layout_name.endswith("128") else 64
+    T, B = 5000, 7
+    acc = jax.ShapeDtypeStruct(layout.varlen_accum_shape(B, 4, T, D), jnp.float32)
+
+    def f(a, cu, used):
+        return dq_postprocess(a, 0.5, head_dim=D, total_q=T, cu_seqlens_q=cu, seqused_q=used, layout=layout)
+
+    offsets = jax.ShapeDtypeStruct((B + 1,), jnp.int32)
+    module = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=jax_dqpost.DISABLED_CHECKS)(
+        acc, offsets, jax.ShapeDtypeStruct((B,), jnp.int32)).mlir_module()
+    assert "stablehlo.custom_call" in module and "stablehlo.gather" in module  # the kernel, the work list's lookup
+    assert "stablehlo.while" not in module
+    assert "stablehlo.while" in jax.jit(jnp.searchsorted).lower(offsets, offsets).as_text()  # what a loop looks like
+
+
 @pytest.mark.parametrize("side", ["q", "k"])
 def test_concrete_arrays_outside_jit_are_validated_like_static_values(rng, side, monkeypatch):
     """A jax array passed outside jit has values this host can read: they are checked as static ones (the same

@@ -136,7 +136,8 @@ def lse_cotangent_rows(d_lse, dq_layout: AccumLayout, seqlens=None):
     batch = cu.shape[0] - 1
     rows_out = padded_total(total, batch, pad)
     t = jnp.arange(total, dtype=jnp.int32)
-    b = jnp.clip(jnp.searchsorted(cu, t, side="right") - 1, 0, batch - 1)  # the last sequence starting at or before t
+    # the last sequence starting at or before t (unrolled: no loop in the program, as varlen.WorkList.build)
+    b = jnp.clip(jnp.searchsorted(cu, t, side="right", method="scan_unrolled") - 1, 0, batch - 1)
     start, r = cu[b], t - cu[b]
     inside = (t >= start) & (t < cu[b + 1]) & (r < used[b])
     rows = jnp.where(inside, (start + b * pad) // pad * pad + r, rows_out)  # rows_out: dropped

@@ -9,8 +9,9 @@ repository root:
     python -m benchmarks.ncu_kernels sizes [CONFIG ...] [--bytes N ...] [--variants GROUP,...]
         the size sweep's rows from 1 MB to 1 GB (``cases.SIZES``; varlen: packs of 2-8 sequences, the benchmark's
         lengths), or of the sizes N given (64 KiB to 4 GiB; outside the sweep with lengths of their own), ours with
-        the default and the tuning variants of SIZE_VARIANTS' groups (all, or those named; each checked bit-equal to
-        the default's output) against the same-bytes copy, graph replay, median of 15, then each row's fastest
+        the default and the tuning variants of SIZE_VARIANTS' groups (all, or those named; a group adds nothing to
+        the rows it is not for, e.g. lookup to dense ones; each checked bit-equal to the default's output) against
+        the same-bytes copy, graph replay, median of 15, then each row's fastest
     python -m benchmarks.ncu_kernels short [COUNT ...] [--l2-fetch BYTES]
         the benchmark's short-sequence cases (hd128, 64 to 8000 sequences in 16384 tokens, static and traced offsets;
         COUNT: only those of ``cases.SHORT_SEQUENCES``, "ref": the benchmark's hd128 varlen reference row), ours with
@@ -237,6 +238,8 @@ def variant_args(command, args) -> tuple[tuple[str, ...], list[str]]:
     if command != "sizes":
         raise ValueError(f"{command} takes no --variants: only sizes does")
     k = rest.index("--variants")
+    if k and rest[k - 1] == "--bytes":
+        raise ValueError("--bytes takes a size, got '--variants'")
     value = rest[k + 1] if k + 1 < len(rest) else None
     groups = [] if value is None else value.split(",")
     unknown = [g for g in groups if g not in SIZE_VARIANTS]
@@ -307,7 +310,8 @@ def main(argv) -> int:
         print(f"ncu_kernels: error: the first argument is one of {sorted(COMMANDS)}, got {what!r}", file=sys.stderr)
         return 2
     try:
-        short_args(argv[1:]) if what == "short" else command_args(what, variant_args(what, argv[1:])[1])
+        rest = variant_args(what, argv[1:])[1]
+        short_args(rest) if what == "short" else command_args(what, rest)
     except ValueError as e:
         print(f"ncu_kernels {what}: error: {e}", file=sys.stderr)
         return 2

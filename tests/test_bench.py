@@ -261,14 +261,17 @@ def test_the_kernel_tools_measure_the_benchmarks_rows():
     ("sizes", ["--variants", "split,split"], "each once"), ("sizes", ["--variants", ""], "got ''"),
     ("sizes", ["--variants", "split", "--variants", "lookup"], "got 'split' and another"),
     ("sweep", ["--variants", "split"], "sweep takes no --variants"),
-    ("profile", ["--variants", "split"], "profile takes no --variants")])
+    ("profile", ["--variants", "split"], "profile takes no --variants"),
+    ("short", ["--variants", "split"], "short takes no --variants"),
+    ("sizes", ["--bytes", "--variants", "split", "1048576"], "--bytes takes a size, got '--variants'")])
 def test_kernel_tools_name_a_bad_argument(command, args, message, capsys, monkeypatch):
     from benchmarks import ncu_kernels
 
     monkeypatch.setitem(sys.modules, "torch", None)  # a bad argument is named before torch is imported
 
-    parse = ncu_kernels.short_args if command == "short" else \
-        lambda a: ncu_kernels.command_args(command, ncu_kernels.variant_args(command, a)[1])
+    def parse(a):
+        rest = ncu_kernels.variant_args(command, a)[1]
+        return ncu_kernels.short_args(rest) if command == "short" else ncu_kernels.command_args(command, rest)
     with pytest.raises(ValueError, match=re.escape(message)):
         parse(args)
     assert ncu_kernels.main([command, *args]) == 2

@@ -50,6 +50,7 @@ buffer's, against the call's ``bytes`` attribute, which the lowering takes from 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import numpy as np
@@ -204,12 +205,17 @@ class WorkList:
         cu = xp.asarray(cu_seqlens).astype(np.int32)
         batch = cu.shape[0] - 1
         if xp is np:
-            running_max = np.maximum.accumulate(cu)
+            running_max, prefix_sum, unrolled = np.maximum.accumulate, np.cumsum, {}
         else:
+            # Traced values add no loop to the program (XLA runs a loop an iteration a launch and splits its command
+            # buffers around it): prefix scans as associative scans (jax.numpy's cumsum lowers to a loop for CUDA in
+            # some versions), the slot lookup as an unrolled binary search (searchsorted's default is a loop).
             import jax
 
-            running_max = jax.lax.cummax(cu, axis=0)
-        c = xp.clip(running_max, 0, total).astype(np.int32)
+            running_max = functools.partial(jax.lax.associative_scan, xp.maximum)
+            prefix_sum = functools.partial(jax.lax.associative_scan, xp.add)
+            unrolled = {"method": "scan_unrolled"}
+        c = xp.clip(running_max(cu), 0, total).astype(np.int32)
         starts = xp.concatenate([xp.zeros(1, np.int32), c])  # span k starts at starts[k]
         ends = xp.concatenate([c, xp.full(1, total, np.int32)])
         span_rows = ends - starts
@@ -227,14 +233,11 @@ class WorkList:
             tiles = span_rows // tile_m + (span_rows % tile_m > short).astype(np.int32)
         else:
             tiles = (span_rows + tile_m - 1) // tile_m
-        tile_start = xp.concatenate([zero, xp.cumsum(tiles).astype(np.int32)])
+        tile_start = xp.concatenate([zero, prefix_sum(tiles).astype(np.int32)])
         spans = xp.stack([starts, span_rows, conv_rows, acc_row], axis=1).reshape(-1)
         short_slots = batch + 2 if short else 0
         if num_tiles is None:
             num_tiles = int(tile_start[-1]) + short_slots
-        # jax.numpy's default searchsorted is a while loop, which XLA runs an iteration a launch and splits its
-        # command buffers around; unrolled, its log2(K) steps fuse
-        unrolled = {} if xp is np else {"method": "scan_unrolled"}
         tile_span = xp.searchsorted(tile_start, xp.arange(num_tiles - short_slots, dtype=np.int32), side="right",
                                     **unrolled) - 1
         tile_span = xp.clip(tile_span, 0, batch + 1).astype(np.int32)

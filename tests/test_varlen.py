@@ -53,7 +53,8 @@ def test_new_traced_values_do_not_retrace_or_recompile(rng):
 @pytest.mark.parametrize("layout_name", ["cute-hd128", "cute-hd64"])
 def test_traced_offsets_add_no_loop_to_the_program(layout_name):
     """The work list of traced offsets is built without a loop in the program lowered for CUDA: XLA would run it an
-    iteration a launch and split its command buffers around it (jax.numpy's default searchsorted is one)."""
+    iteration a launch and split its command buffers around it (jax.numpy's default searchsorted is one, and its
+    cumsum for CUDA in jax 0.12)."""
     import jax_dqpost
 
     layout = _layout(layout_name)

@@ -1,5 +1,5 @@
-"""The tests' shared helpers, one for each fact: an array's bits, rounding up, packed offsets from lengths, a one-
-part kernel, a stand-in compile, an export for CUDA. The subprocess scripts (``*_main.py``, ``sanitize_varlen.py``),
+"""The tests' shared helpers, one for each fact: an array's bits, a value's rounding step and the bound between two
+computations that may sum in other orders, rounding up, packed offsets from lengths, a one-part kernel, a stand-in compile, an export for CUDA. The subprocess scripts (``*_main.py``, ``sanitize_varlen.py``),
 ``oracle.py`` and ``fa4_peer.py`` sit beside it in tests/; a test or a script imports it as ``support`` (tests/ is
 on the path: pytest puts it there, conftest.py too, and a script started as ``python tests/X.py`` has its own folder
 first).
@@ -16,6 +16,49 @@ def bits(x) -> np.ndarray:
     """``x``'s bits as unsigned integers of its width (bf16 and fp16: uint16; float32: uint32)."""
     x = np.asarray(x)
     return x.view(np.uint16) if x.dtype.itemsize == 2 else x.view(np.uint32)
+
+
+_MANTISSA_BITS = {"bfloat16": 7, "float16": 10, "float32": 23, "float64": 52}
+_MIN_EXPONENT = {"bfloat16": -126, "float16": -14, "float32": -126, "float64": -1022}
+FLOAT32_EPS = 2.0 ** -23
+
+
+def ulp(x, dtype) -> np.ndarray:
+    """The spacing of ``dtype``'s values (bfloat16, float16, float32, float64) at ``|x|``, in float64: a value's
+    rounding to ``dtype`` moves it by at most half of this (below the normal range, the subnormals' spacing)."""
+    name = np.dtype(dtype).name
+    x = np.abs(np.asarray(x, np.float64))
+    tiny = 2.0 ** _MIN_EXPONENT[name]
+    with np.errstate(divide="ignore"):
+        exponent = np.floor(np.log2(np.maximum(x, tiny)))
+    return np.exp2(exponent - _MANTISSA_BITS[name])
+
+
+def assert_within_roundings(got, want, what="", *, roundings=1, terms=0, magnitude=None):
+    """``got`` and ``want``, two computations of one formula in ``got``'s precision that may sum in other orders
+    (another program, another CPU, a sharded sum): the same shape and non-finite values, and each finite element
+    within ``roundings`` steps of ``got``'s dtype at its own magnitude, plus what reordering a float32 sum of
+    ``terms`` terms can move it before that rounding: ``terms * 2**-23 * magnitude``, ``magnitude`` the sum of the
+    terms' absolute values (by default the largest ``|want|``, for sums without cancellation). A wrong row, scale
+    or sign is off by the element's own size, far beyond this."""
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.shape == want.shape, (what, got.shape, want.shape)
+    g, w = got.astype(np.float64), want.astype(np.float64)
+    finite = np.isfinite(w)
+    assert np.array_equal(np.isnan(g), np.isnan(w)), f"{what}: NaNs in other places"
+    assert np.array_equal(np.isinf(g), np.isinf(w)) and np.array_equal(g[np.isinf(w)], w[np.isinf(w)]), \
+        f"{what}: infinities in other places"
+    if magnitude is None:
+        magnitude = np.max(np.abs(w[finite]), initial=0.0)
+    bound = roundings * ulp(np.maximum(np.abs(g), np.abs(w)), got.dtype) + terms * FLOAT32_EPS * np.asarray(magnitude)
+    bound = np.broadcast_to(bound, w.shape)
+    err = np.where(finite, np.abs(g - w), 0.0)
+    bad = err > bound
+    if bad.any():
+        i = tuple(int(v) for v in np.argwhere(bad)[0])
+        raise AssertionError(f"{what}: {bad.sum()} of {bad.size} elements beyond {roundings} rounding(s) and "
+                             f"{terms} float32 sum terms, first at {list(i)}: got {g[i]!r}, want {w[i]!r}, "
+                             f"bound {bound[i]:.3g}")
 
 
 def round_up(x, m):

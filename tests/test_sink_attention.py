@@ -19,7 +19,7 @@ import pytest
 
 from jax_dqpost import AccumLayout, _attention, dq_accum_from_dq, fa4jax
 from jax_dqpost._fa4jax_internals import Accumulators
-from support import cu_seqlens
+from support import assert_within_roundings, cu_seqlens
 
 HIGHEST = jax.lax.Precision.HIGHEST  # float32 matmuls in float32 on every backend (a GPU's default is TF32)
 
@@ -221,14 +221,11 @@ def _assert_close(got, want, what, rel=2 ** -6):
     assert err <= rel * scale + 1e-6, f"{what}: max error {err:.3g} against the reference's {scale:.3g}"
 
 
-def _assert_same(got, want, what):
-    """Bit for bit where XLA compiles the stand-in's float32 arithmetic alike in both programs (the CPU); on a GPU a
-    batched or rematerialised program may sum in another order, and there they agree within one bf16 step (2**-7) of
-    the largest magnitude."""
-    if jax.default_backend() == "cpu":
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=what)
-    else:
-        _assert_close(got, want, what, rel=2 ** -7)
+def _assert_same(got, want, what, terms=256):
+    """Two programs of the same float32 arithmetic (batched, rematerialised, sharded), which XLA may fuse and sum in
+    other orders on another machine: within one rounding of the output's dtype, after float32 sums of up to
+    ``terms`` terms reordered."""
+    assert_within_roundings(got, want, what, roundings=1, terms=terms)
 
 
 GRAD_NAMES = ("dq", "dk", "dv", "dsink")
@@ -358,8 +355,8 @@ def test_shard_map_sums_the_sinks_gradient_over_the_batch(rng, axis):
     got = jax.jit(jax.shard_map(sharded_grad, mesh=mesh, in_specs=specs, out_specs=specs[:4], check_vma=False))(
         q, k, v, sink, w, u)
     want = jax.jit(jax.grad(_loss(_ours(call, seqlens), True), argnums=(0, 1, 2, 3)))(q, k, v, sink, w, u)
-    for name, g, t in zip(GRAD_NAMES, got, want):
-        _assert_close(g, t, name, rel=2 ** -20 if name != "dsink" else 2 ** -16)
+    for name, g, t in zip(GRAD_NAMES, got, want):  # dsink: a float32 sum over the batch's rows too
+        _assert_same(g, t, name, terms=256 if name != "dsink" else 256 + q.shape[0] * q.shape[1])
 
 
 def test_remat_and_the_sinks_gradient_alone(rng):

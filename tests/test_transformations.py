@@ -29,7 +29,7 @@ from conftest import HAS_GPU, PLATFORMS
 from jax_dqpost import AccumLayout, Gradients, dq_accum_from_dq, dq_postprocess, flash_attention_postprocess
 import oracle
 from oracle import assert_same_bits
-from support import round_up
+from support import assert_within_roundings, round_up
 
 PARTS = ("dq", "dqkv")
 D = 128
@@ -116,12 +116,13 @@ def loop(op, x, in_axes):
 
 def assert_like_loop(got, want, what, *, sink):
     """dq, dk, dv with the loop's bits; dsink (last, with a sink) the same rows summed per head (on the GPU in
-    FlashAttention-4's order, which does not depend on the fold; on CPU the float32 sum may associate differently)."""
+    FlashAttention-4's order, which does not depend on the fold; on CPU the float32 sum may associate differently:
+    within one rounding and the reordering of a few hundred terms, of dsink's scale)."""
     n = len(got) - 1 if sink else len(got)
     for j in range(n):
         assert_same_bits(got[j], want[j], f"{what}: output {j}")
     if sink:
-        np.testing.assert_allclose(got[-1], want[-1], rtol=1e-5, atol=1e-5, err_msg=f"{what}: dsink")
+        assert_within_roundings(got[-1], want[-1], f"{what}: dsink", terms=1024)
 
 
 def assert_one_launch(f, *args):
@@ -325,19 +326,26 @@ def _check_dsink_gradients(rng, platform, part, packing, attended_to_nothing):
                  for o, a, n in oracle.sequence_rows(cu, None, 120, QL.pad_rows)]
         to_rows = lambda a: a  # noqa: E731
     want_sink, want_lse, want_dpsum = np.zeros(heads), np.zeros(lse.shape), np.zeros(dpsum.shape)
+    magnitude, rows = np.zeros(heads), 0  # dsink's sums: their terms' magnitudes and count
     for lse_at, dpsum_at in spans:
         l, d = to_rows(lse[lse_at]), to_rows(dpsum[dpsum_at])
         finite = np.isfinite(l)
         with np.errstate(over="ignore"):
             p = np.where(finite, np.exp(sink[:, None] - np.where(finite, l, 0)), 1.0)
         want_sink += np.where(finite, w[:, None] * -p * d, 0).sum(axis=1)
+        magnitude += np.where(finite, np.abs(w[:, None] * p * d), 0).sum(axis=1)
+        rows += l.shape[1]
         back = lambda rows, like: np.moveaxis(rows.reshape(like.shape[1], like.shape[0], -1), 0, 1) \
             if packing == "dense" else rows  # noqa: E731
         want_lse[lse_at] = back(np.where(finite, w[:, None] * p * d, 0), lse[lse_at])
         want_dpsum[dpsum_at] = back(w[:, None] * -p, dpsum[dpsum_at])
-    np.testing.assert_allclose(g_sink, want_sink, rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(g_lse, want_lse, rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(g_dpsum, want_dpsum, rtol=1e-4, atol=1e-6)
+    # float32 against float64: p = exp(sink - lse) is a few roundings off, and more where ``sink - lse`` is large
+    # (its float32 rounding, times that difference, up to about 16 here); dsink sums the terms in some order.
+    p_roundings = 32
+    assert_within_roundings(g_sink, want_sink, "dsink", roundings=p_roundings, terms=rows + p_roundings,
+                            magnitude=magnitude)
+    assert_within_roundings(g_lse, want_lse, "d lse", roundings=p_roundings)
+    assert_within_roundings(g_dpsum, want_dpsum, "d dpsum", roundings=p_roundings)
     g_scale = jax.grad(lambda s: jnp.sum(op(dict(x, scale=s))[0].astype(jnp.float32)))(jnp.float32(0.5))
     assert np.isfinite(g_scale)
 
@@ -452,6 +460,9 @@ def test_batch_and_heads_shard_without_collectives(rng, devices, part, sink):
     op = make_op(part, static)
     want = jax.jit(op)(jax.device_put(x, CPUS[0]))
     one_device = jax.jit(op)(jax.device_put(x, devices[0]))
+    if sink:
+        _, magnitude = oracle.expected_dsink(x["sink"], x["lse"], x["dpsum"], seqused=x["used_q"])
+        rows = x["lse"].shape[0] * x["lse"].shape[2]
     n = min(len(devices), 4)
     for shape in [(2, n // 2), (1, n)]:
         text, got, mesh = _sharded(op, x, SPECS, devices, shape, ("b", "h"))
@@ -463,10 +474,10 @@ def test_batch_and_heads_shard_without_collectives(rng, devices, part, sink):
             assert found == ["all-reduce"] and text.count("all-reduce(") == 1, found
         else:
             assert not found, f"collectives {found} in the program sharded over {shape}"
-        if sink:
-            if shape[0] == 1:
-                assert np.array_equal(np.asarray(got[-1]).view(np.uint32), np.asarray(one_device[-1]).view(np.uint32))
-            np.testing.assert_allclose(got[-1], want[-1], rtol=1e-5, atol=1e-5)
+        if sink:  # per head, a float32 sum over every row of the batch, in the shards' order or one device's
+            assert_within_roundings(got[-1], want[-1], f"dsink sharded over {shape}", terms=rows, magnitude=magnitude)
+            assert_within_roundings(got[-1], one_device[-1], f"dsink sharded over {shape}, against one device",
+                                    terms=rows, magnitude=magnitude)
 
 
 @pytest.mark.parametrize("devices", DEVICE_SETS)

@@ -50,7 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _attention, _fa4jax_internals, _operands, abi, arch
+from . import _attention, _fa4jax_internals, _operands, _xla_attention, abi, arch
 from ._checks import describe
 from .layout import ORDER_OF_FAMILY, AccumLayout
 
@@ -183,9 +183,6 @@ def _ready(kwargs):
     fa4_jax = register()
     if "backend" in kwargs:
         raise TypeError(f"jax_dqpost.fa4jax sets fa4-jax's backend itself, got backend={kwargs['backend']!r}")
-    if jax.default_backend() != "gpu":
-        raise RuntimeError(f"jax_dqpost.fa4jax runs fa4-jax's CUDA kernels and needs a GPU; JAX's backend is "
-                           f"{jax.default_backend()!r} (fa4_jax.flash_attn(..., backend='reference') runs anywhere)")
     return fa4_jax
 
 
@@ -229,14 +226,15 @@ def check_sink(sink, q, kwargs, packed: bool):
         raise TypeError(f"{'flash_attn_varlen' if packed else 'flash_attn'}() got unexpected keyword argument(s) "
                         f"{', '.join(unknown)}; with learnable_sink it takes {', '.join(allowed)}")
     dtype = getattr(sink, "dtype", None)
-    if dtype is None or np.dtype(dtype) not in abi.SINK_DTYPES:
-        raise TypeError("learnable_sink must be a float32, bfloat16 or float16 array of shape (heads,), got "
+    if dtype is None or not np.issubdtype(np.dtype(dtype), np.floating):
+        raise TypeError("learnable_sink must be a floating-point array of shape (heads,), got "
                         + (describe(sink) if dtype is None else f"dtype {np.dtype(dtype)}"))
     heads = q.shape[-2] if getattr(q, "ndim", 0) >= 2 else None
     if tuple(sink.shape) != (heads,):
         raise ValueError(f"learnable_sink must have shape ({heads},), one logit per query head of q "
                          f"{tuple(getattr(q, 'shape', ()))}, got shape {tuple(sink.shape)}")
-    return jnp.asarray(sink)
+    sink = jnp.asarray(sink)
+    return sink if sink.dtype in abi.SINK_DTYPES else sink.astype(jnp.float32)  # float64: read as float32
 
 
 def check_sink_gpu(family: int):
@@ -244,6 +242,38 @@ def check_sink_gpu(family: int):
     if family not in _fa4jax_internals.SINK_FAMILIES:
         raise ValueError(f"learnable_sink: FlashAttention-4's forward on {_gpu()} (compute capability {family}.x) "
                          "takes no learnable sink; the sm90 (Hopper) and sm100/sm110 ones do")
+
+
+def unavailable(q, k, v, *, window_size, scale, packed: bool, sink: bool) -> str | None:
+    """Why this module's kernels cannot run attention of these shapes on this machine (None: they can), before
+    anything compiles: fa4-jax missing, the GPU, or what FlashAttention-4's forward and backward kernels and our
+    postprocess take. ``q``, ``k``, ``v``: dense ``(B, S, H, D)`` arrays or shape structs (``packed``: run as one
+    packed batch)."""
+    try:
+        _fa4jax_internals.modules()
+    except ImportError as e:
+        return str(e)
+    if not on_gpu():
+        return f"fa4-jax's kernels run on NVIDIA GPUs, and JAX's default backend is {jax.default_backend()!r}"
+    family = _fa4jax_internals.device_family()
+    if sink and family not in _fa4jax_internals.SINK_FAMILIES:
+        return (f"FlashAttention-4's forward on {_gpu()} takes no learnable sink (the sm90 and sm100/sm110 ones "
+                "do)")
+    d, d_v = padded_head_dims(q.shape[-1], v.shape[-1], family)
+
+    def struct(x, last):
+        shape = (x.shape[0] * x.shape[1], *x.shape[2:-1], last) if packed else (*x.shape[:-1], last)
+        return jax.ShapeDtypeStruct(shape, x.dtype)
+
+    q, k, v = struct(q, d), struct(k, d), struct(v, d_v)
+    cfg = _fa4jax_internals.config(q, window_size=window_size, scale=scale, varlen=packed)
+    try:
+        for kind in ("fwd", "bwd"):
+            _fa4jax_internals.validate(cfg, kind, q, k, v)
+        _layouts(cfg, q, k, v)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def _with_sink(packed: bool):
@@ -308,6 +338,66 @@ class _Kernels:
 KERNELS = _Kernels()
 
 
+# ---- where there is no GPU: the same attention in jax.numpy ----------------------------------------------------
+
+def on_gpu() -> bool:
+    """Whether JAX's default backend is a GPU, where fa4-jax's kernels run; elsewhere the calls of this module run
+    FlashAttention's attention in jax.numpy."""
+    return jax.default_backend() == "gpu"
+
+
+def _check_shapes(q, k, v, packed: bool) -> None:
+    """The shapes and dtypes fa4-jax takes, with its messages (needing no fa4-jax)."""
+    name = "flash_attn_varlen" if packed else "flash_attn"
+    what = "packed (total_tokens, heads, head_dim)" if packed else "(batch, seqlen, heads, head_dim)"
+    if any(getattr(x, "ndim", None) != 3 + (not packed) for x in (q, k, v)):
+        raise ValueError(f"{name} takes {what} arrays, got q {getattr(q, 'shape', q)}, k {getattr(k, 'shape', k)}, "
+                         f"v {getattr(v, 'shape', v)}")
+    if not packed and q.shape[0] != k.shape[0]:
+        raise ValueError(f"batch mismatch: q {q.shape[0]} vs kv {k.shape[0]}")
+    if q.dtype != k.dtype or q.dtype != v.dtype:
+        raise ValueError(f"q/k/v dtypes must match, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not jnp.issubdtype(q.dtype, jnp.floating):
+        raise TypeError(f"{name} takes floating-point q, k and v, got {q.dtype}")
+    if k.shape[-3] != v.shape[-3] or k.shape[-2] != v.shape[-2]:
+        raise ValueError(f"k/v seqlen+heads must match, got {k.shape} vs {v.shape}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q/k head_dim mismatch: {q.shape[-1]} vs {k.shape[-1]}")
+    if q.shape[-2] % k.shape[-2]:
+        raise ValueError(f"q heads {q.shape[-2]} not a multiple of kv heads {k.shape[-2]}")
+
+
+def _without_gpu(packed: bool, q, k, v, cu_seqlens, sink, kwargs):
+    """A call of :func:`flash_attn` or :func:`flash_attn_varlen` where no GPU is: FlashAttention's attention in
+    jax.numpy (``jax_dqpost._xla_attention.flash_attention``), the sink's too; with a ``mask_mod``, fa4-jax's own
+    jax.numpy backend (``backend='reference'``), which takes it."""
+    if "backend" in kwargs:
+        raise TypeError(f"jax_dqpost.fa4jax sets fa4-jax's backend itself, got backend={kwargs['backend']!r}")
+    if sink is not None:
+        sink = check_sink(sink, q, kwargs, packed)
+    if kwargs.get("mask_mod") is not None:
+        fa4_jax = _fa4jax_internals.modules()[0]
+        call = fa4_jax.flash_attn_varlen if packed else fa4_jax.flash_attn
+        return call(q, k, v, *cu_seqlens, backend="reference", **kwargs)
+    allowed = _SINK_KEYWORDS + (_SINK_VARLEN_KEYWORDS if packed else ())
+    unknown = sorted(set(kwargs) - set(allowed) - {"mask_mod"})
+    if unknown:
+        raise TypeError(f"{'flash_attn_varlen' if packed else 'flash_attn'}() got unexpected keyword argument(s) "
+                        f"{', '.join(unknown)}; it takes {', '.join(allowed + ('mask_mod',))}")
+    _check_shapes(q, k, v, packed)
+    if packed:
+        for name, x in zip(("cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k"),
+                           (*cu_seqlens, kwargs.get("seqused_q"), kwargs.get("seqused_k"))):
+            _check_offsets_dtype(name, x)
+    seqlens = _fa4jax_internals.seqlens(*cu_seqlens, kwargs.get("seqused_q"), kwargs.get("seqused_k")) \
+        if packed else None
+    scale = kwargs.get("scale")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    window = _xla_attention.flash_window(bool(kwargs.get("causal", False)), kwargs.get("window_size"))
+    out, lse = _xla_attention.flash_attention(q, k, v, scale=scale, window=window, sinks=sink, seqlens=seqlens)
+    return (out, lse) if kwargs.get("return_lse") else out
+
+
 def flash_attn(q, k, v, *, learnable_sink=None, **kwargs):
     """``fa4_jax.flash_attn(q, k, v, **kwargs)`` on this backend: q ``(B, S, H, D)``, k ``(B, Sk, Hkv, D)``,
     v ``(B, Sk, Hkv, Dv)`` in bf16/fp16, ``Hkv`` dividing ``H``; returns ``(B, S, H, Dv)`` (and the lse
@@ -318,6 +408,8 @@ def flash_attn(q, k, v, *, learnable_sink=None, **kwargs):
     ``learnable_sink``: ``(H,)`` float32, bfloat16 or float16, one logit per query head in every softmax row
     (module docstring); its gradient comes from the same launch as dQ's. With it: no ``mask_mod``, reverse-mode
     differentiation only, GPUs sm90 and sm100/sm110."""
+    if not on_gpu():
+        return _without_gpu(False, q, k, v, (), learnable_sink, kwargs)
     if learnable_sink is not None:
         return _sink_call(False, q, k, v, (), learnable_sink, kwargs)
     return _run(_with_backend(_ready(kwargs).flash_attn), q, k, v, **kwargs)
@@ -330,6 +422,8 @@ def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, learnable_sink=Non
     ``defined_padding``, ...), except ``backend``; ``learnable_sink`` as in :func:`flash_attn`. Rows of dq (and of dk,
     dv under grouped-query attention) that no sequence uses are 0 whatever ``defined_padding`` says; fa4-jax
     leaves them unspecified without it. Head dims 136..160 run padded on Hopper (module docstring)."""
+    if not on_gpu():
+        return _without_gpu(True, q, k, v, (cu_seqlens_q, cu_seqlens_k), learnable_sink, kwargs)
     if learnable_sink is not None:
         return _sink_call(True, q, k, v, (cu_seqlens_q, cu_seqlens_k), learnable_sink, kwargs)
     return _run(_with_backend(_ready(kwargs).flash_attn_varlen), q, k, v, cu_seqlens_q, cu_seqlens_k, **kwargs)

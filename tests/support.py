@@ -1,5 +1,5 @@
 """The tests' shared helpers, one for each fact: an array's bits, a value's rounding step and the bound between two
-computations that may sum in other orders, rounding up, packed offsets from lengths, a one-part kernel, a stand-in compile, an export for CUDA. The subprocess scripts (``*_main.py``, ``sanitize_varlen.py``),
+computations that may sum in other orders, closeness to a float64 formula at its scale, rounding up, packed offsets from lengths, a one-part kernel, a stand-in compile, an export for CUDA. The subprocess scripts (``*_main.py``, ``sanitize_varlen.py``),
 ``oracle.py`` and ``fa4_peer.py`` sit beside it in tests/; a test or a script imports it as ``support`` (tests/ is
 on the path: pytest puts it there, conftest.py too, and a script started as ``python tests/X.py`` has its own folder
 first).
@@ -59,6 +59,20 @@ def assert_within_roundings(got, want, what="", *, roundings=1, terms=0, magnitu
         raise AssertionError(f"{what}: {bad.sum()} of {bad.size} elements beyond {roundings} rounding(s) and "
                              f"{terms} float32 sum terms, first at {list(i)}: got {g[i]!r}, want {w[i]!r}, "
                              f"bound {bound[i]:.3g}")
+
+
+def assert_close_to_scale(got, want, rel, what=""):
+    """``got`` within ``rel`` of ``want``'s largest magnitude, element by element, and finite where ``want`` is (a
+    computation in lower precision against a float64 formula; a wrong row, sign or scale is off by the element's
+    own size)."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert got.shape == want.shape, (what, got.shape, want.shape)
+    finite = np.isfinite(want)
+    assert np.array_equal(np.isfinite(got), finite), f"{what}: non-finite values in other places"
+    assert np.array_equal(got[~finite], want[~finite]), f"{what}: other infinities"
+    scale = np.abs(want[finite]).max(initial=0)
+    err = np.abs(got[finite] - want[finite]).max(initial=0)
+    assert err <= rel * scale, f"{what}: max error {err:.3g} beyond {rel:.3g} of {scale:.3g}"
 
 
 def round_up(x, m):

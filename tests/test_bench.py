@@ -358,7 +358,7 @@ def test_cli_without_a_gpu_says_so_in_one_line_and_writes_nothing(tmp_path):
     assert not (tmp_path / "results").exists()
 
 
-@pytest.mark.parametrize("module", ["fa4jax", "sinks"])
+@pytest.mark.parametrize("module", ["fa4jax", "attention"])
 def test_the_fa4jax_benchmarks_without_a_gpu_say_why_in_one_line(tmp_path, module):
     """Without fa4-jax, or without a GPU: exit status 2, one line naming what is missing, nothing written."""
     from jax_dqpost import arch
@@ -585,3 +585,20 @@ def test_graph_samples_last_five_milliseconds_of_device_time(launch_s, device_s)
     else:
         assert calls % 2 == 0
         assert harness.GRAPH_SAMPLE_S <= replays[0] * (1 + 1e-9) < harness.GRAPH_SAMPLE_S + 2 * device_s
+
+
+def test_the_attention_benchmarks_table_and_shapes():
+    """gpt-oss's shapes (hd 64, 64/8 heads, window 128 and causal) and a llama-like one (hd 128, 32/8 heads), T 4096
+    and 8192; the table's ratios are the goals' (cuDNN over 'fa4', 'xla' over 'fa4' with sinks, the sinks' cost)."""
+    from benchmarks import attention
+
+    shapes = attention.shapes(quick=False)
+    assert {(s["head_dim"], s["heads"], s["heads_kv"], s["window"], s["seqlen"]) for s in shapes} == {
+        (d, n, k, w, t) for t in (4096, 8192) for d, n, k, w in ((64, 64, 8, 128), (64, 64, 8, None),
+                                                                  (128, 32, 8, None))}
+    result = dict(shapes[0], **{name: {"step_us": us} for name, us in
+                                (("fa4", 100.0), ("fa4 sinks", 101.0), ("cudnn", 150.0), ("xla sinks", 2000.0))})
+    row = attention.table([result]).splitlines()[-1]
+    assert row == ("| gpt-oss, window 128 | 4096 | 100.0 | 101.0 | +1.0% | 150.0 | 1.50x | 2000.0 | 19.80x |"), row
+    del result["cudnn"]
+    assert "| skipped | n/a |" in attention.table([result])

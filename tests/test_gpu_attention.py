@@ -1,0 +1,98 @@
+"""``jax_dqpost.dot_product_attention(implementation='fa4')`` on a GPU: FlashAttention-4's kernels and our
+postprocess against float64 formulas (tests/attention_oracle.py) and against ``'xla'``, at random shapes, with and
+without sinks, by FlashAttention's rule: the kernels' error is at most twice that of the same math in the inputs'
+precision (``'xla'``), plus one rounding of the largest magnitude. The translation of jax.nn's masks itself is checked on every
+platform (tests/test_attention.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import attention_oracle as oracle64
+from conftest import HAS_GPU
+from jax_dqpost import dot_product_attention
+
+pytestmark = pytest.mark.skipif(not (HAS_GPU and importlib.util.find_spec("fa4_jax")),
+                                reason="needs a CUDA GPU and fa4-jax (Python >= 3.12: pip install '.[fa4-jax]')")
+
+
+def _shape(rng):
+    """Random jax.nn keywords 'fa4' expresses: causal or a window (left, 0), one lengths array for both or none,
+    T != S without lengths, grouped heads, head dims 64, 96, 128."""
+    b = int(rng.integers(1, 3))
+    heads_kv = int(rng.choice([1, 2, 4]))
+    n = heads_kv * int(rng.choice([1, 2, 4]))
+    h = int(rng.choice([64, 96, 128]))
+    t = int(rng.integers(64, 400))
+    kw = {"is_causal": bool(rng.random() < 0.7)}
+    if rng.random() < 0.4:
+        kw["local_window_size"] = (int(rng.integers(16, 200)), 0)
+        kw["is_causal"] = True
+    if rng.random() < 0.4:
+        kw["query_seq_lengths"] = kw["key_value_seq_lengths"] = jnp.asarray(rng.integers(1, t + 1, b), jnp.int32)
+        s = t
+    else:
+        s = t + int(rng.integers(0, 100)) if kw["is_causal"] else int(rng.integers(64, 400))
+    return b, t, s, n, heads_kv, h, kw
+
+
+def _error(got, want, rows):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.abs(np.where(rows, got - want, 0)).max())
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["", "sinks"])
+def test_fa4_is_the_float64_formula_within_twice_xlas_error(rng, dtype, with_sinks):
+    for _ in range(6):
+        b, t, s, n, heads_kv, h, kw = _shape(rng)
+        q = jnp.asarray(rng.standard_normal((b, t, n, h)), dtype)
+        k, v = (jnp.asarray(rng.standard_normal((b, s, heads_kv, h)), dtype) for _ in range(2))
+        sinks = jnp.asarray(rng.standard_normal(n) * 2, jnp.float32) if with_sinks else None
+        extra = {} if sinks is None else {"sinks": sinks}
+        vis = oracle64.top_left(t, s, causal=kw["is_causal"], window=kw.get("local_window_size"))[None, None]
+        rows = np.ones((b, t, 1, 1), bool)
+        if "query_seq_lengths" in kw:
+            lengths = np.asarray(kw["query_seq_lengths"])
+            vis = vis & oracle64.lengths_mask(t, s, lengths, lengths)
+            rows = (np.arange(t)[None] < lengths[:, None])[:, :, None, None]
+        w = rng.standard_normal((b, t, n, h)) * rows
+        args64 = dict(scale=h ** -0.5, visible=vis, sinks=None if sinks is None else np.asarray(sinks))
+        out64, _, _, _ = oracle64.forward(q, k, v, **args64)
+        grads64 = oracle64.gradients(q, k, v, w, **args64)
+
+        def run(implementation):
+            def loss(q, k, v, s=None):
+                out = dot_product_attention(q, k, v, **kw, **({} if s is None else {"sinks": s}),
+                                            implementation=implementation)
+                return jnp.sum(out.astype(jnp.float32) * jnp.asarray(w, jnp.float32)), out
+            argnums = (0, 1, 2, 3) if sinks is not None else (0, 1, 2)
+            return jax.jit(jax.grad(loss, argnums=argnums, has_aux=True))(q, k, v, *(() if sinks is None else
+                                                                                     (sinks,)))
+
+        (g_fa4, out_fa4), (g_xla, out_xla) = run("fa4"), run("xla")
+        what = f"B={b} T={t} S={s} N={n} K={heads_kv} H={h} {sorted(kw)} {dtype.__name__}"
+        ulp = float(jnp.finfo(dtype).eps)
+        for name, got, low, want, live in [("out", out_fa4, out_xla, out64 * rows, rows)] + [
+                (g, x, y, z, True) for g, x, y, z in zip(("dq", "dk", "dv", "dsinks"), g_fa4, g_xla, grads64)]:
+            scale = float(np.abs(want).max())
+            err, base = _error(got, want, live), _error(low, want, live)
+            assert err <= 2 * base + ulp * scale, f"{what}: {name} error {err:.3g}, 'xla''s {base:.3g}"
+        assert not np.asarray(jnp.where(rows, 0, out_fa4)).any(), f"{what}: rows past the lengths are 0"
+
+
+def test_on_a_gpu_none_runs_fa4_without_a_warning(rng):
+    q = jnp.asarray(rng.standard_normal((1, 256, 8, 64)), jnp.bfloat16)
+    kv = jnp.asarray(rng.standard_normal((1, 256, 2, 64)), jnp.bfloat16)
+    sinks = jnp.zeros(8, jnp.float32)
+    loss = lambda q, s: jnp.sum(dot_product_attention(q, kv, kv, is_causal=True, sinks=s).astype(jnp.float32))  # noqa
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        text = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(q, sinks).as_text()
+    assert "jax_dqpost" in text and "fa4" in text, "FlashAttention-4's kernels and our postprocess run the call"

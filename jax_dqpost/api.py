@@ -11,11 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _checks, _operands
+from . import _checks, _jax_internals, _operands, primitive
 from .layout import AccumLayout
 from ._checks import ARG_NAMES
 from .plan import Operands, Plan
-from .primitive import postprocess_p
 from .reference import accum_from_dq_reference
 
 
@@ -251,8 +250,10 @@ def _k_side(dk_accum, dv_accum, head_dim, head_dim_v, out_dtype, layout, seqlen,
 
 def _bind(plan: Plan, accs, side_aux, scales, sink) -> list:
     """The primitive on the API's operands (``sink``: the three sink operands, or None); its abstract evaluation
-    checks their shapes, naming the arguments, and CUDA's launch limits, at trace time and on every platform."""
-    return postprocess_p.bind(*plan.join(Operands(tuple(accs), tuple(side_aux), scales, *(sink or ()))), plan=plan)
+    checks their shapes, naming the arguments, and CUDA's launch limits, at trace time and on every platform. Inside
+    ``jax.shard_map`` the operands are cast to the union of their varying manual axes first, and so are the results
+    (``primitive.bind``)."""
+    return primitive.bind(plan.join(Operands(tuple(accs), tuple(side_aux), scales, *(sink or ()))), plan)
 
 
 @_checks.required_arguments(layout=_operands.LAYOUT_HINT)
@@ -296,6 +297,7 @@ def dq_accum_from_dq(dq, scale, *, layout: AccumLayout, cu_seqlens_q=None, sequs
         part, aux = _operands.part(layout, head_dim, dq.dtype, int(dq.shape[1]), None, None, seqused_q)
         if aux.shape != part.aux_shape(dq.shape[0]):
             raise ValueError(f"seqused_q must have shape {part.aux_shape(dq.shape[0])}, got {aux.shape}")
+    dq, scale, aux = _jax_internals.vary_alike(dq, scale, aux)  # inside shard_map: the result varies as they do
     return accum_from_dq_reference(dq, scale, aux, part)
 
 

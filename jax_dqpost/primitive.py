@@ -55,7 +55,15 @@ def _abstract_eval(*args, plan: Plan):
     shapes = [a.shape for a in args]
     results = plan.result_shapes(shapes)
     plan.launch(plan.split(shapes).acc)  # CUDA's grid limits, on every platform (vmap folds into the batch)
-    return [jax.core.ShapedArray(shape, dtype) for shape, dtype in results]
+    # Inside jax.shard_map the results vary over the operands' manual axes (one set: _bind casts them to it).
+    return [_jax_internals.result_aval(shape, dtype, args) for shape, dtype in results]
+
+
+def bind(args, plan: Plan) -> list:
+    """``postprocess_p`` on ``args``, each made varying over the union of their manual axes of ``jax.shard_map``
+    first (``jax.lax.pcast``: a replicated scale, sink or offset meets varying accumulators), as jax.numpy's own
+    operations do; the results vary over that union (``_abstract_eval``). Outside ``shard_map``, a plain bind."""
+    return postprocess_p.bind(*_jax_internals.vary_alike(*args), plan=plan)
 
 
 # ---- sharding: batch and heads shard without any collective (a batch-sharded dsink: one psum) --------
@@ -168,16 +176,16 @@ def _lowering(ctx, *args, plan: Plan):
 
 # ---- autodiff --------------------------------------------------------------------------------------
 def _jvp(primals, tangents, *, plan: Plan):
-    outs = postprocess_p.bind(*primals, plan=plan)
+    outs = bind(primals, plan)
     ops, dots = plan.split(primals), plan.split(tangents)
     linear = plan.without_sink()
     terms = []
     acc_dots = [None if type(t) is ad.Zero else t for t in dots.acc]
     if any(t is not None for t in acc_dots):
         acc_dots = tuple(jnp.zeros(a.shape, a.dtype) if t is None else t for a, t in zip(ops.acc, acc_dots))
-        terms.append(postprocess_p.bind(*linear.join(ops._replace(acc=acc_dots)), plan=linear))
+        terms.append(bind(linear.join(ops._replace(acc=acc_dots)), linear))
     if type(dots.scales) is not ad.Zero:
-        terms.append(postprocess_p.bind(*linear.join(ops._replace(scales=dots.scales)), plan=linear))
+        terms.append(bind(linear.join(ops._replace(scales=dots.scales)), linear))
     n = len(plan.parts)
     if terms:
         out_dots = [terms[0][i] if len(terms) == 1 else terms[0][i] + terms[1][i] for i in range(n)]
@@ -197,7 +205,7 @@ def _dsink_tangent(ops, dots, plan: Plan):
     """The tangent of dsink, from the float32 formula (``reference.dsink_reference``), or None if it is zero."""
     if all(type(t) is ad.Zero for t in dots.sink):
         return None
-    tangents = tuple(jnp.zeros(x.shape, x.dtype) if type(t) is ad.Zero else t for x, t in zip(ops.sink, dots.sink))
+    tangents = tuple(jnp.zeros_like(x) if type(t) is ad.Zero else t for x, t in zip(ops.sink, dots.sink))
     return jax.jvp(lambda *xs: dsink_reference(*xs, ops.aux[0], plan.dq), ops.sink, tangents)[1]
 
 
@@ -226,7 +234,8 @@ def _transpose(cts, *args, plan: Plan):
                 continue
             x, keep = gather_accumulator(acc, aux, p)
             bars.append(jnp.sum(jnp.where(keep, ct.astype(np.float32) * x, 0.0)))
-        scales_ct = jnp.stack(bars).astype(scales.aval.dtype)
+        scales_ct = _jax_internals.vary_as(jnp.stack(bars).astype(scales.aval.dtype),
+                                           _jax_internals.varying_axes(scales.aval))
     else:
         for i, (p, acc, aux) in enumerate(zip(plan.parts, ops.acc, plan.part_aux(ops))):
             if not undefined_acc[i]:
@@ -253,7 +262,7 @@ def _batch(args, dims, *, plan: Plan):
     aux_mapped = [d is not _NOT_MAPPED for d in plan.part_aux(ds)]
     if any(m and (fold or p.work is not None) for m, fold, p in zip(aux_mapped, folds, plan.parts)):
         moved = [_moved(a, d, size) for a, d in zip(args, dims)]
-        outs = jax.lax.map(lambda xs: tuple(postprocess_p.bind(*xs, plan=plan)), moved)
+        outs = jax.lax.map(lambda xs: tuple(bind(xs, plan)), moved)
         return list(outs), [0] * len(outs)
     accs = [_moved(a, d, size) for a, d in zip(ops.acc, ds.acc)]
     scales = ops.scales
@@ -284,7 +293,7 @@ def _batch(args, dims, *, plan: Plan):
             lse, dpsum = (jnp.moveaxis(x, 0, 1) for x in (lse, dpsum))
             lse, dpsum = (x.reshape((x.shape[0], size * x.shape[2]) + x.shape[3:]) for x in (lse, dpsum))
         sink = (s_.reshape(-1), lse, dpsum)
-    outs = postprocess_p.bind(*plan.join(Operands(tuple(new_acc), tuple(new_aux), scales, *sink)), plan=plan)
+    outs = bind(plan.join(Operands(tuple(new_acc), tuple(new_aux), scales, *sink)), plan)
     result, out_dims = [], []
     for p, o, fold in zip(plan.parts, outs, folds):
         if p.work is not None:  # (T, N*H, D) -> (T, N, H, D)

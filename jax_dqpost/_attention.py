@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
+from . import _jax_internals
 from .api import flash_attention_postprocess
 from .layout import AccumLayout
 from .varlen import padded_total
@@ -66,7 +67,12 @@ FORWARD_MODE = ("forward-mode autodiff (jax.jvp, jax.jacfwd) of attention with l
 
 def attention(call: Call, q, k, v, sink, seqlens=None):
     """``(out, lse)`` of the attention ``call`` describes with the learnable sink ``sink`` (H,), differentiable in
-    q, k, v and the sink, and through both outputs (module docstring)."""
+    q, k, v and the sink, and through both outputs (module docstring). Inside ``jax.shard_map`` (its default
+    check) every operand is cast to the union of their varying manual axes first, so that the backward's gradients
+    (which vary as they do) have its primals' types; a replicated sink (or offsets) used with batch-sharded q, k, v
+    then gets its gradient summed over the batch's axes by jax's AD."""
+    q, k, v, sink, *flat = _jax_internals.vary_alike(q, k, v, sink, *(seqlens or ()))
+    seqlens = None if seqlens is None else type(seqlens)(flat)
     try:
         return _attention(call, q, k, v, sink, seqlens)
     except TypeError as e:
@@ -90,7 +96,7 @@ def _attention_bwd(call, res, cts):
     q, k, v, sink, seqlens, out, lse = res
     d_out, d_lse = cts
     if isinstance(d_out, SymbolicZero):
-        d_out = jnp.zeros(out.shape, out.dtype)
+        d_out = jnp.zeros_like(out)  # (varying as out is, inside shard_map)
     delta = None if isinstance(d_lse, SymbolicZero) else lse_cotangent_rows(d_lse, call.dq_layout, seqlens)
     acc = _accumulators(call, delta is not None)(q, k, v, out, lse, d_out.astype(q.dtype), delta, seqlens)
     grads = finish(acc, q, k, v, seqlens, scale=call.scale, dq_layout=call.dq_layout, dkv_layout=call.dkv_layout,

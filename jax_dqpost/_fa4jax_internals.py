@@ -36,6 +36,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from ._jax_internals import vary_as, varying_axes
 from .varlen import padded_total
 
 FA4JAX_VERSION = "0.1.0"
@@ -165,9 +166,19 @@ def forward(cfg, q, k, v, sink, seqlens):
         tree["lse0"] = jnp.full(lse_struct.shape, -jnp.inf, lse_struct.dtype)
         specs.update(out0=specs["q"], lse0=K._LSE_SPEC)
         aliases = backend._tree_aliases(tree, out0=0, lse0=1)
-    return cutejax.call(_forward_entry(), [out_struct, lse_struct], tree, in_specs=backend._in_specs(tree, specs),
-                        out_specs=[specs["q"], K._LSE_SPEC], input_output_aliases=aliases,
-                        name="jax_dqpost_fa4_fwd_sink" + ("_dp" if aliases else ""))
+    results = cutejax.call(_forward_entry(), [out_struct, lse_struct], tree, in_specs=backend._in_specs(tree, specs),
+                           out_specs=[specs["q"], K._LSE_SPEC], input_output_aliases=aliases,
+                           name="jax_dqpost_fa4_fwd_sink" + ("_dp" if aliases else ""))
+    return type(results)(_varying_as((q, k, v, sink, *(seqlens or ())), *results))
+
+
+def _varying_as(inputs, *results) -> list:
+    """``results`` of a cutejax call, which types them without ``jax.shard_map``'s varying manual axes, typed with
+    the union of its ``inputs``' (``jax.lax.pcast``): what the kernel computes from varying inputs varies as they
+    do, and ``jax_dqpost._attention``'s custom_vjp compares its backward's types with its primals'. Outside
+    ``shard_map``, ``results`` as they are."""
+    axes = frozenset().union(*(varying_axes(x) for x in inputs if x is not None))
+    return [vary_as(r, axes) for r in results]
 
 
 def cute_backend_class():
@@ -219,6 +230,7 @@ def accumulators(cfg, q, k, v, out, lse, d_out, aux, seqlens, dpsum_delta=None) 
     (:func:`jax_dqpost._attention.lse_cotangent_rows`)."""
     _, _, K, cutejax = modules()
     d_out = d_out.astype(q.dtype)
+    inputs = (q, k, v, out, lse, d_out, *(seqlens or ()), dpsum_delta)  # the kernels' results vary as these do
     cfg = as_cute(cfg)
     dtype, hd, hdv, ratio, arch = K._validate(cfg, "bwd", q, k, v)
     plan = K._bwd_plan(dtype, hd, hdv, ratio, cfg.causal, cfg.local, arch)
@@ -258,6 +270,7 @@ def accumulators(cfg, q, k, v, out, lse, d_out, aux, seqlens, dpsum_delta=None) 
         dpsum, lse_log2, dq_accum = cutejax.call(
             K._fa4_bwd_pre, pre_outs, pre, out, d_out, lse,
             in_specs=[qkv_spec, qkv_spec, K._LSE_SPEC], out_specs=K._F32_SPEC, name="fa4_bwd_pre")
+    dpsum, lse_log2, dq_accum = _varying_as(inputs, dpsum, lse_log2, dq_accum)
     if dpsum_delta is not None:
         dpsum = dpsum - dpsum_delta
 
@@ -277,6 +290,7 @@ def accumulators(cfg, q, k, v, out, lse, d_out, aux, seqlens, dpsum_delta=None) 
             static, q, k, v, d_out, lse_log2, dpsum, dq_accum, *given, *tail,
             in_specs=[qkv_spec] * 4 + [K._F32_SPEC] * 3 + given_specs + tail_specs,
             out_specs=[K._F32_SPEC, qkv_spec, qkv_spec], input_output_aliases=aliases, name=name)
+        dq_accum, dk, dv = _varying_as(inputs, dq_accum, dk, dv)
         return Accumulators(dq_accum, dk, dv, None, None, dpsum)
     dk_accum = jnp.zeros((*lead_k, rows_k * dr), jnp.float32)
     dv_accum = jnp.zeros((*lead_k, rows_k * dvr), jnp.float32)
@@ -286,6 +300,7 @@ def accumulators(cfg, q, k, v, out, lse, d_out, aux, seqlens, dpsum_delta=None) 
         static, q, k, v, d_out, lse_log2, dpsum, dq_accum, dk_accum, dv_accum, *tail,
         in_specs=[qkv_spec] * 4 + [K._F32_SPEC] * 5 + tail_specs, out_specs=[K._F32_SPEC] * 3,
         input_output_aliases={6: 0, 7: 1, 8: 2}, name="fa4_bwd_gqa" + suffix)
+    dq_accum, dk_accum, dv_accum = _varying_as(inputs, dq_accum, dk_accum, dv_accum)
     return Accumulators(dq_accum, None, None, dk_accum, dv_accum, dpsum)
 
 

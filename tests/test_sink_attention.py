@@ -323,10 +323,13 @@ def test_vmap_of_grad_gives_each_examples_gradients(rng, sink_mapped):
             _assert_same(g[i], o, name)
 
 
-@pytest.mark.parametrize("axis", ["batch", "heads"])
-def test_shard_map_sums_the_sinks_gradient_over_the_batch(rng, axis):
+@pytest.mark.parametrize("axis, check_vma", [("batch", True), ("heads", True), ("batch", False)],
+                         ids=["batch", "heads", "batch-unchecked"])
+def test_shard_map_sums_the_sinks_gradient_over_the_batch(rng, axis, check_vma):
     """Under ``jax.shard_map`` each device runs the attention on its shard: over the batch, dsink is the sum of
-    every device's; over the heads, each device has its heads' sinks."""
+    every device's; over the heads, each device has its heads' sinks. With shard_map's default check the
+    attention's outputs and gradients vary over the axes of q, k, v, so jax sums the replicated sink's gradient
+    over the batch itself; without it (``check_vma=False``) the caller sums it (a psum)."""
     from jax.sharding import Mesh, PartitionSpec as P
 
     n = 4
@@ -344,16 +347,14 @@ def test_shard_map_sums_the_sinks_gradient_over_the_batch(rng, axis):
         specs = (P(None, None, "d"), P(None, None, "d"), P(None, None, "d"), P("d"), P(None, None, "d"),
                  P(None, "d"))
     local = jax.grad(_loss(_ours(call, seqlens), True), argnums=(0, 1, 2, 3))
-    if axis == "batch":
+    if axis == "batch" and not check_vma:
         def sharded_grad(*a):
             g = local(*a)
             return (*g[:3], jax.lax.psum(g[3], "d"))
     else:
         sharded_grad = local
-    # Neither the op nor the producers' kernels (FFI calls) type their results with shard_map's varying axes, which
-    # a custom_vjp's checks compare: shard_map without that check, as fa4-jax's own attention needs.
-    got = jax.jit(jax.shard_map(sharded_grad, mesh=mesh, in_specs=specs, out_specs=specs[:4], check_vma=False))(
-        q, k, v, sink, w, u)
+    got = jax.jit(jax.shard_map(sharded_grad, mesh=mesh, in_specs=specs, out_specs=specs[:4],
+                                check_vma=check_vma))(q, k, v, sink, w, u)
     want = jax.jit(jax.grad(_loss(_ours(call, seqlens), True), argnums=(0, 1, 2, 3)))(q, k, v, sink, w, u)
     for name, g, t in zip(GRAD_NAMES, got, want):  # dsink: a float32 sum over the batch's rows too
         _assert_same(g, t, name, terms=256 if name != "dsink" else 256 + q.shape[0] * q.shape[1])

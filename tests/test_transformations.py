@@ -579,3 +579,103 @@ def test_inside_another_primitives_lowering(rng, platform, part):
         got = jax.jit(lambda x: prim.bind(*(x[n] for n in names)))(placed)
         for j in range(len(want)):
             assert_same_bits(got[j], want[j], f"nested in a program over 8 CPU devices, output {j}")
+
+
+# ---- jax.grad inside shard_map with its default check (check_vma=True): the results vary as the operands do
+
+VARYING = [("dq", "dense-seqused", False), ("dq", "varlen", False), ("dqkv", "dense-seqused", True)]
+DIFFERENTIABLE = ("q", "k", "v", "scale", "k_scale", "sink", "lse", "dpsum")
+
+
+def _varying(x) -> frozenset:
+    from jax_dqpost import _jax_internals
+
+    return _jax_internals.varying_axes(x)
+
+
+@pytest.mark.skipif(len(CPUS) < 8, reason="needs --xla_force_host_platform_device_count=8")
+@pytest.mark.parametrize("part, packing, sink", VARYING, ids=["dq-dense", "dq-varlen", "dqkv-sink-dense"])
+def test_grad_inside_shard_map_with_its_default_check(rng, part, packing, sink):
+    """``jax.grad`` of a loss of the op's outputs inside ``jax.shard_map`` with its default check, over a (b, h) mesh
+    (dense: batch and heads sharded; packed: heads, the offsets replicated): every output is typed varying over the
+    union of its operands' axes (replicated scales, sink over ``h`` alone), and the gradients are the unsharded
+    ``jax.grad``'s: the accumulators' (one multiply and one rounding) bit for bit, the replicated scales' (summed
+    over the axes by jax itself) and the sink inputs' within the roundings of their float32 sums."""
+    cu = [0, 30, 30, 110, 150]
+    x, static = problem(rng, part, packing, sink=sink, batch=2, seqlens=(40, 24), cu=cu, total=150, specials=False,
+                        heads=tuple(h and 2 * h for h in HEADS[part]))
+    fixed = {n: x.pop(n) for n in list(x) if n not in DIFFERENTIABLE}
+    if packing == "varlen":
+        fixed |= {n: np.asarray(cu, np.int32) for n in (("cu_q", "cu_k") if part == "dqkv" else ("cu_q",))}
+    op = make_op(part, static)
+    want_out = jax.jit(op)(dict(x, **fixed))
+    # weights of the signs of the outputs: the scales' cotangents sum without cancellation
+    weights = [np.where(np.asarray(o, np.float32) < 0, -1.0, 1.0).astype(np.float32)
+               * rng.uniform(0.5, 1.5, o.shape).astype(np.float32) for o in want_out]
+    seen = []
+
+    def loss(x, fixed, weights):
+        outs = op(dict(x, **fixed))
+        seen.append([(_varying(o), "{V:" in str(jax.typeof(o))) for o in outs])
+        return sum(jnp.sum(o.astype(jnp.float32) * w) for o, w in zip(outs, weights))
+
+    mesh = Mesh(np.array(CPUS[:4]).reshape(2, 2), ("b", "h"))
+    dense = packing != "varlen"
+    specs = {n: SPECS[n] if dense or n in ("scale", "k_scale") else P("h", None) for n in x}
+    fixed_specs = {n: SPECS[n] if dense else P() for n in fixed}
+    rows = P("b", None, "h", None) if dense else P(None, "h", None)
+    weight_specs = [rows] * (3 if part == "dqkv" else 1) + [P("h")] * sink
+    got = jax.jit(jax.shard_map(jax.grad(loss), mesh=mesh, in_specs=(specs, fixed_specs, weight_specs),
+                                out_specs=specs))(x, fixed, weights)
+    sharded, seen[:] = seen[:], []
+    want = jax.jit(jax.grad(loss))(x, fixed, weights)
+    axes = frozenset({"b", "h"} if dense else {"h"})
+    assert sharded and all(s == [(axes, True)] * len(want_out) for s in sharded), sharded  # every output, dsink too
+    assert seen and all(s == [(frozenset(), False)] * len(want_out) for s in seen), seen  # unsharded: none
+    for name in ("q", "k", "v"):
+        if name in x:
+            assert_same_bits(got[name], want[name], f"the cotangent of {name}")
+    for name in ("scale", "k_scale"):
+        if name in x:
+            assert_within_roundings(got[name], want[name], f"the cotangent of {name}",
+                                    terms=int(np.prod(want_out[0].shape)))
+    if sink:
+        _, magnitude = oracle.expected_dsink(x["sink"], x["lse"], x["dpsum"], seqused=fixed["used_q"])
+        rows = x["lse"].shape[0] * x["lse"].shape[2]
+        assert_within_roundings(got["sink"], want["sink"], "the cotangent of the sink", roundings=2, terms=rows,
+                                magnitude=magnitude * np.abs(weights[-1]))
+        for name in ("lse", "dpsum"):  # elementwise: one formula, maybe fused otherwise
+            assert_within_roundings(got[name], want[name], f"the cotangent of {name}", roundings=2)
+
+
+@pytest.mark.skipif(len(CPUS) < 8, reason="needs --xla_force_host_platform_device_count=8")
+@pytest.mark.parametrize("packing", ["dense", "varlen"])
+def test_round_trip_through_dq_accum_from_dq_inside_shard_map(rng, packing):
+    """dq_accum_from_dq then dq_postprocess inside ``jax.shard_map`` with its default check: both results vary over
+    the axes of dQ (a replicated traced scale and offsets added to them), and ``jax.grad`` in dQ (bits) and in the
+    scale (summed over both axes by jax, within the roundings of its float32 sum) is the unsharded one's."""
+    B, S, H, T = 2, 50, 4, 130
+    cu = np.asarray([0, 40, 40, 130], np.int32)
+    shape = (B, S, H, D) if packing == "dense" else (T, H, D)
+    dq = jnp.asarray(np.abs(oracle.random_logical(rng, shape, specials=False)) + 0.5, jnp.bfloat16)
+    w = jnp.asarray(rng.uniform(0.5, 1.5, shape), jnp.float32)
+    side = dict(seqlen_q=S) if packing == "dense" else dict(total_q=T)
+    seen = []
+
+    def loss(dq, scale, cu, w):
+        offsets = {} if packing == "dense" else dict(cu_seqlens_q=cu)
+        acc = dq_accum_from_dq(dq, scale, layout=QL, **offsets)
+        out = dq_postprocess(acc, scale, head_dim=D, layout=QL, **side, **offsets)
+        seen.append((_varying(acc), _varying(out)))
+        return jnp.sum(out.astype(jnp.float32) * w)
+
+    mesh = Mesh(np.array(CPUS[:4]).reshape(2, 2), ("b", "h"))
+    rows = P("b", None, "h", None) if packing == "dense" else P(None, "h", None)
+    grad = jax.grad(loss, argnums=(0, 1))
+    got = jax.jit(jax.shard_map(grad, mesh=mesh, in_specs=(rows, P(), P(), rows), out_specs=(rows, P())))(
+        dq, jnp.float32(0.75), cu, w)
+    axes = frozenset({"b", "h"} if packing == "dense" else {"h"})
+    assert seen and all(s == (axes, axes) for s in seen), seen
+    want = jax.jit(grad)(dq, jnp.float32(0.75), cu, w)
+    assert_same_bits(got[0], want[0], "the cotangent of dq")
+    assert_within_roundings(got[1], want[1], "the cotangent of the scale", terms=int(np.prod(shape)))

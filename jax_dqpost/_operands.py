@@ -100,19 +100,44 @@ def accumulator(name: str, x):
     return jnp.asarray(x)
 
 
+WIDE_SINK_DTYPE = np.dtype(np.float64)
+"""A sink dtype the kernel does not take (not in ``abi.SINK_DTYPES``) but the API does, as jax's own operations
+take such a value under ``jax_enable_x64``: read as float32 (as a float64 scale is), its gradient returned in it."""
+
+
 def sink_operands(learnable_sink, lse, dpsum):
-    """``(learnable_sink, lse, dpsum)`` as operands, or None without a sink; all three or none."""
+    """``(learnable_sink, lse, dpsum)`` as operands, or None without a sink; all three or none. A float64 sink
+    (:data:`WIDE_SINK_DTYPE`, under ``jax_enable_x64``; without it jax makes it float32) is float32 here: the caller
+    converts dsink back (:func:`dsink_dtype`)."""
     given = {name: v is not None for name, v in (("learnable_sink", learnable_sink), ("lse", lse), ("dpsum", dpsum))}
     if not any(given.values()):
         return None
     if not all(given.values()):
         missing = [name for name, g in given.items() if not g]
         raise ValueError(f"the sink gradient needs learnable_sink, lse and dpsum; missing {', '.join(missing)}")
+    sink = _sink(learnable_sink)
+    if sink.dtype not in abi.SINK_DTYPES:  # float64: read as float32
+        sink = sink.astype(jnp.float32)
+    return (sink, accumulator("lse", lse), accumulator("dpsum", dpsum))
+
+
+SINK_DTYPES_WANT = "a float32, bfloat16, float16 or float64 (read as float32) array"
+"""What an error says the sink may be."""
+
+
+def _sink(learnable_sink):
+    """``learnable_sink`` as a jax array of one of ``abi.SINK_DTYPES`` or :data:`WIDE_SINK_DTYPE` (as jax makes
+    it: float32 for a float64 value without ``jax_enable_x64``); ``TypeError`` naming it otherwise."""
     sink_dtype = getattr(learnable_sink, "dtype", None)
-    if sink_dtype is None or np.dtype(sink_dtype) not in abi.SINK_DTYPES:
-        raise TypeError("learnable_sink must be a float32, bfloat16 or float16 array, got "
-                        + (describe(learnable_sink) if sink_dtype is None else f"dtype {sink_dtype}"))
-    return (jnp.asarray(learnable_sink), accumulator("lse", lse), accumulator("dpsum", dpsum))
+    if sink_dtype is None or np.dtype(sink_dtype) not in (*abi.SINK_DTYPES, WIDE_SINK_DTYPE):
+        raise TypeError(f"learnable_sink must be {SINK_DTYPES_WANT}, got "
+                        + (describe(learnable_sink) if sink_dtype is None else f"dtype {np.dtype(sink_dtype)}"))
+    return jnp.asarray(learnable_sink)
+
+
+def dsink_dtype(learnable_sink) -> np.dtype:
+    """The type of dsink: ``learnable_sink``'s as jax holds it (float64 under ``jax_enable_x64``, else float32)."""
+    return np.dtype(_sink(learnable_sink).dtype)
 
 
 def _is_static(x) -> bool:

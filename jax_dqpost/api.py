@@ -201,7 +201,8 @@ def flash_attention_postprocess(dq_accum, dk_accum, dv_accum, softmax_scale, *, 
                          f"got dk_accum={'None' if dk_accum is None else 'an array'}, "
                          f"dv_accum={'None' if dv_accum is None else 'an array'}")
     sink = _operands.sink_operands(learnable_sink, lse, dpsum)
-    sink_dtype = None if sink is None else sink[0].dtype
+    sink_dtype = None if sink is None else sink[0].dtype  # the kernel's (a float64 sink is read as float32)
+    dsink_dtype = None if sink is None else _operands.dsink_dtype(learnable_sink)  # the sink's own
     if dk_accum is None:
         unused = {name: v for name, v in (("dkv_layout", dkv_layout), ("head_dim_v", head_dim_v_arg),
                                           ("dk_scale", dk_scale), ("seqlen_k", seqlen_k), ("total_k", total_k),
@@ -212,14 +213,22 @@ def flash_attention_postprocess(dq_accum, dk_accum, dv_accum, softmax_scale, *, 
                              "(grouped-query attention)")
         plan = Plan((q_part,), sink_dtype=sink_dtype, dsink_dtype=sink_dtype)
         outs = _bind(plan, (dq_accum,), (q_aux,), scale.reshape(1), sink)
-        return Gradients(outs[0], None, None, outs[1] if sink is not None else None)
+        return Gradients(outs[0], None, None, _dsink(outs, dsink_dtype))
     k_part, v_part, dk_accum, dv_accum, k_aux = _k_side(dk_accum, dv_accum, head_dim, head_dim_v, q_part.dtype,
                                                         dkv_layout, seqlen_k, total_k, cu_seqlens_k, seqused_k)
     plan = Plan((q_part, k_part, v_part), sink_dtype=sink_dtype, dsink_dtype=sink_dtype)
     plan.check_batch((dq_accum.shape, dk_accum.shape))
     outs = _bind(plan, (dq_accum, dk_accum, dv_accum), (q_aux, k_aux), jnp.stack([scale, k_scale, jnp.float32(1)]),
                  sink)
-    return Gradients(*outs[:3], outs[3] if sink is not None else None)
+    return Gradients(*outs[:3], _dsink(outs, dsink_dtype))
+
+
+def _dsink(outs, dtype):
+    """dsink (the last result) in the sink's own ``dtype`` (float64 where the kernel read a float64 sink as
+    float32), or None without a sink (``dtype`` None)."""
+    if dtype is None:
+        return None
+    return outs[-1] if outs[-1].dtype == dtype else outs[-1].astype(dtype)
 
 
 def _q_side(dq_accum, scale, head_dim, dtype, layout, seqlen, total, cu_seqlens, seqused):

@@ -155,7 +155,12 @@ def test_errors_name_the_argument():
         (dict(dv_accum=k[:, :1]), ValueError, "dk_accum and dv_accum disagree on batch, rows or heads"),
         (dict(learnable_sink=jnp.zeros(4)), ValueError, "missing lse, dpsum"),
         (dict(learnable_sink=jnp.zeros(4, jnp.int32), lse=jnp.zeros((1, 4, 80)), dpsum=jnp.zeros((1, 4, 80))),
-         TypeError, "learnable_sink must be a float32, bfloat16 or float16 array, got dtype int32"),
+         TypeError, r"^learnable_sink must be a float32, bfloat16, float16 or float64 \(read as float32\) array, got "
+                    r"dtype int32$"),
+        (dict(learnable_sink=jnp.zeros(4, jnp.float8_e4m3fn), lse=jnp.zeros((1, 4, 80)),
+              dpsum=jnp.zeros((1, 4, 80))), TypeError, r"float64 \(read as float32\) array, got dtype float8_e4m3fn$"),
+        (dict(learnable_sink=[0.0] * 4, lse=jnp.zeros((1, 4, 80)), dpsum=jnp.zeros((1, 4, 80))),
+         TypeError, r"array, got \[0.0, 0.0, 0.0, 0.0\] \(list\)$"),
         (dict(learnable_sink=jnp.zeros(4), lse=jnp.zeros((1, 4, 79)), dpsum=jnp.zeros((1, 4, 128))),
          ValueError, r"lse must have shape \(1, 4, 80\)"),
         (dict(head_dim_v=100), ValueError, "head_dim_v must be a positive multiple of 8"),

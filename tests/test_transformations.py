@@ -350,6 +350,53 @@ def _check_dsink_gradients(rng, platform, part, packing, attended_to_nothing):
     assert np.isfinite(g_scale)
 
 
+@pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize("part", PARTS)
+def test_float64_sink_and_scale_under_x64(rng, platform, part):
+    """Under ``jax_enable_x64`` (only inside this test) a float64 sink and a float64 scale, traced or not, are taken
+    as jax's own operations take them: read as float32 by the kernel, dsink returned in the sink's dtype (float64),
+    and the gradients in the sink and the scale float64, with the float32 call's values; traced packed offsets too.
+    Without x64 a float64 numpy sink is jax's float32."""
+    device = jax.devices(platform)[0]
+    cu = [0, 30, 30, 110]
+    packing = "varlen" if part == "dq" else "dense"
+    x, static = problem(rng, part, packing, sink=True, cu=cu, total=120, seqlens=(70, 50), batch=1, specials=False)
+    x = jax.device_put(x, device)
+    offsets = {}
+    if packing == "varlen":
+        offsets = {n: jnp.asarray(cu, jnp.int32) for n in (("cu_q", "cu_k") if part == "dqkv" else ("cu_q",))}
+    op = make_op(part, static)
+    sink32, scale32 = x["sink"], np.float32(x["scale"])
+    weights = np.arange(1, sink32.shape[0] + 1, dtype=np.float32)
+
+    def losses(sink, scale, offsets):  # dsink's, and dQ's (in the scale)
+        outs = op(dict(x, sink=sink, scale=scale, **offsets))
+        return jnp.sum(outs[-1] * weights), jnp.sum(outs[0].astype(jnp.float32))
+
+    want = jax.jit(op)(dict(x, **offsets))
+    want_sink = jax.jit(jax.grad(lambda s, o: losses(s, scale32, o)[0]))(sink32, offsets)
+    want_scale = jax.jit(jax.grad(lambda c, o: losses(sink32, c, o)[1]))(scale32, offsets)
+    with jax.enable_x64(True):
+        sink64 = jnp.asarray(np.asarray(sink32, np.float64), device=device)
+        assert sink64.dtype == jnp.float64
+        for scale in (float(scale32), jnp.float64(scale32), np.float64(scale32)):
+            got = op(dict(x, sink=sink64, scale=scale, **offsets))
+            traced = jax.jit(lambda s, c, o: op(dict(x, sink=s, scale=c, **o)))(sink64, jnp.float64(scale32), offsets)
+            for outs in (got, traced):
+                assert outs[-1].dtype == jnp.float64, outs[-1].dtype
+                np.testing.assert_array_equal(np.asarray(outs[-1]), np.asarray(want[-1], np.float64))
+                for j in range(len(want) - 1):
+                    assert_same_bits(outs[j], want[j], f"output {j} with a float64 sink and scale")
+        g_sink = jax.jit(jax.grad(lambda s, o: losses(s, scale32, o)[0]))(sink64, offsets)
+        g_scale = jax.jit(jax.grad(lambda c, o: losses(sink64, c, o)[1]))(jnp.float64(scale32), offsets)
+        assert g_sink.dtype == jnp.float64 and g_scale.dtype == jnp.float64, (g_sink.dtype, g_scale.dtype)
+        np.testing.assert_array_equal(np.asarray(g_sink), np.asarray(want_sink, np.float64))
+        np.testing.assert_array_equal(np.asarray(g_scale), np.asarray(want_scale, np.float64))
+    outs = op(dict(x, sink=np.asarray(sink32, np.float64), **offsets))  # jax's float32, without x64
+    assert outs[-1].dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(outs[-1]), np.asarray(want[-1]))
+
+
 # ---- dq_accum_from_dq, the op's transpose
 
 @pytest.mark.parametrize("platform", PLATFORMS)

@@ -1,120 +1,142 @@
-"""gpt-oss's attention with learnable sinks, trained under ``jax.jit``: FlashAttention-4's kernels forward and
-backward, the sinks' gradient in jax-dqpost's one postprocess launch.
+"""gpt-oss's attention with learnable sinks, an nnx model trained under ``nnx.jit``.
 
 Two attention layers as gpt-oss has them: head dim 64, 64 query heads over 8 key/value heads, causal, a sliding
-window of 128 keys on every other layer, and one learnable sink per head (a logit in every softmax row that attends
-to nothing). On a CUDA GPU (sm90 or sm100) with fa4-jax (``pip install ".[cuda13,fa4-jax]"``, Python >= 3.12) the
-attention is ``jax_dqpost.fa4jax.flash_attn(..., learnable_sink=...)``; elsewhere the plain jax.numpy attention
-below stands in. A student learns a teacher's outputs; the gradients at the start must match plain autodiff of the
-jax.numpy attention with a sink column (float32), and the loss must fall.
+window of 128 keys on every other layer, and one learnable sink per query head (``nnx.Param``; a logit in every
+softmax row that attends to nothing). The attention is ``jax_dqpost.dot_product_attention(..., sinks=...)``:
+FlashAttention-4's kernels on a GPU that runs them with sinks (sm90, sm100; fa4-jax installed,
+``pip install ".[cuda13,fa4-jax]"``, Python >= 3.12), the sinks' gradient in jax-dqpost's one postprocess launch;
+jax.numpy on every other machine. The first layer's attention gradients are checked against float64 formulas
+written here in numpy (no autodiff), then a student learns a teacher's outputs and the loss must fall. Needs flax
+(and the optax it brings):
 
-    python examples/gpt_oss_sinks.py
+    python -m pip install ".[examples]" && python examples/gpt_oss_sinks.py
 """
+
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+try:
+    import optax
+    from flax import nnx
+except ModuleNotFoundError as missing:
+    sys.exit(f"examples/gpt_oss_sinks.py needs flax ({missing}): python -m pip install \".[examples]\"")
+
+import jax_dqpost
+
 B, S, MODEL, H, H_KV, D, WINDOW, LAYERS = 2, 256, 256, 64, 8, 64, 128, 2
 
 
-def _fa4jax():
-    """``jax_dqpost.fa4jax`` where its kernels run with a sink (a CUDA GPU of sm90 or sm100/110, and fa4-jax), else
-    None (one line why)."""
-    if jax.default_backend() != "gpu":
-        return None
-    major = int(float(getattr(jax.devices()[0], "compute_capability", 0) or 0))
-    if major not in (9, 10, 11):
-        print(f"plain attention: FlashAttention-4's forward takes a sink on sm90 and sm100 only, this GPU is {major}.x")
-        return None
-    try:
-        from jax_dqpost import fa4jax
-        fa4jax.register()
-        return fa4jax
-    except ImportError as e:
-        print(f"plain attention: {e}")
-        return None
+class Attention(nnx.Module):
+    """gpt-oss's attention block: projections, grouped heads, a causal mask (a window of ``window`` keys, or all),
+    and one learnable sink per query head."""
+
+    def __init__(self, window, rngs):
+        self.window = window
+        self.q = nnx.Linear(MODEL, H * D, use_bias=False, rngs=rngs)
+        self.k = nnx.Linear(MODEL, H_KV * D, use_bias=False, rngs=rngs)
+        self.v = nnx.Linear(MODEL, H_KV * D, use_bias=False, rngs=rngs)
+        self.o = nnx.Linear(H * D, MODEL, use_bias=False, rngs=rngs)
+        self.sinks = nnx.Param(jnp.zeros((H,), jnp.float32))  # gpt-oss starts them at 0
+
+    def qkv(self, x):
+        return [p(x).astype(jnp.bfloat16).reshape(B, S, -1, D) for p in (self.q, self.k, self.v)]
+
+    def __call__(self, x):
+        q, k, v = self.qkv(x)
+        out = jax_dqpost.dot_product_attention(q, k, v, is_causal=True, sinks=self.sinks[...],
+                                               local_window_size=(self.window, 0) if self.window else None)
+        return self.o(out.astype(jnp.float32).reshape(B, S, H * D))
 
 
-FA4JAX = _fa4jax()
-ATTENTION = ("fa4-jax's FlashAttention-4 kernels, dsink by jax-dqpost" if FA4JAX
-             else "plain jax.numpy (no GPU with fa4-jax)")
+class Model(nnx.Module):
+    def __init__(self, rngs):
+        self.layers = nnx.List([Attention(WINDOW if i % 2 == 0 else None, rngs) for i in range(LAYERS)])
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = x + layer(x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6))
+        return x
 
 
-def plain_attention(q, k, v, sink, window):
-    """Causal attention with a sink column in float32: q ``(B, S, H, D)``, k, v ``(B, S, Hkv, D)``, sink ``(H,)``;
-    ``window``: keys at most that far behind (None: all)."""
-    k, v = (jnp.repeat(x.astype(jnp.float32), H // H_KV, axis=2) for x in (k, v))
-    s = jnp.einsum("bshd,bthd->bhst", q.astype(jnp.float32), k) * D ** -0.5
-    i, j = jnp.arange(S)[:, None], jnp.arange(S)[None, :]
-    s = jnp.where((j <= i) & ((i - j <= window) if window else True), s, -jnp.inf)
-    column = jnp.broadcast_to(sink.astype(jnp.float32)[None, :, None, None], (*s.shape[:3], 1))
-    p = jax.nn.softmax(jnp.concatenate([s, column], axis=-1), axis=-1)[..., :-1]
-    return jnp.einsum("bhst,bthd->bshd", p, v)
+def float64_attention_gradients(q, k, v, sinks, window, d_out):
+    """The gradients of ``sum(out * d_out)`` in q, k, v and the sinks, in float64 by their formulas: with
+    ``P = softmax([scale q k^T masked, sink])`` over the keys and the sink, ``dP = dO v^T``, ``D_i = sum(dO_i
+    out_i)``, ``dS = P (dP - D)``, ``dq = scale dS k``, ``dk = scale dS^T q``, ``dv = P^T dO``, ``dsink = -sum_i
+    P_sink,i D_i``."""
+    q, k, v, d_out = (np.asarray(x, np.float64) for x in (q, k, v, d_out))
+    k, v = (np.repeat(x, H // H_KV, axis=2) for x in (k, v))
+    scale = D ** -0.5
+    i, j = np.arange(S)[:, None], np.arange(S)[None, :]
+    seen = (j <= i) & ((i - j <= window) if window else True)
+    logits = np.where(seen, np.einsum("bshd,bthd->bhst", q, k) * scale, -np.inf)
+    logits = np.concatenate([logits, np.broadcast_to(np.asarray(sinks, np.float64)[None, :, None, None],
+                                                     (*logits.shape[:3], 1))], axis=-1)
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    p, p_sink = p[..., :-1], p[..., -1]
+    out = np.einsum("bhst,bthd->bshd", p, v)
+    rows = np.einsum("bshd,bshd->bhs", d_out, out)
+    ds = p * (np.einsum("bshd,bthd->bhst", d_out, v) - rows[..., None])
+    dq = scale * np.einsum("bhst,bthd->bshd", ds, k)
+    dk = (scale * np.einsum("bhst,bshd->bthd", ds, q)).reshape(B, S, H_KV, H // H_KV, D).sum(3)
+    dv = np.einsum("bhst,bshd->bthd", p, d_out).reshape(B, S, H_KV, H // H_KV, D).sum(3)
+    return dq, dk, dv, -(p_sink * rows).sum(axis=(0, 2))
 
 
-def attention(q, k, v, sink, window, plain=False):
-    if FA4JAX is None or plain:
-        return plain_attention(q, k, v, sink, window)
-    return FA4JAX.flash_attn(q, k, v, learnable_sink=sink, causal=True,
-                             window_size=(window, 0) if window else None)
+def check_gradients(layer, x):
+    """The attention's gradients in the first layer, ours against the float64 formulas: the largest relative
+    error (bf16 inputs and outputs: about 1e-2)."""
+    q, k, v = layer.qkv(x)
+    sinks = layer.sinks[...]
+    d_out = jax.random.normal(jax.random.key(7), q.shape, jnp.float32)
+
+    def loss(q, k, v, sinks):
+        out = jax_dqpost.dot_product_attention(q, k, v, is_causal=True, sinks=sinks,
+                                               local_window_size=(layer.window, 0) if layer.window else None)
+        return jnp.sum(out.astype(jnp.float32) * d_out)
+
+    ours = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, sinks)
+    want = float64_attention_gradients(q, k, v, sinks, layer.window, d_out)
+    return max(float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b)) for a, b in zip(ours, want))
 
 
-def init(key):
-    """Per layer: the projections and the sinks (gpt-oss starts them at 0)."""
-    layers = []
-    for key in jax.random.split(key, LAYERS):
-        kq, kk, kv, ko = jax.random.split(key, 4)
-        layers.append(dict(wq=jax.random.normal(kq, (MODEL, H * D)) * MODEL ** -0.5,
-                           wk=jax.random.normal(kk, (MODEL, H_KV * D)) * MODEL ** -0.5,
-                           wv=jax.random.normal(kv, (MODEL, H_KV * D)) * MODEL ** -0.5,
-                           wo=jax.random.normal(ko, (H * D, MODEL)) * (H * D) ** -0.5,
-                           sinks=jnp.zeros((H,), jnp.float32)))
-    return layers
+def loss_fn(model, x, target):
+    return jnp.mean((model(x) - target) ** 2)
 
 
-def model(params, x, plain=False):
-    for i, p in enumerate(params):
-        h = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
-        q, k, v = ((h @ p[w]).astype(jnp.bfloat16).reshape(B, S, -1, D) for w in ("wq", "wk", "wv"))
-        out = attention(q, k, v, p["sinks"], WINDOW if i % 2 == 0 else None, plain)
-        x = x + out.astype(jnp.float32).reshape(B, S, H * D) @ p["wo"]
-    return x
+@nnx.jit
+def train_step(model, optimizer, x, target):
+    loss, grads = nnx.value_and_grad(loss_fn)(model, x, target)
+    optimizer.update(model, grads)
+    return loss
 
 
-def loss_fn(params, x, target, plain=False):
-    return jnp.mean((model(params, x, plain) - target) ** 2)
-
-
-LEARNING_RATES = dict(wq=0.5, wk=0.5, wv=0.5, wo=0.5, sinks=20.0)  # a sink's gradient is a sum of small terms
-
-
-@jax.jit
-def train_step(params, x, target):
-    loss, grads = jax.value_and_grad(loss_fn)(params, x, target)
-    return [{name: p[name] - LEARNING_RATES[name] * g[name] for name in p} for p, g in zip(params, grads)], loss
+def implementation(x):
+    """``'fa4'`` if FlashAttention-4's kernels run the attention here (they show in its compiled program), else
+    ``'xla'``."""
+    q = jnp.zeros((B, S, H, D), jnp.bfloat16)
+    kv = jnp.zeros((B, S, H_KV, D), jnp.bfloat16)
+    program = jax.jit(lambda s: jax_dqpost.dot_product_attention(q, kv, kv, is_causal=True, sinks=s)).lower(
+        jnp.zeros(H, jnp.float32))
+    return "fa4" if "fa4" in program.as_text() else "xla"
 
 
 def main():
-    key_x, key_teacher, key_student = jax.random.split(jax.random.key(0), 3)
-    x = jax.random.normal(key_x, (B, S, MODEL))
-    teacher = init(key_teacher)
-    for layer, sinks in zip(teacher, (jnp.linspace(-2, 3, H), jnp.linspace(3, -2, H))):
-        layer["sinks"] = sinks
-    target = jax.jit(model)(teacher, x)
-    params = init(key_student)
-    # The gradients at the start, ours against plain autodiff of the float32 attention with a sink column.
-    ours = jax.jit(jax.grad(loss_fn))(params, x, target)
-    plain = jax.jit(jax.grad(lambda *a: loss_fn(*a, plain=True)))(params, x, target)
-    rel = max(float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)) for a, b in zip(jax.tree.leaves(ours),
-                                                                                   jax.tree.leaves(plain)))
-    losses = []
-    for _ in range(20):
-        params, loss = train_step(params, x, target)
-        losses.append(float(loss))
-    sinks = np.asarray(params[0]["sinks"])
-    print(f"attention: {ATTENTION}; backend: {jax.default_backend()}; gradients vs plain attention with a sink "
-          f"column: relative error {rel:.2e}; loss {losses[0]:.5f} -> {losses[-1]:.5f} in {len(losses)} steps; "
+    x = jax.random.normal(jax.random.key(0), (B, S, MODEL))
+    teacher = Model(nnx.Rngs(1))
+    for layer, sinks in zip(teacher.layers, (jnp.linspace(-2, 3, H), jnp.linspace(3, -2, H))):
+        layer.sinks[...] = sinks
+    target = nnx.jit(lambda m, x: m(x))(teacher, x)
+    student = Model(nnx.Rngs(0))
+    rel = check_gradients(student.layers[0], x)
+    optimizer = nnx.Optimizer(student, optax.adam(2e-3), wrt=nnx.Param)
+    losses = [float(train_step(student, optimizer, x, target)) for _ in range(25)]
+    sinks = np.asarray(student.layers[0].sinks[...])
+    print(f"implementation: {implementation(x)}; backend: {jax.default_backend()}; attention gradients vs float64 "
+          f"formulas: relative error {rel:.2e}; loss {losses[0]:.5f} -> {losses[-1]:.5f} in {len(losses)} steps; "
           f"layer 0's sinks learned {sinks.min():+.3f}..{sinks.max():+.3f}")
     if not rel < 3e-2 or not losses[-1] < 0.7 * losses[0]:
         raise SystemExit("wrong gradients or the loss did not go down")

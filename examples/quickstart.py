@@ -1,7 +1,9 @@
-"""Quickstart: turn a FlashAttention-style fp32 dQ accumulator into bf16 dQ, under jax.jit.
+"""Quickstart: ``jax_dqpost.dot_product_attention`` in place of ``jax.nn.dot_product_attention``, with gpt-oss's
+learnable sinks, forward and backward under jax.jit.
 
-Runs anywhere: on CPU (the default here) through the jax.numpy reference, on an NVIDIA GPU through
-the CuTe DSL kernel and jax-dqpost's XLA FFI target. Same bits either way.
+On an NVIDIA Hopper or Blackwell GPU with fa4-jax installed it runs FlashAttention-4's kernels (the sinks' gradient
+in jax-dqpost's postprocess launch); everywhere else (CPU by default here) the same attention in jax.numpy. It
+checks itself: without sinks it is jax.nn's attention; a sink takes a share of every row's softmax.
 
     python examples/quickstart.py
 """
@@ -10,38 +12,36 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_dqpost import AccumLayout, dq_postprocess
+import jax_dqpost
 
-B, S, H, D = 2, 1000, 4, 128
-scale = D ** -0.5
-
-# The order in which FlashAttention-4 (release 4.0.0b36)'s Hopper backward writes dQ at this head dim, non-causal.
-layout = AccumLayout.flash_attention(90, D, causal=False, tensor="dq", version="4.0.0b36")
-
-# Build an accumulator the way the producer would have stored a known dQ: tile by tile, each (row, col)
-# at the position the layout's index map gives. (FlashAttention's backward writes this buffer for you.)
+B, T, N, K, H = 2, 256, 8, 2, 64  # batch, sequence, query heads, key/value heads, head dim
 rng = np.random.default_rng(0)
-dq_true = rng.standard_normal((B, S, H, D)).astype(np.float32)
-Sr, Dr, Da = layout.padded_seqlen(S), layout.padded_head_dim(D), layout.alloc_head_dim(D)
-padded = np.zeros((B, H, Sr, Dr), np.float32)
-padded[:, :, :S, :D] = dq_true.transpose(0, 2, 1, 3)
-tiles = padded.reshape(B, H, Sr // layout.tile_m, layout.tile_m * Dr)
-index = layout.tile_index_map(D).ravel()
-tiled = np.empty_like(tiles)
-tiled[..., index] = tiles
-acc = np.zeros(layout.accum_shape(B, H, S, D), np.float32)  # (B, H, Sr * Da): the tiles fill the first Sr * Dr
-acc[..., :Sr * Dr] = tiled.reshape(B, H, Sr * Dr)
+q = jnp.asarray(rng.standard_normal((B, T, N, H)), jnp.bfloat16)
+k, v = (jnp.asarray(rng.standard_normal((B, T, K, H)), jnp.bfloat16) for _ in range(2))
+sinks = jnp.asarray(rng.standard_normal(N), jnp.float32)  # one learnable logit per query head
 
 
+# The only change from jax.nn: the import, and the sinks.
 @jax.jit
-def postprocess(acc, scale):
-    return dq_postprocess(acc, scale, seqlen_q=S, head_dim=D, dtype=jnp.bfloat16, layout=layout)
+def loss_and_grads(q, k, v, sinks):
+    def loss(q, k, v, sinks):
+        out = jax_dqpost.dot_product_attention(q, k, v, is_causal=True, local_window_size=(128, 0), sinks=sinks)
+        return jnp.mean(out.astype(jnp.float32) ** 2)
+    return jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(q, k, v, sinks)
 
 
-dq = postprocess(acc, scale)
-want = (dq_true * np.float32(scale)).astype(jnp.bfloat16)
-print(f"backend: {jax.default_backend()}, dq_accum {acc.shape} float32 -> dq {dq.shape} {dq.dtype}")
-exact = np.array_equal(np.asarray(dq).view(np.uint16), want.view(np.uint16))
-print("bit-exact vs numpy:", exact)
-if not exact:
+value, (dq, dk, dv, dsinks) = loss_and_grads(q, k, v, sinks)
+print(f"backend: {jax.default_backend()}; loss {float(value):.5f}; dq {dq.shape} {dq.dtype}, dsinks {dsinks.shape}")
+
+# Without sinks its jax.numpy implementation is jax.nn's attention (in float32 here, to the rounding of a sum's
+# order) ...
+x32 = [x.astype(jnp.float32) for x in (q, k, v)]
+ours = jax_dqpost.dot_product_attention(*x32, is_causal=True, local_window_size=(128, 0), implementation="xla")
+theirs = jax.nn.dot_product_attention(*x32, is_causal=True, local_window_size=(128, 0))
+same = bool(jnp.max(jnp.abs(ours - theirs)) <= 1e-6 * jnp.max(jnp.abs(theirs)))
+# ... and a sink of +inf would take every row's whole softmax: a large one leaves little to the values.
+damped = jax_dqpost.dot_product_attention(*x32, is_causal=True, sinks=jnp.full(N, 30.0), implementation="xla")
+print("jax.nn's attention without sinks:", same, "| a large sink takes the softmax:",
+      bool(jnp.max(jnp.abs(damped)) < 1e-6))
+if not same or not jnp.max(jnp.abs(damped)) < 1e-6 or not np.isfinite(np.asarray(dsinks)).all():
     raise SystemExit(1)

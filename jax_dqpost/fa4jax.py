@@ -19,8 +19,8 @@ returns is differentiable: its cotangent enters the backward as ``dpsum - d_lse`
 What fa4-jax does not take (vmap over varlen; the head dims and GPUs its kernels refuse) this backend does not take
 either, with fa4-jax's errors.
 
-Learnable sinks (gpt-oss): ``flash_attn(q, k, v, learnable_sink=sink)``, ``sink`` ``(H,)`` float32, bfloat16 or
-float16, one logit per query head in natural-log units (not multiplied by the softmax scale), in every row's
+Learnable sinks (gpt-oss): ``flash_attn(q, k, v, learnable_sink=sink)``, ``sink`` ``(H,)`` floating (float64 is read
+as float32), one logit per query head in natural-log units (not multiplied by the softmax scale), in every row's
 softmax with no value vector: ``out_i = sum_j P_ij v_j``, ``P_ij = exp(scale * q_i k_j - lse_i)``, ``lse_i =
 log(sum_j exp(scale * q_i k_j) + exp(sink_h))``; a row with no key gets ``out = 0``, ``lse = sink_h``. The forward is
 FlashAttention-4's kernel given the sink (fa4-jax runs it without); the backward is fa4-jax's preprocess and main
@@ -38,8 +38,14 @@ attention of the real head dims; the cost is the arithmetic of head dim 192 (1.2
 Any other failure of fa4-jax's kernels to compile is a ValueError naming the head dims, the GPU and the compiler's
 first line. Where fa4-jax writes an accumulator in an order our kernel does not take, the backward raises ValueError
 naming the head dims. Its gradients match plain attention's wherever it runs (fa4-jax pads its sm90 tiles to 32, as
-its accumulators; ``tests/test_gradients.py``, docs/gradients.md). Without fa4-jax, or without a GPU, each call
-raises one line that says so. """
+its accumulators; ``tests/test_gradients.py``, docs/gradients.md). On a GPU without fa4-jax each call raises one
+line that says how to install it.
+
+Where JAX's default backend is not a GPU, :func:`flash_attn` and :func:`flash_attn_varlen` run the same attention
+in jax.numpy (``jax_dqpost._xla_attention.flash_attention``), with and without a sink, differentiable in every mode:
+FlashAttention's conventions (causal masks and windows bottom-right aligned on each sequence's used lengths, a row
+with no key gives 0 and lse the sink or ``-inf``, rows no sequence uses give 0 and ``-inf``); with ``mask_mod``,
+fa4-jax's own jax.numpy backend (``backend='reference'``), which takes it. """
 
 from __future__ import annotations
 
@@ -405,7 +411,7 @@ def flash_attn(q, k, v, *, learnable_sink=None, **kwargs):
     ``window_size``, ``scale``, ``mask_mod``, ``return_lse``), except ``backend``. Head dims 136..160 run padded on
     Hopper (module docstring).
 
-    ``learnable_sink``: ``(H,)`` float32, bfloat16 or float16, one logit per query head in every softmax row
+    ``learnable_sink``: ``(H,)`` floating (float64 read as float32), one logit per query head in every softmax row
     (module docstring); its gradient comes from the same launch as dQ's. With it: no ``mask_mod``, reverse-mode
     differentiation only, GPUs sm90 and sm100/sm110."""
     if not on_gpu():

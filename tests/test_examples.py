@@ -12,6 +12,7 @@ import pytest
 from conftest import HAS_GPU
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+FLAX_EXAMPLES = ("flax_attention.py", "gpt_oss_sinks.py")  # the [examples] extra's
 # The training examples run the real producer (fa4-jax's backward kernels) where it can run, else the stand-in.
 PRODUCER = "producer: fa4-jax" if HAS_GPU and importlib.util.find_spec("fa4_jax") else "producer: stand-in"
 
@@ -19,6 +20,13 @@ PRODUCER = "producer: fa4-jax" if HAS_GPU and importlib.util.find_spec("fa4_jax"
 def test_quickstart():
     out = subprocess.run([sys.executable, str(EXAMPLES / "quickstart.py")], capture_output=True, text=True,
                          cwd="/", timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "jax.nn's attention without sinks: True | a large sink takes the softmax: True" in out.stdout, out.stdout
+
+
+def test_postprocess_quickstart():
+    out = subprocess.run([sys.executable, str(EXAMPLES / "postprocess_quickstart.py")], capture_output=True,
+                         text=True, cwd="/", timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "bit-exact vs numpy: True" in out.stdout
 
@@ -30,13 +38,17 @@ def test_train_step():
     assert "gradient vs plain autodiff" in out.stdout and PRODUCER in out.stdout, out.stdout
 
 
+IMPLEMENTATION = "implementation: fa4" if PRODUCER == "producer: fa4-jax" else "implementation: xla"
+
+
 def test_gpt_oss_sinks():
-    """gpt-oss's attention with sinks trains (FlashAttention-4's kernels where fa4-jax runs, else plain jax.numpy)."""
+    """gpt-oss's attention with sinks, an nnx model, trains with jax_dqpost.dot_product_attention (FlashAttention-4's
+    kernels where fa4-jax runs, else jax.numpy), its gradients checked against float64 formulas."""
+    pytest.importorskip("flax", reason="flax is in the package's examples and test extras")
     out = subprocess.run([sys.executable, str(EXAMPLES / "gpt_oss_sinks.py")], capture_output=True, text=True,
                          cwd="/", timeout=600)
     assert out.returncode == 0, out.stderr[-2000:] + out.stdout[-2000:]
-    attention = "attention: fa4-jax's" if PRODUCER == "producer: fa4-jax" else "attention: plain jax.numpy"
-    assert "gradients vs plain attention with a sink column" in out.stdout and attention in out.stdout, out.stdout
+    assert "attention gradients vs float64 formulas" in out.stdout and IMPLEMENTATION in out.stdout, out.stdout
 
 
 def test_gqa_postprocess():
@@ -48,31 +60,33 @@ def test_gqa_postprocess():
 
 def test_examples_import_only_what_their_install_brings(tmp_path):
     """The README's plain install brings what every example imports (read from their source; the tests above run
-    them) but flax_attention.py's flax, which its extra (``[examples]``, named by the README and the example)
-    brings; without flax that example says so in one line."""
+    them) but the flax of flax_attention.py and gpt_oss_sinks.py, which their extra (``[examples]``, named by the
+    README and the examples) brings; without flax each says so in one line."""
     import ast
     import tomllib
 
     root = EXAMPLES.parent
     extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert extras["examples"] == ["flax>=0.10"] and "jax-dqpost[examples]" in extras["test"], extras
-    assert "| `[examples]` | flax | `examples/flax_attention.py` |" in (root / "README.md").read_text()
+    assert "| `[examples]` | flax | `examples/flax_attention.py`, `examples/gpt_oss_sinks.py` |" in (
+        root / "README.md").read_text()
     plain = {"jax", "numpy", "jax_dqpost", "train_step", "sys", "os", "functools", "dataclasses"}
     for example in sorted(EXAMPLES.glob("*.py")):
         tree = ast.parse(example.read_text())
         top = {(n.module if isinstance(n, ast.ImportFrom) else a.name).split(".")[0]
                for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
                for a in (n.names if isinstance(n, ast.Import) else [n])}
-        assert top - plain <= ({"flax", "optax"} if example.name == "flax_attention.py" else set()), (example, top)
+        assert top - plain <= ({"flax", "optax"} if example.name in FLAX_EXAMPLES else set()), (example, top)
     # Without flax (a site directory where importing it fails): one line naming the extra, exit status 1.
     (tmp_path / "flax").mkdir()
     (tmp_path / "flax" / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'flax'\")\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
-    out = subprocess.run([sys.executable, str(EXAMPLES / "flax_attention.py")], capture_output=True, text=True,
-                         cwd="/", timeout=600, env=env)
-    assert out.returncode == 1 and out.stderr.strip() == (
-        "examples/flax_attention.py needs flax (No module named 'flax'): python -m pip install \".[examples]\""), \
-        out.stderr[-2000:]
+    for name in FLAX_EXAMPLES:
+        out = subprocess.run([sys.executable, str(EXAMPLES / name)], capture_output=True, text=True, cwd="/",
+                             timeout=600, env=env)
+        assert out.returncode == 1 and out.stderr.strip() == (
+            f"examples/{name} needs flax (No module named 'flax'): python -m pip install \".[examples]\""), \
+            out.stderr[-2000:]
 
 
 def test_flax_attention():
@@ -80,7 +94,7 @@ def test_flax_attention():
     out = subprocess.run([sys.executable, str(EXAMPLES / "flax_attention.py")], capture_output=True, text=True,
                          cwd="/", timeout=600)
     assert out.returncode == 0, out.stderr[-2000:] + out.stdout[-2000:]
-    assert "query-kernel gradient vs flax's attention" in out.stdout and PRODUCER in out.stdout, out.stdout
+    assert "query-kernel gradient vs flax's attention" in out.stdout and IMPLEMENTATION in out.stdout, out.stdout
 
 
 def test_transformations(tmp_path):

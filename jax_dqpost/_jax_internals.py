@@ -52,7 +52,7 @@ def partitioned_over(ctx) -> int:
 
 def varying_axes(x) -> frozenset:
     """The manual mesh axes over which ``x`` (a value or an aval) varies inside ``jax.shard_map`` (empty outside it,
-    or with ``check_vma=False``). jax keeps them in the aval (``aval.mat.varying``; ``aval.vma`` before 0.10), and
+    or with ``check_vma=False``). jax keeps them in the aval (``aval.mat.varying``; ``aval.vma`` in older jax), and
     prints them (``jax.typeof(x)`` shows ``{V:...}``), but has no public accessor."""
     aval = x if isinstance(x, jax.core.AbstractValue) else jax.typeof(x)
     mat = getattr(aval, "mat", None)
@@ -62,7 +62,7 @@ def varying_axes(x) -> frozenset:
 def vary_as(x, axes):
     """``x`` made varying over the manual axes of ``axes`` it lacks (``jax.lax.pcast(..., to="varying")``, whose
     transpose, a psum, jax's AD applies); ``x`` itself where it lacks none (always outside ``jax.shard_map``)."""
-    missing = tuple(sorted(frozenset(axes) - varying_axes(x)))
+    missing = tuple(sorted(frozenset(axes) - varying_axes(x), key=str))
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
@@ -81,14 +81,14 @@ def result_aval(shape, dtype, operands):
     A public ``jax.core.ShapedArray`` takes no varying axes in jax 0.10 to 0.12 (no ``vma=`` keyword): the result
     is the aval of an operand that has them, updated (``aval.update``, which keeps them) with the result's shape and
     dtype, replicated over its abstract mesh (the axes are manual: each device holds its own block). Outside
-    ``shard_map`` (no varying axes) it is ``jax.core.ShapedArray(shape, dtype)``, as before."""
+    ``shard_map`` (no varying axes) it is ``jax.core.ShapedArray(shape, dtype)``."""
     avals = [x if isinstance(x, jax.core.AbstractValue) else jax.typeof(x) for x in operands]
     union = frozenset().union(*(varying_axes(a) for a in avals))
     if not union:
         return jax.core.ShapedArray(shape, dtype)
     like = next((a for a in avals if varying_axes(a) == union), None)
     if like is None:
-        found = sorted({tuple(sorted(varying_axes(a))) for a in avals})
+        found = sorted({tuple(sorted(varying_axes(a), key=str)) for a in avals}, key=str)
         raise ValueError(f"jax_dqpost: the op's operands vary over different manual axes of jax.shard_map ({found}); "
                          "the API casts them to their union before it binds the op")
     return like.update(shape=tuple(shape), dtype=dtype, weak_type=False,

@@ -15,8 +15,8 @@ The private names used, all of fa4-jax 0.1.0:
 - ``fa4_jax.attention``: ``register_backend``, ``_make_config`` (its ``AttnConfig`` from the public arguments),
   ``_check_qkv`` (its shape and dtype checks).
 - ``fa4_jax.kernels``: ``CuteBackend`` (subclassed; its ``_tree``, ``_in_specs``, ``_tree_aliases``,
-  ``_out_struct``, ``_lse_struct`` build a launch), ``_validate`` (dtype, head dims, GPU), ``_device_arch``,
-  ``_bwd_plan`` and ``_bwd_post_params`` (the tile plan and the postprocess orders), ``_get_static``,
+  ``_out_struct``, ``_lse_struct`` build a launch), ``_validate`` (dtype, head dims, GPU: :func:`validate`),
+  ``_device_arch``, ``_bwd_plan`` and ``_bwd_post_params`` (the tile plan and the postprocess orders), ``_get_static``,
   ``_aux_static``, ``_windows``, ``_aux_data`` (a launch's static tree), the ``@cute.jit`` entries
   ``_fa4_bwd_pre[_varlen]``, ``_fa4_bwd[_varlen][_dp]``, ``_fa4_bwd_gqa[_varlen]`` and the postprocess ones of
   :func:`fa4_postprocess`, and the specs ``_QKV_SPEC``, ``_QKV3_SPEC``, ``_F32_SPEC``, ``_LSE_SPEC``.
@@ -118,6 +118,13 @@ def seqlens(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k):
             raise TypeError(f"{name} must be an integer array, got {su.dtype}")
         used.append(su.astype(jnp.int32))
     return cu_q, cu_k, *used
+
+
+def validate(cfg, kind: str, q, k, v) -> None:
+    """fa4-jax's own check that its ``kind`` (``"fwd"`` or ``"bwd"``) kernels run ``q``, ``k``, ``v`` (arrays or
+    shape structs) on this GPU: dtype, head dims, the GPU, the tile's fit (``_validate``); ValueError with its
+    message where they do not."""
+    modules()[2]._validate(as_cute(cfg), kind, q, k, v)
 
 
 def device_family() -> int:

@@ -353,8 +353,11 @@ def test_vmap_remat_and_the_sink_alone(rng, heads_kv):
     assert str(info.value) == _attention.FORWARD_MODE
 
 
-def test_shard_map_over_the_batch_sums_dsink(rng):
-    """Each device runs its batch shard; dsink summed over the devices (``psum``) is the whole batch's."""
+@pytest.mark.parametrize("check_vma", [True, False], ids=["default-checks", "unchecked"])
+def test_shard_map_over_the_batch_sums_dsink(rng, check_vma):
+    """Each device runs its batch shard; dsink summed over the devices is the whole batch's: by jax's AD under
+    shard_map's default checks (the kernels' results typed with their inputs' varying axes), by a ``psum``
+    without them."""
     from jax.sharding import Mesh, PartitionSpec as P
 
     n = len(jax.devices())
@@ -363,12 +366,12 @@ def test_shard_map_over_the_batch_sums_dsink(rng):
 
     def per_shard(q, k, v, sink, w):
         dq, dk, dv, dsink = grad(q, k, v, sink, w)
-        return dq, dk, dv, jax.lax.psum(dsink, "d")
+        return dq, dk, dv, dsink if check_vma else jax.lax.psum(dsink, "d")
 
     spec = P("d")
     sharded = jax.jit(jax.shard_map(per_shard, mesh=Mesh(np.array(jax.devices()), ("d",)),
                                     in_specs=(spec, spec, spec, P(), spec), out_specs=(spec, spec, spec, P()),
-                                    check_vma=False))
+                                    check_vma=check_vma))
     got = sharded(q, k, v, sink, w)
     want = jax.jit(grad)(q, k, v, sink, w)
     _same(got[:3], want[:3], "shard_map")

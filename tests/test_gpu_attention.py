@@ -23,22 +23,22 @@ pytestmark = pytest.mark.skipif(not (HAS_GPU and importlib.util.find_spec("fa4_j
 
 
 def _shape(rng):
-    """Random jax.nn keywords 'fa4' expresses: causal or a window (left, 0), one lengths array for both or none,
-    T != S without lengths, grouped heads, head dims 64, 96, 128."""
+    """Random jax.nn keywords 'fa4' expresses, from few kernel configurations (each compiles once): causal, or
+    causal with a window of 64 keys; one lengths array for both (T == S) or none (S >= T, the keys cut); head dims 64
+    and 128; 1 or 4 query heads a key/value head."""
     b = int(rng.integers(1, 3))
-    heads_kv = int(rng.choice([1, 2, 4]))
-    n = heads_kv * int(rng.choice([1, 2, 4]))
-    h = int(rng.choice([64, 96, 128]))
-    t = int(rng.integers(64, 400))
-    kw = {"is_causal": bool(rng.random() < 0.7)}
-    if rng.random() < 0.4:
-        kw["local_window_size"] = (int(rng.integers(16, 200)), 0)
-        kw["is_causal"] = True
-    if rng.random() < 0.4:
+    heads_kv = int(rng.choice([1, 2]))
+    n = heads_kv * int(rng.choice([1, 4]))
+    h = int(rng.choice([64, 128]))
+    t = int(rng.choice([128, 256]))
+    kw = {"is_causal": True}
+    if rng.random() < 0.5:
+        kw["local_window_size"] = (64, 0)
+    if rng.random() < 0.5:
         kw["query_seq_lengths"] = kw["key_value_seq_lengths"] = jnp.asarray(rng.integers(1, t + 1, b), jnp.int32)
         s = t
     else:
-        s = t + int(rng.integers(0, 100)) if kw["is_causal"] else int(rng.integers(64, 400))
+        s = t + int(rng.choice([0, 64]))
     return b, t, s, n, heads_kv, h, kw
 
 
@@ -50,7 +50,7 @@ def _error(got, want, rows):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("with_sinks", [False, True], ids=["", "sinks"])
 def test_fa4_is_the_float64_formula_within_twice_xlas_error(rng, dtype, with_sinks):
-    for _ in range(6):
+    for _ in range(4):
         b, t, s, n, heads_kv, h, kw = _shape(rng)
         q = jnp.asarray(rng.standard_normal((b, t, n, h)), dtype)
         k, v = (jnp.asarray(rng.standard_normal((b, s, heads_kv, h)), dtype) for _ in range(2))

@@ -155,8 +155,8 @@ def flash_attention_postprocess(dq_accum, dk_accum, dv_accum, softmax_scale, *, 
     side's ``B`` is ``len(cu_seqlens) - 1``). ``dk_accum`` and ``dv_accum`` may both be None (no
     grouped-query attention: the backward wrote dK and dV itself); dk and dv are then None.
 
-    With a learnable sink (``learnable_sink`` (H,) of float32, bfloat16 or float16, and ``lse`` and ``dpsum``
-    float32, as FlashAttention's backward has them: dense ``lse`` (B, H, S), ``dpsum`` (B, H, Sr); packed ``lse``
+    With a learnable sink (``learnable_sink`` (H,) of float32, bfloat16, float16 or float64 (read as float32), and
+    ``lse`` and ``dpsum`` float32, as FlashAttention's backward has them: dense ``lse`` (B, H, S), ``dpsum`` (B, H, Sr); packed ``lse``
     (H, T), ``dpsum`` (H, Tp)), also ``dsink`` (H,) of the sink's dtype::
 
         dsink[h] = sum over sequences b, rows r < len_b of  -exp(sink[h] - lse[b, h, r]) * dpsum[b, h, r]

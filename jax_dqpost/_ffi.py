@@ -30,7 +30,7 @@ from pathlib import Path
 
 import jax
 
-from . import _checks, cute_runtime
+from . import _errors, cute_runtime
 
 TARGET_NAME = "jax_dqpost_postprocess_v3"
 """The custom-call target every call lowers to (its compatibility rule: docs/design.md, "Compatibility")."""
@@ -56,7 +56,7 @@ def command_buffers() -> bool:
     """Whether ``JAX_DQPOST_COMMAND_BUFFERS=1`` asks for the command-buffer compatible handler (unset, empty or
     0: no; ``ValueError`` for any other value). Read once per process, at import: the registration and every
     lowering agree."""
-    return _checks.env_flag(COMMAND_BUFFERS_ENV, "lets XLA capture the kernel into its command buffers, "
+    return _errors.env_flag(COMMAND_BUFFERS_ENV, "lets XLA capture the kernel into its command buffers, "
                                                  "docs/design.md")
 
 
@@ -181,7 +181,7 @@ def register_at_import() -> None:
     try:
         _register_target()
     except Exception as e:  # noqa: BLE001 -- any cause: import goes on, the lowering raises it
-        _checks.warn_at_caller(f"jax_dqpost: the CUDA target is not registered, so calls of jax_dqpost on CUDA "
+        _errors.warn_at_caller(f"jax_dqpost: the CUDA target is not registered, so calls of jax_dqpost on CUDA "
                                f"(also in exported artifacts) cannot run in this process: {e}", RuntimeWarning)
 
 

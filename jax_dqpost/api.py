@@ -1,4 +1,4 @@
-"""The public entry points: the arguments coerced and checked (``_operands.py``), the call's
+"""The public entry points: the arguments checked and made operands (``_arguments.py``), the call's
 :class:`~jax_dqpost.plan.Plan`, then one ``bind`` of the primitive (``primitive.py``)."""
 
 from __future__ import annotations
@@ -11,10 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _checks, _jax_internals, _operands, primitive
+from . import _arguments, _errors, _jax_internals, primitive
 from .layout import AccumLayout
-from ._checks import ARG_NAMES
-from .plan import Operands, Plan
+from .plan import ARG_NAMES, Operands, Plan
 from .reference import accum_from_dq_reference
 
 
@@ -41,7 +40,7 @@ class Gradients(NamedTuple):
 jax.export.register_namedtuple_serialization(Gradients, serialized_name="jax_dqpost.Gradients")
 
 
-@_checks.required_arguments(layout=_operands.LAYOUT_HINT)
+@_errors.required_arguments(layout=_arguments.LAYOUT_HINT)
 def dq_postprocess(dq_accum, scale, *, head_dim: int, seqlen_q: int | None = None, total_q: int | None = None,
                    cu_seqlens_q=None, seqused_q=None, dtype=jnp.bfloat16, layout: AccumLayout):
     """FlashAttention's backward dQ postprocess: ``dQ = round(scale * dq_accum)`` in natural layout.
@@ -105,13 +104,13 @@ def dq_postprocess(dq_accum, scale, *, head_dim: int, seqlen_q: int | None = Non
         a non-finite concrete scale; a side whose padded rows overflow int32; a launch larger than CUDA's grid
         (batch above 65535, 2^31 tiles).
     """
-    _operands.check_layout(layout, "layout")
-    head_dim = _checks.head_dim(head_dim)
+    _arguments.check_layout(layout, "layout")
+    head_dim = _errors.head_dim(head_dim)
     layout.check_head_dim(head_dim)
-    out_dtype = _checks.out_dtype(dtype)
-    dq_accum = _operands.accumulator("dq_accum", dq_accum)
-    scale = _operands.scale_operand(scale)
-    part, aux = _operands.part(layout, head_dim, out_dtype, seqlen_q, total_q, cu_seqlens_q, seqused_q)
+    out_dtype = _arguments.out_dtype(dtype)
+    dq_accum = _arguments.accumulator("dq_accum", dq_accum)
+    scale = _arguments.scale_operand(scale)
+    part, aux = _arguments.part(layout, head_dim, out_dtype, seqlen_q, total_q, cu_seqlens_q, seqused_q)
     return _bind(Plan((part,)), (dq_accum,), (aux,), scale.reshape(1), None)[0]
 
 
@@ -121,7 +120,7 @@ def _no_scale_for_an_accumulator(given: dict) -> None:
     for name in ("dk_accum", "dv_accum"):
         value = given.get(name)
         if isinstance(value, numbers.Number) or getattr(value, "ndim", None) == 0:
-            shown = (_checks.describe(value) if isinstance(value, numbers.Number)
+            shown = (_errors.describe(value) if isinstance(value, numbers.Number)
                      else f"a scalar of dtype {np.dtype(value.dtype).name}")
             raise TypeError(f"flash_attention_postprocess() took {shown} as {name}, where an accumulator (a float32 "
                             "array, or None) goes: the accumulators come first, then softmax_scale; for dQ alone call "
@@ -129,7 +128,7 @@ def _no_scale_for_an_accumulator(given: dict) -> None:
                             "dq_postprocess(dq_accum, scale, ...)")
 
 
-@_checks.required_arguments(_no_scale_for_an_accumulator, dq_layout=_operands.LAYOUT_HINT)
+@_errors.required_arguments(_no_scale_for_an_accumulator, dq_layout=_arguments.LAYOUT_HINT)
 def flash_attention_postprocess(dq_accum, dk_accum, dv_accum, softmax_scale, *, head_dim: int,
                                 head_dim_v: int | None = None, dtype=jnp.bfloat16, dq_layout: AccumLayout,
                                 dkv_layout: AccumLayout | None = None, dk_scale=None, seqlen_q: int | None = None,
@@ -190,19 +189,19 @@ def flash_attention_postprocess(dq_accum, dk_accum, dv_accum, softmax_scale, *, 
         different batches, key/value heads that do not divide the query heads, sink operands of the wrong
         shapes or only some of them.
     """
-    head_dim = _checks.head_dim(head_dim)
+    head_dim = _errors.head_dim(head_dim)
     head_dim_v_arg = head_dim_v
-    head_dim_v = head_dim if head_dim_v is None else _checks.head_dim(head_dim_v, name="head_dim_v")
+    head_dim_v = head_dim if head_dim_v is None else _errors.head_dim(head_dim_v, name="head_dim_v")
     q_part, dq_accum, q_aux, scale = _q_side(dq_accum, softmax_scale, head_dim, dtype, dq_layout, seqlen_q, total_q,
                                              cu_seqlens_q, seqused_q)
-    k_scale = scale if dk_scale is None else _operands.scale_operand(dk_scale, "dk_scale")
+    k_scale = scale if dk_scale is None else _arguments.scale_operand(dk_scale, "dk_scale")
     if (dk_accum is None) != (dv_accum is None):
         raise ValueError("dk_accum and dv_accum must be given together (grouped-query attention) or both be None, "
                          f"got dk_accum={'None' if dk_accum is None else 'an array'}, "
                          f"dv_accum={'None' if dv_accum is None else 'an array'}")
-    sink = _operands.sink_operands(learnable_sink, lse, dpsum)
+    sink = _arguments.sink_operands(learnable_sink, lse, dpsum)
     sink_dtype = None if sink is None else sink[0].dtype  # the kernel's (a float64 sink is read as float32)
-    dsink_dtype = None if sink is None else _operands.dsink_dtype(learnable_sink)  # the sink's own
+    dsink_dtype = None if sink is None else _arguments.dsink_dtype(learnable_sink)  # the sink's own
     if dk_accum is None:
         unused = {name: v for name, v in (("dkv_layout", dkv_layout), ("head_dim_v", head_dim_v_arg),
                                           ("dk_scale", dk_scale), ("seqlen_k", seqlen_k), ("total_k", total_k),
@@ -233,12 +232,12 @@ def _dsink(outs, dtype):
 
 def _q_side(dq_accum, scale, head_dim, dtype, layout, seqlen, total, cu_seqlens, seqused):
     """``(part, dq_accum, q_aux, scale)`` of :func:`flash_attention_postprocess`'s q side, checked."""
-    _operands.check_layout(layout, "dq_layout")
+    _arguments.check_layout(layout, "dq_layout")
     layout.check_head_dim(head_dim)
-    out_dtype = _checks.out_dtype(dtype)
-    dq_accum = _operands.accumulator("dq_accum", dq_accum)
-    scale = _operands.scale_operand(scale, "softmax_scale")
-    part, aux = _operands.part(layout, head_dim, out_dtype, seqlen, total, cu_seqlens, seqused)
+    out_dtype = _arguments.out_dtype(dtype)
+    dq_accum = _arguments.accumulator("dq_accum", dq_accum)
+    scale = _arguments.scale_operand(scale, "softmax_scale")
+    part, aux = _arguments.part(layout, head_dim, out_dtype, seqlen, total, cu_seqlens, seqused)
     return part, dq_accum, aux, scale
 
 
@@ -247,13 +246,13 @@ def _k_side(dk_accum, dv_accum, head_dim, head_dim_v, out_dtype, layout, seqlen,
     checked."""
     if layout is None:
         raise TypeError(f"flash_attention_postprocess() needs dkv_layout= with dk_accum and dv_accum: "
-                        f"{_operands.LAYOUT_HINT}")
-    _operands.check_layout(layout, "dkv_layout")
+                        f"{_arguments.LAYOUT_HINT}")
+    _arguments.check_layout(layout, "dkv_layout")
     layout.check_head_dim(head_dim)
     layout.check_head_dim(head_dim_v, "head_dim_v")
-    dk_accum = _operands.accumulator("dk_accum", dk_accum)
-    dv_accum = _operands.accumulator("dv_accum", dv_accum)
-    k_part, aux = _operands.part(layout, head_dim, out_dtype, seqlen, total, cu_seqlens, seqused, ARG_NAMES["dk"])
+    dk_accum = _arguments.accumulator("dk_accum", dk_accum)
+    dv_accum = _arguments.accumulator("dv_accum", dv_accum)
+    k_part, aux = _arguments.part(layout, head_dim, out_dtype, seqlen, total, cu_seqlens, seqused, ARG_NAMES["dk"])
     return k_part, dataclasses.replace(k_part, head_dim=head_dim_v), dk_accum, dv_accum, aux
 
 
@@ -265,7 +264,7 @@ def _bind(plan: Plan, accs, side_aux, scales, sink) -> list:
     return primitive.bind(plan.join(Operands(tuple(accs), tuple(side_aux), scales, *(sink or ()))), plan)
 
 
-@_checks.required_arguments(layout=_operands.LAYOUT_HINT)
+@_errors.required_arguments(layout=_arguments.LAYOUT_HINT)
 def dq_accum_from_dq(dq, scale, *, layout: AccumLayout, cu_seqlens_q=None, seqused_q=None):
     """The transpose of :func:`dq_postprocess`, which scales too: ``dq_postprocess(dq_accum_from_dq(dq, s), s)``
     is ``dq * s**2`` (rounded; exactly where ``s`` is a power of two).
@@ -289,7 +288,7 @@ def dq_accum_from_dq(dq, scale, *, layout: AccumLayout, cu_seqlens_q=None, sequs
     Raises:
       TypeError, ValueError: as :func:`dq_postprocess`, naming the argument; a ``dq`` of the wrong rank.
     """
-    _operands.check_layout(layout)
+    _arguments.check_layout(layout)
     dq = jnp.asarray(dq)
     if not jnp.issubdtype(dq.dtype, jnp.floating):
         raise TypeError(f"dq must be a floating-point array, got dtype {dq.dtype}")
@@ -299,11 +298,11 @@ def dq_accum_from_dq(dq, scale, *, layout: AccumLayout, cu_seqlens_q=None, sequs
         raise ValueError(f"dq must have shape {want}, got shape {dq.shape}")
     head_dim = int(dq.shape[-1])
     layout.check_head_dim(head_dim)
-    scale = _operands.scale_operand(scale)
+    scale = _arguments.scale_operand(scale)
     if packed:
-        part, aux = _operands.part(layout, head_dim, dq.dtype, None, int(dq.shape[0]), cu_seqlens_q, seqused_q)
+        part, aux = _arguments.part(layout, head_dim, dq.dtype, None, int(dq.shape[0]), cu_seqlens_q, seqused_q)
     else:
-        part, aux = _operands.part(layout, head_dim, dq.dtype, int(dq.shape[1]), None, None, seqused_q)
+        part, aux = _arguments.part(layout, head_dim, dq.dtype, int(dq.shape[1]), None, None, seqused_q)
         if aux.shape != part.aux_shape(dq.shape[0]):
             raise ValueError(f"seqused_q must have shape {part.aux_shape(dq.shape[0])}, got {aux.shape}")
     dq, scale, aux = _jax_internals.vary_alike(dq, scale, aux)  # inside shard_map: the result varies as they do

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _xla_attention
-from ._checks import describe
+from ._errors import describe
 
 IMPLEMENTATIONS = (None, "xla", "fa4", "cudnn")
 

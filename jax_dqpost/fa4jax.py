@@ -56,8 +56,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _attention, _fa4jax_internals, _operands, _xla_attention, abi, arch
-from ._checks import describe
+from . import _arguments, _attention, _fa4jax_internals, _xla_attention, abi, arch
+from ._errors import describe
 from .layout import ORDER_OF_FAMILY, AccumLayout
 
 __all__ = ["BACKEND", "accum_layout", "flash_attn", "flash_attn_varlen", "postprocess", "register"]
@@ -303,12 +303,12 @@ def _with_sink(packed: bool):
 
 
 def _check_offsets_dtype(name: str, x) -> None:
-    """Offsets and lengths of the sink path as the op takes them (``_operands.WIDENED_DTYPES``): a jax array of int32
+    """Offsets and lengths of the sink path as the op takes them (``_arguments.WIDENED_DTYPES``): a jax array of int32
     or of a type int32 holds exactly; a wider integer array only where this host sees values int32 holds (fa4-jax
     casts to int32, which would narrow them silently)."""
     dtype = getattr(x, "dtype", None)
     if dtype is None or not np.issubdtype(dtype, np.integer) or np.dtype(dtype) == np.int32 \
-            or np.dtype(dtype) in _operands.WIDENED_DTYPES:
+            or np.dtype(dtype) in _arguments.WIDENED_DTYPES:
         return
     if isinstance(x, jax.core.Tracer):
         raise TypeError(f"{name} must be int32 (int8, int16, uint8 and uint16 are widened), got traced dtype "

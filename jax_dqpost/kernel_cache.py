@@ -33,12 +33,12 @@ import threading
 import warnings
 from pathlib import Path
 
-from . import _checks, abi, arch as arch_, cute_runtime
+from . import _errors, abi, arch as arch_, cute_runtime
 from ._version import __version__
 from .kernel_spec import KernelSpec
 
 KERNEL_SOURCES = ("kernel.py", "kernel_spec.py", "schedule.py", "tile.py", "fragments.py", "abi.py", "layout.py",
-                  "presets.py", "varlen.py", "arch.py", "_checks.py")
+                  "presets.py", "varlen.py", "arch.py", "_errors.py")
 """The modules the compiled kernel is made from (``kernel.py`` and what it imports): part of a disk entry's name."""
 
 CACHE_DIR_ENV = "JAX_DQPOST_CACHE_DIR"
@@ -80,7 +80,7 @@ def get_kernel(spec: KernelSpec, *, arch: str | None = None, persist: bool | Non
             notes.append(_store(key, hit, persist))
         _cache[key] = hit
     for note in filter(None, notes):  # only now, healed: a warning filter that raises cannot stop the rewrite
-        _checks.warn_at_caller(note, RuntimeWarning)
+        _errors.warn_at_caller(note, RuntimeWarning)
     return hit
 
 

@@ -32,10 +32,28 @@ from . import abi, kernel_spec, varlen
 from .abi import Tiling
 from .kernel_spec import KernelSpec, TensorKernel
 from .layout import AccumLayout
-from ._checks import ARG_NAMES, ArgNames
 from .varlen import INT32_MAX, WorkList
 
 MAX_GRID_Z = 65535  # CUDA's limit on gridDim.z: the batch of dense parts
+
+
+class ArgNames(NamedTuple):
+    """What the API calls one tensor's arguments: errors name the argument the caller passed."""
+
+    accum: str
+    seqlen: str
+    total: str
+    cu_seqlens: str
+    seqused: str
+    head_dim: str
+
+
+ARG_NAMES = {
+    "dq": ArgNames("dq_accum", "seqlen_q", "total_q", "cu_seqlens_q", "seqused_q", "head_dim"),
+    "dk": ArgNames("dk_accum", "seqlen_k", "total_k", "cu_seqlens_k", "seqused_k", "head_dim"),
+    "dv": ArgNames("dv_accum", "seqlen_k", "total_k", "cu_seqlens_k", "seqused_k", "head_dim_v"),
+}
+"""The names of each tensor's arguments (``dq_postprocess`` and ``dq_accum_from_dq`` use dQ's)."""
 
 
 @dataclasses.dataclass(frozen=True)

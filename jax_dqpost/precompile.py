@@ -17,14 +17,14 @@ import itertools
 import sys
 import time
 
-from . import _checks, abi, arch as arch_, cute_runtime, kernel_cache
+from . import _arguments, _errors, abi, arch as arch_, cute_runtime, kernel_cache
 from .kernel_spec import KernelSpec, TensorKernel, call_splits
 from .varlen import SHORT_HEADS, short_rows
 from .layout import AccumLayout
 from .presets import FLASH_ATTENTION_ARCHS, FLASH_ATTENTION_RELEASES, GPU_ARCHS, has_postprocess
 from .abi import Tiling
 
-_DTYPE_SPELLINGS = tuple(_checks.OUT_DTYPE_SPELLINGS)
+_DTYPE_SPELLINGS = tuple(_arguments.OUT_DTYPE_SPELLINGS)
 _TILING_NAMES = tuple(t.name.lower() for t in Tiling)
 _SINK_NAMES = ("none", "f32", "bf16", "f16")
 
@@ -87,7 +87,7 @@ def _preset_arch(text: str) -> int:
 
 
 def _head_dim(text: str) -> int:
-    return _checks.head_dim(_int(text))
+    return _errors.head_dim(_int(text))
 
 
 def _arch(text: str) -> str:
@@ -98,9 +98,9 @@ def _arch(text: str) -> str:
 
 
 def _dtype(text: str) -> str:
-    """A dQ type, by a name the API takes (``_checks.OUT_DTYPE_SPELLINGS``), as its short name."""
+    """A dQ type, by a name the API takes (``_arguments.OUT_DTYPE_SPELLINGS``), as its short name."""
     try:
-        return abi.DTYPE_NAMES[_checks.out_dtype(text)]
+        return abi.DTYPE_NAMES[_arguments.out_dtype(text)]
     except (TypeError, ValueError):
         raise ValueError(f"choose from {', '.join(_DTYPE_SPELLINGS)}") from None
 

@@ -360,13 +360,13 @@ def test_the_dtype_spellings_are_one_set():
     import jax.numpy as jnp
     import numpy as np
 
-    from jax_dqpost import _checks
+    from jax_dqpost import _arguments
 
-    accepted = set(_checks.OUT_DTYPE_SPELLINGS)
+    accepted = set(_arguments.OUT_DTYPE_SPELLINGS)
     item = re.search(r"^- `dtype`: (.*)$", _api_section("dq_postprocess"), re.M).group(1)
     documented = set(re.findall(r'`"(\w+)"`', item))
     with pytest.raises(ValueError) as refused:
-        _checks.out_dtype("half")
+        _arguments.out_dtype("half")
     listed = set(re.findall(r"'(\w+)'", str(refused.value).split(", got")[0]))
     prose = re.sub(r"```.*?```", "", README, flags=re.S)
     used = set(re.findall(r"\b(bf16|fp16|f16|bfloat16|float16|half)\b", prose))
@@ -374,7 +374,7 @@ def test_the_dtype_spellings_are_one_set():
     assert documented == listed == accepted, (documented, listed, accepted)
     assert used <= accepted, used - accepted
     for name in accepted:
-        assert _checks.out_dtype(name) in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16)), name
+        assert _arguments.out_dtype(name) in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16)), name
 
 
 def test_dq_accum_from_dq_says_first_that_it_is_the_transpose_and_scales():

@@ -369,7 +369,7 @@ def test_sizes_past_the_kernels_limits_are_refused_at_trace_time():
 
 @pytest.mark.parametrize("spelling", ["bf16", "bfloat16", "fp16", "f16", "float16"])
 def test_dtype_names_in_either_spelling(rng, spelling):
-    """The API takes a dtype or one of its names (``_checks.OUT_DTYPE_SPELLINGS``: the README's bf16 and fp16, the
+    """The API takes a dtype or one of its names (``_arguments.OUT_DTYPE_SPELLINGS``: the README's bf16 and fp16, the
     kernel cache's f16, numpy's): the same bits."""
     layout, _, d, _ = fa4_pair("sm90-hd128")
     acc = jnp.asarray(rng.standard_normal(layout.accum_shape(1, H, 80, d)), jnp.float32)

@@ -16,7 +16,7 @@ import pytest
 from jax.experimental import checkify
 
 from conftest import FA_HOPPER_CONFIGS, fa4_pair
-from jax_dqpost import AccumLayout, _checks, dq_postprocess, flash_attention_postprocess
+from jax_dqpost import AccumLayout, _arguments, dq_postprocess, flash_attention_postprocess
 from oracle import assert_same_bits
 from support import cu_seqlens
 
@@ -105,7 +105,7 @@ def test_concrete_arrays_outside_jit_are_validated_like_static_values(rng, side,
         (dense_used, [200, 50], rf"seqused_{s}\[0\]=200 must be in \[0, seqlen_{s}=100\]"),
         (dense_used, [5, -1], rf"seqused_{s}\[1\]=-1 must be in \[0, seqlen_{s}=100\]"),
     ]
-    monkeypatch.setattr(_checks, "device_checks", lambda: True)  # JAX_DQPOST_CHECKIFY=1
+    monkeypatch.setattr(_arguments, "device_checks", lambda: True)  # JAX_DQPOST_CHECKIFY=1
     for call, values, match in cases:
         with pytest.raises(ValueError, match=match):
             call(values)  # static
@@ -154,12 +154,12 @@ def test_traced_scales_are_checked_under_checkify_and_the_checks_cost_nothing_wi
         return sorted(re.findall(r"= (\S+) ([\w-]+)\(", text))
 
     checks = lambda: [e for e in jax.make_jaxpr(op())(*args, jnp.float32(0.5)).eqns if "check" in e.primitive.name]
-    monkeypatch.delenv(_checks.CHECKIFY_ENV, raising=False)
+    monkeypatch.delenv(_arguments.CHECKIFY_ENV, raising=False)
     without = compiled_ops()
     assert not checks() and len(without) > 100
     error, _ = checkify.checkify(jax.jit(op()))(*args, jnp.float32(np.nan))
     assert error.get() is None  # off: nothing checked
-    monkeypatch.setenv(_checks.CHECKIFY_ENV, "1")  # set after import: read when the next call is traced
+    monkeypatch.setenv(_arguments.CHECKIFY_ENV, "1")  # set after import: read when the next call is traced
     assert checks() and compiled_ops() == without
     for scale, shown in ((np.nan, "nan"), (np.inf, "inf"), (-np.inf, "-inf")):
         error, _ = checkify.checkify(jax.jit(op()))(*args, jnp.float32(scale))

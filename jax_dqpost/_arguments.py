@@ -1,5 +1,8 @@
-"""The API's arguments coerced into the primitive's operands and the parts of its plan, by the rules of
-``_checks.py``: errors name the argument and show the bad value (``TypeError``/``ValueError`` at trace time)."""
+"""The API's arguments, checked and made the primitive's operands and the parts of its plan, for every entry point:
+the output dtype, offsets and lengths a host can see (checked now) and, under ``jax.experimental.checkify``, traced
+ones on the device, scales, the sink's operands. Errors name the argument and show the bad value (``TypeError``,
+``ValueError`` at trace time); the shapes are checked by the plan in abstract evaluation, also under vmap and
+sharding (``_primitive/plan.py``)."""
 
 from __future__ import annotations
 
@@ -8,12 +11,13 @@ import numbers
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import checkify
 
-from . import _checks, abi
-from ._checks import ARG_NAMES, ArgNames, describe, static_int
+from . import abi
+from ._errors import describe, env_flag, static_int
 from .layout import CONSTRUCTORS, NO_DEFAULT, AccumLayout
-from .plan import Part
-from .varlen import WorkList, padded_total
+from .plan import ARG_NAMES, ArgNames, Part
+from .varlen import INT32_MAX, WorkList, padded_total
 
 LAYOUT_HINT = f"the AccumLayout of the producer's accumulator ({NO_DEFAULT}); {CONSTRUCTORS}"
 """What a missing layout argument's error says."""
@@ -30,19 +34,19 @@ def part(layout, head_dim, dtype, seqlen, total, cu_seqlens, seqused,
         if seqlen is None:
             raise ValueError(f"{seqlen_n} is required for dense batches (or pass {cu_n} and {total_n})")
         seqlen = static_int(seqlen_n, seqlen, minimum=0)
-        _checks.check_rows_fit_int32(seqlen_n, seqlen, layout.padded_seqlen(seqlen))
+        check_rows_fit_int32(seqlen_n, seqlen, layout.padded_seqlen(seqlen))
         plan = Part(layout, head_dim, dtype, seqlen=seqlen, seqused=seqused is not None)
         if seqused is None:
             return plan, jnp.zeros((0,), jnp.int32)
         if _is_static(seqused):
-            used = _checks.static_ints(used_n, seqused)
-            _checks.check_dense_seqused(used, plan.seqlen, names)
+            used = static_ints(used_n, seqused)
+            check_dense_seqused(used, plan.seqlen, names)
             return plan, jnp.asarray(np.asarray(used, np.int32).reshape(-1))
         used, values = _int_array(used_n, seqused), _visible_ints(used_n, seqused)
         if values is not None:  # still an operand the kernel reads at run time; the values seen now are checked
-            _checks.check_dense_seqused(values, plan.seqlen, names)
+            check_dense_seqused(values, plan.seqlen, names)
         else:
-            _checks.device_check_dense_seqused(used, plan.seqlen, names)
+            device_check_dense_seqused(used, plan.seqlen, names)
         return plan, used
 
     if seqlen is not None:
@@ -53,10 +57,10 @@ def part(layout, head_dim, dtype, seqlen, total, cu_seqlens, seqused,
         raise ValueError(f"{total_n} (rows of the packed output) is required with {cu_n}")
     total = static_int(total_n, total, minimum=0)
     if _is_static(cu_seqlens) and (seqused is None or _is_static(seqused)):
-        cu = _checks.static_ints(cu_n, cu_seqlens)
-        used = None if seqused is None else _checks.static_ints(used_n, seqused)
-        _checks.check_offsets(cu, used, total, names)
-        _checks.check_rows_fit_int32(total_n, total, _varlen_rows(total, len(cu) - 1, layout))
+        cu = static_ints(cu_n, cu_seqlens)
+        used = None if seqused is None else static_ints(used_n, seqused)
+        check_offsets(cu, used, total, names)
+        check_rows_fit_int32(total_n, total, _varlen_rows(total, len(cu) - 1, layout))
         work, work_list = WorkList.build(np, np.asarray(cu), None if used is None else np.asarray(used),
                                          total=total, layout=layout)
         return Part(layout, head_dim, dtype, work=work), jnp.asarray(work_list)
@@ -65,7 +69,7 @@ def part(layout, head_dim, dtype, seqlen, total, cu_seqlens, seqused,
     cu_values = _visible_ints(cu_n, cu_seqlens)
     used_values = None if used is None else _visible_ints(used_n, seqused)
     if cu_values is not None:  # still operands the kernel reads at run time; the values seen now are checked
-        _checks.check_offsets(cu_values, used_values, total, names)
+        check_offsets(cu_values, used_values, total, names)
     elif used_values is not None:  # traced offsets: only the lengths' sign can be checked without them
         bad = [(b, u) for b, u in enumerate(used_values) if u < 0]
         if bad:
@@ -77,8 +81,8 @@ def part(layout, head_dim, dtype, seqlen, total, cu_seqlens, seqused,
         raise ValueError(f"{used_n} must have shape ({batch},) to match {cu_n} of {batch + 1} entries, got "
                          f"{used.shape}")
     if cu_values is None or (used is not None and used_values is None):
-        _checks.device_check_offsets(cu, used, total, names)
-    _checks.check_rows_fit_int32(total_n, total, _varlen_rows(total, batch, layout))
+        device_check_offsets(cu, used, total, names)
+    check_rows_fit_int32(total_n, total, _varlen_rows(total, batch, layout))
     work, work_list = WorkList.build(jnp, cu, used, total=total, layout=layout,
                                 num_tiles=WorkList.max_tiles(total, batch, layout))
     return Part(layout, head_dim, dtype, work=work), work_list
@@ -148,7 +152,7 @@ def _is_static(x) -> bool:
 def _visible_ints(name: str, x) -> list[int] | None:
     """The values of offsets or lengths if this host can read them now: static ones, or a jax array that is not a
     tracer (outside jit, or a constant inside it); None for traced values."""
-    return _checks.static_ints(name, x) if _host_visible(x) else None
+    return static_ints(name, x) if _host_visible(x) else None
 
 
 def _host_visible(x) -> bool:
@@ -161,7 +165,7 @@ def _host_visible(x) -> bool:
 
 def _static_as_array(name: str, x):
     """A Python sequence as a numpy array (its items checked: ints, none traced), anything else as it is."""
-    return np.asarray(_checks.static_ints(name, x)) if isinstance(x, (list, tuple, range)) else x
+    return np.asarray(static_ints(name, x)) if isinstance(x, (list, tuple, range)) else x
 
 
 WIDENED_DTYPES = tuple(np.dtype(t) for t in (np.int8, np.int16, np.uint8, np.uint16))
@@ -198,7 +202,7 @@ def scale_operand(scale, name: str = "scale"):
     ``name`` and the value otherwise. A traced scale is used as it is (a NaN or an infinity gives such gradients),
     checked only under checkify."""
     if isinstance(scale, numbers.Real) and not isinstance(scale, (bool, np.bool_)):
-        _checks.check_finite_f32(name, scale)
+        check_finite_f32(name, scale)
         return jnp.float32(scale)
     dtype = getattr(scale, "dtype", None)
     if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
@@ -207,8 +211,147 @@ def scale_operand(scale, name: str = "scale"):
     if np.shape(scale) != ():
         raise ValueError(f"{name} must be a scalar, got shape {np.shape(scale)}")
     if _host_visible(scale):  # numpy, or a concrete jax array (read back from its device)
-        _checks.check_finite_f32(name, np.asarray(scale).item())
+        check_finite_f32(name, np.asarray(scale).item())
         return jnp.asarray(scale).astype(jnp.float32)
     scale = jnp.asarray(scale).astype(jnp.float32)
-    _checks.device_check_finite(name, scale)
+    device_check_finite(name, scale)
     return scale
+
+
+OUT_DTYPE_SPELLINGS = {"bf16": np.dtype(jnp.bfloat16), "bfloat16": np.dtype(jnp.bfloat16),
+                       "fp16": np.dtype(jnp.float16), "f16": np.dtype(jnp.float16), "float16": np.dtype(jnp.float16)}
+"""The names the API takes for the output dtype (``dtype=``, and precompile's ``--dtypes``); other strings that
+numpy reads as float16 (``"half"``, ``"e"``, ``"f2"``) are refused."""
+_OUT_DTYPE_WANT = ("dtype must be jnp.bfloat16 or jnp.float16 (or "
+                   + ", ".join(repr(name) for name in OUT_DTYPE_SPELLINGS) + ")")
+
+
+def out_dtype(dtype) -> np.dtype:
+    """dQ's dtype: bfloat16 or float16, as a dtype or one of the names of :data:`OUT_DTYPE_SPELLINGS`; ``None`` is
+    not float64 here."""
+    if isinstance(dtype, str) and dtype in OUT_DTYPE_SPELLINGS:
+        return OUT_DTYPE_SPELLINGS[dtype]
+    out = abi.dtype_of(dtype)
+    if out is None:
+        raise TypeError(f"{_OUT_DTYPE_WANT}, got {describe(dtype)}")
+    if out not in abi.OUT_DTYPES:
+        raise ValueError(f"{_OUT_DTYPE_WANT}, got {out.name}")
+    if isinstance(dtype, str):  # numpy's other names of float16
+        raise ValueError(f"{_OUT_DTYPE_WANT}, got {dtype!r} (numpy's name for {out.name})")
+    return out
+
+
+def check_offsets(cu_seqlens, seqused, total: int, names) -> None:
+    """Validate static offsets at trace time: ValueError naming the argument and the bad value (``names``: the
+    arguments' names, an :class:`ArgNames`)."""
+    cu_n, used_n, total_n = names.cu_seqlens, names.seqused, names.total
+    cu = list(cu_seqlens)
+    if not cu:
+        raise ValueError(f"{cu_n} must have batch + 1 entries (at least 1), got {cu}")
+    if cu[0] < 0:
+        raise ValueError(f"{cu_n}[0] must be >= 0, got {cu[0]}")
+    for b in range(len(cu) - 1):
+        if cu[b + 1] < cu[b]:
+            raise ValueError(f"{cu_n} must be non-decreasing, got {cu_n}[{b}]={cu[b]} > {cu_n}[{b + 1}]={cu[b + 1]}")
+    if cu[-1] > total:
+        raise ValueError(f"{cu_n}[-1]={cu[-1]} exceeds {total_n}={total}")
+    if seqused is not None:
+        used = list(seqused)
+        if len(used) != len(cu) - 1:
+            raise ValueError(f"{used_n} must have batch={len(cu) - 1} entries, got {len(used)}")
+        for b, u in enumerate(used):
+            if not 0 <= u <= cu[b + 1] - cu[b]:
+                raise ValueError(f"{used_n}[{b}]={u} must be in [0, {cu[b + 1] - cu[b]}] (the length of sequence "
+                                 f"{b} in {cu_n})")
+
+
+def check_dense_seqused(used: list[int], seqlen: int, names: ArgNames) -> None:
+    bad = [(b, u) for b, u in enumerate(used) if not 0 <= u <= seqlen]
+    if bad:
+        raise ValueError(f"{names.seqused}[{bad[0][0]}]={bad[0][1]} must be in [0, {names.seqlen}={seqlen}]")
+
+
+def static_ints(name: str, x) -> list[int]:
+    if isinstance(x, (list, tuple)) and any(isinstance(v, jax.core.Tracer) for v in x):
+        raise TypeError(f"{name} is a Python {type(x).__name__} of traced values (a list passed through jax.jit "
+                        "has traced items): pass a jax int32 array for offsets read at run time, or keep the list "
+                        "static (static_argnums or static_argnames of jax.jit, or a closure) for a launch grid "
+                        "fitted to its values")
+    arr = np.asarray(x)
+    if arr.ndim != 1 or not (np.issubdtype(arr.dtype, np.integer) or arr.size == 0):
+        raise TypeError(f"{name} must be a 1-D sequence of ints, got {describe(x)}")
+    return [int(v) for v in arr]
+
+
+def check_rows_fit_int32(name: str, value: int, rows: int) -> None:
+    """The one check that a side's rows fit the kernel's int32 row offsets, for dense and packed sides alike:
+    ``rows`` is what the accumulator holds with its padding."""
+    if rows > INT32_MAX:
+        raise ValueError(f"{name}={value} is too large: the accumulator's {rows} rows (with padding) do not fit the "
+                         f"kernel's int32 row offsets (at most {INT32_MAX})")
+
+
+def check_finite_f32(name: str, value) -> None:
+    """``ValueError`` unless ``value`` (a Python real) rounds to a finite float32."""
+    try:
+        as_float = float(value)
+    except OverflowError:  # an int beyond float64
+        as_float = float("inf")
+    with np.errstate(over="ignore", invalid="ignore"):
+        finite = bool(np.isfinite(np.float32(as_float)))
+    if not finite:
+        shown = repr(value)
+        raise ValueError(f"{name} must be finite in float32, got {shown if len(shown) <= 40 else shown[:37] + '...'}")
+
+
+# ---- checks of traced values, on the device: the same rules and messages as the trace-time checks of the values a
+# host can see, with the first bad index and its value
+CHECKIFY_ENV = "JAX_DQPOST_CHECKIFY"
+"""Set to 1 to check traced offsets, lengths and scales on the device, under ``jax.experimental.checkify``."""
+
+
+def device_checks() -> bool:
+    """Whether ``JAX_DQPOST_CHECKIFY=1`` asks for the device checks (unset, empty or 0: no; ``ValueError`` for any
+    other value). Read each time a call is traced, so a value set after ``import jax_dqpost`` counts from the next
+    trace (a function jax has already traced and cached keeps what it traced: ``jax.clear_caches()`` forgets it).
+    On, each check is a ``checkify.debug_check``, reported in a function ``jax.experimental.checkify.checkify``
+    transforms and dropped in one it does not; but it is an effect of the traced function (``jax.export`` cannot
+    serialize it), so off (the default) nothing is traced."""
+    return env_flag(CHECKIFY_ENV, "checks traced offsets, lengths and scales on the device under "
+                                  "jax.experimental.checkify")
+
+
+device_checks()  # a bad JAX_DQPOST_CHECKIFY fails here, at import, on every platform
+
+
+def device_check_offsets(cu, used, total: int, names: ArgNames) -> None:
+    if not device_checks():
+        return
+    cu_n, used_n, total_n = names.cu_seqlens, names.seqused, names.total
+    checkify.debug_check(cu[0] >= 0, f"{cu_n}[0] must be >= 0, got {{}}", cu[0])
+    if cu.shape[0] > 1:
+        decreasing = cu[1:] < cu[:-1]
+        b = jnp.argmax(decreasing)
+        checkify.debug_check(~decreasing.any(), f"{cu_n} must be non-decreasing, got {cu_n}[{{}}]={{}} > "
+                             f"{cu_n}[{{}}]={{}}", b, cu[b], b + 1, cu[b + 1])
+    checkify.debug_check(cu[-1] <= total, f"{cu_n}[-1]={{}} exceeds {total_n}={total}", cu[-1])
+    if used is not None and used.shape[0]:
+        lengths = cu[1:] - cu[:-1]
+        outside = (used < 0) | (used > lengths)
+        b = jnp.argmax(outside)
+        checkify.debug_check(~outside.any(), f"{used_n}[{{}}]={{}} must be in [0, {{}}] (the length of sequence {{}} "
+                             f"in {cu_n})", b, used[b], lengths[b], b)
+
+
+def device_check_finite(name: str, scale) -> None:
+    if not device_checks():
+        return
+    checkify.debug_check(jnp.isfinite(scale), f"{name} must be finite in float32, got {{}}", scale)
+
+
+def device_check_dense_seqused(used, seqlen: int, names: ArgNames) -> None:
+    if device_checks() and used.shape[0]:
+        outside = (used < 0) | (used > seqlen)
+        b = jnp.argmax(outside)
+        checkify.debug_check(~outside.any(), f"{names.seqused}[{{}}]={{}} must be in [0, {names.seqlen}={seqlen}]",
+                             b, used[b])

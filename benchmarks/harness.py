@@ -21,8 +21,9 @@ MAX_GRAPH_CALLS = 20000
 MIN_WALL_SAMPLE_S = 10e-3
 
 
-OUR_KERNEL = "jax_dqpostkernelPostprocess"
-"""What our kernel's name on the GPU timeline contains (``jax_dqpost.kernel.Postprocess``)."""
+OUR_KERNEL = "jax_dqpost_kernelkernelPostprocess"
+"""What our kernel's name on the GPU timeline contains: the module of ``jax_dqpost._kernel.kernel.Postprocess``
+without its dots, then the class's name."""
 
 
 _STARTED = time.perf_counter()

@@ -12,9 +12,10 @@ import dataclasses
 
 import numpy as np
 
-from jax_dqpost import _ffi, abi, arch, kernel_cache
+from jax_dqpost import _ffi
+from jax_dqpost._kernel import abi, arch, cache as kernel_cache
 from jax_dqpost.plan import Part, Plan
-from jax_dqpost.varlen import WorkList
+from jax_dqpost._kernel.varlen import WorkList
 
 TARGET_NAME = _ffi.TARGET_NAME
 """The custom-call target of our op in a compiled program's text."""
@@ -68,6 +69,6 @@ def launch_args(p: Plan, acc_shapes, buffers: dict) -> tuple:
     spec = p.kernel(acc_shapes)
     extents, _ = p.launch(acc_shapes)
     addresses = [buffers[name].data_ptr() for name in abi.pointers(len(p.parts), p.has_sink)]
-    from jax_dqpost.kernel import entry_args  # imports cutlass
+    from jax_dqpost._kernel.kernel import entry_args  # imports cutlass
 
     return entry_args(spec.dtype, len(p.parts), spec.sink, addresses, extents)

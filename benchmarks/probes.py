@@ -80,7 +80,7 @@ import jax, jax.numpy as jnp
 t1 = time.perf_counter()
 import jax_dqpost
 from jax_dqpost import AccumLayout, dq_postprocess
-from benchmarks import internals  # (and jax_dqpost.kernel_cache, which a first lowering imports)
+from benchmarks import internals  # (and jax_dqpost._kernel.cache, which a first lowering imports)
 t2 = time.perf_counter()
 jnp.zeros(1).block_until_ready()
 jax.jit(lambda x: jnp.sin(x) * 2)(jnp.ones(8)).block_until_ready()  # XLA's compiler warmed up, not ours

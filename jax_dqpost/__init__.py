@@ -17,7 +17,7 @@ from . import _ffi
 from ._ffi import DISABLED_CHECKS
 from ._version import __version__
 from .api import Gradients, dq_accum_from_dq, dq_postprocess, flash_attention_postprocess
-from .arch import cuda_arch
+from ._kernel.arch import cuda_arch
 from .attention import dot_product_attention, flax_attention_fn
 from .layout import AccumLayout
 

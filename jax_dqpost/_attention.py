@@ -31,7 +31,7 @@ from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 from . import _jax_internals
 from .api import flash_attention_postprocess
 from .layout import AccumLayout
-from .varlen import padded_total
+from ._kernel.varlen import padded_total
 
 
 class Kernels(Protocol):

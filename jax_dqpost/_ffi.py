@@ -30,7 +30,8 @@ from pathlib import Path
 
 import jax
 
-from . import _errors, cute_runtime
+from . import _errors
+from ._kernel import cute_runtime
 
 TARGET_NAME = "jax_dqpost_postprocess_v3"
 """The custom-call target every call lowers to (its compatibility rule: docs/design.md, "Compatibility")."""

@@ -16,16 +16,17 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from . import _ffi, arch
+from . import _ffi
+from ._kernel import arch
 from .plan import Plan
 
 
 def lower(ctx, *args, plan: Plan):
-    from . import kernel_cache  # imports cutlass lazily, at the first CUDA lowering (if the disk cache misses)
+    from ._kernel import cache  # imports cutlass lazily, at the first CUDA lowering (if the disk cache misses)
 
     accs = plan.split(ctx.avals_in).acc
     extents, ctas = plan.launch([a.shape for a in accs])  # CUDA's grid limits, checked before any compile
-    kernel = kernel_cache.get_kernel(plan.kernel([a.shape for a in accs]))
+    kernel = cache.get_kernel(plan.kernel([a.shape for a in accs]))
     if arch.cuda_devices():  # lowering for export on a machine without a GPU needs no registration
         _ffi.register()
     sizes = [int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in list(ctx.avals_in) + list(ctx.avals_out)]

@@ -56,7 +56,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _arguments, _attention, _fa4jax_internals, _xla_attention, abi, arch
+from . import _arguments, _attention, _fa4jax_internals, _xla_attention
+from ._kernel import abi, arch
 from ._errors import describe
 from .layout import ORDER_OF_FAMILY, AccumLayout
 

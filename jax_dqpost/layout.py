@@ -6,7 +6,7 @@ CuTe.
 The FlashAttention backward kernels reduce-add dQ into an fp32 scratch buffer ("dQaccum") in the order their MMA
 accumulator fragments sit in registers, thread by thread: ``fragments.py`` holds those maps, ``docs/design.md``
 derives each order and names its upstream source. FlashAttention-4's presets (:meth:`AccumLayout.flash_attention`)
-are ``presets.py``'s; which orders the kernel converts (:meth:`AccumLayout.check_head_dim`) ``kernel_spec.py``'s.
+are ``presets.py``'s; which orders the kernel converts (:meth:`AccumLayout.check_head_dim`) ``spec.py``'s.
 """
 
 from __future__ import annotations
@@ -15,10 +15,11 @@ import dataclasses
 
 import numpy as np
 
-from . import _errors, fragments, kernel_spec, presets
+from . import _errors, presets
+from ._kernel import fragments, spec
 from ._errors import MAX_HEAD_DIM
-from .fragments import MMA_SYNC_TILE, WARPGROUP, WGMMA_M
-from .varlen import padded_total
+from ._kernel.fragments import MMA_SYNC_TILE, WARPGROUP, WGMMA_M
+from ._kernel.varlen import padded_total
 
 __all__ = ["AccumLayout"]
 
@@ -278,7 +279,7 @@ class AccumLayout:
         every supported GPU: the MMA tiling divides, the padded head dim is at most 256, the kernel can place the
         fragment (wgmma: 16-column multiples per warpgroup; mma.sync: a power-of-two number of warps, and at least
         two along dQ's rows with ``swap_ab``), ``tile_m`` is a multiple of 16, the kernel's threads tile the dQ
-        tile's 16-byte stores exactly, and the tile fits in shared memory (``kernel_spec.SMEM_LIMIT``). What passes
+        tile's 16-byte stores exactly, and the tile fits in shared memory (``spec.SMEM_LIMIT``). What passes
         compiles for sm_80, sm_90a and sm_100a alike (``tests/test_accepted_layouts.py``). ``name``: the argument
         the messages name. The message of a head dim the order cannot hold lists those it can, and the presets it
         is FlashAttention-4's for: a layout made for another head dim is the usual cause."""
@@ -309,7 +310,7 @@ class AccumLayout:
 
     def _check_kernel(self, head_dim: int, name: str) -> None:
         head_dim, dr, what = self._check_order(head_dim, name)
-        kernel_spec.check_limits(self, head_dim, what)
+        spec.check_limits(self, head_dim, what)
 
     def _check_order(self, head_dim: int, name: str = "head_dim"):
         """The order itself is defined for ``head_dim`` (the producer's MMA tiling divides, Dr <= 256):

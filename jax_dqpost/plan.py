@@ -28,11 +28,11 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import abi, kernel_spec, varlen
-from .abi import Tiling
-from .kernel_spec import KernelSpec, TensorKernel
+from ._kernel import abi, spec, varlen
+from ._kernel.abi import Tiling
+from ._kernel.spec import KernelSpec, TensorKernel
 from .layout import AccumLayout
-from .varlen import INT32_MAX, WorkList
+from ._kernel.varlen import INT32_MAX, WorkList
 
 MAX_GRID_Z = 65535  # CUDA's limit on gridDim.z: the batch of dense parts
 
@@ -97,14 +97,14 @@ class Part:
         return TensorKernel(self.layout, self.padded_head_dim, self.tiling, split, short_heads)
 
     def own_grid_kernel(self, acc_shape) -> TensorKernel:
-        """:meth:`kernel` when this part is a kernel's own grid: tiles split as ``kernel_spec.split_for`` chooses
+        """:meth:`kernel` when this part is a kernel's own grid: tiles split as ``spec.split_for`` chooses
         from the unsplit CTAs (every batch's; short tiles counted at ``varlen.SHORT_HEADS`` heads a CTA, whatever the
         kernel's), short tiles by ``varlen.short_heads`` heads a CTA."""
         short_heads = varlen.SHORT_HEADS
         if self.work is not None and self.work.short_rows:
             short_heads = varlen.short_heads(self.work.num_spans, self.heads(acc_shape))
         ctas = self.ctas(acc_shape, 1, varlen.SHORT_HEADS) * (1 if self.work is not None else acc_shape[0])
-        return self.kernel(kernel_spec.split_for(self.layout, self.padded_head_dim, ctas), short_heads)
+        return self.kernel(spec.split_for(self.layout, self.padded_head_dim, ctas), short_heads)
 
     # ---- shapes ----------------------------------------------------------------------------------
     def aux_shape(self, batch: int) -> tuple[int]:
@@ -364,7 +364,7 @@ class Plan:
         return KernelSpec(abi.DTYPE_NAMES[np.dtype(self.dq.dtype)], self._tensor_kernels(acc_shapes), sink)
 
     def _tensor_kernels(self, acc_shapes) -> tuple[TensorKernel, ...]:
-        if not kernel_spec.own_grid(len(self.parts), self.has_sink):
+        if not spec.own_grid(len(self.parts), self.has_sink):
             return tuple(p.kernel() for p in self.parts)
         return tuple(p.own_grid_kernel(s) for p, s in zip(self.parts, acc_shapes))
 
@@ -377,7 +377,7 @@ class Plan:
             ext = p.launch_extents(shape)
             extents += ext
             ctas += p.ctas(shape, t.split, t.short_heads) * (1 if p.work is not None else ext[0])
-        on_z = kernel_spec.batch_on_grid_z(len(self.parts), self.has_sink, self.dq.tiling)
+        on_z = spec.batch_on_grid_z(len(self.parts), self.has_sink, self.dq.tiling)
         grid_x = ctas // extents[0] if on_z and extents[0] else ctas
         if grid_x > INT32_MAX:
             raise ValueError(f"jax_dqpost: {grid_x} CTAs along the grid's x, more than CUDA launches (2^31 - 1)")

@@ -17,12 +17,12 @@ import itertools
 import sys
 import time
 
-from . import _arguments, _errors, abi, arch as arch_, cute_runtime, kernel_cache
-from .kernel_spec import KernelSpec, TensorKernel, call_splits
-from .varlen import SHORT_HEADS, short_rows
+from . import _arguments, _errors
+from ._kernel import abi, arch as arch_, cache, cute_runtime, precompile as kernels
+from ._kernel.abi import Tiling
+from ._kernel.varlen import SHORT_HEADS
 from .layout import AccumLayout
 from .presets import FLASH_ATTENTION_ARCHS, FLASH_ATTENTION_RELEASES, GPU_ARCHS, has_postprocess
-from .abi import Tiling
 
 _DTYPE_SPELLINGS = tuple(_arguments.OUT_DTYPE_SPELLINGS)
 _TILING_NAMES = tuple(t.name.lower() for t in Tiling)
@@ -154,51 +154,40 @@ def main(argv=None) -> int:
         which = f"--presets {','.join(map(str, presets))}" if args.presets else f"--arch {arch} (its presets)"
         parser.error(f"{which} with --head-dims {','.join(map(str, args.head_dims))} selects no kernel: {fa4}")
     try:
-        directory = kernel_cache.cache_dir()
+        directory = cache.cache_dir()
     except ValueError as e:  # JAX_DQPOST_CACHE_DIR names no directory
         parser.error(str(e))
     if directory is None:
         print("the on-disk cache is off (JAX_DQPOST_CACHE_DIR=none): nothing would be kept", file=sys.stderr)
         return 1
-    unusable = kernel_cache.unusable(directory)
+    unusable = cache.unusable(directory)
     if unusable:
         print(f"{parser.prog}: error: {unusable}: nothing would be kept", file=sys.stderr)
         return 1
     tilings = [Tiling[name.upper()] for name in args.tilings]
-    # one part: every kernel a call may choose (Plan.kernel): tiles whole or split (a small call's), varlen short
-    # tiles by CTAs of SHORT_HEADS heads or 1
-    singles = [((layout, dr, t, split, heads),) for layout, dr in configs for t in tilings
-               for split in call_splits(layout, dr)
-               for heads in sorted({SHORT_HEADS, 1 if t == Tiling.VARLEN and short_rows(layout) else SHORT_HEADS})]
-    one_head = any(heads != SHORT_HEADS for ((*_, heads),) in singles)
+    singles = kernels.one_part_kernels(configs, tilings, args.dtypes)
+    one_head = any(t.short_heads != SHORT_HEADS for key in singles for t in key.tensors)
     short = f", short tiles of {SHORT_HEADS} heads or 1" if one_head else ""
-    kinds = [("kernels", singles, [None], f"{len(configs)} layouts x {len(args.dtypes)} dtypes x {len(tilings)} "
-              f"tilings, whole or split tiles{short}")]
+    kinds = [("kernels", singles, f"{len(configs)} layouts x {len(args.dtypes)} dtypes x {len(tilings)} tilings, "
+              f"whole or split tiles{short}")]
     if args.fused:
         fused = fused_configurations(presets, args.head_dims)
         sinks = [None if sink == "none" else (sink, sink) for sink in args.fused]
-        kinds.append(("fused kernels", [((q, q_dr, t), (kv, kv_dr, t), (kv, kv_dr, t)) for (q, q_dr), (kv, kv_dr)
-                                        in fused for t in tilings], sinks,
+        kinds.append(("fused kernels", kernels.fused_kernels(fused, tilings, args.dtypes, sinks),
                       f"{len(fused)} layout pairs x {len(args.dtypes)} dtypes x {len(tilings)} tilings x "
                       f"{len(sinks)} sinks"))
-    for what, part_sets, sinks, shape in kinds:
-        keys = [KernelSpec(dtype, tuple(TensorKernel(*p) for p in parts), sink)
-                for parts in part_sets for dtype in args.dtypes for sink in sinks]
-        start, compiled = time.perf_counter(), 0
-        for key in keys:
-            try:
-                if kernel_cache.on_disk(key, arch=arch):
-                    continue
-                kernel_cache.get_kernel(key, arch=arch, persist=True)
-            except ModuleNotFoundError as e:  # the CuTe DSL is not installed: say which distribution, no traceback
-                if cute_runtime.dsl_missing(e.name) is None:
-                    raise
-                print(f"{parser.prog}: error: {e}", file=sys.stderr)
-                return 1
-            except cute_runtime.NoRuntime as e:  # no build of the DSL for this driver: what to install, no traceback
-                print(f"{parser.prog}: error: {e}", file=sys.stderr)
-                return 1
-            compiled += 1
+    for what, keys, shape in kinds:
+        start = time.perf_counter()
+        try:
+            compiled = kernels.compile_missing(keys, arch)
+        except ModuleNotFoundError as e:  # the CuTe DSL is not installed: say which distribution, no traceback
+            if cute_runtime.dsl_missing(e.name) is None:
+                raise
+            print(f"{parser.prog}: error: {e}", file=sys.stderr)
+            return 1
+        except cute_runtime.NoRuntime as e:  # no build of the DSL for this driver: what to install, no traceback
+            print(f"{parser.prog}: error: {e}", file=sys.stderr)
+            return 1
         if compiled:
             print(f"{len(keys)} {what} for {arch} ({shape}): {compiled} compiled in {time.perf_counter() - start:.1f} "
                   f"s, {len(keys) - compiled} already cached; in {directory}")

@@ -11,7 +11,7 @@ import itertools
 
 from . import _errors
 from ._errors import MAX_HEAD_DIM
-from .arch import SUPPORTED_ARCHS, sm_version
+from ._kernel.arch import SUPPORTED_ARCHS, sm_version
 
 GPU_ARCHS = tuple(sorted({sm_version(a) for a in SUPPORTED_ARCHS}))
 """The GPU architectures the kernel knows, as numbers (``arch.SUPPORTED_ARCHS``)."""

@@ -56,7 +56,7 @@ def run(seed: int, name: str) -> dict:
         report["compared"] = int(np.size(want))
     except Exception as e:  # noqa: BLE001 -- reported to the test, which says what it expected
         report["error"] = f"{type(e).__name__}: {e}"
-    report["lowered"] = "jax_dqpost.kernel_cache" in sys.modules  # a lowering of ours would have imported it
+    report["lowered"] = "jax_dqpost._kernel.cache" in sys.modules  # a lowering of ours would have imported it
     return report
 
 

@@ -53,7 +53,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from jax_dqpost import AccumLayout, arch  # noqa: E402
+from jax_dqpost import AccumLayout  # noqa: E402
+from jax_dqpost._kernel import arch
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests/oracle.py, tests/support.py
 

@@ -96,7 +96,7 @@ def fake_compile(*key):
 def one_part_kernel(dtype, layout, padded_head_dim, tiling=0, split=1, short_heads=8):
     """The kernel of a one-part call without a sink (``Plan.kernel``); ``tiling`` 0 is the dense one; ``split``: CTAs
     per tile (``TensorKernel.split``); ``short_heads``: heads per short-tile CTA (``TensorKernel.short_heads``)."""
-    from jax_dqpost.kernel_spec import KernelSpec, TensorKernel
+    from jax_dqpost._kernel.spec import KernelSpec, TensorKernel
 
     return KernelSpec(dtype, (TensorKernel(layout, padded_head_dim, tiling, split, short_heads),))
 

@@ -15,10 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_dqpost import AccumLayout, dq_postprocess, kernel_cache, varlen
-from jax_dqpost.kernel_spec import SMEM_LIMIT, KernelSpec, TensorKernel, call_splits, store_tiling
+from jax_dqpost import AccumLayout, dq_postprocess
+from jax_dqpost._kernel import cache as kernel_cache, varlen
+from jax_dqpost._kernel.spec import SMEM_LIMIT, KernelSpec, TensorKernel, call_splits, store_tiling
 from jax_dqpost.plan import Part, Plan
-from jax_dqpost.abi import Tiling
+from jax_dqpost._kernel.abi import Tiling
 
 ARCHS = ("sm_80", "sm_90a", "sm_100a")
 
@@ -113,8 +114,8 @@ def test_a_shares_region_holds_its_threads_elements(seed):
     16-row blocks of the shared-memory tile that repeat over the tile; FlashAttention-4's
     Hopper dQ presets split down to one warp a CTA, short tiles' orders to a CTA per short tile's row pairs and
     16-column blocks."""
-    from jax_dqpost import fragments
-    from jax_dqpost.kernel_spec import split_regions, splits
+    from jax_dqpost._kernel import fragments
+    from jax_dqpost._kernel.spec import split_regions, splits
 
     cases = EDGES + _random_accepted(np.random.default_rng(seed), 200)
     checked = 0
@@ -147,7 +148,7 @@ def test_small_calls_split_their_tiles():
     """A kernel of one part and no sink whose tiles move fewer than ``kernel_spec.FINE_SPLIT_BYTES`` (accumulator and
     output) converts each tile with the finest split of the order; the launch's CTAs count them. A fused or sink
     kernel never splits; a split the order cannot take is refused."""
-    from jax_dqpost.kernel_spec import FINE_SPLIT_BYTES
+    from jax_dqpost._kernel.spec import FINE_SPLIT_BYTES
 
     layout = AccumLayout.flash_attention(90, 128, causal=True, tensor="dq", version="4.0.0b36")  # 64-row tiles
     tile_bytes = 64 * 128 * 6
@@ -203,8 +204,8 @@ def test_programmatic_dependent_launch_where_the_target_has_it(tmp_path):
     tile; a varlen short tile and long-tile slot, after the work list's loads; each part of a fused kernel and its
     sink CTAs), at every CTA's start with ``trigger="start"``, nowhere with ``"none"``; sm_80 has neither. A
     ``trigger`` of no mode is refused."""
-    from jax_dqpost.kernel import Postprocess, entry_args
-    from jax_dqpost import abi, arch as arch_
+    from jax_dqpost._kernel.kernel import Postprocess, entry_args
+    from jax_dqpost._kernel import abi, arch as arch_
 
     swapped = AccumLayout.flash_attention(90, 128, causal=False, tensor="dq", version="4.0.0b36")  # short tiles
     work, _ = varlen.WorkList.build(np, [0, 245, 400], None, total=400, layout=swapped)
@@ -241,8 +242,8 @@ def test_work_list_lookup_experiments_compile_and_read_what_they_say(tmp_path):
     scale; with ``slot_records`` too the long-tile path's loads before its wait are the slot's record's four fields,
     where the span's lookup makes more (the short-tile path reads its span's four either way). Both are refused
     for a dense kernel and a fused one, ``early_lookup`` also without programmatic dependent launch."""
-    from jax_dqpost.kernel import Postprocess, entry_args
-    from jax_dqpost import abi
+    from jax_dqpost._kernel.kernel import Postprocess, entry_args
+    from jax_dqpost._kernel import abi
 
     pointers = abi.pointers(1, False)
 
@@ -304,7 +305,7 @@ def test_short_tile_vectors_follow_the_index_map(rng):
     and column block of FlashAttention-4's swapped presets and of random accepted swapped layouts."""
     import cutlass
 
-    from jax_dqpost.tile import TileConverter
+    from jax_dqpost._kernel.tile import TileConverter
 
     presets = [(AccumLayout.flash_attention(90, 128, causal=False, tensor="dq", version="4.0.0b36"), 128),
                (AccumLayout.flash_attention(90, 192, causal=False, tensor="dkv", version="4.0.0b36"), 192),

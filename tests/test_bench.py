@@ -348,7 +348,7 @@ def _run_cli(args, block=()):
 
 
 def test_cli_without_a_gpu_says_so_in_one_line_and_writes_nothing(tmp_path):
-    from jax_dqpost import arch
+    from jax_dqpost._kernel import arch
 
     if arch.cuda_devices():
         pytest.skip("this machine has a GPU: the benchmark would run")
@@ -361,7 +361,7 @@ def test_cli_without_a_gpu_says_so_in_one_line_and_writes_nothing(tmp_path):
 @pytest.mark.parametrize("module", ["fa4jax", "attention"])
 def test_the_fa4jax_benchmarks_without_a_gpu_say_why_in_one_line(tmp_path, module):
     """Without fa4-jax, or without a GPU: exit status 2, one line naming what is missing, nothing written."""
-    from jax_dqpost import arch
+    from jax_dqpost._kernel import arch
 
     if arch.cuda_devices():
         pytest.skip("this machine has a GPU: the benchmark would run")

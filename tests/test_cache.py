@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import pytest
 
 from jax_dqpost import DISABLED_CHECKS, AccumLayout, cuda_arch, dq_postprocess
-from jax_dqpost import arch as arch_, kernel_cache
+from jax_dqpost._kernel import arch as arch_, cache as kernel_cache
 from support import export_dq, export_layout, fake_compile, one_part_kernel
 
 LAYOUT = export_layout()  # FlashAttention-4's sm90 dQ at head dim 128
@@ -80,9 +80,10 @@ def test_cute_dsl_arch_and_the_device_are_validated(monkeypatch):
 
 _SCRIPT = textwrap.dedent("""
     import sys, jax, jax.numpy as jnp
-    from jax_dqpost import AccumLayout, kernel_cache as c
-    from jax_dqpost.abi import Tiling
-    from jax_dqpost.kernel_spec import KernelSpec, TensorKernel
+    from jax_dqpost import AccumLayout
+    from jax_dqpost._kernel import cache as c
+    from jax_dqpost._kernel.abi import Tiling
+    from jax_dqpost._kernel.spec import KernelSpec, TensorKernel
     layout = AccumLayout.flash_attention(90, 128, causal=False, tensor="dq", version="4.0.0b36")
     k = c.get_kernel(KernelSpec("bf16", (TensorKernel(layout, 128, Tiling.VARLEN),)), arch="sm_90a")
     print(k.fingerprint, "cutlass" in sys.modules)
@@ -139,7 +140,7 @@ def test_a_damaged_entry_is_recompiled_and_rewritten_with_one_warning(tmp_path, 
     artifact); it is compiled again and rewritten, then reported by one warning at the caller's line (here: this
     file, also through a jax lowering), so that warnings turned into errors (``python -W error``) cannot stop the
     heal: the exception comes after the rewrite, and the next call is a clean hit."""
-    from jax_dqpost.abi import Tiling
+    from jax_dqpost._kernel.abi import Tiling
 
     monkeypatch.setenv("JAX_DQPOST_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(kernel_cache, "_cache", {})
@@ -249,7 +250,8 @@ def test_precompile_argument_errors_exit_2_naming_the_value(argv, message, capsy
 
 
 def test_precompile_without_a_gpu_or_arch_says_what_to_pass(monkeypatch, capsys):
-    from jax_dqpost import arch, precompile
+    from jax_dqpost._kernel import arch
+    from jax_dqpost import precompile
 
     if arch.cuda_devices():
         pytest.skip("this machine has a GPU: its architecture is the default")
@@ -294,12 +296,13 @@ def test_precompile_help_describes_every_option(capsys):
 def test_cross_compiling_without_a_gpu_leaves_the_default_cache_alone(tmp_path):
     """A CPU-only machine that lowers for CUDA (jax.export) does not write kernels into ~/.cache; a configured
     JAX_DQPOST_CACHE_DIR is written."""
-    from jax_dqpost import arch
+    from jax_dqpost._kernel import arch
 
     if arch.cuda_devices():
         pytest.skip("this machine has a GPU: kernels for it are cached by default")
-    code = ("import jax, jax.numpy as jnp; from jax_dqpost import kernel_cache, arch, AccumLayout\n"
-            "from jax_dqpost.kernel_spec import KernelSpec, TensorKernel\n"
+    code = ("import jax, jax.numpy as jnp; from jax_dqpost import AccumLayout\n"
+            "from jax_dqpost._kernel import arch, cache as kernel_cache\n"
+            "from jax_dqpost._kernel.spec import KernelSpec, TensorKernel\n"
             "assert not arch.cuda_devices()\n"
             "layout = AccumLayout.flash_attention(90, 64, causal=False, tensor='dq', version='4.0.0b36')\n"
             "kernel_cache.get_kernel(KernelSpec(jnp.bfloat16, (TensorKernel(layout, 64, 0),)), arch='sm_90a')\n")
@@ -321,21 +324,24 @@ def test_a_disk_entry_is_named_by_every_module_the_kernel_is_made_from():
     import ast
     from pathlib import Path
 
-    from jax_dqpost import kernel_cache
+    from jax_dqpost._kernel import cache as kernel_cache
 
-    package = Path(kernel_cache.__file__).parent
-    seen, todo = set(), ["kernel.py"]
+    package = Path(kernel_cache.__file__).parents[1]
+    seen, todo = set(), ["_kernel/kernel.py"]
     while todo:
         name = todo.pop()
         if name in seen:
             continue
         seen.add(name)
+        folder = Path(name).parent
         for node in ast.walk(ast.parse((package / name).read_text())):
-            if isinstance(node, ast.ImportFrom) and node.level == 1:
+            if isinstance(node, ast.ImportFrom) and node.level >= 1:
+                base = folder.parents[node.level - 2] if node.level > 1 else folder
                 modules = [node.module] if node.module else [a.name for a in node.names]
-                todo += [f"{m}.py" for m in modules if (package / f"{m}.py").is_file()]
+                paths = [base.joinpath(*m.split(".")).with_suffix(".py") for m in modules]
+                todo += [str(p) for p in paths if (package / p).is_file()]
     assert seen <= set(kernel_cache.KERNEL_SOURCES), sorted(seen - set(kernel_cache.KERNEL_SOURCES))
-    assert {"kernel.py", "schedule.py", "tile.py"} <= seen
+    assert {"_kernel/kernel.py", "_kernel/schedule.py", "_kernel/tile.py"} <= seen
 
 
 @pytest.mark.parametrize("value", ["cache", "./cache", "~/cache", "0", "off", "None", "NONE", " none", "false", " "])
@@ -373,7 +379,7 @@ def test_a_cache_that_cannot_be_used_is_reported_once(where, tmp_path, monkeypat
     """A directory that cannot be made, read or written: the kernel is compiled and not kept, and the first time in
     the process one RuntimeWarning at the user's call names the variable, the path and why (root writes in any
     directory: the directories here are unusable for root too)."""
-    from jax_dqpost.abi import Tiling
+    from jax_dqpost._kernel.abi import Tiling
 
     file = tmp_path / "file"
     file.write_text("not a directory")

@@ -19,8 +19,9 @@ import pytest
 
 import jax_dqpost
 from jax_dqpost import DISABLED_CHECKS, AccumLayout, dq_postprocess
-from jax_dqpost import _ffi, kernel_cache, kernel_spec
-from jax_dqpost.abi import Tiling
+from jax_dqpost import _ffi
+from jax_dqpost._kernel import cache as kernel_cache, spec as kernel_spec
+from jax_dqpost._kernel.abi import Tiling
 from support import export_dq, export_layout, one_part_kernel
 
 LAYOUT = export_layout()
@@ -188,7 +189,7 @@ def test_compiling_for_another_arch_leaves_the_dsl_setting_alone():
 def test_ffi_handler_passes_the_calling_convention_of_abi():
     """The handler knows the calling convention only as: every buffer, then the extents (abi.EXTENTS per part, at
     most abi.PARTS parts), then the stream; pinned here to abi.py. Every call's pointer list fits its buffer array."""
-    from jax_dqpost import abi
+    from jax_dqpost._kernel import abi
 
     lib = ctypes.CDLL(str(_ffi.library_path()))
     for name in ("jax_dqpost_extents_per_part", "jax_dqpost_max_parts", "jax_dqpost_max_buffers"):
@@ -204,7 +205,7 @@ def test_ffi_handler_passes_the_calling_convention_of_abi():
 def test_the_handler_reads_each_buffer_by_the_buffers_table():
     """The handler checks every buffer's element type and rank by its role (not only its size), the roles in
     abi.BUFFERS' order for each kind of call (its table, read through the library, here without a GPU)."""
-    from jax_dqpost import abi
+    from jax_dqpost._kernel import abi
 
     lib = ctypes.CDLL(str(_ffi.library_path()))
     lib.jax_dqpost_buffer_roles.restype = ctypes.c_int64
@@ -220,7 +221,7 @@ def test_the_handler_reads_each_buffer_by_the_buffers_table():
 
 def test_split_and_join_follow_the_buffers_table():
     """Plan.split and Plan.join are inverses in abi.BUFFERS' order, for one part or three, with a sink or not."""
-    from jax_dqpost import abi
+    from jax_dqpost._kernel import abi
     from jax_dqpost.plan import Part, Plan
 
     q = Part(LAYOUT, 128, np.dtype(jnp.bfloat16), seqlen=100)
@@ -253,7 +254,7 @@ def test_command_buffers_mode_is_in_the_lowered_call(command_buffers_env):
     """JAX_DQPOST_COMMAND_BUFFERS=1 changes the call's fingerprint attribute, so a program compiled for the
     capturable handlers never shares a compilation-cache entry with one compiled for the plain ones; a value other
     than 0/1 is refused, naming the variable and the value."""
-    from jax_dqpost import arch
+    from jax_dqpost._kernel import arch
 
     if arch.cuda_devices():
         _ffi.register()  # with the process's own setting, before this test changes it (lowering registers once)
@@ -323,7 +324,7 @@ def test_export_for_cuda_emits_one_fused_custom_call(packing):
             (batch, s_k, H_KV, dv) if packing == "dense" else (s_k, H_KV, dv)]
     aux = (0, 0)  # dense: no seqused; varlen: the work lists of traced offsets (varlen.WorkList, its bound of tiles)
     if packing == "varlen":
-        from jax_dqpost.varlen import WorkList, sections
+        from jax_dqpost._kernel.varlen import WorkList, sections
 
         aux = tuple(sections(batch + 2)[1] + WorkList.max_tiles(total, batch, layout)
                     for total, layout in ((s_q, dq_layout), (s_k, dkv_layout)))

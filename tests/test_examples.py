@@ -107,7 +107,7 @@ def test_transformations(tmp_path):
     lines = out.stdout.strip().splitlines()
     assert [line.split(":")[0] for line in lines] == ["jit", "vmap", "grad", "export", "sharding", "fori_loop"], lines
     assert all(line.endswith("True") for line in lines), lines
-    from jax_dqpost import arch
+    from jax_dqpost._kernel import arch
 
     if not arch.cuda_devices():
         assert not (tmp_path / ".cache").exists(), list((tmp_path / ".cache").rglob("*"))

@@ -32,7 +32,7 @@ def _kernels(plan, acc_shape):
     """The kernel of a one-part ``plan`` on an accumulator of ``acc_shape``, with each work unit the package may
     choose: each split of its tiles (``TensorKernel.split``: ``kernel_spec.call_splits``, 1 and the finest) and,
     varlen with short tiles, short-tile CTAs of 8 heads and of 1 (``TensorKernel.short_heads``)."""
-    from jax_dqpost import kernel_spec, varlen
+    from jax_dqpost._kernel import spec as kernel_spec, varlen
 
     spec = plan.kernel([acc_shape])
     t = spec.tensors[0]
@@ -47,8 +47,8 @@ def _run_on_poisoned_output(torch, spec, plan, t_acc, t_aux, t_scale, n, acc_sha
     guard zone after it: the output's bits (uint16), once nothing past its end was written."""
     import cuda.bindings.driver as cuda
 
-    from jax_dqpost import arch, kernel_cache
-    from jax_dqpost.kernel import entry_args
+    from jax_dqpost._kernel import arch, cache as kernel_cache
+    from jax_dqpost._kernel.kernel import entry_args
 
     if spec not in _EXECUTORS:
         _EXECUTORS[spec] = kernel_cache.compile_executor(spec, arch.target_arch())
@@ -113,7 +113,7 @@ def _varlen_on_poisoned_output(rng, layout, D, H, lengths, used, rows_after, sca
     on a poisoned buffer with a poisoned guard zone after it, its bits against the oracle's."""
     torch = pytest.importorskip("torch")
 
-    from jax_dqpost import varlen
+    from jax_dqpost._kernel import varlen
     from jax_dqpost.plan import Part, Plan
 
     cu = cu_seqlens(lengths).tolist()
@@ -190,7 +190,8 @@ def test_jax_output_poisoned_by_allocator_reuse(rng, dtype):
 
 def test_ffi_rejects_inconsistent_attributes(rng):
     """The handler validates the buffers against its attributes and returns an error, never launches."""
-    from jax_dqpost import _ffi, kernel_cache
+    from jax_dqpost import _ffi
+    from jax_dqpost._kernel import cache as kernel_cache
 
     layout = AccumLayout(90, 64, 256, 1, False, 32)
     kernel = kernel_cache.get_kernel(one_part_kernel(jnp.bfloat16, layout, 128))

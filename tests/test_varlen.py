@@ -27,7 +27,7 @@ def _layout(name):
 
 
 def test_new_traced_values_do_not_retrace_or_recompile(rng):
-    from jax_dqpost import kernel_cache
+    from jax_dqpost._kernel import cache as kernel_cache
 
     layout = _layout("cute-hd128")
     traces = []
@@ -80,7 +80,7 @@ def test_concrete_arrays_outside_jit_are_validated_like_static_values(rng, side,
     traced values are clamped. The q side through dq_postprocess, the k side through flash_attention_postprocess
     (with a dense q side)."""
     from jax_dqpost.primitive import postprocess_p
-    from jax_dqpost.varlen import WorkList
+    from jax_dqpost._kernel.varlen import WorkList
 
     dq_layout, dkv_layout, D, _ = fa4_pair("sm90-hd128")
     layout, T, s = (dq_layout if side == "q" else dkv_layout), 100, side
@@ -187,7 +187,7 @@ def test_work_list_slots_take_every_tile_once(rng, layout):
     contract (clamped). Built with ``records``, the list is the same followed by each long-tile slot's record: that
     tile's first row, rows, converted rows and first accumulator row, zeros for a slot without a tile (the
     ``slot_records`` experiment reads them)."""
-    from jax_dqpost.varlen import WorkList, short_rows
+    from jax_dqpost._kernel.varlen import WorkList, short_rows
 
     def traced_build(cu, used, **kw):
         """(WorkList, its int32 array) from offsets traced by jit."""
@@ -274,7 +274,7 @@ def test_a_packed_call_takes_one_head_per_short_tile_cta_where_eight_make_few_ct
     where that makes at least SHORT_CTAS (128) of them, else of 1 (one head: 8, the same grid); the launch counts
     its CTAs with that choice, and the split (``kernel_spec.split_for``) counts short-tile CTAs at 8 heads whatever
     the choice. A fused kernel keeps 8."""
-    from jax_dqpost import kernel_spec, varlen
+    from jax_dqpost._kernel import spec as kernel_spec, varlen
     from jax_dqpost.plan import Part, Plan
 
     layout = AccumLayout.flash_attention(90, 128, causal=False, tensor="dq", version="4.0.0b36")  # short tiles

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from jax_dqpost import cute_runtime
+from jax_dqpost._kernel import cute_runtime
 
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())

@@ -1,7 +1,7 @@
 """Which tile a CTA of the kernel converts: a scheduler per tiling, as FlashAttention's ``SingleTileScheduler`` and
 ``SingleTileVarlenScheduler`` are (``flash_attn/cute/tile_scheduler.py``).
 
-Imports cutlass at module import: load this module lazily (``kernel_cache.py`` does).
+Imports cutlass at module import: load this module lazily (``cache.py`` does).
 
 A scheduler numbers a part's CTAs (:meth:`num_ctas`) and gives a CTA its tile's coordinates, every clamp applied
 once, here: where the tile starts in the accumulator and in the result, how many rows it writes (``rows_total``)
@@ -38,7 +38,6 @@ from cutlass import Int32, Int64, const_expr
 
 from . import varlen
 from .abi import Tiling
-from .layout import AccumLayout
 
 
 class TensorArgs(NamedTuple):
@@ -88,7 +87,7 @@ def read_span(aux_ptr: cute.Pointer, num_spans: Int32, span: Int32):
 class DenseScheduler:
     """Tiles of a dense part (module docstring); ``seqused``: rows past ``seqused[b]`` are zeros."""
 
-    def __init__(self, layout: AccumLayout, padded_head_dim: int, seqused: bool, split: int = 1):
+    def __init__(self, layout, padded_head_dim: int, seqused: bool, split: int = 1):
         self.layout, self.padded_head_dim, self.seqused, self.split = layout, padded_head_dim, seqused, split
         self.unread = layout.alloc_head_dim(padded_head_dim) - padded_head_dim  # Da - Dr: per row, after the tiles
 
@@ -124,7 +123,7 @@ class VarlenScheduler:
     """Long tiles of a packed part, the work list's slots, and its short tiles' scheduler (``short``) for the swapped
     Hopper orders (module docstring)."""
 
-    def __init__(self, layout: AccumLayout, padded_head_dim: int, short_heads: int = varlen.SHORT_HEADS,
+    def __init__(self, layout, padded_head_dim: int, short_heads: int = varlen.SHORT_HEADS,
                  split: int = 1, slot_records: bool = False):
         self.layout, self.padded_head_dim, self.split = layout, padded_head_dim, split
         self.slot_records = slot_records
@@ -187,7 +186,7 @@ class VarlenScheduler:
 class ShortTileScheduler:
     """Short tiles of a packed part of a swapped Hopper order (module docstring)."""
 
-    def __init__(self, layout: AccumLayout, short_heads: int):
+    def __init__(self, layout, short_heads: int):
         self.layout, self.short_rows, self.short_heads = layout, varlen.short_rows(layout), short_heads
 
     def num_ctas(self, part: TensorArgs):
@@ -215,10 +214,10 @@ class ShortTileScheduler:
         return ShortTile(row0, rows_total, rows_conv, acc_row, padded_total)
 
 
-def scheduler(layout: AccumLayout, padded_head_dim: int, tiling: Tiling, short_heads: int = varlen.SHORT_HEADS,
+def scheduler(layout, padded_head_dim: int, tiling: Tiling, short_heads: int = varlen.SHORT_HEADS,
               split: int = 1, slot_records: bool = False):
     """The scheduler of a part of this tiling; ``split``: CTAs per tile and head (their shares:
-    ``kernel_spec.split_regions``); ``slot_records``: varlen long tiles from the slots' records."""
+    ``spec.split_regions``); ``slot_records``: varlen long tiles from the slots' records."""
     if tiling == Tiling.VARLEN:
         return VarlenScheduler(layout, padded_head_dim, short_heads, split, slot_records)
     return DenseScheduler(layout, padded_head_dim, tiling == Tiling.DENSE_SEQUSED, split)

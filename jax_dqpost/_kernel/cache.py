@@ -1,6 +1,6 @@
 """Compile the CuTe DSL kernel once per binary-changing configuration; cutlass is imported lazily here.
 
-The key (``Plan.kernel``, a :class:`~jax_dqpost.kernel_spec.KernelSpec`, and the target GPU) holds what changes the
+The key (``Plan.kernel``, a :class:`~jax_dqpost._kernel.spec.KernelSpec`, and the target GPU) holds what changes the
 binary: output dtype, each part's accumulator layout, padded head dim, tiling, split and short-tile heads, the sink's
 dtypes and the GPU architecture. Batch, heads, sequence lengths, head dims and scales are run-time arguments of the
 compiled module, so they never trigger a compile.
@@ -33,13 +33,15 @@ import threading
 import warnings
 from pathlib import Path
 
-from . import _errors, abi, arch as arch_, cute_runtime
-from ._version import __version__
-from .kernel_spec import KernelSpec
+from .. import _errors
+from . import abi, arch as arch_, cute_runtime
+from .._version import __version__
+from .spec import KernelSpec
 
-KERNEL_SOURCES = ("kernel.py", "kernel_spec.py", "schedule.py", "tile.py", "fragments.py", "abi.py", "layout.py",
-                  "presets.py", "varlen.py", "arch.py", "_errors.py")
-"""The modules the compiled kernel is made from (``kernel.py`` and what it imports): part of a disk entry's name."""
+KERNEL_SOURCES = tuple(f"_kernel/{name}.py" for name in ("kernel", "spec", "schedule", "tile", "fragments", "abi",
+                                                          "varlen", "arch")) + ("layout.py", "presets.py", "_errors.py")
+"""The modules the compiled kernel is made from (``kernel.py``, what it imports and the orders whose methods it
+calls), by their paths in the package: part of a disk entry's name."""
 
 CACHE_DIR_ENV = "JAX_DQPOST_CACHE_DIR"
 """The variable naming the on-disk cache's directory (the module docstring says what it takes)."""
@@ -63,7 +65,7 @@ _unusable_reported = False  # the warning of a cache directory that cannot be us
 def get_kernel(spec: KernelSpec, *, arch: str | None = None, persist: bool | None = None) -> CompiledKernel:
     """The compiled module of ``spec`` (``Plan.kernel``), from a cache or compiled now.
 
-    ``arch``: the target GPU (default: :func:`jax_dqpost.arch.target_arch`). ``persist``: write a new module to
+    ``arch``: the target GPU (default: :func:`.arch.target_arch`). ``persist``: write a new module to
     the default on-disk cache even without a local GPU (None: see the module docstring).
     """
     key = _key(spec, arch)
@@ -95,7 +97,7 @@ def on_disk(spec: KernelSpec, *, arch: str | None = None) -> bool:
 
 
 def _key(spec: KernelSpec, arch: str | None) -> tuple[KernelSpec, str]:
-    """``(spec, arch)``: a cache key, with the target GPU (default :func:`jax_dqpost.arch.target_arch`)."""
+    """``(spec, arch)``: a cache key, with the target GPU (default :func:`.arch.target_arch`)."""
     if not isinstance(spec, KernelSpec):
         raise TypeError(f"jax_dqpost: a kernel is a KernelSpec, got {type(spec).__name__}")
     return spec, arch_.check_arch(arch, f"arch={arch!r}") if arch else arch_.target_arch()
@@ -159,8 +161,8 @@ def _disk_name(key: tuple) -> str:
         dsl = metadata.version("nvidia-cutlass-dsl")
     except metadata.PackageNotFoundError:  # a DSL on PYTHONPATH, not installed as a distribution
         dsl = "unknown"
-    here = Path(__file__).parent
-    source = b"".join((here / name).read_bytes() for name in KERNEL_SOURCES)
+    package = Path(__file__).parents[1]
+    source = b"".join((package / name).read_bytes() for name in KERNEL_SOURCES)
     ident = (key, __version__, dsl, flavour, FUNCTION_PREFIX, _ENTRY_MAGIC)
     digest = hashlib.sha256(repr(ident).encode() + source).hexdigest()
     spec, arch = key

@@ -86,7 +86,7 @@ def short_rows(layout) -> int:
 def short_tile_threads(layout, padded_head_dim: int) -> int:
     """Threads a short-tile CTA needs to convert a short tile of one head in one round: one per row pair and 16
     columns (``tile.TileConverter.short_tile``); 0 for orders without short tiles. A CTA of fewer threads would drop
-    work items (``kernel_spec.splits`` keeps at least this many)."""
+    work items (``spec.splits`` keeps at least this many)."""
     return (short_rows(layout) + 1) // 2 * (padded_head_dim // 16)
 
 
@@ -99,7 +99,7 @@ def short_heads(num_spans: int, heads: int) -> int:
 
 def grid_ctas(heads, num_tiles, num_spans, short_rows: int, short_heads: int = SHORT_HEADS, split: int = 1):
     """CTAs of a varlen launch: ``split`` per long-tile slot and head (a tile's shares,
-    ``kernel_spec.split_regions``, when ``split`` > 1), and (orders with short tiles) one per span and group of
+    ``spec.split_regions``, when ``split`` > 1), and (orders with short tiles) one per span and group of
     ``short_heads`` heads. ``short_rows``, ``short_heads``, ``split``: Python ints; the rest plain arithmetic, also
     evaluated on the kernel's run-time integers."""
     if short_rows:

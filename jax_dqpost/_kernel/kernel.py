@@ -1,6 +1,6 @@
 """The CuTe DSL kernel: a call's parts (dQ, or dQ, dK and dV) and the learnable-sink gradient in one launch.
 
-Imports cutlass at module import: load this module lazily (``kernel_cache.py`` does).
+Imports cutlass at module import: load this module lazily (``cache.py`` does).
 
 The entry point takes its arguments in the order of ``abi.py`` (:func:`entry_args`). A call of one part without a
 sink launches that part's own grid: ``(split * H * grid_x, 1, B)`` dense (``KernelSpec.batch_on_grid_z``),
@@ -34,7 +34,7 @@ from cutlass import Float32, Int32, Int64, const_expr
 
 from . import abi, varlen
 from .abi import Tiling
-from .kernel_spec import KernelSpec
+from .spec import KernelSpec
 from .schedule import TensorArgs, VarlenScheduler, read_span, scheduler
 from .tile import TileConverter
 
@@ -87,7 +87,7 @@ class _SharedTile:
 class Postprocess:
     """The kernel of a call (module docstring).
 
-    ``spec``: the :class:`~jax_dqpost.kernel_spec.KernelSpec` (``Plan.kernel``); the binary depends on it and the
+    ``spec``: the :class:`~jax_dqpost._kernel.spec.KernelSpec` (``Plan.kernel``); the binary depends on it and the
     target GPU only. Tuning, for experiments (benchmarks/ncu_kernels.py; the package compiles with the defaults):
     ``min_ctas_per_sm`` (:class:`TileConverter`), ``short_heads`` (``schedule.ShortTileScheduler``; None: the
     spec's), ``pdl`` (None: where the target has it, sm_90 on), ``trigger`` (None: :data:`TRIGGER`), and for a

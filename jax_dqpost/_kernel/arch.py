@@ -13,7 +13,7 @@ import contextvars
 import functools
 import os
 
-from ._errors import describe
+from .._errors import describe
 
 SUPPORTED_ARCHS = ("sm_80", "sm_86", "sm_87", "sm_89", "sm_90a") + tuple(
     f"sm_{sm}{suffix}" for sm in (100, 101, 103, 110, 120, 121) for suffix in ("", "a", "f"))
@@ -47,7 +47,7 @@ def cuda_arch(arch: str):
 
     Precedence: this context, then the ``CUTE_DSL_ARCH`` environment variable, then the first CUDA device.
     ``arch`` must be a name the kernel compiles for: ``"sm_80"``, ``"sm_86"``..., ``"sm_90a"`` (``"sm_90"`` means
-    it), ``"sm_100a"``... (``jax_dqpost.arch.SUPPORTED_ARCHS``); ``ValueError`` otherwise, listing them.
+    it), ``"sm_100a"``...; ``ValueError`` otherwise, listing every one.
     """
     token = _override.set(check_arch(arch, f"arch={arch!r}"))
     try:

@@ -2,7 +2,7 @@
 (``schedule.py``) has given it the tile's coordinates: ``rows_total`` rows to write, of which the first
 ``rows_conv`` come from the accumulator and the rest are zeros.
 
-Imports cutlass at module import: load this module lazily (``kernel_cache.py`` does).
+Imports cutlass at module import: load this module lazily (``cache.py`` does).
 
 Per tile with rows to convert (or one CTA's share of it: ``split``), every thread
   1. loads its fp32 accumulator fragment straight from global memory, coalesced, in the order the
@@ -34,9 +34,8 @@ from cutlass import Float32, Int64, const_expr
 from cutlass.cute.nvgpu import warp, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from . import fragments, kernel_spec
+from . import fragments, spec
 from .abi import Tiling
-from .layout import AccumLayout
 from .schedule import TensorArgs, ShortTile, Tile
 
 _VEC_BYTES = 16
@@ -55,7 +54,7 @@ class TileConverter:
     """The conversion of one part's tiles, for an accumulator in any :class:`AccumLayout` order.
 
     Its code depends on the output dtype, the layout, the padded head dim, the tiling and the target GPU only
-    (``kernel_spec.TensorKernel``); batch, heads, sequence lengths and head_dim are run-time arguments.
+    (``spec.TensorKernel``); batch, heads, sequence lengths and head_dim are run-time arguments.
 
     How the fragment is read, by order family:
 
@@ -71,16 +70,16 @@ class TileConverter:
     The element-by-element shared-memory writes are correct but not tuned (2-byte stores).
     """
 
-    def __init__(self, dtype: type[cutlass.Numeric], layout: AccumLayout, padded_head_dim: int, *,
+    def __init__(self, dtype: type[cutlass.Numeric], layout, padded_head_dim: int, *,
                  tiling: Tiling = Tiling.DENSE, target_sm: int = 90, min_ctas_per_sm: int | None = None,
                  split: int = 1):
         """``padded_head_dim``: ``Dr``, the head dim as padded in the accumulator. ``tiling``: the part's
         (``schedule.py``; outside ``DENSE`` the loads of rows past ``rows_conv`` are skipped). ``target_sm``: the GPU
         generation compiled for (e.g. 80, 90, 100). Tuning (benchmarks/ncu_kernels.py compares it):
         ``min_ctas_per_sm``, the launch-bounds hint given to ptxas (None: chosen here; 0: none). ``split``: 1, or
-        one of ``kernel_spec.splits``: a CTA of ``num_threads / split`` threads converts those producer threads' share
-        of a tile (``kernel_spec.split_regions``; :meth:`tile`'s ``sub``). The layout and ``Dr`` are a
-        :class:`~jax_dqpost.kernel_spec.KernelSpec`'s, which checked that the kernel exists."""
+        one of ``spec.splits``: a CTA of ``num_threads / split`` threads converts those producer threads' share
+        of a tile (``spec.split_regions``; :meth:`tile`'s ``sub``). The layout and ``Dr`` are a
+        :class:`~jax_dqpost._kernel.spec.KernelSpec`'s, which checked that the kernel exists."""
         self.tiling = Tiling(tiling)
         self.family = {90: "mma", 80: "mma", 100: "rows", None: "rowmajor"}[layout.arch]
         self.use_stmatrix = target_sm >= 90
@@ -97,12 +96,12 @@ class TileConverter:
         self.split = split
         self.work_threads = self.num_threads // split  # the threads converting a tile, or a share of it
         if split != 1:
-            regions = kernel_spec.split_regions(layout, padded_head_dim, split)
+            regions = spec.split_regions(layout, padded_head_dim, split)
             if regions is None:
                 raise ValueError(f"split={split}: {layout} at Dr={padded_head_dim} has no shares of "
                                  f"{self.work_threads} threads to split a tile into")
             self.region_shape, self.region_corners = regions
-            self.region_store = kernel_spec.region_store_tiling(*self.region_shape, self.work_threads)
+            self.region_store = spec.region_store_tiling(*self.region_shape, self.work_threads)
         self.cta_threads = self.work_threads  # threads of the CTA (more when another part is wider, kernel.py)
         geom = layout.mma_geometry(padded_head_dim)
         self.mma_mn = (geom["m"], geom["n"])
@@ -117,8 +116,8 @@ class TileConverter:
         else:
             live = self.regs if self.family == "mma" else 16
         self.chunk = self.tile_m * padded_head_dim // max(1, layout.num_threads // 128)  # arch 90: per warpgroup
-        self.store_threads = kernel_spec.store_tiling(layout, padded_head_dim)
-        self.smem_bytes = kernel_spec.smem_bytes(layout, padded_head_dim)  # a whole tile, split or not
+        self.store_threads = spec.store_tiling(layout, padded_head_dim)
+        self.smem_bytes = spec.smem_bytes(layout, padded_head_dim)  # a whole tile, split or not
         if min_ctas_per_sm is None:
             # Room for the whole fp32 fragment (all its loads in flight at once) plus ~24 registers of
             # addresses and converted values, and as many CTAs per SM as that allows.
@@ -423,7 +422,7 @@ class TileConverter:
     def _store_region(self, g_out, s_tile, crd, tiling: cutlass.Constexpr, vec: cutlass.Constexpr, rows_total,
                       rows_conv, head_dim, tidx):
         """The stores of a region of the tile (``crd``: its tile coordinates) by the ``rows x per_row`` threads of
-        ``tiling`` (the first ones of the ``work_threads``: ``kernel_spec.store_tiling``)."""
+        ``tiling`` (the first ones of the ``work_threads``: ``spec.store_tiling``)."""
         rows, per_row = tiling
         if const_expr(rows * per_row < self.work_threads):
             if tidx < rows * per_row:

@@ -22,7 +22,7 @@ from ._kernel import abi, arch as arch_, cache, cute_runtime, precompile as kern
 from ._kernel.abi import Tiling
 from ._kernel.varlen import SHORT_HEADS
 from .layout import AccumLayout
-from .presets import FLASH_ATTENTION_ARCHS, FLASH_ATTENTION_RELEASES, GPU_ARCHS, has_postprocess
+from .layout._presets import FLASH_ATTENTION_ARCHS, FLASH_ATTENTION_RELEASES, GPU_ARCHS, has_postprocess
 
 _DTYPE_SPELLINGS = tuple(_arguments.OUT_DTYPE_SPELLINGS)
 _TILING_NAMES = tuple(t.name.lower() for t in Tiling)

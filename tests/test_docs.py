@@ -198,7 +198,7 @@ def test_readme_layout_section_is_what_the_code_takes():
     """The README's "Which layout" table names the constructors, not the presets (their one home is the docstring
     above, rendered into docs/api.md, which the README names): its GPU list is FlashAttention-4's, and the sm90
     head dims it names for ``causal`` are those where the two dQ presets differ."""
-    from jax_dqpost.presets import FLASH_ATTENTION_ARCHS
+    from jax_dqpost.layout._presets import FLASH_ATTENTION_ARCHS
 
     section = README.split("\n### Which layout\n", 1)[1].split("\n### ", 1)[0]
     assert not _preset_rows_of(section), "the preset table's home is AccumLayout.flash_attention's docstring"

@@ -38,8 +38,9 @@ from . import abi, arch as arch_, cute_runtime
 from .._version import __version__
 from .spec import KernelSpec
 
-KERNEL_SOURCES = tuple(f"_kernel/{name}.py" for name in ("kernel", "spec", "schedule", "tile", "fragments", "abi",
-                                                          "varlen", "arch")) + ("layout.py", "presets.py", "_errors.py")
+KERNEL_SOURCES = (*(f"_kernel/{name}.py" for name in ("kernel", "spec", "schedule", "tile", "fragments", "abi", "varlen",
+                                                   "arch")),
+                  "layout/__init__.py", "layout/_presets.py", "_errors.py")
 """The modules the compiled kernel is made from (``kernel.py``, what it imports and the orders whose methods it
 calls), by their paths in the package: part of a disk entry's name."""
 

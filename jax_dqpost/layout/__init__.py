@@ -1,12 +1,13 @@
-"""Who wrote the accumulator: :class:`AccumLayout`, the record of a producer's accumulator order, its validation and
-the geometry it implies (padded shapes, the producer's MMA tiling, the per-tile index map ``F[i, j]`` = position of
-logical element ``(row i, column j)`` inside one tile of ``tile_m * Dr`` floats). Plain data: no GPU, no JAX, no
-CuTe.
+"""The accumulator orders. Who wrote the accumulator: :class:`AccumLayout`, the record of a producer's accumulator
+order, its validation and the geometry it implies (padded shapes, the producer's MMA tiling, the per-tile index map
+``F[i, j]`` = position of logical element ``(row i, column j)`` inside one tile of ``tile_m * Dr`` floats). Plain
+data: no GPU, no JAX, no CuTe.
 
 The FlashAttention backward kernels reduce-add dQ into an fp32 scratch buffer ("dQaccum") in the order their MMA
-accumulator fragments sit in registers, thread by thread: ``fragments.py`` holds those maps, ``docs/design.md``
-derives each order and names its upstream source. FlashAttention-4's presets (:meth:`AccumLayout.flash_attention`)
-are ``presets.py``'s; which orders the kernel converts (:meth:`AccumLayout.check_head_dim`) ``spec.py``'s.
+accumulator fragments sit in registers, thread by thread: ``_kernel/fragments.py`` holds those maps, which the kernel
+evaluates too, ``docs/design.md`` derives each order and names its upstream source. FlashAttention-4's presets
+(:meth:`AccumLayout.flash_attention`) are ``_presets.py``'s; which orders the kernel converts
+(:meth:`AccumLayout.check_head_dim`) ``_kernel/spec.py``'s.
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ import dataclasses
 
 import numpy as np
 
-from . import _errors, presets
-from ._kernel import fragments, spec
-from ._errors import MAX_HEAD_DIM
-from ._kernel.fragments import MMA_SYNC_TILE, WARPGROUP, WGMMA_M
-from ._kernel.varlen import padded_total
+from .. import _errors
+from .._errors import MAX_HEAD_DIM
+from .._kernel import fragments, spec
+from .._kernel.fragments import MMA_SYNC_TILE, WARPGROUP, WGMMA_M
+from .._kernel.varlen import padded_total
+from . import _presets
 
 __all__ = ["AccumLayout"]
 
@@ -110,7 +112,7 @@ class AccumLayout:
         arch = None if self.arch is None else _check_int("arch", self.arch)
         if arch not in ORDERS:
             hint = ""
-            if arch in presets.FLASH_ATTENTION_ARCHS:
+            if arch in _presets.FLASH_ATTENTION_ARCHS:
                 hint = (f"; FlashAttention's sm{arch} backward writes the arch={ORDER_OF_FAMILY[arch // 10]} order "
                         f"(AccumLayout.flash_attention({arch}, head_dim, causal=..., tensor=..., version=...) gives "
                         "its layouts)")
@@ -185,13 +187,13 @@ class AccumLayout:
 
     # ----------------------------------------------------------------------------------------------
     @classmethod
-    @_errors.required_arguments(**presets.HINTS)
+    @_errors.required_arguments(**_presets.HINTS)
     def flash_attention(cls, gpu: int, head_dim: int, *, causal: bool, tensor: str, version: str,
                         head_dim_v: int | None = None) -> "AccumLayout":
-        return presets.flash_attention(cls, gpu, head_dim, causal=causal, tensor=tensor, version=version,
+        return _presets.flash_attention(cls, gpu, head_dim, causal=causal, tensor=tensor, version=version,
                                        head_dim_v=head_dim_v)
 
-    flash_attention.__func__.__doc__ = presets.flash_attention.__doc__  # the presets' table, with their sources
+    flash_attention.__func__.__doc__ = _presets.flash_attention.__doc__  # the presets' table, with their sources
 
     @classmethod
     def row_major(cls, *, tile_m: int = 64, num_threads: int = 256, hdim_multiple_of: int = 32,
@@ -279,10 +281,10 @@ class AccumLayout:
         every supported GPU: the MMA tiling divides, the padded head dim is at most 256, the kernel can place the
         fragment (wgmma: 16-column multiples per warpgroup; mma.sync: a power-of-two number of warps, and at least
         two along dQ's rows with ``swap_ab``), ``tile_m`` is a multiple of 16, the kernel's threads tile the dQ
-        tile's 16-byte stores exactly, and the tile fits in shared memory (``spec.SMEM_LIMIT``). What passes
-        compiles for sm_80, sm_90a and sm_100a alike (``tests/test_accepted_layouts.py``). ``name``: the argument
-        the messages name. The message of a head dim the order cannot hold lists those it can, and the presets it
-        is FlashAttention-4's for: a layout made for another head dim is the usual cause."""
+        tile's 16-byte stores exactly, and the tile fits in the 99 KiB of shared memory a CTA may use on every
+        supported GPU. What passes compiles for sm_80, sm_90a and sm_100a alike (``tests/test_accepted_layouts.py``).
+        ``name``: the argument the messages name. The message of a head dim the order cannot hold lists those it
+        can, and the presets it is FlashAttention-4's for: a layout made for another head dim is the usual cause."""
         head_dim = _errors.head_dim(head_dim, name)
         try:
             self._check_kernel(head_dim, name)
@@ -293,13 +295,13 @@ class AccumLayout:
         """Which head dims this order holds, and whose preset it is: the hint of ``check_head_dim``'s errors."""
         fits = [d for d in range(8, MAX_HEAD_DIM + 1, 8) if self._holds(d)]
         if self.arch is None:  # the row-major order is made for no head dim: its fields must suit this one
-            held = f"head dims {presets.head_dim_ranges(fits)}" if fits else "no head dim"
+            held = f"head dims {_presets.head_dim_ranges(fits)}" if fits else "no head dim"
             return (f"This row-major layout holds {held}; AccumLayout.row_major() with its default tile_m, "
                     f"num_threads and hdim_multiple_of holds every head dim")
         if not fits:
             return "This layout holds no head dim"
-        return (f"This layout holds head dims {presets.head_dim_ranges(fits)}, so it was probably made for another "
-                f"head dim{presets.preset_hint(self)}: build the layout for {name}={head_dim}")
+        return (f"This layout holds head dims {_presets.head_dim_ranges(fits)}, so it was probably made for another "
+                f"head dim{_presets.preset_hint(self)}: build the layout for {name}={head_dim}")
 
     def _holds(self, head_dim: int) -> bool:
         try:

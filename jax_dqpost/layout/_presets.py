@@ -1,7 +1,7 @@
 """FlashAttention-4's presets: the accumulator orders its backward writes, by GPU, head dim, causality, tensor and
 release (:func:`flash_attention`, ``AccumLayout.flash_attention``'s body and docstring: the table, with its
 sources), the GPU tables they stand on, and the hints of the errors that concern them. Plain data, no GPU; it does
-not import ``layout.py``, which holds the orders themselves and passes its record's class in."""
+not import ``__init__.py``, which holds the orders themselves and passes its record's class in."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import dataclasses
 import functools
 import itertools
 
-from . import _errors
-from ._errors import MAX_HEAD_DIM
-from ._kernel.arch import SUPPORTED_ARCHS, sm_version
+from .. import _errors
+from .._errors import MAX_HEAD_DIM
+from .._kernel.arch import SUPPORTED_ARCHS, sm_version
 
 GPU_ARCHS = tuple(sorted({sm_version(a) for a in SUPPORTED_ARCHS}))
 """The GPU architectures the kernel knows, as numbers (``arch.SUPPORTED_ARCHS``)."""
@@ -172,8 +172,8 @@ def flash_attention(cls, gpu: int, head_dim: int, *, causal: bool, tensor: str, 
 
     ``version``: the flash-attn-4 release that wrote the accumulator (``importlib.metadata.version(
     "flash-attn-4")``; a port of its kernels: the release it was taken from, if its padding is unchanged). The
-    presets know ``jax_dqpost.presets.FLASH_ATTENTION_RELEASES``; another release raises ``ValueError`` naming
-    the layouts to pass instead, as the rows below differ between releases only in the padding:
+    presets know the releases below; another release raises ``ValueError`` naming the layouts to pass instead, as
+    the rows below differ between releases only in the padding:
 
     * ``"4.0.0b36"``: its sm90 backward tiles the head dim in multiples of 16 (64 where its dK/dV MMA is
       swapped, head dims above 128) while it allocates the accumulators in multiples of 32 (upstream:

@@ -12,9 +12,9 @@ import dataclasses
 
 import numpy as np
 
-from jax_dqpost import _ffi
+from jax_dqpost._primitive import ffi as _ffi
 from jax_dqpost._kernel import abi, arch, cache as kernel_cache
-from jax_dqpost.plan import Part, Plan
+from jax_dqpost._primitive.plan import Part, Plan
 from jax_dqpost._kernel.varlen import WorkList
 
 TARGET_NAME = _ffi.TARGET_NAME

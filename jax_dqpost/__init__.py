@@ -13,8 +13,8 @@ dsink)``, None where a member was not computed. On CUDA they run CuTe DSL kernel
 XLA FFI target; on every other platform, a bit-identical jax.numpy reference.
 """
 
-from . import _ffi
-from ._ffi import DISABLED_CHECKS
+from ._primitive import ffi as _ffi
+from ._primitive.ffi import DISABLED_CHECKS
 from ._version import __version__
 from .api import Gradients, dq_accum_from_dq, dq_postprocess, flash_attention_postprocess
 from ._kernel.arch import cuda_arch

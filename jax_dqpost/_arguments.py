@@ -16,7 +16,7 @@ from jax.experimental import checkify
 from ._kernel import abi
 from ._errors import describe, env_flag, static_int
 from .layout import CONSTRUCTORS, NO_DEFAULT, AccumLayout
-from .plan import ARG_NAMES, ArgNames, Part
+from ._primitive.plan import ARG_NAMES, ArgNames, Part
 from ._kernel.varlen import INT32_MAX, WorkList, padded_total
 
 LAYOUT_HINT = f"the AccumLayout of the producer's accumulator ({NO_DEFAULT}); {CONSTRUCTORS}"
@@ -25,7 +25,7 @@ LAYOUT_HINT = f"the AccumLayout of the producer's accumulator ({NO_DEFAULT}); {C
 
 def part(layout, head_dim, dtype, seqlen, total, cu_seqlens, seqused,
          names: ArgNames = ARG_NAMES["dq"]) -> tuple[Part, object]:
-    """One tensor's :class:`~jax_dqpost.plan.Part` and its side's int32 aux operand (empty, seqused or the work
+    """One tensor's :class:`~jax_dqpost._primitive.plan.Part` and its side's int32 aux operand (empty, seqused or the work
     list), from the API's arguments of its side; errors name the arguments as ``names`` does."""
     seqlen_n, total_n, cu_n, used_n = names.seqlen, names.total, names.cu_seqlens, names.seqused
     if cu_seqlens is None:

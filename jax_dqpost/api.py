@@ -1,5 +1,5 @@
 """The public entry points: the arguments checked and made operands (``_arguments.py``), the call's
-:class:`~jax_dqpost.plan.Plan`, then one ``bind`` of the primitive (``primitive.py``)."""
+:class:`~jax_dqpost._primitive.plan.Plan`, then one ``bind`` of the primitive (``rules.py``)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _arguments, _errors, _jax_internals, primitive
+from . import _arguments, _errors, _jax_internals
+from ._primitive import rules
 from .layout import AccumLayout
-from .plan import ARG_NAMES, Operands, Plan
-from .reference import accum_from_dq_reference
+from ._primitive.plan import ARG_NAMES, Operands, Plan
+from ._primitive.reference import accum_from_dq_reference
 
 
 class Gradients(NamedTuple):
@@ -260,8 +261,8 @@ def _bind(plan: Plan, accs, side_aux, scales, sink) -> list:
     """The primitive on the API's operands (``sink``: the three sink operands, or None); its abstract evaluation
     checks their shapes, naming the arguments, and CUDA's launch limits, at trace time and on every platform. Inside
     ``jax.shard_map`` the operands are cast to the union of their varying manual axes first, and so are the results
-    (``primitive.bind``)."""
-    return primitive.bind(plan.join(Operands(tuple(accs), tuple(side_aux), scales, *(sink or ()))), plan)
+    (``rules.bind``)."""
+    return rules.bind(plan.join(Operands(tuple(accs), tuple(side_aux), scales, *(sink or ()))), plan)
 
 
 @_errors.required_arguments(layout=_arguments.LAYOUT_HINT)

@@ -18,7 +18,7 @@ import pytest
 from jax_dqpost import AccumLayout, dq_postprocess
 from jax_dqpost._kernel import cache as kernel_cache, varlen
 from jax_dqpost._kernel.spec import SMEM_LIMIT, KernelSpec, TensorKernel, call_splits, store_tiling
-from jax_dqpost.plan import Part, Plan
+from jax_dqpost._primitive.plan import Part, Plan
 from jax_dqpost._kernel.abi import Tiling
 
 ARCHS = ("sm_80", "sm_90a", "sm_100a")

@@ -79,7 +79,7 @@ def test_concrete_arrays_outside_jit_are_validated_like_static_values(rng, side,
     error, naming the side's arguments), while the array stays the kernel's operand (the traced work list's bound);
     traced values are clamped. The q side through dq_postprocess, the k side through flash_attention_postprocess
     (with a dense q side)."""
-    from jax_dqpost.primitive import postprocess_p
+    from jax_dqpost._primitive.rules import postprocess_p
     from jax_dqpost._kernel.varlen import WorkList
 
     dq_layout, dkv_layout, D, _ = fa4_pair("sm90-hd128")
@@ -275,7 +275,7 @@ def test_a_packed_call_takes_one_head_per_short_tile_cta_where_eight_make_few_ct
     its CTAs with that choice, and the split (``kernel_spec.split_for``) counts short-tile CTAs at 8 heads whatever
     the choice. A fused kernel keeps 8."""
     from jax_dqpost._kernel import spec as kernel_spec, varlen
-    from jax_dqpost.plan import Part, Plan
+    from jax_dqpost._primitive.plan import Part, Plan
 
     layout = AccumLayout.flash_attention(90, 128, causal=False, tensor="dq", version="4.0.0b36")  # short tiles
     assert kernel_spec.splits(layout, 128)

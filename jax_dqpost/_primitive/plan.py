@@ -28,11 +28,11 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ._kernel import abi, spec, varlen
-from ._kernel.abi import Tiling
-from ._kernel.spec import KernelSpec, TensorKernel
-from .layout import AccumLayout
-from ._kernel.varlen import INT32_MAX, WorkList
+from .._kernel import abi, spec, varlen
+from .._kernel.abi import Tiling
+from .._kernel.spec import KernelSpec, TensorKernel
+from ..layout import AccumLayout
+from .._kernel.varlen import INT32_MAX, WorkList
 
 MAX_GRID_Z = 65535  # CUDA's limit on gridDim.z: the batch of dense parts
 

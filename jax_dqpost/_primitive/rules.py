@@ -1,7 +1,7 @@
 """The postprocess primitive: every rule (abstract eval, lowerings, vmap, JVP, transpose, sharding), registered in
 one block at the end.
 
-Operands and results in the order of ``abi.py``; its one parameter is ``plan`` (:class:`~jax_dqpost.plan.Plan`),
+Operands and results in the order of ``abi.py``; its one parameter is ``plan`` (:class:`~jax_dqpost._primitive.plan.Plan`),
 which every rule asks. ``dq_postprocess`` binds it with one part, ``flash_attention_postprocess`` with one or three,
 and either with a sink.
 
@@ -31,7 +31,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 
-from . import _jax_internals, cuda_lowering
+from .. import _jax_internals
+from . import cuda_lowering
 from .plan import Operands, Plan
 from .reference import accum_from_dq_reference, dsink_reference, gather_accumulator, mul_f32_rn, postprocess_reference
 

@@ -9,7 +9,7 @@ Implementations (``implementation=``):
   run the call (Hopper and Blackwell; with sinks sm90 and sm100/sm110), bf16 and fp16, fa4-jax 0.1.0 installed.
   Lengths run FlashAttention's packed (varlen) kernels on the batch as it is, reshaped (no copy). A call the
   kernels cannot express exactly (a bias, a mask array, a window whose alignment differs) is refused naming why.
-- ``'xla'``: jax.numpy on every platform (``jax_dqpost._xla_attention``): jax.nn's ``'xla'`` computation, with the
+- ``'xla'``: jax.numpy on every platform (``jax_dqpost._attention.xla``): jax.nn's ``'xla'`` computation, with the
   sinks as one more logit per row; bf16 and fp16 on CPU too.
 - ``'cudnn'``: ``jax.nn.dot_product_attention(implementation='cudnn')`` as it is, without sinks.
 - ``None``: ``'fa4'`` where it runs this call, else ``'xla'``; on a GPU the fallback warns once per reason.
@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _xla_attention
+from ._attention import xla
 from ._errors import describe
 
 IMPLEMENTATIONS = (None, "xla", "fa4", "cudnn")
@@ -110,7 +110,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
 
 
 def _xla(r: _Request):
-    return _xla_attention.dot_product_attention(
+    return xla.dot_product_attention(
         r.query, r.key, r.value, r.bias, r.mask, scale=r.scale, is_causal=r.is_causal, q_lengths=r.q_lengths,
         kv_lengths=r.kv_lengths, window=r.window, sinks=r.sinks, return_residual=r.return_residual)
 

@@ -15,7 +15,7 @@ Usage (a CUDA GPU, and fa4-jax: ``pip install fa4-jax==0.1.0``, or the ``[fa4-ja
     dq, dk, dv = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)  # the backward ends in one jax-dqpost launch
 
 or ``fa4_jax.flash_attn(..., backend=fa4jax.BACKEND)`` once :func:`register` has run. The lse that ``return_lse``
-returns is differentiable: its cotangent enters the backward as ``dpsum - d_lse`` (:mod:`jax_dqpost._attention`).
+returns is differentiable: its cotangent enters the backward as ``dpsum - d_lse`` (:mod:`jax_dqpost._attention.vjp`).
 What fa4-jax does not take (vmap over varlen; the head dims and GPUs its kernels refuse) this backend does not take
 either, with fa4-jax's errors.
 
@@ -42,7 +42,7 @@ its accumulators; ``tests/test_gradients.py``, docs/gradients.md). On a GPU with
 line that says how to install it.
 
 Where JAX's default backend is not a GPU, :func:`flash_attn` and :func:`flash_attn_varlen` run the same attention
-in jax.numpy (``jax_dqpost._xla_attention.flash_attention``), with and without a sink, differentiable in every mode:
+in jax.numpy (``jax_dqpost._attention.xla.flash_attention``), with and without a sink, differentiable in every mode:
 FlashAttention's conventions (causal masks and windows bottom-right aligned on each sequence's used lengths, a row
 with no key gives 0 and lse the sink or ``-inf``, rows no sequence uses give 0 and ``-inf``); with ``mask_mod``,
 fa4-jax's own jax.numpy backend (``backend='reference'``), which takes it. """
@@ -56,7 +56,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _arguments, _attention, _fa4jax_internals, _xla_attention
+from . import _arguments
+from ._attention import fa4jax_internals, vjp, xla
 from ._kernel import abi, arch
 from ._errors import describe
 from .layout import ORDER_OF_FAMILY, AccumLayout
@@ -86,7 +87,7 @@ def _compiling(q, v):
     try:
         yield
     except Exception as e:
-        if not _fa4jax_internals.is_compile_error(e):
+        if not fa4jax_internals.is_compile_error(e):
             raise
         first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
         raise ValueError(
@@ -109,14 +110,14 @@ def accum_layout(order: tuple) -> AccumLayout:
     family = ORDER_OF_FAMILY.get(int(order_arch) // 10)
     if family is None:
         raise ValueError(f"fa4-jax postprocess configuration {order!r}: no accumulator order for arch {order_arch}")
-    return AccumLayout(family, rows, threads, atom_layout, bool(swap_ab), _fa4jax_internals.HDIM_MULTIPLE_OF,
+    return AccumLayout(family, rows, threads, atom_layout, bool(swap_ab), fa4jax_internals.HDIM_MULTIPLE_OF,
                        two_cta=False, cluster_size=1)
 
 
 def _layouts(cfg, q, k, v):
     """``(dq_layout, dkv_layout or None)`` of the accumulators fa4-jax's backward writes for this call (dK/dV's
     under grouped-query attention alone), each checked against the head dims it holds."""
-    dq_order, dkv_order = _fa4jax_internals.orders(cfg, q, k, v)
+    dq_order, dkv_order = fa4jax_internals.orders(cfg, q, k, v)
     return layouts(dq_order, dkv_order if q.shape[-2] != k.shape[-2] else None, q.shape[-1], v.shape[-1])
 
 
@@ -145,7 +146,7 @@ def postprocess(cfg, q, k, v, acc, seqlens):
     ``(dq, dk, dv)``. Under grouped-query attention it converts all three; otherwise dQ alone, and dK, dV are the
     main kernel's. ValueError where fa4-jax wrote an accumulator in an order our kernel does not take."""
     dq_layout, dkv_layout = _layouts(cfg, q, k, v)
-    grads = _attention.finish(acc, q, k, v, seqlens, scale=cfg.scale, dq_layout=dq_layout, dkv_layout=dkv_layout)
+    grads = vjp.finish(acc, q, k, v, seqlens, scale=cfg.scale, dq_layout=dq_layout, dkv_layout=dkv_layout)
     return grads.dq, grads.dk, grads.dv
 
 
@@ -154,35 +155,35 @@ def register():
     """Register :data:`BACKEND` with fa4-jax (once; :func:`flash_attn` and :func:`flash_attn_varlen` do it
     themselves). Returns ``fa4_jax``.
     Raises ImportError when fa4-jax 0.1.0 is not installed."""
-    fa4_jax = _fa4jax_internals.modules()[0]
+    fa4_jax = fa4jax_internals.modules()[0]
 
-    cute = _fa4jax_internals.cute_backend_class()
+    cute = fa4jax_internals.cute_backend_class()
 
     class Backend(cute):
         """fa4-jax's kernel backend, its kernels shared with fa4-jax's own, and jax-dqpost's postprocess."""
 
         def fwd(self, cfg, q, k, v, *args, **kwargs):
             with _compiling(q, v):
-                return super().fwd(_fa4jax_internals.as_cute(cfg), q, k, v, *args, **kwargs)
+                return super().fwd(fa4jax_internals.as_cute(cfg), q, k, v, *args, **kwargs)
 
         def fwd_lse(self, cfg, q, k, v, *args, **kwargs):
             with _compiling(q, v):
-                return super().fwd_lse(_fa4jax_internals.as_cute(cfg), q, k, v, *args, **kwargs)
+                return super().fwd_lse(fa4jax_internals.as_cute(cfg), q, k, v, *args, **kwargs)
 
         def tangent(self, cfg, q, k, v, *args, **kwargs):
             with _compiling(q, v):
-                return super().tangent(_fa4jax_internals.as_cute(cfg), q, k, v, *args, **kwargs)
+                return super().tangent(fa4jax_internals.as_cute(cfg), q, k, v, *args, **kwargs)
 
         def vjp(self, cfg, q, k, v, out, lse, d_out, d_lse, aux, seqlens=None):
             dq_layout, dkv_layout = _layouts(cfg, q, k, v)
-            delta = None if d_lse is None else _attention.lse_cotangent_rows(d_lse, dq_layout, seqlens)
+            delta = None if d_lse is None else vjp.lse_cotangent_rows(d_lse, dq_layout, seqlens)
             with _compiling(q, v):
-                acc = _fa4jax_internals.accumulators(cfg, q, k, v, out, lse, d_out, aux, seqlens, delta)
-            grads = _attention.finish(acc, q, k, v, seqlens, scale=cfg.scale, dq_layout=dq_layout,
+                acc = fa4jax_internals.accumulators(cfg, q, k, v, out, lse, d_out, aux, seqlens, delta)
+            grads = vjp.finish(acc, q, k, v, seqlens, scale=cfg.scale, dq_layout=dq_layout,
                                       dkv_layout=dkv_layout)
             return grads.dq, grads.dk, grads.dv
 
-    _fa4jax_internals.register_backend(BACKEND, Backend())
+    fa4jax_internals.register_backend(BACKEND, Backend())
     return fa4_jax
 
 
@@ -246,7 +247,7 @@ def check_sink(sink, q, kwargs, packed: bool):
 
 def check_sink_gpu(family: int):
     """ValueError unless FlashAttention-4's forward takes a learnable sink on GPUs of compute capability ``family``."""
-    if family not in _fa4jax_internals.SINK_FAMILIES:
+    if family not in fa4jax_internals.SINK_FAMILIES:
         raise ValueError(f"learnable_sink: FlashAttention-4's forward on {_gpu()} (compute capability {family}.x) "
                          "takes no learnable sink; the sm90 (Hopper) and sm100/sm110 ones do")
 
@@ -257,13 +258,13 @@ def unavailable(q, k, v, *, window_size, scale, packed: bool, sink: bool) -> str
     postprocess take. ``q``, ``k``, ``v``: dense ``(B, S, H, D)`` arrays or shape structs (``packed``: run as one
     packed batch)."""
     try:
-        _fa4jax_internals.modules()
+        fa4jax_internals.modules()
     except ImportError as e:
         return str(e)
     if not on_gpu():
         return f"fa4-jax's kernels run on NVIDIA GPUs, and JAX's default backend is {jax.default_backend()!r}"
-    family = _fa4jax_internals.device_family()
-    if sink and family not in _fa4jax_internals.SINK_FAMILIES:
+    family = fa4jax_internals.device_family()
+    if sink and family not in fa4jax_internals.SINK_FAMILIES:
         return (f"FlashAttention-4's forward on {_gpu()} takes no learnable sink (the sm90 and sm100/sm110 ones "
                 "do)")
     d, d_v = padded_head_dims(q.shape[-1], v.shape[-1], family)
@@ -273,10 +274,10 @@ def unavailable(q, k, v, *, window_size, scale, packed: bool, sink: bool) -> str
         return jax.ShapeDtypeStruct(shape, x.dtype)
 
     q, k, v = struct(q, d), struct(k, d), struct(v, d_v)
-    cfg = _fa4jax_internals.config(q, window_size=window_size, scale=scale, varlen=packed)
+    cfg = fa4jax_internals.config(q, window_size=window_size, scale=scale, varlen=packed)
     try:
         for kind in ("fwd", "bwd"):
-            _fa4jax_internals.validate(cfg, kind, q, k, v)
+            fa4jax_internals.validate(cfg, kind, q, k, v)
         _layouts(cfg, q, k, v)
     except ValueError as e:
         return str(e)
@@ -292,12 +293,12 @@ def _with_sink(packed: bool):
             for name, x in zip(("cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k"), (*cu_seqlens, seqused_q,
                                                                                          seqused_k)):
                 _check_offsets_dtype(name, x)
-        seqlens = _fa4jax_internals.seqlens(*cu_seqlens, seqused_q, seqused_k) if packed else None
-        cfg = _fa4jax_internals.config(q, causal=causal, window_size=window_size, scale=scale, varlen=packed,
+        seqlens = fa4jax_internals.seqlens(*cu_seqlens, seqused_q, seqused_k) if packed else None
+        cfg = fa4jax_internals.config(q, causal=causal, window_size=window_size, scale=scale, varlen=packed,
                                        defined_padding=defined_padding)
         dq_layout, dkv_layout = _layouts(cfg, q, k, v)
-        call = _attention.Call(KERNELS, cfg, cfg.scale, dq_layout, dkv_layout)
-        out, lse = _attention.attention(call, q, k, v, learnable_sink, seqlens)
+        call = vjp.Call(KERNELS, cfg, cfg.scale, dq_layout, dkv_layout)
+        out, lse = vjp.attention(call, q, k, v, learnable_sink, seqlens)
         return (out, lse) if return_lse else out
 
     return attention
@@ -324,22 +325,22 @@ def _sink_call(packed: bool, q, k, v, cu_seqlens, sink, kwargs):
     sink = check_sink(sink, q, kwargs, packed)
     kwargs = {key: value for key, value in kwargs.items() if key != "mask_mod"}
     _ready(kwargs)
-    _fa4jax_internals.check_qkv(q, k, v, packed)
-    check_sink_gpu(_fa4jax_internals.device_family())
+    fa4jax_internals.check_qkv(q, k, v, packed)
+    check_sink_gpu(fa4jax_internals.device_family())
     return _run(_with_sink(packed), q, k, v, *cu_seqlens, learnable_sink=sink, **kwargs)
 
 
 class _Kernels:
-    """fa4-jax's kernels as :mod:`jax_dqpost._attention`'s producer: its forward kernel given the sink, its backward's
+    """fa4-jax's kernels as :mod:`jax_dqpost._attention.vjp`'s producer: its forward kernel given the sink, its backward's
     preprocess and main kernel as they are (compile failures as :func:`_compiling` words them)."""
 
     def forward(self, cfg, q, k, v, sink, seqlens):
         with _compiling(q, v):
-            return _fa4jax_internals.forward(cfg, q, k, v, sink, seqlens)
+            return fa4jax_internals.forward(cfg, q, k, v, sink, seqlens)
 
     def accumulators(self, cfg, q, k, v, out, lse, d_out, dpsum_delta, seqlens):
         with _compiling(q, v):
-            return _fa4jax_internals.accumulators(cfg, q, k, v, out, lse, d_out, (), seqlens, dpsum_delta)
+            return fa4jax_internals.accumulators(cfg, q, k, v, out, lse, d_out, (), seqlens, dpsum_delta)
 
 
 KERNELS = _Kernels()
@@ -376,14 +377,14 @@ def _check_shapes(q, k, v, packed: bool) -> None:
 
 def _without_gpu(packed: bool, q, k, v, cu_seqlens, sink, kwargs):
     """A call of :func:`flash_attn` or :func:`flash_attn_varlen` where no GPU is: FlashAttention's attention in
-    jax.numpy (``jax_dqpost._xla_attention.flash_attention``), the sink's too; with a ``mask_mod``, fa4-jax's own
+    jax.numpy (``jax_dqpost._attention.xla.flash_attention``), the sink's too; with a ``mask_mod``, fa4-jax's own
     jax.numpy backend (``backend='reference'``), which takes it."""
     if "backend" in kwargs:
         raise TypeError(f"jax_dqpost.fa4jax sets fa4-jax's backend itself, got backend={kwargs['backend']!r}")
     if sink is not None:
         sink = check_sink(sink, q, kwargs, packed)
     if kwargs.get("mask_mod") is not None:
-        fa4_jax = _fa4jax_internals.modules()[0]
+        fa4_jax = fa4jax_internals.modules()[0]
         call = fa4_jax.flash_attn_varlen if packed else fa4_jax.flash_attn
         return call(q, k, v, *cu_seqlens, backend="reference", **kwargs)
     allowed = _SINK_KEYWORDS + (_SINK_VARLEN_KEYWORDS if packed else ())
@@ -396,12 +397,12 @@ def _without_gpu(packed: bool, q, k, v, cu_seqlens, sink, kwargs):
         for name, x in zip(("cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k"),
                            (*cu_seqlens, kwargs.get("seqused_q"), kwargs.get("seqused_k"))):
             _check_offsets_dtype(name, x)
-    seqlens = _fa4jax_internals.seqlens(*cu_seqlens, kwargs.get("seqused_q"), kwargs.get("seqused_k")) \
+    seqlens = fa4jax_internals.seqlens(*cu_seqlens, kwargs.get("seqused_q"), kwargs.get("seqused_k")) \
         if packed else None
     scale = kwargs.get("scale")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    window = _xla_attention.flash_window(bool(kwargs.get("causal", False)), kwargs.get("window_size"))
-    out, lse = _xla_attention.flash_attention(q, k, v, scale=scale, window=window, sinks=sink, seqlens=seqlens)
+    window = xla.flash_window(bool(kwargs.get("causal", False)), kwargs.get("window_size"))
+    out, lse = xla.flash_attention(q, k, v, scale=scale, window=window, sinks=sink, seqlens=seqlens)
     return (out, lse) if kwargs.get("return_lse") else out
 
 

@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 
 from conftest import HAS_GPU
-from jax_dqpost import AccumLayout, _fa4jax_internals, fa4jax
+from jax_dqpost import AccumLayout, fa4jax
+from jax_dqpost._attention import fa4jax_internals as _fa4jax_internals
 import attention_oracle
 import oracle
 from support import assert_close_to_scale, bits, cu_seqlens

@@ -334,7 +334,7 @@ def _same(got, want, what):
 def test_vmap_remat_and_the_sink_alone(rng, heads_kv):
     """vmap of grad with a shared sink (folded into the batch: per-example dsink), remat, and the sink's gradient
     alone give the bits of the plain gradient; forward mode is one TypeError."""
-    from jax_dqpost import _attention
+    from jax_dqpost._attention import vjp as _attention
 
     grad = jax.grad(_loss, argnums=(0, 1, 2, 3))
     q, k, v, sink, w = _small(rng, heads_kv)

@@ -1,4 +1,4 @@
-"""Attention with a learnable sink whose backward ends in our op (``jax_dqpost._attention``), on any platform: its
+"""Attention with a learnable sink whose backward ends in our op (``jax_dqpost._attention.vjp``), on any platform: its
 ``jax.custom_vjp`` wired to a stand-in producer, and the refusals of ``jax_dqpost.fa4jax`` that need no GPU.
 
 The stand-in (:class:`Producer`) does in jax.numpy what FlashAttention-4's kernels do: a forward that puts the sink
@@ -17,8 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_dqpost import AccumLayout, _attention, dq_accum_from_dq, fa4jax
-from jax_dqpost._fa4jax_internals import Accumulators
+from jax_dqpost import AccumLayout, dq_accum_from_dq, fa4jax
+from jax_dqpost._attention import vjp as _attention
+from jax_dqpost._attention.fa4jax_internals import Accumulators
 from support import assert_within_roundings, cu_seqlens
 
 HIGHEST = jax.lax.Precision.HIGHEST  # float32 matmuls in float32 on every backend (a GPU's default is TF32)

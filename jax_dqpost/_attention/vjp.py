@@ -28,10 +28,10 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
-from . import _jax_internals
-from .api import flash_attention_postprocess
-from .layout import AccumLayout
-from ._kernel.varlen import padded_total
+from .. import _jax_internals
+from ..api import flash_attention_postprocess
+from ..layout import AccumLayout
+from .._kernel.varlen import padded_total
 
 
 class Kernels(Protocol):

@@ -36,8 +36,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ._jax_internals import vary_as, varying_axes
-from ._kernel.varlen import padded_total
+from .._jax_internals import vary_as, varying_axes
+from .._kernel.varlen import padded_total
 
 FA4JAX_VERSION = "0.1.0"
 INSTALL_HINT = ("pip install fa4-jax==0.1.0 (Python >= 3.12 and a CUDA GPU; from this package's source tree: pip "
@@ -182,7 +182,7 @@ def forward(cfg, q, k, v, sink, seqlens):
 def _varying_as(inputs, *results) -> list:
     """``results`` of a cutejax call, which types them without ``jax.shard_map``'s varying manual axes, typed with
     the union of its ``inputs``' (``jax.lax.pcast``): what the kernel computes from varying inputs varies as they
-    do, and ``jax_dqpost._attention``'s custom_vjp compares its backward's types with its primals'. Outside
+    do, and ``jax_dqpost._attention.vjp``'s custom_vjp compares its backward's types with its primals'. Outside
     ``shard_map``, ``results`` as they are."""
     axes = frozenset().union(*(varying_axes(x) for x in inputs if x is not None))
     return [vary_as(r, axes) for r in results]
@@ -234,7 +234,7 @@ def accumulators(cfg, q, k, v, out, lse, d_out, aux, seqlens, dpsum_delta=None) 
     """fa4-jax's preprocess and main backward kernel for ``(cfg, q, k, v, out, lse, d_out)``: the same calls,
     shapes, specs and buffer aliases as its ``CuteBackend.vjp``, without the postprocess. ``dpsum_delta`` (the
     preprocess's ``dpsum`` shape) is subtracted from ``dpsum`` before the main kernel reads it: the lse's cotangent
-    (:func:`jax_dqpost._attention.lse_cotangent_rows`)."""
+    (:func:`jax_dqpost._attention.vjp.lse_cotangent_rows`)."""
     _, _, K, cutejax = modules()
     d_out = d_out.astype(q.dtype)
     inputs = (q, k, v, out, lse, d_out, *(seqlens or ()), dpsum_delta)  # the kernels' results vary as these do

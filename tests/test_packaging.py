@@ -123,10 +123,10 @@ def _editable(dist: metadata.Distribution) -> bool:
 
 
 def test_the_wheel_holds_the_package_alone():
-    """The installed files are the flat package jax_dqpost (its modules, the handler library and the stamp of its
-    source) and its metadata: no subpackage, nothing of the source tree's benchmarks/, tests/ or docs/. An editable
-    install (``pip install -e .``) holds the library, its stamp and scikit-build-core's import hook (a .pth file and
-    its module), which finds the modules in the source tree."""
+    """The installed files are the package jax_dqpost (its modules and subpackages, the handler library and the stamp
+    of its source at its top) and its metadata: nothing of the source tree's benchmarks/, tests/ or docs/. An
+    editable install (``pip install -e .``) holds the library, its stamp and scikit-build-core's import hook (a .pth
+    file and its module), which finds the modules in the source tree."""
     dist = _installed()
     editable = _editable(dist)
     files = [f for f in dist.files if "__pycache__" not in f.parts]
@@ -136,12 +136,14 @@ def test_the_wheel_holds_the_package_alone():
     assert len(info) == 1 and tops - info - hook == {"jax_dqpost"}, sorted(tops)
     assert {Path(t).suffix for t in hook} == ({".py", ".pth"} if editable else set()), sorted(tops)
     package = [f for f in files if f.parts[0] == "jax_dqpost"]
-    assert all(len(f.parts) == 2 for f in package), [str(f) for f in package if len(f.parts) != 2]
-    names, built = {f.name for f in package}, {_ffi._LIBRARY_NAME, _ffi._SOURCE_HASH_NAME}
+    names, built = {f.name for f in package if len(f.parts) == 2}, {_ffi._LIBRARY_NAME, _ffi._SOURCE_HASH_NAME}
     if editable:
-        assert names == built, sorted(names)  # the modules are the tree's
-    else:
+        assert {str(f) for f in package} == {f"jax_dqpost/{name}" for name in built}, sorted(map(str, package))
+    else:  # modules at any depth, every folder a package; the library and its stamp at the top
         assert {"__init__.py", *built} <= names, sorted(names)
+        assert all(f.suffix == ".py" for f in package if f.name not in built), [str(f) for f in package]
+        folders = {f.parent for f in package}
+        assert all(folder / "__init__.py" in set(package) for folder in folders), sorted(map(str, folders))
 
 
 def test_the_installed_metadata_is_the_projects():

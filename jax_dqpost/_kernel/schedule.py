@@ -5,7 +5,7 @@ Imports cutlass at module import: load this module lazily (``cache.py`` does).
 
 A scheduler numbers a part's CTAs (:meth:`num_ctas`) and gives a CTA its tile's coordinates, every clamp applied
 once, here: where the tile starts in the accumulator and in the result, how many rows it writes (``rows_total``)
-and how many of them come from the accumulator (``rows_conv``; the rest are zeros: seqused shorter than the
+and how many of them come from the accumulator (``conv_rows``; the rest are zeros: seqused shorter than the
 sequence, rows no sequence covers). The converters (``tile.py``) only convert.
 
 * :class:`DenseScheduler` (``DENSE``, ``DENSE_SEQUSED``): ``split * H * grid_x`` CTAs per batch ``b``, ``grid_x =
@@ -58,18 +58,18 @@ class Tile(NamedTuple):
     """A tile converted through shared memory, for one head."""
 
     acc_elem: Int64  # the tile's first float in the accumulator
-    out_row0: Int64  # its first row of the result (the row index over batch and sequence, or packed)
+    row_start: Int64  # its first row of the result (the row index over batch and sequence, or packed)
     rows_total: Int32  # rows to write: 0 .. tile_m
-    rows_conv: Int32  # of which the first ones come from the accumulator
+    conv_rows: Int32  # of which the first ones come from the accumulator
 
 
 class ShortTile(NamedTuple):
     """A span's short tile, for every head: head ``h``'s accumulator rows start at ``h * padded_total +
     acc_row``."""
 
-    row0: Int32  # its first row of the result
+    row_start: Int32  # its first row of the result
     rows_total: Int32  # 0 (no short tile) .. short_rows
-    rows_conv: Int32
+    conv_rows: Int32
     acc_row: Int32
     padded_total: Int32  # accumulator rows per head
 
@@ -101,11 +101,11 @@ class DenseScheduler:
         tile_m, padded_head_dim = self.layout.tile_m, self.padded_head_dim
         rows, heads, grid_x = part.rows, part.heads, part.grid_x
         rows_total = cutlass.min(rows - m_block * tile_m, tile_m)
-        rows_conv = rows_total
+        conv_rows = rows_total
         if const_expr(self.seqused):
             seqused = cute.make_tensor(part.aux, cute.make_layout(part.dim0))
             used = cutlass.max(cutlass.min(seqused[batch], rows), 0)
-            rows_conv = cutlass.max(cutlass.min(used - m_block * tile_m, tile_m), 0)
+            conv_rows = cutlass.max(cutlass.min(used - m_block * tile_m, tile_m), 0)
         tiles_per_head = grid_x  # the accumulator's tiles per (batch, head): Sr / tile_m
         if const_expr(self.layout.cluster_size > 1):
             pad = self.layout.pad_rows
@@ -115,8 +115,8 @@ class DenseScheduler:
         if const_expr(self.unread):  # each (batch, head) row is Sr * Da floats: its tiles, then Sr * (Da - Dr)
             acc_elem += ((Int64(batch) * Int64(heads) + Int64(head)) * Int64(tiles_per_head) *
                          Int64(tile_m * self.unread))
-        out_row0 = Int64(batch) * Int64(rows) + Int64(m_block * tile_m)
-        return Tile(acc_elem, out_row0, rows_total, rows_conv)
+        row_start = Int64(batch) * Int64(rows) + Int64(m_block * tile_m)
+        return Tile(acc_elem, row_start, rows_total, conv_rows)
 
 
 class VarlenScheduler:
@@ -146,36 +146,36 @@ class VarlenScheduler:
         if const_expr(self.slot_records):
             fields = cute.make_tensor(aux_ptr + varlen.slots_at(num_spans, grid_x) + len(varlen.SLOT_FIELDS) * slot,
                                       cute.make_layout(len(varlen.SLOT_FIELDS)))
-            row0, rows_total = fields[varlen.ROW0], fields[varlen.ROWS_TOTAL]
-            rows_conv, acc_row = fields[varlen.ROWS_CONV], fields[varlen.TILE_ACC_ROW]
+            row_start, rows_total = fields[varlen.ROW_START], fields[varlen.ROWS_TOTAL]
+            conv_rows, acc_row = fields[varlen.CONV_ROWS], fields[varlen.ACC_ROW]
             padded_total = varlen.padded_total(rows, num_spans - 2, self.layout.pad_rows)
             # Defence in depth (the work list guarantees them): a tile's rows, inside the result and the accumulator
             rows_total = cutlass.max(cutlass.min(rows_total, tile_m), 0)
-            rows_conv = cutlass.max(rows_conv, 0)
-            if row0 < 0 or rows_total > rows - row0:
+            conv_rows = cutlass.max(conv_rows, 0)
+            if row_start < 0 or rows_total > rows - row_start:
                 rows_total = 0
             if acc_row < 0 or acc_row > padded_total - tile_m:
-                rows_conv = 0
+                conv_rows = 0
         else:
             meta = cute.make_tensor(aux_ptr, cute.make_layout(tile_span_at + grid_x))
             span = meta[tile_span_at + slot]
             tile_in_span = slot - meta[span]
-            row_start, span_rows, conv_rows, span_acc_row = read_span(aux_ptr, num_spans, span)
-            row0 = row_start + tile_in_span * tile_m
+            span_row_start, span_rows, span_conv_rows, span_acc_row = read_span(aux_ptr, num_spans, span)
+            row_start = span_row_start + tile_in_span * tile_m
             rows_total = cutlass.min(span_rows - tile_in_span * tile_m, tile_m)
-            rows_conv = cutlass.max(cutlass.min(conv_rows - tile_in_span * tile_m, tile_m), 0)
+            conv_rows = cutlass.max(cutlass.min(span_conv_rows - tile_in_span * tile_m, tile_m), 0)
             acc_row = span_acc_row + tile_in_span * tile_m
             padded_total = varlen.padded_total(rows, num_spans - 2, self.layout.pad_rows)
             # Defence in depth; the work list already guarantees all of these.
-            if slot >= meta[num_spans] or row0 < 0 or rows_total > rows - row0:
+            if slot >= meta[num_spans] or row_start < 0 or rows_total > rows - row_start:
                 rows_total = 0
             if acc_row < 0 or acc_row + tile_m > padded_total:
-                rows_conv = 0
-        rows_conv = cutlass.min(rows_conv, rows_total)
+                conv_rows = 0
+        conv_rows = cutlass.min(conv_rows, rows_total)
         acc_elem = (Int64(head) * Int64(padded_total) + Int64(acc_row)) * Int64(padded_head_dim)
         if const_expr(self.unread):  # each head's row is Tp * Da floats: its tiles, then Tp * (Da - Dr)
             acc_elem += Int64(head) * Int64(padded_total) * Int64(self.unread)
-        return Tile(acc_elem, Int64(row0), rows_total, rows_conv)
+        return Tile(acc_elem, Int64(row_start), rows_total, conv_rows)
 
     @cute.jit
     def long_tiles(self, part: TensorArgs):
@@ -198,20 +198,20 @@ class ShortTileScheduler:
         """Span ``span``'s short tile; ``rows_total = 0`` if it has none (its last tile is long, or it is empty)."""
         tile_m = self.layout.tile_m
         aux_ptr, num_spans, rows = part.aux, part.dim0, part.rows
-        row_start, span_rows, conv_rows, span_acc_row = read_span(aux_ptr, num_spans, span)
+        span_row_start, span_rows, span_conv_rows, span_acc_row = read_span(aux_ptr, num_spans, span)
         tile_in_span = span_rows // tile_m
         rows_total = span_rows - tile_in_span * tile_m
-        row0 = row_start + tile_in_span * tile_m
-        rows_conv = cutlass.max(cutlass.min(conv_rows - tile_in_span * tile_m, rows_total), 0)
+        row_start = span_row_start + tile_in_span * tile_m
+        conv_rows = cutlass.max(cutlass.min(span_conv_rows - tile_in_span * tile_m, rows_total), 0)
         acc_row = span_acc_row + tile_in_span * tile_m
         padded_total = varlen.padded_total(rows, num_spans - 2, self.layout.pad_rows)
         # Defence in depth; the work list already guarantees all of these.
-        if rows_total > self.short_rows or span_rows < 0 or row0 < 0 or rows_total > rows - row0:
+        if rows_total > self.short_rows or span_rows < 0 or row_start < 0 or rows_total > rows - row_start:
             rows_total = 0  # no short tile (a long one, or none)
         if acc_row < 0 or acc_row + tile_m > padded_total:
-            rows_conv = 0
-        rows_conv = cutlass.min(rows_conv, rows_total)
-        return ShortTile(row0, rows_total, rows_conv, acc_row, padded_total)
+            conv_rows = 0
+        conv_rows = cutlass.min(conv_rows, rows_total)
+        return ShortTile(row_start, rows_total, conv_rows, acc_row, padded_total)
 
 
 def scheduler(layout, padded_head_dim: int, tiling: Tiling, short_heads: int = varlen.SHORT_HEADS,

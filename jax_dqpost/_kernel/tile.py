@@ -1,13 +1,13 @@
 """How a CTA of the kernel (``kernel.py``) converts one accumulator tile of dQ, dK or dV, once its scheduler
 (``schedule.py``) has given it the tile's coordinates: ``rows_total`` rows to write, of which the first
-``rows_conv`` come from the accumulator and the rest are zeros.
+``conv_rows`` come from the accumulator and the rest are zeros.
 
 Imports cutlass at module import: load this module lazily (``cache.py`` does).
 
 Per tile with rows to convert (or one CTA's share of it: ``split``), every thread
   1. loads its fp32 accumulator fragment straight from global memory, coalesced, in the order the
      producer's threads stored it (no shared-memory staging of the fp32 tile); outside the dense tiling it
-     skips the loads whose rows are all past ``rows_conv`` (those rows are written as zeros),
+     skips the loads whose rows are all past ``conv_rows`` (those rows are written as zeros),
   2. multiplies by ``scale`` (one fp32 multiply, round-to-nearest) and rounds to bf16/fp16 (RNE),
   3. writes the values into a swizzled shared-memory tile at their (row, column) (see
      :class:`TileConverter` for how each order family does it),
@@ -74,7 +74,7 @@ class TileConverter:
                  tiling: Tiling = Tiling.DENSE, target_sm: int = 90, min_ctas_per_sm: int | None = None,
                  split: int = 1):
         """``padded_head_dim``: ``Dr``, the head dim as padded in the accumulator. ``tiling``: the part's
-        (``schedule.py``; outside ``DENSE`` the loads of rows past ``rows_conv`` are skipped). ``target_sm``: the GPU
+        (``schedule.py``; outside ``DENSE`` the loads of rows past ``conv_rows`` are skipped). ``target_sm``: the GPU
         generation compiled for (e.g. 80, 90, 100). Tuning (benchmarks/ncu_kernels.py compares it):
         ``min_ctas_per_sm``, the launch-bounds hint given to ptxas (None: chosen here; 0: none). ``split``: 1, or
         one of ``spec.splits``: a CTA of ``num_threads / split`` threads converts those producer threads' share
@@ -189,13 +189,13 @@ class TileConverter:
         """Steps 1-4 (module docstring): the fragment (or share ``sub``: its threads act as the
         producer's threads ``work_threads * sub ..``) into the shared-memory tile, then its rows out."""
         heads, head_dim = part.heads, part.head_dim
-        if t.rows_conv > 0:
+        if t.conv_rows > 0:
             full = self._tile_layout(s_layout)
             self._convert_tile(part.acc, t.acc_elem, part.scale, cute.make_tensor(s_tile.iterator, full), full,
-                               t.rows_conv, tidx + sub * self.work_threads if const_expr(self.split > 1) else tidx)
+                               t.conv_rows, tidx + sub * self.work_threads if const_expr(self.split > 1) else tidx)
         self.sync()
-        out_offset = (t.out_row0 * Int64(heads) + Int64(head)) * Int64(head_dim)
-        self._store_tile(part.out, out_offset, heads * head_dim, head_dim, s_tile, t.rows_total, t.rows_conv, tidx,
+        out_offset = (t.row_start * Int64(heads) + Int64(head)) * Int64(head_dim)
+        self._store_tile(part.out, out_offset, heads * head_dim, head_dim, s_tile, t.rows_total, t.conv_rows, tidx,
                          sub)
 
     @cute.jit
@@ -211,7 +211,7 @@ class TileConverter:
         every float loaded used (``tests/test_accepted_layouts.py`` checks this map against ``tile_index_map``)."""
         dr = self.padded_head_dim
         acc_ptr, out_ptr, scale_ptr, heads, head_dim = part.acc, part.out, part.scale, part.heads, part.head_dim
-        row0, rows_total, rows_conv, acc_row, padded_total = t
+        row_start, rows_total, conv_rows, acc_row, padded_total = t
 
         # Thread (slot, g0): row pair p and columns 16 j .. of heads head0 + g0, g0 + step, ... (slot = p + pairs * j)
         pairs, blocks = (rows_total + 1) // 2, dr // 16
@@ -223,7 +223,7 @@ class TileConverter:
             src_at = Int64(acc_row) * Int64(dr) + Int64(self.short_vector(p, j))
             head_elems = Int64(padded_total) * Int64(self.layout.alloc_head_dim(dr))  # a head's row: Tp * Da
             row_stride = Int64(heads) * Int64(head_dim)
-            dst_at = (Int64(row0) + Int64(2 * p)) * row_stride + Int64(16 * j)
+            dst_at = (Int64(row_start) + Int64(2 * p)) * row_stride + Int64(16 * j)
             scale = cute.make_tensor(scale_ptr, cute.make_layout(1))[0]
             vec_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128)
             store_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
@@ -233,7 +233,7 @@ class TileConverter:
                 for g in cutlass.range(g0, group_heads, step):
                     head = head0 + g
                     vals = cute.make_rmem_tensor(cute.make_layout((4, 8)), Float32)  # (element, c): the 8 vectors
-                    if 2 * p < rows_conv:
+                    if 2 * p < conv_rows:
                         src = cute.make_tensor(_aligned(acc_ptr + src_at + Int64(head) * head_elems,
                                                         cute.AddressSpace.gmem),
                                                cute.make_layout((4, 8), stride=(1, 16)))
@@ -244,8 +244,8 @@ class TileConverter:
                             for e in cutlass.range_constexpr(2):
                                 if 16 * j + 8 * e < head_dim:
                                     out = cute.make_rmem_tensor(cute.make_layout(8), self.dtype)
-                                    out.fill(0.0)  # rows past rows_conv: zeros (not 0 * scale, -0 if scale < 0)
-                                    if 2 * p + o < rows_conv:
+                                    out.fill(0.0)  # rows past conv_rows: zeros (not 0 * scale, -0 if scale < 0)
+                                    if 2 * p + o < conv_rows:
                                         out.store((vals[2 * e + o, None].load() * scale).to(self.dtype))
                                     dst_elem = dst_at + Int64(o) * row_stride + Int64(head * head_dim + 8 * e)
                                     dst = cute.make_tensor(_aligned(out_ptr + dst_elem, cute.AddressSpace.gmem),
@@ -267,17 +267,17 @@ class TileConverter:
             cute.arch.barrier(barrier_id=1, number_of_threads=self.work_threads)
 
     @cute.jit
-    def _convert_tile(self, acc_ptr, tile_elem, scale_ptr, s_tile, s_layout, rows_conv, tidx):
+    def _convert_tile(self, acc_ptr, tile_elem, scale_ptr, s_tile, s_layout, conv_rows, tidx):
         """Steps 1-3: fragment from global memory, scale and round, into the shared-memory tile ``s_tile``.
-        Outside the dense tiling, loads whose rows are all >= ``rows_conv`` are skipped (partial tiles of
+        Outside the dense tiling, loads whose rows are all >= ``conv_rows`` are skipped (partial tiles of
         varlen sequences and of seqused): those rows are written as zeros, their values never read."""
         scale = cute.make_tensor(scale_ptr, cute.make_layout(1))[0]
         if const_expr(self.family == "mma"):
-            self._convert_mma(acc_ptr, tile_elem, scale, s_tile, s_layout, rows_conv, tidx)
+            self._convert_mma(acc_ptr, tile_elem, scale, s_tile, s_layout, conv_rows, tidx)
         elif const_expr(self.family == "rows"):
-            self._convert_rows(acc_ptr, tile_elem, scale, s_tile, rows_conv, tidx)
+            self._convert_rows(acc_ptr, tile_elem, scale, s_tile, conv_rows, tidx)
         else:
-            self._convert_rowmajor(acc_ptr, tile_elem, scale, s_tile, rows_conv, tidx)
+            self._convert_rowmajor(acc_ptr, tile_elem, scale, s_tile, conv_rows, tidx)
 
     def _wgmma_vector_row(self, k: int, tidx):
         """The lower row of 16-byte vector ``k`` of a Hopper-order fragment (``fragments.wgmma_vector_row``)."""
@@ -285,7 +285,7 @@ class TileConverter:
                                           swap_ab=self.layout.swap_ab)
 
     @cute.jit
-    def _convert_mma(self, acc_ptr, tile_elem, scale, s_tile, s_layout, rows_conv, tidx):
+    def _convert_mma(self, acc_ptr, tile_elem, scale, s_tile, s_layout, conv_rows, tidx):
         tile_m, padded_head_dim = self.tile_m, self.padded_head_dim
         # ---- 1. the fp32 fragment, in the producer's thread order ------------------------------
         if const_expr(self.wgmma_atoms):
@@ -306,7 +306,7 @@ class TileConverter:
             else:
                 acc.fill(0.0)
                 for k in cutlass.range_constexpr(self.regs // 4):
-                    if self._wgmma_vector_row(k, tidx) < rows_conv:
+                    if self._wgmma_vector_row(k, tidx) < conv_rows:
                         cute.copy(load_atom, src[None, k], acc_flat[None, k])
         else:
             # mma.sync: register r of thread tid at tid + num_threads * r (coalesced 4-byte loads).
@@ -352,7 +352,7 @@ class TileConverter:
             s_tile[i, j] = frag[r]
 
     @cute.jit
-    def _convert_rows(self, acc_ptr, tile_elem, scale, s_tile, rows_conv, tidx):
+    def _convert_rows(self, acc_ptr, tile_elem, scale, s_tile, conv_rows, tidx):
         """tcgen05 order: thread t = TMEM lane t; columns 4c..4c+3 of its row at 512 c + 4 t (2-CTA: the
         pair's halves, see layout.py), converted ``step_cols`` columns at a time."""
         padded_head_dim, cols, step = self.padded_head_dim, self.row_cols, self.step_cols
@@ -370,7 +370,7 @@ class TileConverter:
                                        cute.make_layout((4, step // 4), stride=(1, 512)))
                 vals = cute.make_rmem_tensor(cute.make_layout((4, step // 4)), Float32)
                 vals.fill(0.0)
-                if row < rows_conv:
+                if row < conv_rows:
                     cute.autovec_copy(src, vals)
                 out = cute.make_rmem_tensor_like(vals, self.dtype)
                 out.store((vals.load() * scale).to(self.dtype))
@@ -378,7 +378,7 @@ class TileConverter:
                     s_tile[row, col0 + st * step + q] = out[q % 4, q // 4]
 
     @cute.jit
-    def _convert_rowmajor(self, acc_ptr, tile_elem, scale, s_tile, rows_conv, tidx):
+    def _convert_rowmajor(self, acc_ptr, tile_elem, scale, s_tile, conv_rows, tidx):
         """Row-major order: 16-byte loads of 4 consecutive floats, consecutive threads adjacent."""
         quads_per_row = self.padded_head_dim // 4
         for k in cutlass.range_constexpr(self.tile_m * quads_per_row // self.num_threads):
@@ -388,7 +388,7 @@ class TileConverter:
                                    cute.make_layout(4))
             vals = cute.make_rmem_tensor(cute.make_layout(4), Float32)
             vals.fill(0.0)
-            if row < rows_conv:
+            if row < conv_rows:
                 cute.autovec_copy(src, vals)
             out = cute.make_rmem_tensor_like(vals, self.dtype)
             out.store((vals.load() * scale).to(self.dtype))
@@ -396,8 +396,8 @@ class TileConverter:
                 s_tile[row, 4 * q + e] = out[e]
 
     @cute.jit
-    def _store_tile(self, out_ptr, out_offset, row_stride, head_dim, s_tile, rows_total, rows_conv, tidx, sub):
-        """Step 4: 16-byte row vectors to global memory; rows >= rows_conv are zeros. With ``split`` > 1, only
+    def _store_tile(self, out_ptr, out_offset, row_stride, head_dim, s_tile, rows_total, conv_rows, tidx, sub):
+        """Step 4: 16-byte row vectors to global memory; rows >= conv_rows are zeros. With ``split`` > 1, only
         share ``sub``'s region of the tile (``s_tile`` holds that region alone)."""
         tile_m, padded_head_dim = self.tile_m, self.padded_head_dim
         dst_ptr = _aligned(out_ptr + out_offset, cute.AddressSpace.gmem)
@@ -408,31 +408,31 @@ class TileConverter:
         )
         crd = cute.make_identity_tensor((tile_m, padded_head_dim))
         if const_expr(self.split == 1):
-            self._store_region(g_out, s_tile, crd, self.store_threads, vec, rows_total, rows_conv, head_dim, tidx)
+            self._store_region(g_out, s_tile, crd, self.store_threads, vec, rows_total, conv_rows, head_dim, tidx)
         else:
             shape = self.region_shape
             for s in cutlass.range_constexpr(self.split):
                 if sub == s:
                     at = (self.region_corners[s][0] // shape[0], self.region_corners[s][1] // shape[1])
                     self._store_region(cute.local_tile(g_out, shape, at), s_tile,
-                                       cute.local_tile(crd, shape, at), self.region_store, vec, rows_total, rows_conv,
+                                       cute.local_tile(crd, shape, at), self.region_store, vec, rows_total, conv_rows,
                                        head_dim, tidx)
 
     @cute.jit
     def _store_region(self, g_out, s_tile, crd, tiling: cutlass.Constexpr, vec: cutlass.Constexpr, rows_total,
-                      rows_conv, head_dim, tidx):
+                      conv_rows, head_dim, tidx):
         """The stores of a region of the tile (``crd``: its tile coordinates) by the ``rows x per_row`` threads of
         ``tiling`` (the first ones of the ``work_threads``: ``spec.store_tiling``)."""
         rows, per_row = tiling
         if const_expr(rows * per_row < self.work_threads):
             if tidx < rows * per_row:
-                self._store_rows(g_out, s_tile, crd, rows, per_row, vec, rows_total, rows_conv, head_dim, tidx)
+                self._store_rows(g_out, s_tile, crd, rows, per_row, vec, rows_total, conv_rows, head_dim, tidx)
         else:
-            self._store_rows(g_out, s_tile, crd, rows, per_row, vec, rows_total, rows_conv, head_dim, tidx)
+            self._store_rows(g_out, s_tile, crd, rows, per_row, vec, rows_total, conv_rows, head_dim, tidx)
 
     @cute.jit
     def _store_rows(self, g_out, s_tile, crd, rows: cutlass.Constexpr, per_row: cutlass.Constexpr,
-                    vec: cutlass.Constexpr, rows_total, rows_conv, head_dim, tidx):
+                    vec: cutlass.Constexpr, rows_total, conv_rows, head_dim, tidx):
         """The stores of thread ``tidx`` of the ``rows x per_row`` storing threads."""
         store_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
         s2g = cute.make_tiled_copy_tv(
@@ -452,7 +452,7 @@ class TileConverter:
             for j in cutlass.range_constexpr(cute.size(t_reg, mode=[2])):
                 row, col = t_crd[0, i, j]
                 if row < rows_total and col < head_dim:
-                    if row < rows_conv:
+                    if row < conv_rows:
                         cute.copy(store_atom, t_reg[None, i, j], t_dst[None, i, j])
                     else:
                         cute.copy(store_atom, zeros, t_dst[None, i, j])

@@ -26,7 +26,7 @@ list built with ``records`` (:func:`slots_at`):
     tile_span[0..num_tiles)     the span of each long-tile slot of the launch grid (slots >= tile_start[K] do
                                 nothing), then, for orders with short tiles, one short-tile slot per span (k)
     slots[L][SLOT_FIELDS]       only in a list built with ``records``: each long-tile slot's tile, ready to use
-                                (row0, rows_total, rows_conv, acc_row; all 0 past tile_start[K]), L the long-tile
+                                (row_start, rows_total, conv_rows, acc_row; all 0 past tile_start[K]), L the long-tile
                                 slots (``num_tiles`` less the short-tile slots)
 
 The records are for an experiment (``kernel.Postprocess``'s ``slot_records``, timed by ``benchmarks/ncu_kernels.py``):
@@ -56,11 +56,13 @@ from typing import NamedTuple
 import numpy as np
 
 SPAN_FIELDS = ("row_start", "span_rows", "conv_rows", "acc_row")
+"""A span's record: its first row of the result, its rows, of which the first ``conv_rows`` come from the
+accumulator, from accumulator row ``acc_row`` on (module docstring)."""
 ROW_START, SPAN_ROWS, CONV_ROWS, ACC_ROW = range(len(SPAN_FIELDS))
-SLOT_FIELDS = ("row0", "rows_total", "rows_conv", "acc_row")
+SLOT_FIELDS = ("row_start", "rows_total", "conv_rows", "acc_row")
 """A long-tile slot's record: its tile's first row of the result, rows to write, rows from the accumulator, first
-accumulator row (``schedule.Tile``'s, before a head's offsets)."""
-ROW0, ROWS_TOTAL, ROWS_CONV, TILE_ACC_ROW = range(len(SLOT_FIELDS))
+accumulator row (``schedule.Tile``'s, before a head's offsets): a span's fields, for its tile, in the same places."""
+ROWS_TOTAL = SPAN_ROWS
 INT32_MAX = 2**31 - 1  # row offsets, extents and the kernel's launch grid are int32
 SHORT_ROWS = 16
 """A varlen tile of at most this many rows is a short tile, for the orders that have them (:func:`short_rows`)."""

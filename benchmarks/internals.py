@@ -49,13 +49,13 @@ def get_kernel(p: Plan, acc_shapes):
     return kernel_cache.get_kernel(p.kernel(acc_shapes))
 
 
-def executor(p: Plan, acc_shapes, split: int | None = None, **tuning):
+def executor(p: Plan, acc_shapes, shares: int | None = None, **tuning):
     """CuTe's executor of ``p``'s kernel on accumulators of ``acc_shapes`` for this GPU, compiled once per kernel and
-    tuning; ``split``: the tiles' split instead of the package's choice (``TensorKernel.split``); ``tuning``:
+    tuning; ``shares``: the tiles' shares instead of the package's choice (``TensorKernel.shares``); ``tuning``:
     ``kernel.Postprocess`` keyword arguments (experiments: the package compiles with the defaults)."""
     spec = p.kernel(acc_shapes)
-    if split is not None:
-        spec = dataclasses.replace(spec, tensors=tuple(dataclasses.replace(t, split=split) for t in spec.tensors))
+    if shares is not None:
+        spec = dataclasses.replace(spec, tensors=tuple(dataclasses.replace(t, shares=shares) for t in spec.tensors))
     key = (spec, tuple(sorted(tuning.items())))
     if key not in _EXECUTORS:
         _EXECUTORS[key] = kernel_cache.compile_executor(spec, arch.target_arch(), **tuning)

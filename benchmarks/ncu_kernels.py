@@ -45,7 +45,7 @@ VARIANTS = [{}, {"min_ctas_per_sm": 0}]
 # ... by `sizes` after the default, by group: (which rows, variants); "short": varlen of orders with short tiles
 LOOKUP_VARIANTS = [{"slot_records": True}, {"early_lookup": True}, {"slot_records": True, "early_lookup": True}]
 SIZE_VARIANTS = {
-    "split": ("all", [{"split": 1}, {"split": 2}, {"split": 4}, {"split": 8}]),
+    "split": ("all", [{"shares": 1}, {"shares": 2}, {"shares": 4}, {"shares": 8}]),
     "trigger": ("all", [{"trigger": "start"}, {"trigger": "none"}, {"pdl": False}]),
     "short": ("short", [{"short_heads": 1}, {"short_heads": 8}]),
     "lookup": ("varlen", LOOKUP_VARIANTS),  # the work list's (kernel.Postprocess: slot_records, early_lookup)

@@ -25,8 +25,8 @@ LAYOUT_HINT = f"the AccumLayout of the producer's accumulator ({NO_DEFAULT}); {C
 
 def part(layout, head_dim, dtype, seqlen, total, cu_seqlens, seqused,
          names: ArgNames = ARG_NAMES["dq"]) -> tuple[Part, object]:
-    """One tensor's :class:`~jax_dqpost._primitive.plan.Part` and its side's int32 aux operand (empty, seqused or the work
-    list), from the API's arguments of its side; errors name the arguments as ``names`` does."""
+    """One tensor's :class:`~jax_dqpost._primitive.plan.Part` and its side's int32 aux operand (empty, seqused or the
+    work list), from the API's arguments of its side; errors name the arguments as ``names`` does."""
     seqlen_n, total_n, cu_n, used_n = names.seqlen, names.total, names.cu_seqlens, names.seqused
     if cu_seqlens is None:
         if total is not None:

@@ -331,8 +331,8 @@ def _sink_call(packed: bool, q, k, v, cu_seqlens, sink, kwargs):
 
 
 class _Kernels:
-    """fa4-jax's kernels as :mod:`jax_dqpost._attention.vjp`'s producer: its forward kernel given the sink, its backward's
-    preprocess and main kernel as they are (compile failures as :func:`_compiling` words them)."""
+    """fa4-jax's kernels as :mod:`jax_dqpost._attention.vjp`'s producer: its forward kernel given the sink, its
+    backward's preprocess and main kernel as they are (compile failures as :func:`_compiling` words them)."""
 
     def forward(self, cfg, q, k, v, sink, seqlens):
         with _compiling(q, v):

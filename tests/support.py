@@ -93,12 +93,12 @@ def fake_compile(*key):
     return types.SimpleNamespace(dump_to_object=lambda prefix: b"\x7fELF module of " + repr(key).encode())
 
 
-def one_part_kernel(dtype, layout, padded_head_dim, tiling=0, split=1, short_heads=8):
-    """The kernel of a one-part call without a sink (``Plan.kernel``); ``tiling`` 0 is the dense one; ``split``: CTAs
-    per tile (``TensorKernel.split``); ``short_heads``: heads per short-tile CTA (``TensorKernel.short_heads``)."""
+def one_part_kernel(dtype, layout, padded_head_dim, tiling=0, shares=1, short_heads=8):
+    """The kernel of a one-part call without a sink (``Plan.kernel``); ``tiling`` 0 is the dense one; ``shares``: CTAs
+    per tile (``TensorKernel.shares``); ``short_heads``: heads per short-tile CTA (``TensorKernel.short_heads``)."""
     from jax_dqpost._kernel.spec import KernelSpec, TensorKernel
 
-    return KernelSpec(dtype, (TensorKernel(layout, padded_head_dim, tiling, split, short_heads),))
+    return KernelSpec(dtype, (TensorKernel(layout, padded_head_dim, tiling, shares, short_heads),))
 
 
 def export_dq(platforms=("cuda",), *, head_dim=128, seqlen=1000, dtype=None):

@@ -17,7 +17,7 @@ import pytest
 
 from jax_dqpost import AccumLayout, dq_postprocess
 from jax_dqpost._kernel import cache as kernel_cache, varlen
-from jax_dqpost._kernel.spec import SMEM_LIMIT, KernelSpec, TensorKernel, call_splits, store_tiling
+from jax_dqpost._kernel.spec import SMEM_LIMIT, KernelSpec, TensorKernel, call_shares, store_tiling
 from jax_dqpost._primitive.plan import Part, Plan
 from jax_dqpost._kernel.abi import Tiling
 
@@ -89,7 +89,7 @@ def compile_all(seed: int, count: int) -> None:
             dr = layout.padded_head_dim(head_dim)
             # a small call splits its tiles, a pack of few sequences takes one head a short-tile CTA (Plan.kernel)
             one_head = 1 if tiling == Tiling.VARLEN and varlen.short_rows(layout) else varlen.SHORT_HEADS
-            for split, heads in itertools.product(call_splits(layout, dr), {varlen.SHORT_HEADS, one_head}):
+            for split, heads in itertools.product(call_shares(layout, dr), {varlen.SHORT_HEADS, one_head}):
                 with warnings.catch_warnings():
                     warnings.simplefilter("error")  # a user sees no warning from compiling
                     tensor = TensorKernel(layout, dr, tiling, split, heads)
@@ -108,22 +108,22 @@ def test_every_accepted_layout_compiles_for_every_target(seed):
 
 
 def test_a_shares_region_holds_its_threads_elements(seed):
-    """Where a tile splits between CTAs (``kernel_spec.splits``), the rectangle CTA ``w`` converts holds exactly the
+    """Where a tile splits between CTAs (``kernel_spec.tile_shares``), the rectangle CTA ``w`` converts holds exactly the
     elements of the producer's threads ``w * n .. (w + 1) * n - 1`` by the wgmma fragment's coordinates
     (``fragments.wgmma_coord``, the PTX ISA's map; independent of the owner formula, not of that map), in whole
     16-row blocks of the shared-memory tile that repeat over the tile; FlashAttention-4's
     Hopper dQ presets split down to one warp a CTA, short tiles' orders to a CTA per short tile's row pairs and
     16-column blocks."""
     from jax_dqpost._kernel import fragments
-    from jax_dqpost._kernel.spec import split_regions, splits
+    from jax_dqpost._kernel.spec import share_regions, tile_shares
 
     cases = EDGES + _random_accepted(np.random.default_rng(seed), 200)
     checked = 0
     for layout, head_dim in cases:
         dr = layout.padded_head_dim(head_dim)
         geom = layout.mma_geometry(dr)
-        for split in splits(layout, dr):
-            (rows, cols), corners = split_regions(layout, dr, split)
+        for split in tile_shares(layout, dr):
+            (rows, cols), corners = share_regions(layout, dr, split)
             n = layout.num_threads // split
             assert len(corners) == split and n % 32 == 0, (layout, head_dim, split)
             assert rows % 16 == 0 and layout.tile_m % rows == 0 and dr % cols == 0, (layout, head_dim, split)
@@ -141,47 +141,47 @@ def test_a_shares_region_holds_its_threads_elements(seed):
     for head_dim, causal, want in [(64, False, (2, 4, 8)), (96, False, (2, 4)), (128, True, (2, 4, 8)),
                                    (128, False, (2, 4)), (192, False, (2, 4, 8)), (256, False, (2, 4, 8))]:
         layout = AccumLayout.flash_attention(90, head_dim, causal=causal, tensor="dq", version="4.0.0b36")
-        assert splits(layout, head_dim) == want, (head_dim, causal)
+        assert tile_shares(layout, head_dim) == want, (head_dim, causal)
 
 
 def test_small_calls_split_their_tiles():
-    """A kernel of one part and no sink whose tiles move fewer than ``kernel_spec.FINE_SPLIT_BYTES`` (accumulator and
+    """A kernel of one part and no sink whose tiles move fewer than ``kernel_spec.FINE_SHARES_BYTES`` (accumulator and
     output) converts each tile with the finest split of the order; the launch's CTAs count them. A fused or sink
     kernel never splits; a split the order cannot take is refused."""
-    from jax_dqpost._kernel.spec import FINE_SPLIT_BYTES
+    from jax_dqpost._kernel.spec import FINE_SHARES_BYTES
 
     layout = AccumLayout.flash_attention(90, 128, causal=True, tensor="dq", version="4.0.0b36")  # 64-row tiles
     tile_bytes = 64 * 128 * 6
-    assert FINE_SPLIT_BYTES // tile_bytes == 426
+    assert FINE_SHARES_BYTES // tile_bytes == 426
     dense = Plan((Part(layout, 128, np.dtype(jnp.bfloat16), seqlen=64 * 31),))
     for batch, heads, split in [(1, 13, 8), (1, 14, 1), (2, 7, 1), (2, 6, 8)]:  # 31 tiles a head: 403, 434, 434, 372
         shape = layout.accum_shape(batch, heads, 64 * 31, 128)
-        assert dense.kernel([shape]).tensors[0].split == split
+        assert dense.kernel([shape]).tensors[0].shares == split
         assert dense.launch([shape])[1] == batch * split * heads * 31
     work, _ = varlen.WorkList.build(np, [0, 64 * 3, 64 * 8], None, total=64 * 8, layout=layout)
     packed = Plan((Part(layout, 128, np.dtype(jnp.bfloat16), work=work),))
     for heads, split in [(53, 8), (54, 1)]:  # 8 tiles: 424 CTAs, then 432
         shape = (heads, work.padded_total * 128)
-        assert packed.kernel([shape]).tensors[0].split == split
+        assert packed.kernel([shape]).tensors[0].shares == split
         assert packed.launch([shape])[1] == split * heads * 8
     swapped = AccumLayout.flash_attention(90, 128, causal=False, tensor="dq", version="4.0.0b36")  # short tiles
     work, _ = varlen.WorkList.build(np, [0, 245, 400], None, total=400, layout=swapped)  # 3 + 2 long tiles, 1 short
     shape = (3, work.padded_total * 128)
     short = Plan((Part(swapped, 128, np.dtype(jnp.bfloat16), work=work),))
-    assert short.kernel([shape]).tensors[0].split == 4  # 64 threads a CTA: a short tile's 8 row pairs x 8 blocks
+    assert short.kernel([shape]).tensors[0].shares == 4  # 64 threads a CTA: a short tile's 8 row pairs x 8 blocks
     assert short.kernel([shape]).tensors[0].short_heads == 1  # few spans: a short-tile CTA per span and head
     assert short.launch([shape])[1] == 4 * 3 + 4 * 3 * 5
     fused = Plan((dense.parts[0],) * 3)
     shape = layout.accum_shape(1, 2, 64 * 31, 128)
-    assert all(t.split == 1 for t in fused.kernel([shape] * 3).tensors)
+    assert all(t.shares == 1 for t in fused.kernel([shape] * 3).tensors)
     sink = Plan(dense.parts, sink_dtype=np.dtype(np.float32), dsink_dtype=np.dtype(np.float32))
-    assert sink.kernel([shape]).tensors[0].split == 1
+    assert sink.kernel([shape]).tensors[0].shares == 1
     single = AccumLayout.flash_attention(90, 96, causal=False, tensor="dq", version="4.0.0b36")  # one warpgroup
     small = Plan((Part(single, 96, np.dtype(jnp.bfloat16), seqlen=64),))
-    assert small.kernel([single.accum_shape(1, 1, 64, 96)]).tensors[0].split == 4
-    for tensors, why in [((TensorKernel(single, 96, Tiling.DENSE, 8),), "split=8"),
-                         ((TensorKernel(swapped, 128, Tiling.VARLEN, 8),), "split=8"),
-                         ((TensorKernel(layout, 128, Tiling.DENSE, 3),), "split=3"),
+    assert small.kernel([single.accum_shape(1, 1, 64, 96)]).tensors[0].shares == 4
+    for tensors, why in [((TensorKernel(single, 96, Tiling.DENSE, 8),), "shares=8"),
+                         ((TensorKernel(swapped, 128, Tiling.VARLEN, 8),), "shares=8"),
+                         ((TensorKernel(layout, 128, Tiling.DENSE, 3),), "shares=3"),
                          ((TensorKernel(layout, 128, Tiling.DENSE, 2),) * 3, r"3 tensor\(s\)")]:
         with pytest.raises(ValueError, match=why):
             KernelSpec("bf16", tensors)

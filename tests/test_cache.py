@@ -20,7 +20,7 @@ from jax_dqpost._kernel import arch as arch_, cache as kernel_cache
 from support import export_dq, export_layout, fake_compile, one_part_kernel
 
 LAYOUT = export_layout()  # FlashAttention-4's sm90 dQ at head dim 128
-SMALL_CALL = one_part_kernel(jnp.bfloat16, LAYOUT, 128, split=4)  # export_dq's kernel: its tiles split (Plan.kernel)
+SMALL_CALL = one_part_kernel(jnp.bfloat16, LAYOUT, 128, shares=4)  # export_dq's kernel: its tiles split (Plan.kernel)
 
 
 def test_cuda_arch_chooses_the_target_and_validates():
@@ -144,7 +144,7 @@ def test_a_damaged_entry_is_recompiled_and_rewritten_with_one_warning(tmp_path, 
 
     monkeypatch.setenv("JAX_DQPOST_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(kernel_cache, "_cache", {})
-    key = one_part_kernel(jnp.bfloat16, LAYOUT, 128, Tiling.VARLEN, split=4, short_heads=1)  # the small call's below
+    key = one_part_kernel(jnp.bfloat16, LAYOUT, 128, Tiling.VARLEN, shares=4, short_heads=1)  # the small call's below
     good = kernel_cache.get_kernel(key, arch="sm_90a")
     (entry,) = tmp_path.glob("*.cute")
     intact = entry.read_bytes()

@@ -41,13 +41,13 @@ def test_export_for_cuda_emits_our_custom_call(dtype, name):
     assert calls == [_ffi.TARGET_NAME], calls
     tiles = -(-1000 // 80)
     # abi.py: dq_accum, q_aux (empty), scales (1,), then dq; extents (B, H, S, D, tiles); CTAs: a call this small
-    # splits each tile into its finest shares, 4 (kernel_spec.split_for), so 4 * H * tiles per batch
+    # splits each tile into its finest shares, 4 (kernel_spec.shares_for), so 4 * H * tiles per batch
     acc_bytes, out_bytes = 2 * 4 * tiles * 80 * 128 * 4, 2 * 1000 * 4 * 128 * 2
     assert f"bytes = dense<[{acc_bytes}, 0, 4, {out_bytes}]> : tensor<4xi64>" in text
     assert f"extents = dense<[2, 4, 1000, 128, {tiles}]>" in text and f"ctas = {2 * 4 * 4 * tiles} : i64" in text
     assert "mhlo.backend_config = {" in text  # typed XLA FFI: attributes as a dictionary
     assert "tensor<2x1000x4x128x" in text  # (B, S, H, D) result
-    kernel = kernel_cache.get_kernel(one_part_kernel(dtype, LAYOUT, 128, split=4), arch="sm_90a")
+    kernel = kernel_cache.get_kernel(one_part_kernel(dtype, LAYOUT, 128, shares=4), arch="sm_90a")
     assert kernel.module[:4] == b"\x7fELF"  # a host object holding the sm_90a cubin
     assert f'fingerprint = "{kernel.fingerprint}"' in text
 
@@ -169,7 +169,7 @@ def test_every_order_and_mode_compiles_for(arch):
                AccumLayout(None, 64, 256, 1, False, 32)]
     for layout in layouts:
         for tiling in Tiling:
-            for split in kernel_spec.call_splits(layout, 128):  # a tile per CTA, or its finest split
+            for split in kernel_spec.call_shares(layout, 128):  # a tile per CTA, or its finest split
                 k = kernel_cache.get_kernel(one_part_kernel(jnp.bfloat16, layout, 128, tiling, split), arch=arch)
                 assert k.arch == arch and k.module[:4] == b"\x7fELF"
 
@@ -220,7 +220,7 @@ def test_the_handler_reads_each_buffer_by_the_buffers_table():
 
 
 def test_split_and_join_follow_the_buffers_table():
-    """Plan.split and Plan.join are inverses in abi.BUFFERS' order, for one part or three, with a sink or not."""
+    """Plan.group and Plan.join are inverses in abi.BUFFERS' order, for one part or three, with a sink or not."""
     from jax_dqpost._kernel import abi
     from jax_dqpost._primitive.plan import Part, Plan
 
@@ -229,7 +229,7 @@ def test_split_and_join_follow_the_buffers_table():
     for plan in (Plan((q,)), Plan((q,), sink, sink), Plan((q, q, q)), Plan((q, q, q), sink, sink)):
         names = [b.name for b in plan.operands]
         assert names == list(abi.pointers(len(plan.parts), plan.has_sink)[:len(names)])
-        ops = plan.split(names)
+        ops = plan.group(names)
         assert plan.join(ops) == names
         assert list(ops.acc) == [f"{p}_accum" for p in plan.names]
         assert list(ops.aux) == [f"{s}_aux" for s in abi.sides(len(plan.parts))]
@@ -258,7 +258,7 @@ def test_command_buffers_mode_is_in_the_lowered_call(command_buffers_env):
 
     if arch.cuda_devices():
         _ffi.register()  # with the process's own setting, before this test changes it (lowering registers once)
-    fingerprint = kernel_cache.get_kernel(one_part_kernel(jnp.bfloat16, LAYOUT, 128, split=4)).fingerprint
+    fingerprint = kernel_cache.get_kernel(one_part_kernel(jnp.bfloat16, LAYOUT, 128, shares=4)).fingerprint
     texts = {}
     for value in ("", "0", "1"):
         command_buffers_env(value)

@@ -272,13 +272,13 @@ def _op_on(argument):
 def test_a_packed_call_takes_one_head_per_short_tile_cta_where_eight_make_few_ctas(rng):
     """The plan's choice for a varlen kernel of its own grid (``varlen.short_heads``): short-tile CTAs of 8 heads
     where that makes at least SHORT_CTAS (128) of them, else of 1 (one head: 8, the same grid); the launch counts
-    its CTAs with that choice, and the split (``kernel_spec.split_for``) counts short-tile CTAs at 8 heads whatever
+    its CTAs with that choice, and the split (``kernel_spec.shares_for``) counts short-tile CTAs at 8 heads whatever
     the choice. A fused kernel keeps 8."""
     from jax_dqpost._kernel import spec as kernel_spec, varlen
     from jax_dqpost._primitive.plan import Part, Plan
 
     layout = AccumLayout.flash_attention(90, 128, causal=False, tensor="dq", version="4.0.0b36")  # short tiles
-    assert kernel_spec.splits(layout, 128)
+    assert kernel_spec.tile_shares(layout, 128)
     for batch, heads in [(1, 8 * 42), (1, 8 * 43), (126, 8), (126, 1), (2, 1), (30, 33), (30, 32), (2, 21)] + \
             [(2, 64)] + [(int(b), int(h)) for b in rng.integers(1, 200, 6) for h in rng.integers(1, 70, 2)]:
         lengths = rng.integers(0, 3 * layout.tile_m, batch)
@@ -292,12 +292,12 @@ def test_a_packed_call_takes_one_head_per_short_tile_cta_where_eight_make_few_ct
         t = spec.tensors[0]
         assert t.short_heads == want == varlen.short_heads(batch + 2, heads), (batch, heads)
         at_eight = varlen.grid_ctas(heads, work.num_tiles, batch + 2, work.short_rows)
-        assert t.split == kernel_spec.split_for(layout, 128, at_eight), (batch, heads, at_eight)
+        assert t.shares == kernel_spec.shares_for(layout, 128, at_eight), (batch, heads, at_eight)
         if (batch, heads) == (2, 64):
             at_one = varlen.grid_ctas(heads, work.num_tiles, batch + 2, work.short_rows, short_heads=1)
-            assert t.split > 1 == kernel_spec.split_for(layout, 128, at_one) and want == 1, (t, at_one)
+            assert t.shares > 1 == kernel_spec.shares_for(layout, 128, at_one) and want == 1, (t, at_one)
         ctas = Plan((part,)).launch([shape])[1]
-        assert ctas == (batch + 2) * -(-heads // want) + t.split * heads * (work.num_tiles - batch - 2)
+        assert ctas == (batch + 2) * -(-heads // want) + t.shares * heads * (work.num_tiles - batch - 2)
         fused = Plan((part,) * 3).kernel([shape] * 3)
         assert {u.short_heads for u in fused.tensors} == {8}
 

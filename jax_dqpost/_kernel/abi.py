@@ -125,7 +125,7 @@ BUFFERS = (
     Row("dsink", "sink", "dsink", False, ("h", "h", "h")),
 )
 """The table of the call's buffers, in order: the operands (every kind before ``out``), then the results. Every list
-of them is derived from it: :meth:`Plan.split <jax_dqpost._primitive.plan.Plan.split>` and ``join``, the dtypes abstract
+of them is derived from it: :meth:`Plan.group <jax_dqpost._primitive.plan.Plan.group>` and ``join``, the dtypes abstract
 evaluation checks, the kernel entry's arguments (``kernel.entry_args``), the partition specs and the Shardy rule
 (``primitive.py``)."""
 

@@ -1,7 +1,7 @@
 """Compile the CuTe DSL kernel once per binary-changing configuration; cutlass is imported lazily here.
 
 The key (``Plan.kernel``, a :class:`~jax_dqpost._kernel.spec.KernelSpec`, and the target GPU) holds what changes the
-binary: output dtype, each part's accumulator layout, padded head dim, tiling, split and short-tile heads, the sink's
+binary: output dtype, each part's accumulator layout, padded head dim, tiling, shares and short-tile heads, the sink's
 dtypes and the GPU architecture. Batch, heads, sequence lengths, head dims and scales are run-time arguments of the
 compiled module, so they never trigger a compile.
 
@@ -38,9 +38,9 @@ from . import abi, arch as arch_, cute_runtime
 from .._version import __version__
 from .spec import KernelSpec
 
-KERNEL_SOURCES = (*(f"_kernel/{name}.py" for name in ("kernel", "spec", "schedule", "tile", "fragments", "abi", "varlen",
-                                                   "arch")),
-                  "layout/__init__.py", "layout/_presets.py", "_errors.py")
+KERNEL_SOURCES = ("_kernel/kernel.py", "_kernel/spec.py", "_kernel/schedule.py", "_kernel/tile.py",
+                  "_kernel/fragments.py", "_kernel/abi.py", "_kernel/varlen.py", "_kernel/arch.py", "layout/__init__.py",
+                  "layout/_presets.py", "_errors.py")
 """The modules the compiled kernel is made from (``kernel.py``, what it imports and the orders whose methods it
 calls), by their paths in the package: part of a disk entry's name."""
 

@@ -81,9 +81,9 @@ def mma_sync_offset(i, j, *, m_extent: int, atoms_m: int, atoms_n: int, num_thre
     pm, pn = MMA_SYNC_TILE * atoms_m, MMA_SYNC_TILE * atoms_n  # permutation tile of the tiled MMA
     mm, wm, u = m // pm, (m % pm) // 16, m % 16
     nt, a, c = n // pn, (n % pn) // 8, n % 8
-    wn, sub = a % atoms_n, a // atoms_n  # 8-column blocks go round-robin over the warps along N
+    wn, warp_block = a % atoms_n, a // atoms_n  # 8-column blocks go round-robin over the warps along N
     tid = 32 * (wm + atoms_m * wn) + 4 * (u % 8) + c // 2
-    r = c % 2 + 2 * (u // 8) + 4 * (mm + (m_extent // pm) * (sub + 2 * nt))
+    r = c % 2 + 2 * (u // 8) + 4 * (mm + (m_extent // pm) * (warp_block + 2 * nt))
     return tid + num_threads * r
 
 

@@ -3,9 +3,9 @@
 Imports cutlass at module import: load this module lazily (``cache.py`` does).
 
 The entry point takes its arguments in the order of ``abi.py`` (:func:`entry_args`). A call of one part without a
-sink launches that part's own grid: ``(split * H * grid_x, 1, B)`` dense (``KernelSpec.batch_on_grid_z``),
+sink launches that part's own grid: ``(shares * H * grid_x, 1, B)`` dense (``KernelSpec.batch_on_grid_z``),
 ``(varlen.grid_ctas(...), 1, 1)`` varlen, every CTA the part's, with a shared-memory allocator of its own; with
-``split`` > 1 (``TensorKernel.split``) a tile's ``split`` consecutive CTAs each convert a share of it. Any other
+``shares`` > 1 (``TensorKernel.shares``) a tile's ``shares`` consecutive CTAs each convert a share of it. Any other
 call launches a one-dimensional grid: with a sink, first ``H`` CTAs (one per query head) reducing ``dsink``, first
 because each reads every row of its head; then the CTAs of dQ, of dK and of dV, each part's numbered by its
 scheduler (``schedule.py``), a dense part's CTA ``x`` being its CTA ``x % (H * grid_x)`` of batch ``x // (H *
@@ -122,9 +122,9 @@ class Postprocess:
         self.names = spec.names
         self.dtype = dtype = cute_type(spec.dtype)
         self.converters = tuple(TileConverter(dtype, p.layout, p.padded_head_dim, tiling=p.tiling, target_sm=target_sm,
-                                              min_ctas_per_sm=min_ctas_per_sm, split=p.split) for p in parts)
+                                              min_ctas_per_sm=min_ctas_per_sm, shares=p.shares) for p in parts)
         self.schedulers = tuple(scheduler(p.layout, p.padded_head_dim, p.tiling,
-                                          p.short_heads if short_heads is None else short_heads, p.split,
+                                          p.short_heads if short_heads is None else short_heads, p.shares,
                                           bool(slot_records))
                                 for p in parts)
         self.num_threads = max(p.work_threads for p in self.converters)
@@ -238,34 +238,34 @@ class Postprocess:
                     self._trigger()
                 self.converters[i].short_tile(part, group, short_tile, tidx, short.short_heads)
             else:
-                split = self.converters[i].split  # CTAs of a tile and head, consecutive
-                slot = (x - short_ctas) // split // part.heads
+                shares = self.converters[i].shares  # CTAs of a tile and head, consecutive
+                slot = (x - short_ctas) // shares // part.heads
                 if const_expr(self.schedulers[i].slot_records):  # a slot past the long tiles has no rows
-                    head = (x - short_ctas) // split % part.heads
+                    head = (x - short_ctas) // shares % part.heads
                     tile = self.schedulers[i].tile(part, slot, head)
                     self._late_wait()
                     if tile.rows_total > 0:
                         self._trigger()
                     self.converters[i].tile(part, head, tile, tidx, smem, may_be_empty=True,
-                                            sub=(x - short_ctas) % split)
+                                            share=(x - short_ctas) % shares)
                 elif slot < self.schedulers[i].long_tiles(part):  # the slots past them (traced offsets' bound) stop
                     if const_expr(not self.early_lookup):
                         self._trigger()
-                    head = (x - short_ctas) // split % part.heads
+                    head = (x - short_ctas) // shares % part.heads
                     tile = self.schedulers[i].tile(part, slot, head)
                     self._late_wait()
                     if const_expr(self.early_lookup):  # as on the other paths: after the wait
                         self._trigger()
                     self.converters[i].tile(part, head, tile, tidx, smem, may_be_empty=True,
-                                            sub=(x - short_ctas) % split)
+                                            share=(x - short_ctas) % shares)
         else:
-            split = self.converters[i].split
-            bx, head = x // split // part.heads, x // split % part.heads
+            shares = self.converters[i].shares
+            bx, head = x // shares // part.heads, x // shares % part.heads
             tile = self.schedulers[i].tile(part, bx, head, bz)
             self._late_wait()
             if tile.rows_total > 0:
                 self._trigger()
-            self.converters[i].tile(part, head, tile, tidx, smem, sub=x % split)
+            self.converters[i].tile(part, head, tile, tidx, smem, share=x % shares)
 
     def _late_wait(self):
         """``griddepcontrol.wait`` once a CTA has its tile, with ``early_lookup`` (else the kernel waits at entry)."""

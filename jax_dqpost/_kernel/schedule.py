@@ -8,9 +8,9 @@ once, here: where the tile starts in the accumulator and in the result, how many
 and how many of them come from the accumulator (``conv_rows``; the rest are zeros: seqused shorter than the
 sequence, rows no sequence covers). The converters (``tile.py``) only convert.
 
-* :class:`DenseScheduler` (``DENSE``, ``DENSE_SEQUSED``): ``split * H * grid_x`` CTAs per batch ``b``, ``grid_x =
-  ceil(S / tile_m)``, heads fastest: CTA ``x`` takes tile ``(b, h, m) = (b, y % H, y // H)``, ``y = x // split``
-  (its share ``x % split``, when ``split`` > 1), so the CTAs in flight write whole rows of the result,
+* :class:`DenseScheduler` (``DENSE``, ``DENSE_SEQUSED``): ``shares * H * grid_x`` CTAs per batch ``b``, ``grid_x =
+  ceil(S / tile_m)``, heads fastest: CTA ``x`` takes tile ``(b, h, m) = (b, y % H, y // H)``, ``y = x // shares``
+  (its share ``x % shares``, when ``shares`` > 1), so the CTAs in flight write whole rows of the result,
   every head of them, as a copy would. With seqused, rows past ``seqused[b]`` are zeros.
 * :class:`VarlenScheduler` (``VARLEN``): the work list's long-tile slots (``varlen.py``), heads fastest: slot ``m``
   looks its span up (:func:`read_span`) and takes tile ``m - tile_start[span]`` of it: two dependent lookups before
@@ -87,13 +87,13 @@ def read_span(aux_ptr: cute.Pointer, num_spans: Int32, span: Int32):
 class DenseScheduler:
     """Tiles of a dense part (module docstring); ``seqused``: rows past ``seqused[b]`` are zeros."""
 
-    def __init__(self, layout, padded_head_dim: int, seqused: bool, split: int = 1):
-        self.layout, self.padded_head_dim, self.seqused, self.split = layout, padded_head_dim, seqused, split
+    def __init__(self, layout, padded_head_dim: int, seqused: bool, shares: int = 1):
+        self.layout, self.padded_head_dim, self.seqused, self.shares = layout, padded_head_dim, seqused, shares
         self.unread = layout.alloc_head_dim(padded_head_dim) - padded_head_dim  # Da - Dr: per row, after the tiles
 
     def num_ctas(self, dim0, heads, grid_x):
-        """The part's CTAs per batch (``split`` per tile and head)."""
-        return self.split * heads * grid_x
+        """The part's CTAs per batch (``shares`` per tile and head)."""
+        return self.shares * heads * grid_x
 
     @cute.jit
     def tile(self, part: TensorArgs, m_block, head, batch) -> Tile:
@@ -124,8 +124,8 @@ class VarlenScheduler:
     Hopper orders (module docstring)."""
 
     def __init__(self, layout, padded_head_dim: int, short_heads: int = varlen.SHORT_HEADS,
-                 split: int = 1, slot_records: bool = False):
-        self.layout, self.padded_head_dim, self.split = layout, padded_head_dim, split
+                 shares: int = 1, slot_records: bool = False):
+        self.layout, self.padded_head_dim, self.shares = layout, padded_head_dim, shares
         self.slot_records = slot_records
         self.unread = layout.alloc_head_dim(padded_head_dim) - padded_head_dim  # Da - Dr: per row, after the tiles
         self.short = ShortTileScheduler(layout, short_heads) if varlen.short_rows(layout) > 0 else None
@@ -134,7 +134,7 @@ class VarlenScheduler:
         """The part's CTAs (``varlen.grid_ctas``): the short tiles' first, then the long tiles'."""
         short_rows, short_heads = (0, varlen.SHORT_HEADS) if self.short is None else (self.short.short_rows,
                                                                                       self.short.short_heads)
-        return varlen.grid_ctas(heads, grid_x, dim0, short_rows, short_heads, self.split)
+        return varlen.grid_ctas(heads, grid_x, dim0, short_rows, short_heads, self.shares)
 
     @cute.jit
     def tile(self, part: TensorArgs, slot, head, _batch=None) -> Tile:
@@ -215,9 +215,9 @@ class ShortTileScheduler:
 
 
 def scheduler(layout, padded_head_dim: int, tiling: Tiling, short_heads: int = varlen.SHORT_HEADS,
-              split: int = 1, slot_records: bool = False):
-    """The scheduler of a part of this tiling; ``split``: CTAs per tile and head (their shares:
-    ``spec.split_regions``); ``slot_records``: varlen long tiles from the slots' records."""
+              shares: int = 1, slot_records: bool = False):
+    """The scheduler of a part of this tiling; ``shares``: CTAs per tile and head (their shares:
+    ``spec.share_regions``); ``slot_records``: varlen long tiles from the slots' records."""
     if tiling == Tiling.VARLEN:
-        return VarlenScheduler(layout, padded_head_dim, short_heads, split, slot_records)
-    return DenseScheduler(layout, padded_head_dim, tiling == Tiling.DENSE_SEQUSED, split)
+        return VarlenScheduler(layout, padded_head_dim, short_heads, shares, slot_records)
+    return DenseScheduler(layout, padded_head_dim, tiling == Tiling.DENSE_SEQUSED, shares)

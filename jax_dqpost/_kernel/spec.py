@@ -27,21 +27,21 @@ KiB, sm_90 and sm_100 227 KiB). The kernel stages one ``tile_m x Dr`` dQ tile th
 @dataclasses.dataclass(frozen=True)
 class TensorKernel:
     """What of one tensor (dQ, dK or dV) changes the binary: its accumulator's order, its padded head dim ``Dr``
-    (``AccumLayout.padded_head_dim``), how a CTA finds its tile, ``split``, the CTAs a tile is converted by: 1, or
-    one of :func:`splits`, each CTA converting the share of ``num_threads / split`` of the producer's threads
-    (:func:`split_regions`; :func:`split_for` chooses), and ``short_heads``, the heads of a varlen short-tile CTA
+    (``AccumLayout.padded_head_dim``), how a CTA finds its tile, ``shares``, the CTAs a tile is converted by: 1,
+    or one of :func:`tile_shares`, each CTA converting the share of ``num_threads / shares`` of the producer's threads
+    (:func:`share_regions`; :func:`shares_for` chooses), and ``short_heads``, the heads of a varlen short-tile CTA
     (``varlen.short_heads`` chooses)."""
 
     layout: object  # an AccumLayout
     padded_head_dim: int
     tiling: Tiling
-    split: int = 1
+    shares: int = 1
     short_heads: int = varlen.SHORT_HEADS
 
     def __post_init__(self):
         object.__setattr__(self, "padded_head_dim", int(self.padded_head_dim))
         object.__setattr__(self, "tiling", Tiling(self.tiling))
-        object.__setattr__(self, "split", int(self.split))
+        object.__setattr__(self, "shares", int(self.shares))
         object.__setattr__(self, "short_heads", int(self.short_heads))
 
 
@@ -81,10 +81,10 @@ class KernelSpec:
                     why = str(e)
             if why:
                 raise ValueError(f"jax_dqpost: no kernel for {t.layout}, padded head dim {t.padded_head_dim}: {why}")
-            if t.split != 1 and (t.split not in splits(t.layout, t.padded_head_dim) or not self.own_grid):
+            if t.shares != 1 and (t.shares not in tile_shares(t.layout, t.padded_head_dim) or not self.own_grid):
                 raise ValueError(f"jax_dqpost: a kernel's tiles are split only into shares of whole warps that an "
-                                 f"order has ({splits(t.layout, t.padded_head_dim)} here), in a kernel of one tensor "
-                                 f"without a sink; got split={t.split} for "
+                                 f"order has ({tile_shares(t.layout, t.padded_head_dim)} here), in a kernel of one "
+                                 f"tensor without a sink; got shares={t.shares} for "
                                  f"{t.layout}, padded head dim {t.padded_head_dim}, {len(self.tensors)} tensor(s)"
                                  f"{' with a sink' if self.sink else ''}")
             if t.short_heads != varlen.SHORT_HEADS and (t.short_heads != 1 or not self.own_grid or t.tiling !=
@@ -108,9 +108,9 @@ class KernelSpec:
 
     @property
     def label(self) -> str:
-        """A short name: the dtype, each tensor's tiling (and split, and short-tile heads), ``sink``
+        """A short name: the dtype, each tensor's tiling (and shares, and short-tile heads), ``sink``
         (``"bf16-dense-sink"``, ``"bf16-varlen8"``, ``"bf16-varlen4h1"``)."""
-        return "-".join([self.dtype] + [t.tiling.name.lower() + (str(t.split) if t.split != 1 else "")
+        return "-".join([self.dtype] + [t.tiling.name.lower() + (str(t.shares) if t.shares != 1 else "")
                                         + (f"h{t.short_heads}" if t.short_heads != varlen.SHORT_HEADS else "")
                                         for t in self.tensors] + (["sink"] if self.sink else []))
 
@@ -172,53 +172,53 @@ def region_store_tiling(rows_m: int, cols: int, threads: int) -> tuple[int, int]
     return None
 
 
-FINE_SPLIT_BYTES = 20 << 20
+FINE_SHARES_BYTES = 20 << 20
 """A kernel of its own grid whose unsplit CTAs times a tile's bytes (``tile_m * Dr`` floats read, as many values
-written) come to fewer than this splits each tile between CTAs (:func:`split_for`); chosen on the H200 by graph
+written) come to fewer than this splits each tile between CTAs (:func:`shares_for`); chosen on the H200 by graph
 replay of each split at 8.4-25.2 MB (docs/performance.md)."""
 
 
-def split_for(layout, padded_head_dim: int, unsplit_ctas: int) -> int:
-    """``split`` (:class:`TensorKernel`) of a kernel of its own grid (one tensor, no sink) that launches
-    ``unsplit_ctas`` CTAs unsplit (a varlen short-tile CTA counted as a tile): the finest of :func:`splits` below
-    :data:`FINE_SPLIT_BYTES`, else 1."""
-    fine = splits(layout, padded_head_dim)
-    small = unsplit_ctas * layout.tile_m * padded_head_dim * (4 + OUT_BYTES) < FINE_SPLIT_BYTES
+def shares_for(layout, padded_head_dim: int, unsplit_ctas: int) -> int:
+    """``shares`` (:class:`TensorKernel`) of a kernel of its own grid (one tensor, no sink) that launches
+    ``unsplit_ctas`` CTAs unsplit (a varlen short-tile CTA counted as a tile): the finest of :func:`tile_shares` below
+    :data:`FINE_SHARES_BYTES`, else 1."""
+    fine = tile_shares(layout, padded_head_dim)
+    small = unsplit_ctas * layout.tile_m * padded_head_dim * (4 + OUT_BYTES) < FINE_SHARES_BYTES
     return fine[-1] if fine and small else 1
 
 
-def call_splits(layout, padded_head_dim: int) -> tuple[int, ...]:
-    """Every ``split`` a call of this order may take (:func:`split_for`), increasing."""
-    return (1,) + splits(layout, padded_head_dim)[-1:]
+def call_shares(layout, padded_head_dim: int) -> tuple[int, ...]:
+    """Every ``shares`` a call of this order may take (:func:`shares_for`), increasing."""
+    return (1,) + tile_shares(layout, padded_head_dim)[-1:]
 
 
 @functools.lru_cache(maxsize=256)
-def splits(layout, padded_head_dim: int) -> tuple[int, ...]:
-    """Every ``split`` > 1 a tile of this order takes (:func:`split_regions`), increasing. A call takes the last
-    (:func:`call_splits`); the others are for experiments (``ncu_kernels`` checks their bits against the default's)."""
+def tile_shares(layout, padded_head_dim: int) -> tuple[int, ...]:
+    """Every ``shares`` > 1 a tile of this order takes (:func:`share_regions`), increasing. A call takes the last
+    (:func:`call_shares`); the others are for experiments (``ncu_kernels`` checks their bits against the default's)."""
     # a varlen short-tile CTA of a split kernel has the share's threads
     least = max(32, varlen.short_tile_threads(layout, padded_head_dim))
     candidates = [s for s in range(2, layout.num_threads // least + 1) if layout.num_threads % (32 * s) == 0]
-    return tuple(s for s in candidates if split_regions(layout, padded_head_dim, s) is not None)
+    return tuple(s for s in candidates if share_regions(layout, padded_head_dim, s) is not None)
 
 
-def split_regions(layout, padded_head_dim: int, split: int):
-    """``((R, C), ((r0, c0), ...))``: the ``R x C`` rectangle of the dQ tile that each of ``split`` CTAs converts in a
+def share_regions(layout, padded_head_dim: int, shares: int):
+    """``((R, C), ((r0, c0), ...))``: the ``R x C`` rectangle of the dQ tile that each of ``shares`` CTAs converts in a
     Hopper (wgmma) order, CTA ``s`` standing for the producer's threads ``s * n .. (s + 1) * n - 1`` (``n =
-    num_threads / split``, whole warps); None for other orders or splits, or where those threads' elements do not
+    num_threads / shares``, whole warps); None for other orders or shares, or where those threads' elements do not
     form such a rectangle, or where a rectangle cannot be stored as whole 16-byte vectors by ``n`` threads
     (:func:`region_store_tiling`). Thread ``t`` of warpgroup ``w`` holds the tile's floats ``w * chunk + 512 k + 4 t
     + e`` (``chunk = tile_m * Dr / warpgroups``)."""
     import numpy as np
 
-    groups, threads = layout.num_threads // 128, layout.num_threads // max(split, 1)
-    if layout.arch != 90 or split < 2 or layout.num_threads % (32 * split):
+    groups, threads = layout.num_threads // 128, layout.num_threads // max(shares, 1)
+    if layout.arch != 90 or shares < 2 or layout.num_threads % (32 * shares):
         return None
     where = layout.tile_index_map(padded_head_dim)
     chunk = layout.tile_m * padded_head_dim // groups
     owner = (where // chunk * 128 + where % chunk % 512 // 4) // threads
     corners, shape = [], None
-    for w in range(split):
+    for w in range(shares):
         mine = owner == w
         rows, cols = np.flatnonzero(mine.any(axis=1)), np.flatnonzero(mine.any(axis=0))
         (r0, c0), size = (int(rows[0]), int(cols[0])), (len(rows), len(cols))

@@ -4,7 +4,7 @@
 
 Imports cutlass at module import: load this module lazily (``cache.py`` does).
 
-Per tile with rows to convert (or one CTA's share of it: ``split``), every thread
+Per tile with rows to convert (or one CTA's share of it: ``shares``), every thread
   1. loads its fp32 accumulator fragment straight from global memory, coalesced, in the order the
      producer's threads stored it (no shared-memory staging of the fp32 tile); outside the dense tiling it
      skips the loads whose rows are all past ``conv_rows`` (those rows are written as zeros),
@@ -72,13 +72,13 @@ class TileConverter:
 
     def __init__(self, dtype: type[cutlass.Numeric], layout, padded_head_dim: int, *,
                  tiling: Tiling = Tiling.DENSE, target_sm: int = 90, min_ctas_per_sm: int | None = None,
-                 split: int = 1):
+                 shares: int = 1):
         """``padded_head_dim``: ``Dr``, the head dim as padded in the accumulator. ``tiling``: the part's
         (``schedule.py``; outside ``DENSE`` the loads of rows past ``conv_rows`` are skipped). ``target_sm``: the GPU
         generation compiled for (e.g. 80, 90, 100). Tuning (benchmarks/ncu_kernels.py compares it):
-        ``min_ctas_per_sm``, the launch-bounds hint given to ptxas (None: chosen here; 0: none). ``split``: 1, or
-        one of ``spec.splits``: a CTA of ``num_threads / split`` threads converts those producer threads' share
-        of a tile (``spec.split_regions``; :meth:`tile`'s ``sub``). The layout and ``Dr`` are a
+        ``min_ctas_per_sm``, the launch-bounds hint given to ptxas (None: chosen here; 0: none). ``shares``: 1, or
+        one of ``spec.tile_shares``: a CTA of ``num_threads / shares`` threads converts those producer threads' share
+        of a tile (``spec.share_regions``; :meth:`tile`'s ``share``). The layout and ``Dr`` are a
         :class:`~jax_dqpost._kernel.spec.KernelSpec`'s, which checked that the kernel exists."""
         self.tiling = Tiling(tiling)
         self.family = {90: "mma", 80: "mma", 100: "rows", None: "rowmajor"}[layout.arch]
@@ -93,12 +93,12 @@ class TileConverter:
         self.tile_m = layout.tile_m
         self.padded_head_dim = padded_head_dim
         self.num_threads = layout.num_threads  # the producer's threads, whose fragments make a tile
-        self.split = split
-        self.work_threads = self.num_threads // split  # the threads converting a tile, or a share of it
-        if split != 1:
-            regions = spec.split_regions(layout, padded_head_dim, split)
+        self.shares = shares
+        self.work_threads = self.num_threads // shares  # the threads converting a tile, or a share of it
+        if shares != 1:
+            regions = spec.share_regions(layout, padded_head_dim, shares)
             if regions is None:
-                raise ValueError(f"split={split}: {layout} at Dr={padded_head_dim} has no shares of "
+                raise ValueError(f"shares={shares}: {layout} at Dr={padded_head_dim} has no shares of "
                                  f"{self.work_threads} threads to split a tile into")
             self.region_shape, self.region_corners = regions
             self.region_store = spec.region_store_tiling(*self.region_shape, self.work_threads)
@@ -145,7 +145,7 @@ class TileConverter:
 
     def _smem_layout(self):
         """The CTA's shared-memory tile: row-major, swizzled, 16-byte row chunks contiguous; the whole
-        ``(tile_m, padded_head_dim)`` tile, or (``split`` > 1) its share's ``region_shape``.
+        ``(tile_m, padded_head_dim)`` tile, or (``shares`` > 1) its share's ``region_shape``.
 
         The swizzle atom must not straddle two warpgroups' column slabs, so its width is chosen from
         one warpgroup's extent along the head dim (n_atom, or the 64-row atom when swapped), and from the staged
@@ -155,15 +155,15 @@ class TileConverter:
             slab = 64
         else:
             slab = 64 if self.layout.swap_ab else self.n_atom
-        rows, cols = self.region_shape if self.split > 1 else (self.tile_m, self.padded_head_dim)
+        rows, cols = self.region_shape if self.shares > 1 else (self.tile_m, self.padded_head_dim)
         kind = sm90_helpers.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, math.gcd(slab, cols))
         atom = warpgroup.make_smem_layout_atom(kind, self.dtype)
         return cute.tile_to_shape(atom, (rows, cols), (0, 1))
 
     def _tile_layout(self, s_layout):
-        """``s_layout`` at the whole tile's ``(tile_m, padded_head_dim)`` coordinates: with ``split`` > 1, the share's
+        """``s_layout`` at the whole tile's ``(tile_m, padded_head_dim)`` coordinates: with ``shares`` > 1, the share's
         region repeated over the tile with stride 0 (a CTA writes only its own region's coordinates)."""
-        if const_expr(self.split == 1):
+        if const_expr(self.shares == 1):
             return s_layout
         rows, cols = self.region_shape
         return cute.composition(s_layout, cute.make_layout(((rows, self.tile_m // rows),
@@ -171,32 +171,32 @@ class TileConverter:
                                                            stride=((1, 0), (rows, 0))))
 
     @cute.jit
-    def tile(self, part: TensorArgs, head, t: Tile, tidx, smem, may_be_empty: cutlass.Constexpr = False, sub=0):
+    def tile(self, part: TensorArgs, head, t: Tile, tidx, smem, may_be_empty: cutlass.Constexpr = False, share=0):
         """Converts tile ``t`` of head ``head`` through the shared-memory tile, which ``smem`` allocates
-        (``allocate_tensor``); with ``split`` > 1, share ``sub`` of it. Only the CTA's first
+        (``allocate_tensor``); with ``shares`` > 1, share ``share`` of it. Only the CTA's first
         ``work_threads`` threads call it. ``may_be_empty``: a tile of no rows does nothing (a varlen slot past the
         long tiles)."""
         s_layout = self._smem_layout()
         s_tile = smem.allocate_tensor(self.dtype, s_layout, byte_alignment=1024)  # the tile, or the share's region
         if const_expr(may_be_empty):
             if t.rows_total > 0:
-                self._tile_via_smem(part, head, t, s_tile, s_layout, tidx, sub)
+                self._tile_via_smem(part, head, t, s_tile, s_layout, tidx, share)
         else:
-            self._tile_via_smem(part, head, t, s_tile, s_layout, tidx, sub)
+            self._tile_via_smem(part, head, t, s_tile, s_layout, tidx, share)
 
     @cute.jit
-    def _tile_via_smem(self, part: TensorArgs, head, t: Tile, s_tile, s_layout, tidx, sub):
-        """Steps 1-4 (module docstring): the fragment (or share ``sub``: its threads act as the
-        producer's threads ``work_threads * sub ..``) into the shared-memory tile, then its rows out."""
+    def _tile_via_smem(self, part: TensorArgs, head, t: Tile, s_tile, s_layout, tidx, share):
+        """Steps 1-4 (module docstring): the fragment (or share ``share``: its threads act as the
+        producer's threads ``work_threads * share ..``) into the shared-memory tile, then its rows out."""
         heads, head_dim = part.heads, part.head_dim
         if t.conv_rows > 0:
             full = self._tile_layout(s_layout)
             self._convert_tile(part.acc, t.acc_elem, part.scale, cute.make_tensor(s_tile.iterator, full), full,
-                               t.conv_rows, tidx + sub * self.work_threads if const_expr(self.split > 1) else tidx)
+                               t.conv_rows, tidx + share * self.work_threads if const_expr(self.shares > 1) else tidx)
         self.sync()
         out_offset = (t.row_start * Int64(heads) + Int64(head)) * Int64(head_dim)
         self._store_tile(part.out, out_offset, heads * head_dim, head_dim, s_tile, t.rows_total, t.conv_rows, tidx,
-                         sub)
+                         share)
 
     @cute.jit
     def short_tile(self, part: TensorArgs, group, t: ShortTile, tidx, short_heads: cutlass.Constexpr):
@@ -396,9 +396,9 @@ class TileConverter:
                 s_tile[row, 4 * q + e] = out[e]
 
     @cute.jit
-    def _store_tile(self, out_ptr, out_offset, row_stride, head_dim, s_tile, rows_total, conv_rows, tidx, sub):
-        """Step 4: 16-byte row vectors to global memory; rows >= conv_rows are zeros. With ``split`` > 1, only
-        share ``sub``'s region of the tile (``s_tile`` holds that region alone)."""
+    def _store_tile(self, out_ptr, out_offset, row_stride, head_dim, s_tile, rows_total, conv_rows, tidx, share):
+        """Step 4: 16-byte row vectors to global memory; rows >= conv_rows are zeros. With ``shares`` > 1, only
+        share ``share``'s region of the tile (``s_tile`` holds that region alone)."""
         tile_m, padded_head_dim = self.tile_m, self.padded_head_dim
         dst_ptr = _aligned(out_ptr + out_offset, cute.AddressSpace.gmem)
         vec = _VEC_BYTES * 8 // self.dtype.width
@@ -407,12 +407,12 @@ class TileConverter:
             cute.make_layout((tile_m, padded_head_dim), stride=(cute.assume(row_stride, divby=vec), 1)),
         )
         crd = cute.make_identity_tensor((tile_m, padded_head_dim))
-        if const_expr(self.split == 1):
+        if const_expr(self.shares == 1):
             self._store_region(g_out, s_tile, crd, self.store_threads, vec, rows_total, conv_rows, head_dim, tidx)
         else:
             shape = self.region_shape
-            for s in cutlass.range_constexpr(self.split):
-                if sub == s:
+            for s in cutlass.range_constexpr(self.shares):
+                if share == s:
                     at = (self.region_corners[s][0] // shape[0], self.region_corners[s][1] // shape[1])
                     self._store_region(cute.local_tile(g_out, shape, at), s_tile,
                                        cute.local_tile(crd, shape, at), self.region_store, vec, rows_total, conv_rows,

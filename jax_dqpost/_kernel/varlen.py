@@ -33,7 +33,7 @@ The records are for an experiment (``kernel.Postprocess``'s ``slot_records``, ti
 how many dependent lookups a long-tile CTA makes either way is said in ``schedule.py``.
 
 A span of ``r`` rows has ``ceil(r / tile_m)`` tiles. For most orders every tile is a *long* tile: one CTA per tile
-and head (the shared-memory path; ``split`` CTAs, each converting a share, in a small call's kernel). For the
+and head (the shared-memory path; ``shares`` CTAs, each converting a share, in a small call's kernel). For the
 orders with short tiles (:func:`short_rows`: the swapped Hopper orders) a span's last tile is *short* when it has
 ``1 .. short_rows`` rows; it is not among the long tiles, and the span's short-tile slot converts it, for
 :data:`SHORT_HEADS` heads per CTA, or one (:func:`short_heads`; :func:`grid_ctas`).
@@ -88,7 +88,7 @@ def short_rows(layout) -> int:
 def short_tile_threads(layout, padded_head_dim: int) -> int:
     """Threads a short-tile CTA needs to convert a short tile of one head in one round: one per row pair and 16
     columns (``tile.TileConverter.short_tile``); 0 for orders without short tiles. A CTA of fewer threads would drop
-    work items (``spec.splits`` keeps at least this many)."""
+    work items (``spec.tile_shares`` keeps at least this many)."""
     return (short_rows(layout) + 1) // 2 * (padded_head_dim // 16)
 
 
@@ -99,14 +99,14 @@ def short_heads(num_spans: int, heads: int) -> int:
     return SHORT_HEADS if heads <= 1 or num_spans * -(-heads // SHORT_HEADS) >= SHORT_CTAS else 1
 
 
-def grid_ctas(heads, num_tiles, num_spans, short_rows: int, short_heads: int = SHORT_HEADS, split: int = 1):
-    """CTAs of a varlen launch: ``split`` per long-tile slot and head (a tile's shares,
-    ``spec.split_regions``, when ``split`` > 1), and (orders with short tiles) one per span and group of
-    ``short_heads`` heads. ``short_rows``, ``short_heads``, ``split``: Python ints; the rest plain arithmetic, also
+def grid_ctas(heads, num_tiles, num_spans, short_rows: int, short_heads: int = SHORT_HEADS, shares: int = 1):
+    """CTAs of a varlen launch: ``shares`` per long-tile slot and head (a tile's shares,
+    ``spec.share_regions``, when ``shares`` > 1), and (orders with short tiles) one per span and group of
+    ``short_heads`` heads. ``short_rows``, ``short_heads``, ``shares``: Python ints; the rest plain arithmetic, also
     evaluated on the kernel's run-time integers."""
     if short_rows:
-        return num_spans * ((heads + short_heads - 1) // short_heads) + split * heads * (num_tiles - num_spans)
-    return split * heads * num_tiles
+        return num_spans * ((heads + short_heads - 1) // short_heads) + shares * heads * (num_tiles - num_spans)
+    return shares * heads * num_tiles
 
 
 def padded_total(total, batch, pad_rows: int):
@@ -176,10 +176,10 @@ class WorkList:
         """The slots of short tiles: one per span, or none."""
         return self.num_spans if self.short_rows else 0
 
-    def ctas(self, heads: int, split: int = 1, short_heads: int = SHORT_HEADS) -> int:
-        """CTAs of the launch for ``heads`` heads, long tiles converted by ``split`` CTAs each, short ones by CTAs of
+    def ctas(self, heads: int, shares: int = 1, short_heads: int = SHORT_HEADS) -> int:
+        """CTAs of the launch for ``heads`` heads, long tiles converted by ``shares`` CTAs each, short ones by CTAs of
         ``short_heads`` heads (:func:`grid_ctas`)."""
-        return grid_ctas(heads, self.num_tiles, self.num_spans, self.short_rows, short_heads, split)
+        return grid_ctas(heads, self.num_tiles, self.num_spans, self.short_rows, short_heads, shares)
 
     @staticmethod
     def max_tiles(total: int, batch: int, layout) -> int:

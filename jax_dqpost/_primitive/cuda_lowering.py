@@ -24,7 +24,7 @@ from .plan import Plan
 def lower(ctx, *args, plan: Plan):
     from .._kernel import cache  # imports cutlass lazily, at the first CUDA lowering (if the disk cache misses)
 
-    accs = plan.split(ctx.avals_in).acc
+    accs = plan.group(ctx.avals_in).acc
     extents, ctas = plan.launch([a.shape for a in accs])  # CUDA's grid limits, checked before any compile
     kernel = cache.get_kernel(plan.kernel([a.shape for a in accs]))
     if arch.cuda_devices():  # lowering for export on a machine without a GPU needs no registration

@@ -91,20 +91,20 @@ class Part:
         """``Da``: the head dim as the accumulator's allocation pads it (``AccumLayout.alloc_head_dim``)."""
         return self.layout.alloc_head_dim(self.padded_head_dim)
 
-    def kernel(self, split: int = 1, short_heads: int = varlen.SHORT_HEADS) -> TensorKernel:
-        """What of this part changes the compiled binary, its tiles converted by ``split`` CTAs each, its short
+    def kernel(self, shares: int = 1, short_heads: int = varlen.SHORT_HEADS) -> TensorKernel:
+        """What of this part changes the compiled binary, its tiles converted by ``shares`` CTAs each, its short
         tiles by CTAs of ``short_heads`` heads."""
-        return TensorKernel(self.layout, self.padded_head_dim, self.tiling, split, short_heads)
+        return TensorKernel(self.layout, self.padded_head_dim, self.tiling, shares, short_heads)
 
     def own_grid_kernel(self, acc_shape) -> TensorKernel:
-        """:meth:`kernel` when this part is a kernel's own grid: tiles split as ``spec.split_for`` chooses
+        """:meth:`kernel` when this part is a kernel's own grid: tiles split as ``spec.shares_for`` chooses
         from the unsplit CTAs (every batch's; short tiles counted at ``varlen.SHORT_HEADS`` heads a CTA, whatever the
         kernel's), short tiles by ``varlen.short_heads`` heads a CTA."""
         short_heads = varlen.SHORT_HEADS
         if self.work is not None and self.work.short_rows:
             short_heads = varlen.short_heads(self.work.num_spans, self.heads(acc_shape))
         ctas = self.ctas(acc_shape, 1, varlen.SHORT_HEADS) * (1 if self.work is not None else acc_shape[0])
-        return self.kernel(spec.split_for(self.layout, self.padded_head_dim, ctas), short_heads)
+        return self.kernel(spec.shares_for(self.layout, self.padded_head_dim, ctas), short_heads)
 
     # ---- shapes ----------------------------------------------------------------------------------
     def aux_shape(self, batch: int) -> tuple[int]:
@@ -176,11 +176,11 @@ class Part:
                              f"heads={heads} and {extents[4]} tiles per head ({rows} rows)")
         return extents
 
-    def ctas(self, acc_shape, split: int = 1, short_heads: int = varlen.SHORT_HEADS) -> int:
-        """CTAs of this part, ``split`` per tile and head (and ``short_heads`` heads per short-tile CTA): all of them
+    def ctas(self, acc_shape, shares: int = 1, short_heads: int = varlen.SHORT_HEADS) -> int:
+        """CTAs of this part, ``shares`` per tile and head (and ``short_heads`` heads per short-tile CTA): all of them
         varlen (``WorkList.ctas``), per batch (grid z) dense."""
         _, heads, _, _, grid_x = self.launch_extents(acc_shape)
-        return self.work.ctas(heads, split, short_heads) if self.work is not None else split * heads * grid_x
+        return self.work.ctas(heads, shares, short_heads) if self.work is not None else shares * heads * grid_x
 
 
 def _entries(count: int) -> str:
@@ -188,7 +188,7 @@ def _entries(count: int) -> str:
 
 
 class Operands(NamedTuple):
-    """A call's operands by role (:meth:`Plan.split`): whatever stands for them (arrays, shapes, batch dims...)."""
+    """A call's operands by role (:meth:`Plan.group`): whatever stands for them (arrays, shapes, batch dims...)."""
 
     acc: tuple  # one per part: dq_accum, [dk_accum, dv_accum]
     aux: tuple  # one per side: q_aux, [k_aux] (dK and dV share the k side's)
@@ -257,7 +257,7 @@ class Plan:
         return dataclasses.replace(self, sink_dtype=None, dsink_dtype=None)
 
     # ---- operands and results (abi.BUFFERS) ----------------------------------------------------------
-    def split(self, args) -> Operands:
+    def group(self, args) -> Operands:
         """The operands (or anything in their order) by role."""
         args = tuple(args)
         if len(args) != self.num_operands:
@@ -269,7 +269,7 @@ class Plan:
         return Operands(tuple(kinds["accum"]), tuple(kinds["aux"]), **one)
 
     def join(self, ops: Operands) -> list:
-        """The inverse of :meth:`split`: the operands in the table's order."""
+        """The inverse of :meth:`group`: the operands in the table's order."""
         kinds = {"accum": iter(ops.acc), "aux": iter(ops.aux), "scales": iter([ops.scales]),
                  "learnable_sink": iter([ops.learnable_sink]), "lse": iter([ops.lse]), "dpsum": iter([ops.dpsum])}
         return [next(kinds[buffer.kind]) for buffer in self.operands]
@@ -312,7 +312,7 @@ class Plan:
     def result_shapes(self, shapes) -> list[tuple[tuple[int, ...], np.dtype]]:
         """``(shape, dtype)`` of each result for operands of these shapes; ``ValueError`` naming what does not
         fit."""
-        ops = self.split(shapes)
+        ops = self.group(shapes)
         if tuple(ops.scales) != (len(self.parts),):
             raise ValueError(f"the scales operand must have shape ({len(self.parts)},), got {ops.scales}")
         out = [(p.result_shape(a, x, ARG_NAMES[name]), p.dtype)
@@ -376,7 +376,7 @@ class Plan:
         for p, shape, t in zip(self.parts, acc_shapes, self._tensor_kernels(acc_shapes)):
             ext = p.launch_extents(shape)
             extents += ext
-            ctas += p.ctas(shape, t.split, t.short_heads) * (1 if p.work is not None else ext[0])
+            ctas += p.ctas(shape, t.shares, t.short_heads) * (1 if p.work is not None else ext[0])
         on_z = spec.batch_on_grid_z(len(self.parts), self.has_sink, self.dq.tiling)
         grid_x = ctas // extents[0] if on_z and extents[0] else ctas
         if grid_x > INT32_MAX:

@@ -35,7 +35,7 @@ def part_reference(acc, scale, aux, part: Part):
 def postprocess_reference(*args, plan: Plan):
     """The primitive's semantics (operands and results in ``abi.py``'s order): each part with its own scale, and
     the sink gradient (:func:`dsink_reference`)."""
-    ops = plan.split(args)
+    ops = plan.group(args)
     outs = [part_reference(acc, ops.scales[i], aux, p)
             for i, (p, acc, aux) in enumerate(zip(plan.parts, ops.acc, plan.part_aux(ops)))]
     if plan.has_sink:

@@ -1,8 +1,8 @@
 """The postprocess primitive: every rule (abstract eval, lowerings, vmap, JVP, transpose, sharding), registered in
 one block at the end.
 
-Operands and results in the order of ``abi.py``; its one parameter is ``plan`` (:class:`~jax_dqpost._primitive.plan.Plan`),
-which every rule asks. ``dq_postprocess`` binds it with one part, ``flash_attention_postprocess`` with one or three,
+Operands and results in the order of ``_kernel/abi.py``; its one parameter is ``plan`` (:class:`~.plan.Plan`), which
+every rule asks. ``dq_postprocess`` binds it with one part, ``flash_attention_postprocess`` with one or three,
 and either with a sink.
 
 ``postprocess_p`` is what the API binds; it lowers through ``custom_partitioning`` (batch and heads shard, other
@@ -55,7 +55,7 @@ def _abstract_eval(*args, plan: Plan):
     plan.check_dtypes(args)
     shapes = [a.shape for a in args]
     results = plan.result_shapes(shapes)
-    plan.launch(plan.split(shapes).acc)  # CUDA's grid limits, on every platform (vmap folds into the batch)
+    plan.launch(plan.group(shapes).acc)  # CUDA's grid limits, on every platform (vmap folds into the batch)
     # Inside jax.shard_map the results vary over the operands' manual axes (one set: _bind casts them to it).
     return [_jax_internals.result_aval(shape, dtype, args) for shape, dtype in results]
 
@@ -123,7 +123,7 @@ def _partition(plan, mesh, arg_shapes, result_shape):
 def _kv_heads(plan: Plan, arg_shapes):
     if len(plan.parts) == 1:
         return None
-    return plan.parts[1].heads(plan.split(arg_shapes).acc[1].shape)
+    return plan.parts[1].heads(plan.group(arg_shapes).acc[1].shape)
 
 
 def _rule(plan: Plan) -> tuple[str, tuple[str, ...]]:
@@ -178,7 +178,7 @@ def _lowering(ctx, *args, plan: Plan):
 # ---- autodiff --------------------------------------------------------------------------------------
 def _jvp(primals, tangents, *, plan: Plan):
     outs = bind(primals, plan)
-    ops, dots = plan.split(primals), plan.split(tangents)
+    ops, dots = plan.group(primals), plan.group(tangents)
     linear = plan.without_sink()
     terms = []
     acc_dots = [None if type(t) is ad.Zero else t for t in dots.acc]
@@ -216,7 +216,7 @@ def _transpose(cts, *args, plan: Plan):
     sink-free form.)"""
     if plan.has_sink:
         raise ValueError("jax_dqpost: the op with a sink is transposed through its JVP only")
-    ops = plan.split(args)
+    ops = plan.group(args)
     if any(ad.is_undefined_primal(a) for a in ops.aux):
         raise ValueError("jax_dqpost: the postprocess is not differentiable in its integer operands")
     undefined_acc = [ad.is_undefined_primal(a) for a in ops.acc]
@@ -255,7 +255,7 @@ def _batch(args, dims, *, plan: Plan):
     _abstract_eval(*(a if d is _NOT_MAPPED else jax.core.ShapedArray(a.shape[:d] + a.shape[d + 1:], a.dtype)
                      for a, d in zip(args, dims)), plan=plan)
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not _NOT_MAPPED)
-    ops, ds = plan.split(args), plan.split(dims)
+    ops, ds = plan.group(args), plan.group(dims)
     q_heads_fold = plan.dq.work is not None or plan.has_sink
     k_heads_fold = len(plan.parts) > 1 and (plan.parts[1].work is not None or (q_heads_fold and plan.dq.work is None))
     folds = [q_heads_fold] + [k_heads_fold] * (len(plan.parts) - 1)

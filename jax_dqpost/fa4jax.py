@@ -297,8 +297,8 @@ def _with_sink(packed: bool):
         cfg = fa4jax_internals.config(q, causal=causal, window_size=window_size, scale=scale, varlen=packed,
                                        defined_padding=defined_padding)
         dq_layout, dkv_layout = _layouts(cfg, q, k, v)
-        call = vjp.Call(KERNELS, cfg, cfg.scale, dq_layout, dkv_layout)
-        out, lse = vjp.attention(call, q, k, v, learnable_sink, seqlens)
+        spec = vjp.AttentionSpec(KERNELS, cfg, cfg.scale, dq_layout, dkv_layout)
+        out, lse = vjp.attention(spec, q, k, v, learnable_sink, seqlens)
         return (out, lse) if return_lse else out
 
     return attention

@@ -108,8 +108,8 @@ def test_every_accepted_layout_compiles_for_every_target(seed):
 
 
 def test_a_shares_region_holds_its_threads_elements(seed):
-    """Where a tile splits between CTAs (``kernel_spec.tile_shares``), the rectangle CTA ``w`` converts holds exactly the
-    elements of the producer's threads ``w * n .. (w + 1) * n - 1`` by the wgmma fragment's coordinates
+    """Where a tile splits between CTAs (``kernel_spec.tile_shares``), the rectangle CTA ``w`` converts holds exactly
+    the elements of the producer's threads ``w * n .. (w + 1) * n - 1`` by the wgmma fragment's coordinates
     (``fragments.wgmma_coord``, the PTX ISA's map; independent of the owner formula, not of that map), in whole
     16-row blocks of the shared-memory tile that repeat over the tile; FlashAttention-4's
     Hopper dQ presets split down to one warp a CTA, short tiles' orders to a CTA per short tile's row pairs and

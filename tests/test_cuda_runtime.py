@@ -101,7 +101,8 @@ def test_a_dsl_without_a_complete_flavour_is_reported(tmp_path, monkeypatch):
 def test_the_installed_dsls_flavour_is_the_one_it_loads():
     """On this machine's real DSL: the flavour found without importing cutlass is the one cutlass then loads, and
     its runtime is a file (a fresh process: importing cutlass is process-wide)."""
-    code = ("import sys; from jax_dqpost._kernel import cute_runtime as c; before = c.flavour(); path = c.runtime_path(); "
+    code = ("import sys; from jax_dqpost._kernel import cute_runtime as c; before = c.flavour(); "
+            "path = c.runtime_path(); "
             "assert 'cutlass' not in sys.modules; import cutlass; print(before, c.flavour(), path.is_file())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300,
                          env={k: v for k, v in os.environ.items() if k != cute_runtime.RUNTIME_ENV})

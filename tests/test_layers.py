@@ -82,7 +82,8 @@ def test_the_folders_import_one_way():
     imports from its own layer and those below it only."""
     level = {unit: k for k, layer in enumerate(LAYERS) for unit in layer}
     unit = {m: m.split(".")[0] for m in _trees()}
-    assert set(unit.values()) == set(level), (sorted(set(unit.values()) - set(level)), sorted(set(level) - set(unit.values())))
+    units = set(unit.values())
+    assert units == set(level), (sorted(units - set(level)), sorted(set(level) - units))
     upward = sorted(f"{m} -> {n}" for m, targets in _imports(_trees()).items() for n in targets
                     if level[unit[n]] > level[unit[m]])
     assert upward == []

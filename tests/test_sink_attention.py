@@ -186,7 +186,7 @@ def _case(rng, *, packed, heads_kv, causal=False, window=(None, None), dtype=jnp
     w = jnp.asarray(rng.standard_normal((*shape_q, D)) * live[..., None], jnp.float32)
     u = rng.standard_normal(shape_q) * live
     u = jnp.asarray(u.transpose(1, 0) if packed else u.transpose(0, 2, 1), jnp.float32)  # lse's (H, T), (B, H, S)
-    call = _attention.Call(PRODUCER, cfg, scale, LAYOUT, LAYOUT if heads_kv < H else None)
+    call = _attention.AttentionSpec(PRODUCER, cfg, scale, LAYOUT, LAYOUT if heads_kv < H else None)
     return call, (q, k, v, sink), seqlens, (w, u), mask
 
 

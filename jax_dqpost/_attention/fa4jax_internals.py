@@ -322,16 +322,16 @@ def fa4_postprocess(cfg, q, k, v, acc: Accumulators, seqlens):
     packed = seqlens is not None
     spec = K._QKV3_SPEC if packed else K._QKV_SPEC
 
-    def post(name, key, scale, accum, like, side):
+    def postprocess_launch(name, key, scale, accum, like, side):
         args = (accum, *(seqlens[side::2] if packed else ()))
         name += "_varlen" if packed else ""
         return cutejax.call(getattr(K, "_" + name), jax.ShapeDtypeStruct(like.shape, like.dtype),
                             K._aux_static(key, static[key], scale), *args,
                             in_specs=[K._F32_SPEC] + [None] * (len(args) - 1), out_specs=spec, name=name)
 
-    dq = post("fa4_bwd_post", "post", static["scale"], acc.dq_accum, q, 0)
+    dq = postprocess_launch("fa4_bwd_post", "post", static["scale"], acc.dq_accum, q, 0)
     if acc.dk_accum is None:
         return dq, acc.dk, acc.dv
-    dk = post("fa4_bwd_post_dk", "post_k", static["scale"], acc.dk_accum, k, 1)
-    dv = post("fa4_bwd_post_dv", "post_v", None, acc.dv_accum, v, 1)
+    dk = postprocess_launch("fa4_bwd_post_dk", "post_k", static["scale"], acc.dk_accum, k, 1)
+    dv = postprocess_launch("fa4_bwd_post_dv", "post_v", None, acc.dv_accum, v, 1)
     return dq, dk, dv

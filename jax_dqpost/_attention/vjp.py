@@ -35,8 +35,9 @@ from .._kernel.varlen import padded_total
 
 
 class Kernels(Protocol):
-    """A producer's two steps (hashable: :class:`Call` is a static argument). ``config`` is :attr:`Call.config`;
-    ``seqlens`` is None (dense) or fa4-jax's ``(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)``."""
+    """A producer's two steps (hashable: :class:`AttentionSpec` is a static argument). ``config`` is
+    :attr:`AttentionSpec.config`; ``seqlens`` is None (dense) or fa4-jax's ``(cu_seqlens_q, cu_seqlens_k, seqused_q,
+    seqused_k)``."""
 
     def forward(self, config, q, k, v, sink, seqlens):
         """``(out, lse)``: out ``(B, S, H, Dv)`` or ``(T, H, Dv)`` of q's dtype, the float32 natural-log lse
@@ -49,7 +50,7 @@ class Kernels(Protocol):
 
 
 @dataclasses.dataclass(frozen=True)
-class Call:
+class AttentionSpec:
     """One attention call, static: the producer, its description of the attention (fa4-jax: its ``AttnConfig``),
     the softmax scale (dQ's and dK's in the postprocess), and the orders of its accumulators (``dkv_layout``:
     grouped-query attention, where dK and dV are accumulated too; None where the main kernel writes them)."""
@@ -65,8 +66,8 @@ FORWARD_MODE = ("forward-mode autodiff (jax.jvp, jax.jacfwd) of attention with l
                 "backward is reverse mode only (jax.grad, jax.vjp, jax.jacrev)")
 
 
-def attention(call: Call, q, k, v, sink, seqlens=None):
-    """``(out, lse)`` of the attention ``call`` describes with the learnable sink ``sink`` (H,), differentiable in
+def attention(spec: AttentionSpec, q, k, v, sink, seqlens=None):
+    """``(out, lse)`` of the attention ``spec`` describes with the learnable sink ``sink`` (H,), differentiable in
     q, k, v and the sink, and through both outputs (module docstring). Inside ``jax.shard_map`` (its default
     check) every operand is cast to the union of their varying manual axes first, so that the backward's gradients
     (which vary as they do) have its primals' types; a replicated sink (or offsets) used with batch-sharded q, k, v
@@ -74,7 +75,7 @@ def attention(call: Call, q, k, v, sink, seqlens=None):
     q, k, v, sink, *flat = _jax_internals.vary_alike(q, k, v, sink, *(seqlens or ()))
     seqlens = None if seqlens is None else type(seqlens)(flat)
     try:
-        return _attention(call, q, k, v, sink, seqlens)
+        return _attention(spec, q, k, v, sink, seqlens)
     except TypeError as e:
         if "forward-mode autodiff" in str(e) and "custom_vjp" in str(e):
             raise TypeError(FORWARD_MODE) from None
@@ -82,24 +83,24 @@ def attention(call: Call, q, k, v, sink, seqlens=None):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(call, q, k, v, sink, seqlens):
-    return _forward(call)(q, k, v, sink, seqlens)
+def _attention(spec, q, k, v, sink, seqlens):
+    return _forward(spec)(q, k, v, sink, seqlens)
 
 
-def _attention_fwd(call, *primals):
+def _attention_fwd(spec, *primals):
     q, k, v, sink, seqlens = jax.tree.map(lambda p: p.value, primals, is_leaf=lambda p: isinstance(p, CustomVJPPrimal))
-    out, lse = _forward(call)(q, k, v, sink, seqlens)
+    out, lse = _forward(spec)(q, k, v, sink, seqlens)
     return (out, lse), (q, k, v, sink, seqlens, out, lse)
 
 
-def _attention_bwd(call, res, cts):
+def _attention_bwd(spec, res, cts):
     q, k, v, sink, seqlens, out, lse = res
     d_out, d_lse = cts
     if isinstance(d_out, SymbolicZero):
         d_out = jnp.zeros_like(out)  # (varying as out is, inside shard_map)
-    delta = None if isinstance(d_lse, SymbolicZero) else lse_cotangent_rows(d_lse, call.dq_layout, seqlens)
-    acc = _accumulators(call, delta is not None)(q, k, v, out, lse, d_out.astype(q.dtype), delta, seqlens)
-    grads = finish(acc, q, k, v, seqlens, scale=call.scale, dq_layout=call.dq_layout, dkv_layout=call.dkv_layout,
+    delta = None if isinstance(d_lse, SymbolicZero) else lse_cotangent_rows(d_lse, spec.dq_layout, seqlens)
+    acc = _accumulators(spec, delta is not None)(q, k, v, out, lse, d_out.astype(q.dtype), delta, seqlens)
+    grads = finish(acc, q, k, v, seqlens, scale=spec.scale, dq_layout=spec.dq_layout, dkv_layout=spec.dkv_layout,
                    sink=sink, lse=lse)
     return grads.dq, grads.dk, grads.dv, grads.dsink, None
 
@@ -152,14 +153,14 @@ def lse_cotangent_rows(d_lse, dq_layout: AccumLayout, seqlens=None):
 
 # ---- vmap: the producer's kernels run on a batch; fold a mapped axis into it, or map -----------------------------
 
-def _forward(call: Call):
-    return _folding(lambda q, k, v, sink, seqlens: call.kernels.forward(call.config, q, k, v, sink, seqlens),
+def _forward(spec: AttentionSpec):
+    return _folding(lambda q, k, v, sink, seqlens: spec.kernels.forward(spec.config, q, k, v, sink, seqlens),
                     per_batch=3)
 
 
-def _accumulators(call: Call, with_delta: bool):
+def _accumulators(spec: AttentionSpec, with_delta: bool):
     def accumulators(q, k, v, out, lse, d_out, delta, seqlens):
-        return call.kernels.accumulators(call.config, q, k, v, out, lse, d_out, delta if with_delta else None,
+        return spec.kernels.accumulators(spec.config, q, k, v, out, lse, d_out, delta if with_delta else None,
                                          seqlens)
 
     return _folding(accumulators, per_batch=7)

@@ -30,7 +30,7 @@ PARTS = ("dq", "dk", "dv")
 SIDE = {"dq": "q", "dk": "k", "dv": "k"}
 """Which sequence side (its int32 operand) each part reads."""
 
-EXTENTS = ("dim0", "heads", "rows", "head_dim", "grid_x")
+EXTENTS = ("batch_or_spans", "heads", "rows", "head_dim", "grid_x")
 """Each part's int32 extents, in the entry's order (``plan.Part.launch_extents`` defines their values)."""
 
 DTYPE_NAMES = {np.dtype(np.float32): "f32", np.dtype(jnp.bfloat16): "bf16", np.dtype(jnp.float16): "f16"}

@@ -112,9 +112,9 @@ class Postprocess:
         self.trigger = TRIGGER if trigger is None else trigger
         if self.trigger not in TRIGGERS:
             raise ValueError(f"trigger must be one of {TRIGGERS}, got {self.trigger!r}")
-        own_varlen = spec.own_grid and parts[0].tiling == Tiling.VARLEN
-        for name, value, allowed in (("slot_records", slot_records, own_varlen),
-                                     ("early_lookup", early_lookup, own_varlen and self.pdl)):
+        single_varlen = spec.single_part and parts[0].tiling == Tiling.VARLEN
+        for name, value, allowed in (("slot_records", slot_records, single_varlen),
+                                     ("early_lookup", early_lookup, single_varlen and self.pdl)):
             if value and not allowed:
                 raise ValueError(f"{name} is for a varlen kernel of its own grid (early_lookup: with pdl), got "
                                  f"{name}={value!r} for the kernel {spec.label}, pdl={self.pdl}")
@@ -134,7 +134,7 @@ class Postprocess:
         self.sink_threads = self.converters[0].num_threads  # FlashAttention-4 reduces with the dQ postprocess's CTA
         self.smem_bytes = max(max(p.smem_bytes for p in self.converters), 4 * _WARP)
         self.min_ctas_per_sm = min(p.min_ctas_per_sm for p in self.converters)
-        self.own_grid, self.batch_on_grid_z = spec.own_grid, spec.batch_on_grid_z  # the grid (module docstring)
+        self.single_part, self.batch_on_grid_z = spec.single_part, spec.batch_on_grid_z  # the grid (module docstring)
         self.pointer_at = {name: k for k, name in enumerate(abi.pointers(len(parts), sink is not None))}
 
     @cute.jit
@@ -144,7 +144,7 @@ class Postprocess:
         pointers, extents, stream = args[:num], args[num:-1], args[-1]
         per = len(abi.EXTENTS)
         grid_x = extents[1] if const_expr(self.sink is not None) else 0
-        if const_expr(self.own_grid):
+        if const_expr(self.single_part):
             grid_x = self.schedulers[0].num_ctas(*extents[0:2], extents[4])  # per batch when dense: z is the batch
         else:
             for i in cutlass.range_constexpr(len(self.converters)):
@@ -177,7 +177,7 @@ class Postprocess:
                 cute.arch.griddepcontrol_wait()
             if const_expr(self.trigger == "start"):
                 cute.arch.griddepcontrol_launch_dependents()
-        if const_expr(self.own_grid):
+        if const_expr(self.single_part):
             # The whole grid is the part's: no CTA count to compare, the tile allocated by the part (a count and a
             # shared buffer cost 20-100 ns a launch)
             self._cta(0, self._part_args(0, pointers, extents), bid, bz, tidx, cutlass.memory.SmemAllocator())
@@ -207,9 +207,9 @@ class Postprocess:
 
     def _part_ctas(self, i: int, extents):
         """CTAs of part ``i`` in the one-dimensional grid with these extents (dense: every batch's)."""
-        dim0, heads, _, _, grid_x = extents
-        count = self.schedulers[i].num_ctas(dim0, heads, grid_x)
-        return count if const_expr(self.converters[i].tiling == Tiling.VARLEN) else count * dim0
+        batch_or_spans, heads, _, _, grid_x = extents
+        count = self.schedulers[i].num_ctas(batch_or_spans, heads, grid_x)
+        return count if const_expr(self.converters[i].tiling == Tiling.VARLEN) else count * batch_or_spans
 
     @cute.jit
     def _part_tile(self, i: cutlass.Constexpr, local, count, tidx, part: TensorArgs, base):
@@ -230,10 +230,10 @@ class Postprocess:
         if const_expr(isinstance(self.schedulers[i], VarlenScheduler) and self.schedulers[i].short is not None):
             short_ctas = self.schedulers[i].short.num_ctas(part)
             if x < short_ctas:
-                span, group = x % part.dim0, x // part.dim0
+                span, group = x % part.batch_or_spans, x // part.batch_or_spans
                 short = self.schedulers[i].short
                 short_tile = short.tile(part, span)
-                self._late_wait()
+                self._wait_after_lookup()
                 if short_tile.rows_total > 0:
                     self._trigger()
                 self.converters[i].short_tile(part, group, short_tile, tidx, short.short_heads)
@@ -243,7 +243,7 @@ class Postprocess:
                 if const_expr(self.schedulers[i].slot_records):  # a slot past the long tiles has no rows
                     head = (x - short_ctas) // shares % part.heads
                     tile = self.schedulers[i].tile(part, slot, head)
-                    self._late_wait()
+                    self._wait_after_lookup()
                     if tile.rows_total > 0:
                         self._trigger()
                     self.converters[i].tile(part, head, tile, tidx, smem, may_be_empty=True,
@@ -253,7 +253,7 @@ class Postprocess:
                         self._trigger()
                     head = (x - short_ctas) // shares % part.heads
                     tile = self.schedulers[i].tile(part, slot, head)
-                    self._late_wait()
+                    self._wait_after_lookup()
                     if const_expr(self.early_lookup):  # as on the other paths: after the wait
                         self._trigger()
                     self.converters[i].tile(part, head, tile, tidx, smem, may_be_empty=True,
@@ -262,12 +262,12 @@ class Postprocess:
             shares = self.converters[i].shares
             bx, head = x // shares // part.heads, x // shares % part.heads
             tile = self.schedulers[i].tile(part, bx, head, bz)
-            self._late_wait()
+            self._wait_after_lookup()
             if tile.rows_total > 0:
                 self._trigger()
             self.converters[i].tile(part, head, tile, tidx, smem, share=x % shares)
 
-    def _late_wait(self):
+    def _wait_after_lookup(self):
         """``griddepcontrol.wait`` once a CTA has its tile, with ``early_lookup`` (else the kernel waits at entry)."""
         if const_expr(self.early_lookup):
             cute.arch.griddepcontrol_wait()
@@ -289,11 +289,11 @@ class Postprocess:
         """``dsink[head]`` in FlashAttention-4's order (module docstring); threads ``< sink_threads`` only."""
         n = self.sink_threads
         q_converter = self.converters[0]
-        aux_ptr, dim0, heads, rows = q.aux, q.dim0, q.heads, q.rows
+        aux_ptr, batch_or_spans, heads, rows = q.aux, q.batch_or_spans, q.heads, q.rows
         sink_val = Float32(cute.make_tensor(sink_ptr, cute.make_layout(heads))[head])
         total = Float32(0.0)
         if const_expr(q_converter.tiling == Tiling.VARLEN):
-            num_spans = dim0
+            num_spans = batch_or_spans
             padded_total = varlen.padded_total(rows, num_spans - 2, q_converter.layout.pad_rows)
             lse_t = cute.make_tensor(lse_ptr, cute.make_layout(Int64(heads) * Int64(rows)))
             dpsum_t = cute.make_tensor(dpsum_ptr, cute.make_layout(Int64(heads) * Int64(padded_total)))
@@ -312,7 +312,7 @@ class Postprocess:
                     r += n
                 b += 1
         else:
-            batch = dim0
+            batch = batch_or_spans
             pad = q_converter.layout.pad_rows
             padded_rows = (rows + pad - 1) // pad * pad
             lse_t = cute.make_tensor(lse_ptr, cute.make_layout(Int64(batch) * Int64(heads) * Int64(rows)))

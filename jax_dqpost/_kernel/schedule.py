@@ -47,7 +47,7 @@ class TensorArgs(NamedTuple):
     out: cute.Pointer  # the result: (B, S, H, D), varlen (T, H, D)
     scale: cute.Pointer  # its fp32 scale, in device memory
     aux: cute.Pointer  # int32: seqused (DENSE_SEQUSED) or the work list (VARLEN); else unused
-    dim0: Int32  # B; varlen: the number of spans K = B + 2
+    batch_or_spans: Int32  # B; varlen: the number of spans K = B + 2
     heads: Int32
     rows: Int32  # S, varlen: T
     head_dim: Int32
@@ -89,9 +89,9 @@ class DenseScheduler:
 
     def __init__(self, layout, padded_head_dim: int, seqused: bool, shares: int = 1):
         self.layout, self.padded_head_dim, self.seqused, self.shares = layout, padded_head_dim, seqused, shares
-        self.unread = layout.alloc_head_dim(padded_head_dim) - padded_head_dim  # Da - Dr: per row, after the tiles
+        self.untiled_cols = layout.alloc_head_dim(padded_head_dim) - padded_head_dim  # Da - Dr: a row's, past its tiles
 
-    def num_ctas(self, dim0, heads, grid_x):
+    def num_ctas(self, batch_or_spans, heads, grid_x):
         """The part's CTAs per batch (``shares`` per tile and head)."""
         return self.shares * heads * grid_x
 
@@ -103,7 +103,7 @@ class DenseScheduler:
         rows_total = cutlass.min(rows - m_block * tile_m, tile_m)
         conv_rows = rows_total
         if const_expr(self.seqused):
-            seqused = cute.make_tensor(part.aux, cute.make_layout(part.dim0))
+            seqused = cute.make_tensor(part.aux, cute.make_layout(part.batch_or_spans))
             used = cutlass.max(cutlass.min(seqused[batch], rows), 0)
             conv_rows = cutlass.max(cutlass.min(used - m_block * tile_m, tile_m), 0)
         tiles_per_head = grid_x  # the accumulator's tiles per (batch, head): Sr / tile_m
@@ -112,9 +112,9 @@ class DenseScheduler:
             tiles_per_head = (rows + pad - 1) // pad * self.layout.cluster_size
         tile_index = (Int64(batch) * Int64(heads) + Int64(head)) * Int64(tiles_per_head) + Int64(m_block)
         acc_elem = tile_index * Int64(tile_m * padded_head_dim)
-        if const_expr(self.unread):  # each (batch, head) row is Sr * Da floats: its tiles, then Sr * (Da - Dr)
+        if const_expr(self.untiled_cols):  # each (batch, head) row is Sr * Da floats: its tiles, then Sr * (Da - Dr)
             acc_elem += ((Int64(batch) * Int64(heads) + Int64(head)) * Int64(tiles_per_head) *
-                         Int64(tile_m * self.unread))
+                         Int64(tile_m * self.untiled_cols))
         row_start = Int64(batch) * Int64(rows) + Int64(m_block * tile_m)
         return Tile(acc_elem, row_start, rows_total, conv_rows)
 
@@ -127,20 +127,20 @@ class VarlenScheduler:
                  shares: int = 1, slot_records: bool = False):
         self.layout, self.padded_head_dim, self.shares = layout, padded_head_dim, shares
         self.slot_records = slot_records
-        self.unread = layout.alloc_head_dim(padded_head_dim) - padded_head_dim  # Da - Dr: per row, after the tiles
+        self.untiled_cols = layout.alloc_head_dim(padded_head_dim) - padded_head_dim  # Da - Dr: a row's, past its tiles
         self.short = ShortTileScheduler(layout, short_heads) if varlen.short_rows(layout) > 0 else None
 
-    def num_ctas(self, dim0, heads, grid_x):
+    def num_ctas(self, batch_or_spans, heads, grid_x):
         """The part's CTAs (``varlen.grid_ctas``): the short tiles' first, then the long tiles'."""
         short_rows, short_heads = (0, varlen.SHORT_HEADS) if self.short is None else (self.short.short_rows,
                                                                                       self.short.short_heads)
-        return varlen.grid_ctas(heads, grid_x, dim0, short_rows, short_heads, self.shares)
+        return varlen.grid_ctas(heads, grid_x, batch_or_spans, short_rows, short_heads, self.shares)
 
     @cute.jit
     def tile(self, part: TensorArgs, slot, head, _batch=None) -> Tile:
         """Long-tile slot ``slot`` of head ``head``; no rows (``rows_total = 0``) for a slot past the long tiles."""
         tile_m, padded_head_dim = self.layout.tile_m, self.padded_head_dim
-        aux_ptr, num_spans, rows, grid_x = part.aux, part.dim0, part.rows, part.grid_x
+        aux_ptr, num_spans, rows, grid_x = part.aux, part.batch_or_spans, part.rows, part.grid_x
         # the work list (varlen.py): tile_start[K + 1] | spans[K][SPAN_FIELDS] | tile_span[grid_x] | slots[L][4]
         _, tile_span_at = varlen.sections(num_spans)
         if const_expr(self.slot_records):
@@ -173,14 +173,14 @@ class VarlenScheduler:
                 conv_rows = 0
         conv_rows = cutlass.min(conv_rows, rows_total)
         acc_elem = (Int64(head) * Int64(padded_total) + Int64(acc_row)) * Int64(padded_head_dim)
-        if const_expr(self.unread):  # each head's row is Tp * Da floats: its tiles, then Tp * (Da - Dr)
-            acc_elem += Int64(head) * Int64(padded_total) * Int64(self.unread)
+        if const_expr(self.untiled_cols):  # each head's row is Tp * Da floats: its tiles, then Tp * (Da - Dr)
+            acc_elem += Int64(head) * Int64(padded_total) * Int64(self.untiled_cols)
         return Tile(acc_elem, Int64(row_start), rows_total, conv_rows)
 
     @cute.jit
     def long_tiles(self, part: TensorArgs):
         """``tile_start[K]``: the slots holding a long tile (traced offsets' bound on them is larger)."""
-        return cute.make_tensor(part.aux, cute.make_layout(part.dim0 + 1))[part.dim0]
+        return cute.make_tensor(part.aux, cute.make_layout(part.batch_or_spans + 1))[part.batch_or_spans]
 
 
 class ShortTileScheduler:
@@ -191,13 +191,13 @@ class ShortTileScheduler:
 
     def num_ctas(self, part: TensorArgs):
         """One per span and group of ``short_heads`` heads."""
-        return part.dim0 * ((part.heads + self.short_heads - 1) // self.short_heads)
+        return part.batch_or_spans * ((part.heads + self.short_heads - 1) // self.short_heads)
 
     @cute.jit
     def tile(self, part: TensorArgs, span) -> ShortTile:
         """Span ``span``'s short tile; ``rows_total = 0`` if it has none (its last tile is long, or it is empty)."""
         tile_m = self.layout.tile_m
-        aux_ptr, num_spans, rows = part.aux, part.dim0, part.rows
+        aux_ptr, num_spans, rows = part.aux, part.batch_or_spans, part.rows
         span_row_start, span_rows, span_conv_rows, span_acc_row = read_span(aux_ptr, num_spans, span)
         tile_in_span = span_rows // tile_m
         rows_total = span_rows - tile_in_span * tile_m

@@ -81,13 +81,13 @@ class KernelSpec:
                     why = str(e)
             if why:
                 raise ValueError(f"jax_dqpost: no kernel for {t.layout}, padded head dim {t.padded_head_dim}: {why}")
-            if t.shares != 1 and (t.shares not in tile_shares(t.layout, t.padded_head_dim) or not self.own_grid):
+            if t.shares != 1 and (t.shares not in tile_shares(t.layout, t.padded_head_dim) or not self.single_part):
                 raise ValueError(f"jax_dqpost: a kernel's tiles are split only into shares of whole warps that an "
                                  f"order has ({tile_shares(t.layout, t.padded_head_dim)} here), in a kernel of one "
                                  f"tensor without a sink; got shares={t.shares} for "
                                  f"{t.layout}, padded head dim {t.padded_head_dim}, {len(self.tensors)} tensor(s)"
                                  f"{' with a sink' if self.sink else ''}")
-            if t.short_heads != varlen.SHORT_HEADS and (t.short_heads != 1 or not self.own_grid or t.tiling !=
+            if t.short_heads != varlen.SHORT_HEADS and (t.short_heads != 1 or not self.single_part or t.tiling !=
                                                         Tiling.VARLEN or not varlen.short_rows(t.layout)):
                 raise ValueError(f"jax_dqpost: a kernel's short-tile CTAs take {varlen.SHORT_HEADS} heads, or 1 in a "
                                  f"varlen kernel of one tensor without a sink whose order has short tiles; got "
@@ -99,8 +99,8 @@ class KernelSpec:
         return abi.part_names(len(self.tensors))
 
     @property
-    def own_grid(self) -> bool:
-        return own_grid(len(self.tensors), self.sink is not None)
+    def single_part(self) -> bool:
+        return single_part(len(self.tensors), self.sink is not None)
 
     @property
     def batch_on_grid_z(self) -> bool:
@@ -115,14 +115,14 @@ class KernelSpec:
                                         for t in self.tensors] + (["sink"] if self.sink else []))
 
 
-def own_grid(num_tensors: int, sink: bool) -> bool:
+def single_part(num_tensors: int, sink: bool) -> bool:
     """One tensor and no sink: the launch is that tensor's own grid (``kernel.py``'s docstring)."""
     return num_tensors == 1 and not sink
 
 
 def batch_on_grid_z(num_tensors: int, sink: bool, tiling: Tiling) -> bool:
     """An own grid of a dense tensor: the batch is the grid's z (the plan's launch and the kernel ask it)."""
-    return own_grid(num_tensors, sink) and tiling != Tiling.VARLEN
+    return single_part(num_tensors, sink) and tiling != Tiling.VARLEN
 
 
 def check_limits(layout, head_dim: int, what: str) -> None:

@@ -96,7 +96,7 @@ class Part:
         tiles by CTAs of ``short_heads`` heads."""
         return TensorKernel(self.layout, self.padded_head_dim, self.tiling, shares, short_heads)
 
-    def own_grid_kernel(self, acc_shape) -> TensorKernel:
+    def single_part_kernel(self, acc_shape) -> TensorKernel:
         """:meth:`kernel` when this part is a kernel's own grid: tiles split as ``spec.shares_for`` chooses
         from the unsplit CTAs (every batch's; short tiles counted at ``varlen.SHORT_HEADS`` heads a CTA, whatever the
         kernel's), short tiles by ``varlen.short_heads`` heads a CTA."""
@@ -357,16 +357,16 @@ class Plan:
     # ---- the CUDA kernel -------------------------------------------------------------------------
     def kernel(self, acc_shapes) -> KernelSpec:
         """The kernel the call compiles for accumulators of ``acc_shapes`` (with the target GPU): what of it changes
-        the binary. A kernel of one part's own grid chooses its work units from the shapes (``Part.own_grid_kernel``:
+        the binary. A kernel of one part's own grid chooses its work units from the shapes (``Part.single_part_kernel``:
         small calls' tiles split, few spans' short tiles one head a CTA)."""
         sink = None if not self.has_sink else (abi.DTYPE_NAMES[np.dtype(self.sink_dtype)],
                                                abi.DTYPE_NAMES[np.dtype(self.dsink_dtype)])
         return KernelSpec(abi.DTYPE_NAMES[np.dtype(self.dq.dtype)], self._tensor_kernels(acc_shapes), sink)
 
     def _tensor_kernels(self, acc_shapes) -> tuple[TensorKernel, ...]:
-        if not spec.own_grid(len(self.parts), self.has_sink):
+        if not spec.single_part(len(self.parts), self.has_sink):
             return tuple(p.kernel() for p in self.parts)
-        return tuple(p.own_grid_kernel(s) for p, s in zip(self.parts, acc_shapes))
+        return tuple(p.single_part_kernel(s) for p, s in zip(self.parts, acc_shapes))
 
     def launch(self, acc_shapes) -> tuple[tuple[int, ...], int]:
         """``(extents, ctas)``: the kernel's int32 extents (``abi.EXTENTS`` of each part, ``Part.launch_extents``)

@@ -197,7 +197,7 @@ def _ready(kwargs):
 def _run(attention, q, k, v, *args, **kwargs):
     """``attention(q, k, v, *args, **kwargs)`` at the head dims fa4-jax's kernels compile for (padded where they do
     not: the module docstring)."""
-    family = int(str(arch.cuda_devices()[0].compute_capability).split(".")[0]) if arch.cuda_devices() else 0
+    family = arch.gpu_family()
     d, d_v = q.shape[-1], v.shape[-1]
     to, to_v = padded_head_dims(d, d_v, family)
     if (to, to_v) != (d, d_v):

@@ -67,6 +67,12 @@ def cuda_devices() -> tuple:
         return ()
 
 
+def gpu_family() -> int:
+    """The compute capability's major of the first CUDA device JAX sees (9: Hopper), 0 without one."""
+    devices = cuda_devices()
+    return int(str(devices[0].compute_capability).split(".")[0]) if devices else 0
+
+
 def target_arch() -> str:
     """The GPU architecture to compile for (see the module docstring); ``RuntimeError`` if nothing names one,
     ``ValueError`` if what names it is not in :data:`SUPPORTED_ARCHS`."""

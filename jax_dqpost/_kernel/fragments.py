@@ -20,12 +20,27 @@ Each function takes Python ints, numpy integer arrays or the kernel's CuTe DSL i
 
 from __future__ import annotations
 
+import enum
+
 WARPGROUP = 128
 """Threads of a warpgroup, the unit of a wgmma."""
 WGMMA_M = 64
 """Rows of a wgmma atom."""
 MMA_SYNC_TILE = 16
 """m16n8k16 atoms: a warp's permutation tile is 16 x 16."""
+
+
+class OrderFamily(enum.Enum):
+    """The families of the accumulator orders, by where a producer's thread keeps its values in a tile: each family
+    is read its own way (``tile.TileConverter``). :meth:`of` gives an order's (``AccumLayout.arch``)."""
+
+    MMA = "mma"  # arch 90 (wgmma) and 80 (mma.sync): a thread's registers of the producer's MMA fragment
+    TMEM_ROWS = "tmem rows"  # arch 100 (tcgen05): a thread per TMEM lane, a row of the tile
+    ROW_MAJOR = "row-major"  # arch None: the tile's rows one after the other
+
+    @classmethod
+    def of(cls, arch: int | None) -> "OrderFamily":
+        return {90: cls.MMA, 80: cls.MMA, 100: cls.TMEM_ROWS, None: cls.ROW_MAJOR}[arch]
 
 
 def wgmma_coord(tid, r, *, n_atom: int, atoms_m: int, swap_ab: bool):

@@ -36,6 +36,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from . import fragments, spec
 from .abi import Tiling
+from .fragments import OrderFamily
 from .schedule import TensorArgs, ShortTile, Tile
 
 _VEC_BYTES = 16
@@ -56,16 +57,16 @@ class TileConverter:
     Its code depends on the output dtype, the layout, the padded head dim, the tiling and the target GPU only
     (``spec.TensorKernel``); batch, heads, sequence lengths and head_dim are run-time arguments.
 
-    How the fragment is read, by order family:
+    How the fragment is read, by order family (``fragments.OrderFamily``):
 
-    * ``mma`` (arch 90 and 80): each thread loads the registers the producer's thread stored (90: 16-byte
+    * ``MMA`` (arch 90 and 80): each thread loads the registers the producer's thread stored (90: 16-byte
       vectors; 80: one float per register, consecutive threads adjacent), and the producer's own tiled MMA
       places them into shared memory (``stmatrix``, ``.trans`` for swap_ab, on sm_90+; 32/16-bit stores
       below). A Hopper-order fragment compiled for a GPU without WGMMA is placed element by element from
       the wgmma fragment coordinates.
-    * ``rows`` (arch 100): thread t reads TMEM lane t's row (2-CTA: two half rows) as 16-byte vectors,
+    * ``TMEM_ROWS`` (arch 100): thread t reads TMEM lane t's row (2-CTA: two half rows) as 16-byte vectors,
       32 columns at a time, and writes the converted values element by element into its row.
-    * ``rowmajor`` (arch None): 16-byte loads of 4 consecutive floats, written element by element.
+    * ``ROW_MAJOR`` (arch None): 16-byte loads of 4 consecutive floats, written element by element.
 
     The element-by-element shared-memory writes are correct but not tuned (2-byte stores).
     """
@@ -81,7 +82,7 @@ class TileConverter:
         of a tile (``spec.share_regions``; :meth:`tile`'s ``share``). The layout and ``Dr`` are a
         :class:`~jax_dqpost._kernel.spec.KernelSpec`'s, which checked that the kernel exists."""
         self.tiling = Tiling(tiling)
-        self.family = {90: "mma", 80: "mma", 100: "rows", None: "rowmajor"}[layout.arch]
+        self.family = OrderFamily.of(layout.arch)
         self.use_stmatrix = target_sm >= 90
         # WGMMA atoms exist only on sm_90: elsewhere a Hopper-order fragment is placed by its coordinates, and so it
         # is where a warpgroup's atom is not a whole number of stmatrix 16-column blocks wide (not swapped: the layout
@@ -108,13 +109,13 @@ class TileConverter:
         self.atoms_mn = (geom["atoms_m"], geom["atoms_n"])
         self.n_atom = geom["n_atom"]
         self.regs = geom["regs"]  # fp32 values per thread and tile
-        if self.family == "rows":
+        if self.family == OrderFamily.TMEM_ROWS:
             # Units of (row, first column, columns) per thread, and the columns converted per step.
             self.row_cols = padded_head_dim // 2 if layout.two_cta else padded_head_dim
             self.step_cols = math.gcd(self.row_cols, 32)
             live = self.step_cols
         else:
-            live = self.regs if self.family == "mma" else 16
+            live = self.regs if self.family == OrderFamily.MMA else 16
         self.chunk = self.tile_m * padded_head_dim // max(1, layout.num_threads // 128)  # arch 90: per warpgroup
         self.store_threads = spec.store_tiling(layout, padded_head_dim)
         self.smem_bytes = spec.smem_bytes(layout, padded_head_dim)  # a whole tile, split or not
@@ -151,7 +152,7 @@ class TileConverter:
         one warpgroup's extent along the head dim (n_atom, or the 64-row atom when swapped), and from the staged
         tile's (or region's) width.
         """
-        if self.family != "mma" or self.layout.arch == 80:
+        if self.family != OrderFamily.MMA or self.layout.arch == 80:
             slab = 64
         else:
             slab = 64 if self.layout.swap_ab else self.n_atom
@@ -272,9 +273,9 @@ class TileConverter:
         Outside the dense tiling, loads whose rows are all >= ``conv_rows`` are skipped (partial tiles of
         varlen sequences and of seqused): those rows are written as zeros, their values never read."""
         scale = cute.make_tensor(scale_ptr, cute.make_layout(1))[0]
-        if const_expr(self.family == "mma"):
+        if const_expr(self.family == OrderFamily.MMA):
             self._convert_mma(acc_ptr, tile_elem, scale, s_tile, s_layout, conv_rows, tidx)
-        elif const_expr(self.family == "rows"):
+        elif const_expr(self.family == OrderFamily.TMEM_ROWS):
             self._convert_rows(acc_ptr, tile_elem, scale, s_tile, conv_rows, tidx)
         else:
             self._convert_rowmajor(acc_ptr, tile_elem, scale, s_tile, conv_rows, tidx)

@@ -247,9 +247,8 @@ def unusable(directory: Path) -> str | None:
 def compile_executor(spec: KernelSpec, arch: str, **tuning):
     """``cute.compile`` the kernel of ``spec`` for ``arch``; CuTe's executor, callable from Python with
     ``kernel.entry_args`` and a stream. Callers serialise through ``_lock`` or accept that the DSL's global arch is
-    set here (and restored afterwards). ``tuning``: ``kernel.Postprocess``'s tuning keywords, for experiments
-    (benchmarks/ncu_kernels.py); the package itself always compiles with the defaults, which is why they are not part
-    of the key."""
+    set here (and restored afterwards). ``tuning``: ``kernel.Postprocess``'s tuning keywords, for experiments; the
+    package itself always compiles with the defaults, which is why they are not part of the key."""
     try:
         from .kernel import Postprocess, entry_args
     except ModuleNotFoundError as e:

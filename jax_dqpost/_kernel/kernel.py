@@ -88,7 +88,7 @@ class Postprocess:
     """The kernel of a call (module docstring).
 
     ``spec``: the :class:`~jax_dqpost._kernel.spec.KernelSpec` (``Plan.kernel``); the binary depends on it and the
-    target GPU only. Tuning, for experiments (benchmarks/ncu_kernels.py; the package compiles with the defaults):
+    target GPU only. Tuning, for experiments (the package compiles with the defaults):
     ``min_ctas_per_sm`` (:class:`TileConverter`), ``short_heads`` (``schedule.ShortTileScheduler``; None: the
     spec's), ``pdl`` (None: where the target has it, sm_90 on), ``trigger`` (None: :data:`TRIGGER`), and for a
     varlen kernel of its own grid ``slot_records`` (long tiles from the slots' records, ``schedule.py``: the work

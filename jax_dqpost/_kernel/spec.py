@@ -173,9 +173,8 @@ def region_store_tiling(rows_m: int, cols: int, threads: int) -> tuple[int, int]
 
 
 FINE_SHARES_BYTES = 20 << 20
-"""A kernel of its own grid whose unsplit CTAs times a tile's bytes (``tile_m * Dr`` floats read, as many values
-written) come to fewer than this splits each tile between CTAs (:func:`shares_for`); chosen on the H200 by graph
-replay of each split at 8.4-25.2 MB (docs/performance.md)."""
+"""A kernel of a single part whose unsplit CTAs times a tile's bytes (``tile_m * Dr`` floats read, as many values
+written) come to fewer than this splits each tile between CTAs (:func:`shares_for`)."""
 
 
 def shares_for(layout, padded_head_dim: int, unsplit_ctas: int) -> int:
@@ -195,7 +194,7 @@ def call_shares(layout, padded_head_dim: int) -> tuple[int, ...]:
 @functools.lru_cache(maxsize=256)
 def tile_shares(layout, padded_head_dim: int) -> tuple[int, ...]:
     """Every ``shares`` > 1 a tile of this order takes (:func:`share_regions`), increasing. A call takes the last
-    (:func:`call_shares`); the others are for experiments (``ncu_kernels`` checks their bits against the default's)."""
+    (:func:`call_shares`); the others are for experiments."""
     # a varlen short-tile CTA of a split kernel has the share's threads
     least = max(32, varlen.short_tile_threads(layout, padded_head_dim))
     candidates = [s for s in range(2, layout.num_threads // least + 1) if layout.num_threads % (32 * s) == 0]

@@ -76,7 +76,7 @@ class TileConverter:
                  shares: int = 1):
         """``padded_head_dim``: ``Dr``, the head dim as padded in the accumulator. ``tiling``: the part's
         (``schedule.py``; outside ``DENSE`` the loads of rows past ``conv_rows`` are skipped). ``target_sm``: the GPU
-        generation compiled for (e.g. 80, 90, 100). Tuning (benchmarks/ncu_kernels.py compares it):
+        generation compiled for (e.g. 80, 90, 100). Tuning, for experiments:
         ``min_ctas_per_sm``, the launch-bounds hint given to ptxas (None: chosen here; 0: none). ``shares``: 1, or
         one of ``spec.tile_shares``: a CTA of ``num_threads / shares`` threads converts those producer threads' share
         of a tile (``spec.share_regions``; :meth:`tile`'s ``share``). The layout and ``Dr`` are a

@@ -29,8 +29,8 @@ list built with ``records`` (:func:`slots_at`):
                                 (row_start, rows_total, conv_rows, acc_row; all 0 past tile_start[K]), L the long-tile
                                 slots (``num_tiles`` less the short-tile slots)
 
-The records are for an experiment (``kernel.Postprocess``'s ``slot_records``, timed by ``benchmarks/ncu_kernels.py``):
-how many dependent lookups a long-tile CTA makes either way is said in ``schedule.py``.
+The records are for an experiment (``kernel.Postprocess``'s ``slot_records``): how many dependent lookups a long-tile
+CTA makes either way is said in ``schedule.py``.
 
 A span of ``r`` rows has ``ceil(r / tile_m)`` tiles. For most orders every tile is a *long* tile: one CTA per tile
 and head (the shared-memory path; ``shares`` CTAs, each converting a share, in a small call's kernel). For the
@@ -67,8 +67,7 @@ INT32_MAX = 2**31 - 1  # row offsets, extents and the kernel's launch grid are i
 SHORT_ROWS = 16
 """A varlen tile of at most this many rows is a short tile, for the orders that have them (:func:`short_rows`)."""
 SHORT_HEADS = 8
-"""Heads per short-tile CTA (:func:`short_heads`), chosen by measurement on the H200 (``python -m
-benchmarks.ncu_kernels short`` compares it with 1 and 4)."""
+"""Heads per short-tile CTA (:func:`short_heads`)."""
 SHORT_CTAS = 128
 """Short-tile CTAs (at :data:`SHORT_HEADS` heads each) below which a kernel of its own grid takes one head a CTA
 (:func:`short_heads`)."""

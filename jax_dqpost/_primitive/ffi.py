@@ -78,8 +78,8 @@ def library_path() -> Path:
     ``jax_dqpost`` was imported from a source checkout) the installed distribution's, if built from this tree.
 
     Python started in the repository root imports the source tree (the working directory is first on the path),
-    which has no built library: pip builds it into the installed copy. The tests (``python -m pytest tests``) and
-    the benchmark (``python -m benchmarks``, which is not installed) run so. Rather than reorder ``sys.path`` (the
+    which has no built library: pip builds it into the installed copy. The tests and the benchmarks, which are not
+    installed, run so. Rather than reorder ``sys.path`` (the
     code that runs would not be the tree's) or build into the tree, a checkout uses the library of the installed
     distribution (found with ``importlib.metadata``) when it was built from the same sources: the same package
     version and the same ``ffi/dqpost_ffi.cc`` (its sha256, recorded beside the library at build time). Else it

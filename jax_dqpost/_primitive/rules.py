@@ -163,9 +163,9 @@ def _lowering(ctx, *args, plan: Plan):
     the program's jaxpr holds a primitive that asks for them, as ours does (so a top-level jit, export or
     ``shard_map`` never takes the other branch); bound inside another primitive's own lowering (fa4-jax's backward,
     lowered with ``mlir.lower_fun``), the op finds none, and lowers unpartitioned: one device's program as is; in an
-    automatically partitioned program XLA treats it as it treats the custom calls around it (not measured on
-    several GPUs). ``jax.export`` of a program partitioned over several devices would carry custom_partitioning's
-    host callback, which it cannot serialize: that raises here, with the recipe that works."""
+    automatically partitioned program XLA treats it as it treats the custom calls around it. ``jax.export`` of a
+    program partitioned over several devices would carry custom_partitioning's host callback, which it cannot
+    serialize: that raises here, with the recipe that works."""
     nested = _jax_internals.lowered_without_devices(ctx)
     devices = 0 if nested or not _jax_internals.lowered_for_export(ctx) else _jax_internals.partitioned_over(ctx)
     if devices > 1:

@@ -50,8 +50,8 @@ FLASH_ATTENTION_RELEASES = {
                         {(9, d, False): "its swapped (112, 80) dQ MMA does not partition into WGMMA atoms"
                          for d in (104, 112)}, _PR_2896),
 }
-"""The flash-attn-4 releases :meth:`AccumLayout.flash_attention` knows, by version (read in its sources and measured
-against the mathematics on an H200)."""
+"""The flash-attn-4 releases :meth:`AccumLayout.flash_attention` knows, by version (read in their sources;
+``tests/test_gradients.py`` checks what they write against the mathematics)."""
 
 
 def _release_layout(layout, gpu: int, head_dim: int, release: Release, dq: bool):

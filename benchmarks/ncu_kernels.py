@@ -31,6 +31,7 @@ Configuration names are the benchmark's (``cases.CONFIGS``); the benchmark's row
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -100,8 +101,7 @@ def size_rows(names, sizes, torch, fa4):
 
 
 def sweep(args, torch, fa4, samples=15):
-    _, names = command_args("sweep", args)
-    for case in cases(names, torch, fa4, packings=("dense", "varlen")):
+    for case in cases(args.configs, torch, fa4, packings=("dense", "varlen")):
         copy, _ = harness.graph_per_call(torch, case.copy_run(), case.copies, samples)
         rows = [("copy", copy)]
         if fa4 is not None:
@@ -113,9 +113,8 @@ def sweep(args, torch, fa4, samples=15):
 
 
 def sizes(args, torch, fa4, samples=15):
-    groups, args = variant_args("sizes", args)
-    sizes, names = command_args("sizes", args)
-    for size, case in size_rows(names, sizes, torch, fa4):
+    groups = args.variants
+    for size, case in size_rows(args.configs, args.bytes, torch, fa4):
         case.torch_buffers()
         copy, _ = harness.graph_per_call(torch, case.copy_run(), case.copies, samples)
         tag = f"{case.bytes / 1e6:8.1f} MB {case.name:13s} {case.packing:7s} {case.ctas:6d} CTAs"
@@ -162,7 +161,7 @@ def _set_l2_fetch_granularity(nbytes: int) -> int:
 
 
 def short(args, torch, fa4, samples=15):
-    l2_fetch, names = short_args(args)
+    l2_fetch, names = args.l2_fetch, args.counts
     torch.cuda.init()
     granularity = harness.l2_fetch_granularity()
     if l2_fetch is not None:
@@ -201,26 +200,6 @@ def short_reference(torch, fa4):
     return rows["hd128", "dense"], rows["hd128", "varlen"]
 
 
-def short_args(args) -> tuple[int | None, list[str]]:
-    """``(l2_fetch, counts)`` of ``short``'s arguments (module docstring): sequence counts of
-    ``cases.SHORT_SEQUENCES`` or ``ref``, and ``--l2-fetch BYTES`` once (None without it). ``ValueError`` naming a
-    bad one."""
-    names, l2_fetch = list(args), None
-    if "--l2-fetch" in names:
-        k = names.index("--l2-fetch")
-        value = names[k + 1] if k + 1 < len(names) else None
-        twice = names.count("--l2-fetch") > 1
-        if value is None or not _is_count(value) or twice:
-            got = "nothing" if value is None else repr(value) + (" and another" if twice else "")
-            raise ValueError(f"--l2-fetch takes a size in bytes, once, got {got}")
-        l2_fetch, names = int(value), names[:k] + names[k + 2:]
-    allowed = [str(n) for n in bench_cases.SHORT_SEQUENCES] + ["ref"]
-    unknown = [n for n in names if n not in allowed]
-    if unknown:
-        raise ValueError(f"unknown sequence counts {unknown}; they are {allowed}")
-    return l2_fetch, names
-
-
 def _is_count(value: str) -> bool:
     return value.isascii() and value.isdigit()
 
@@ -229,60 +208,106 @@ MAX_BYTES = 1 << 32
 """The largest ``--bytes`` of ``sizes`` (its buffers fill 256 MiB or more of the GPU's memory, several per call)."""
 
 
-def variant_args(command, args) -> tuple[tuple[str, ...], list[str]]:
-    """``(groups, rest)``: the groups of :data:`SIZE_VARIANTS` named by ``--variants GROUP,...`` (``sizes`` only,
-    once; all without it) and the other arguments. ``ValueError`` naming a bad one."""
-    rest = list(args)
-    if "--variants" not in rest:
-        return tuple(SIZE_VARIANTS), rest
-    if command != "sizes":
-        raise ValueError(f"{command} takes no --variants: only sizes does")
-    k = rest.index("--variants")
-    if k and rest[k - 1] == "--bytes":
-        raise ValueError("--bytes takes a size, got '--variants'")
-    value = rest[k + 1] if k + 1 < len(rest) else None
-    groups = [] if value is None else value.split(",")
-    unknown = [g for g in groups if g not in SIZE_VARIANTS]
-    if value is None or unknown or not groups or rest.count("--variants") > 1 or len(set(groups)) < len(groups):
-        got = "nothing" if value is None else repr(value) + (" and another" if rest.count("--variants") > 1 else "")
-        raise ValueError(f"--variants takes groups of {list(SIZE_VARIANTS)}, comma-separated, each once, once; "
-                         f"got {got}")
-    return tuple(groups), rest[:k] + rest[k + 2:]
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose usage errors are one line, ``PROG: error: MESSAGE``, with exit status 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def command_args(command, args) -> tuple[list, list[str]]:
-    """``(sizes, names)`` of ``sweep``'s, ``sizes``' or ``profile``'s arguments (module docstring): configuration
-    names, and sizes given by ``--bytes N`` (``sizes``: each once, at least ``cases.SIZES[0]``; ``profile``: one of
-    ``cases.SIZES``, once; ``sweep``: none), each with its default. ``ValueError`` naming a bad one."""
-    configs, sizes, names = [c[0] for c in bench_cases.CONFIGS], [], list(args)
-    while "--bytes" in names:
-        k = names.index("--bytes")
-        value = names[k + 1] if k + 1 < len(names) else None
-        got = "nothing" if value is None else repr(value)
-        if command == "profile":
-            if value is None or not _is_count(value) or int(value) not in bench_cases.SIZES:
-                raise ValueError(f"--bytes takes one of the size sweep's sizes {bench_cases.SIZES}, got {got}")
-            if sizes:
-                raise ValueError(f"--bytes is given once, got {sizes[0]} and {value}")
-        elif command == "sizes":
-            if value is None or not _is_count(value) or not bench_cases.SIZES[0] <= int(value) <= MAX_BYTES:
-                raise ValueError(f"--bytes takes a size of {bench_cases.SIZES[0]} to {MAX_BYTES} bytes, got {got}")
-            if int(value) in sizes:
-                raise ValueError(f"--bytes {value} is given twice")
-        else:
-            raise ValueError(f"{command} takes no --bytes: it measures the reference shape")
-        sizes, names = sizes + [int(value)], names[:k] + names[k + 2:]
-    unknown = [n for n in names if n not in configs]
+def _sizes_bytes(text: str) -> int:
+    """``sizes``' ``--bytes``: a size of ``cases.SIZES[0]`` to :data:`MAX_BYTES` bytes."""
+    if not _is_count(text) or not bench_cases.SIZES[0] <= int(text) <= MAX_BYTES:
+        raise argparse.ArgumentTypeError(f"a size of {bench_cases.SIZES[0]} to {MAX_BYTES} bytes, got {text!r}")
+    return int(text)
+
+
+def _profile_bytes(text: str) -> int:
+    """``profile``'s ``--bytes``: one of the size sweep's sizes."""
+    if not _is_count(text) or int(text) not in bench_cases.SIZES:
+        raise argparse.ArgumentTypeError(f"one of the size sweep's sizes {bench_cases.SIZES}, got {text!r}")
+    return int(text)
+
+
+def _l2_fetch(text: str) -> int:
+    if not _is_count(text):
+        raise argparse.ArgumentTypeError(f"a size in bytes, got {text!r}")
+    return int(text)
+
+
+def _variants(text: str) -> tuple[str, ...]:
+    """``--variants GROUP,...``: groups of :data:`SIZE_VARIANTS`, each once."""
+    groups = text.split(",")
+    if not text or any(g not in SIZE_VARIANTS for g in groups) or len(set(groups)) < len(groups):
+        raise argparse.ArgumentTypeError(f"groups of {list(SIZE_VARIANTS)}, comma-separated, each once; got {text!r}")
+    return tuple(groups)
+
+
+def parser() -> _Parser:
+    """The command line (module docstring): a command, its configurations (or sequence counts) and options."""
+    p = _Parser(prog="ncu_kernels", description="Kernel-level evidence for the benchmark's gaps, on the GPU machine.")
+    commands = p.add_subparsers(dest="command", required=True)
+    configs = ", ".join(c[0] for c in bench_cases.CONFIGS)
+    for name, bytes_type, what in (("sweep", None, "the tuning variants at the reference shape"),
+                                   ("sizes", _sizes_bytes, "the size sweep's rows, or those of --bytes N"),
+                                   ("profile", _profile_bytes, "one launch of each, for Nsight Compute")):
+        command = commands.add_parser(name, help=what)
+        command.add_argument("configs", nargs="*", metavar="CONFIG", help=f"from {configs}")
+        if bytes_type is not None:
+            command.add_argument("--bytes", type=bytes_type, action="append", metavar="N")
+    commands.choices["sizes"].add_argument("--variants", type=_variants, action="append", metavar="GROUP,...",
+                                           help=f"groups of variants, from {', '.join(SIZE_VARIANTS)} (default: all)")
+    short_ = commands.add_parser("short", help="the short-sequence cases")
+    short_.add_argument("counts", nargs="*", metavar="COUNT",
+                        help=f"from {', '.join(map(str, bench_cases.SHORT_SEQUENCES))}, ref")
+    short_.add_argument("--l2-fetch", type=_l2_fetch, action="append", metavar="BYTES")
+    p.commands = commands.choices
+    return p
+
+
+def parse(argv) -> argparse.Namespace:
+    """The arguments of ``argv`` with their defaults (``command``; ``configs`` and ``bytes``, sweep, sizes and profile;
+    ``variants``, sizes; ``counts`` and ``l2_fetch``, short), each checked before torch is imported: a bad one exits
+    with status 2 and one line naming it and its value."""
+    p = parser()
+    command = p.parse_args(list(argv[:1])).command
+    sub = p.commands[command]
+    args = sub.parse_intermixed_args(list(argv[1:]))
+    args.command = command
+    if command == "short":
+        allowed = [str(n) for n in bench_cases.SHORT_SEQUENCES] + ["ref"]
+        unknown = [n for n in args.counts if n not in allowed]
+        if unknown:
+            sub.error(f"unknown sequence counts {unknown}; they are {allowed}")
+        if args.l2_fetch is not None and len(args.l2_fetch) > 1:
+            sub.error(f"--l2-fetch takes a size in bytes, once, got '{args.l2_fetch[0]}' and another")
+        args.l2_fetch = None if args.l2_fetch is None else args.l2_fetch[0]
+        return args
+    configs = [c[0] for c in bench_cases.CONFIGS]
+    unknown = [n for n in args.configs if n not in configs]
     if unknown:
-        raise ValueError(f"unknown configurations {unknown}; they are {configs}")
+        sub.error(f"unknown configurations {unknown}; they are {configs}")
+    sizes = getattr(args, "bytes", None) or []
+    if command == "profile" and len(sizes) > 1:
+        sub.error(f"--bytes is given once, got {sizes[0]} and {sizes[1]}")
+    twice = [n for k, n in enumerate(sizes) if n in sizes[:k]]
+    if twice:
+        sub.error(f"--bytes {twice[0]} is given twice")
     if command == "sizes":
-        return sizes or bench_cases.SIZES[1:], names or configs
-    return sizes, names or (["hd96", "hd128", "hd192"] if not sizes else configs)
+        variants = args.variants or [tuple(SIZE_VARIANTS)]
+        if len(variants) > 1:
+            sub.error(f"--variants takes groups of {list(SIZE_VARIANTS)}, comma-separated, each once, once; got "
+                      f"'{','.join(variants[0])}' and another")
+        args.variants = variants[0]
+        args.bytes, args.configs = sizes or bench_cases.SIZES[1:], args.configs or configs
+    else:
+        args.bytes = sizes
+        args.configs = args.configs or (["hd96", "hd128", "hd192"] if not sizes else configs)
+    return args
 
 
 def profile(args, torch, fa4):
-    sizes, names = command_args("profile", args)
-    size = sizes[0] if sizes else None
+    names, size = args.configs, (args.bytes[0] if args.bytes else None)
     packings = ("dense",) if size is None else ("dense", "varlen1", "varlen")
     for case in cases(names, torch, fa4, packings, size):
         runs = [case.ours(**t) for t in VARIANTS] + ([case.fa4_run()] if fa4 is not None else [])
@@ -305,23 +330,17 @@ COMMANDS = {"sweep": sweep, "sizes": sizes, "short": short, "profile": profile}
 
 
 def main(argv) -> int:
-    what = argv[0] if argv else None
-    if what not in COMMANDS:
-        print(f"ncu_kernels: error: the first argument is one of {sorted(COMMANDS)}, got {what!r}", file=sys.stderr)
-        return 2
     try:
-        rest = variant_args(what, argv[1:])[1]
-        short_args(rest) if what == "short" else command_args(what, rest)
-    except ValueError as e:
-        print(f"ncu_kernels {what}: error: {e}", file=sys.stderr)
-        return 2
+        args = parse(argv)
+    except SystemExit as e:  # a usage error (status 2), or --help (0)
+        return e.code
     import torch
 
     try:
         from flash_attn.cute.interface import _bwd_postprocess_convert as fa4
     except Exception:  # noqa: BLE001
         fa4 = None
-    COMMANDS[what](argv[1:], torch, fa4)
+    COMMANDS[args.command](args, torch, fa4)
     return 0
 
 

@@ -5,7 +5,6 @@ and varlen, for every FlashAttention configuration it times (so its speed is com
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -246,34 +245,32 @@ def test_the_kernel_tools_measure_the_benchmarks_rows():
 
 
 @pytest.mark.parametrize("command, args, message", [
-    ("profile", ["--bytes"], "got nothing"), ("profile", ["--bytes", "hd128"], "got 'hd128'"),
+    ("profile", ["--bytes"], "argument --bytes: expected one argument"), ("profile", ["--bytes", "hd128"], "got 'hd128'"),
     ("profile", ["--bytes", "123"], "got '123'"), ("profile", ["hd7"], "unknown configurations ['hd7']"),
     ("profile", ["--bytes", "1048576", "--bytes", "16777216"], "given once, got 1048576 and 16777216"),
     ("sizes", ["--bytes", "4096"], "of 65536 to 4294967296 bytes, got '4096'"),
-    ("sizes", ["hd96", "--bytes"], "got nothing"),
+    ("sizes", ["hd96", "--bytes"], "argument --bytes: expected one argument"),
     ("sizes", ["--bytes", "8388608", "--bytes", "8388608"], "--bytes 8388608 is given twice"),
     ("sizes", ["hd128", "hd7"], "unknown configurations ['hd7']"), ("sweep", ["hd7"], "unknown configurations ['hd7']"),
-    ("sweep", ["--bytes", "1048576"], "sweep takes no --bytes"), ("sizes", ["--bytes", "8589934592"], "got '85"),
+    ("sweep", ["--bytes", "1048576"], "unrecognized arguments: --bytes"), ("sizes", ["--bytes", "8589934592"], "got '85"),
     ("sizes", ["--bytes", "\u00b2"], "got '\u00b2'"), ("short", ["66"], "unknown sequence counts ['66']"),
-    ("short", ["--l2-fetch"], "got nothing"), ("short", ["--l2-fetch", "-1"], "got '-1'"),
+    ("short", ["--l2-fetch"], "argument --l2-fetch: expected one argument"), ("short", ["--l2-fetch", "-1"], "got '-1'"),
     ("short", ["64", "--l2-fetch", "32", "--l2-fetch", "64"], "got '32' and another"),
-    ("sizes", ["--variants", "splits"], "got 'splits'"), ("sizes", ["--variants"], "got nothing"),
+    ("sizes", ["--variants", "splits"], "got 'splits'"), ("sizes", ["--variants"], "argument --variants: expected one argument"),
     ("sizes", ["--variants", "split,split"], "each once"), ("sizes", ["--variants", ""], "got ''"),
     ("sizes", ["--variants", "split", "--variants", "lookup"], "got 'split' and another"),
-    ("sweep", ["--variants", "split"], "sweep takes no --variants"),
-    ("profile", ["--variants", "split"], "profile takes no --variants"),
-    ("short", ["--variants", "split"], "short takes no --variants"),
-    ("sizes", ["--bytes", "--variants", "split", "1048576"], "--bytes takes a size, got '--variants'")])
+    ("sweep", ["--variants", "split"], "unrecognized arguments: --variants"),
+    ("profile", ["--variants", "split"], "unrecognized arguments: --variants"),
+    ("short", ["--variants", "split"], "unrecognized arguments: --variants"),
+    ("sizes", ["--bytes", "--variants", "split", "1048576"], "argument --bytes: expected one argument")])
 def test_kernel_tools_name_a_bad_argument(command, args, message, capsys, monkeypatch):
     from benchmarks import ncu_kernels
 
     monkeypatch.setitem(sys.modules, "torch", None)  # a bad argument is named before torch is imported
 
-    def parse(a):
-        rest = ncu_kernels.variant_args(command, a)[1]
-        return ncu_kernels.short_args(rest) if command == "short" else ncu_kernels.command_args(command, rest)
-    with pytest.raises(ValueError, match=re.escape(message)):
-        parse(args)
+    with pytest.raises(SystemExit) as exit_:
+        ncu_kernels.parse([command, *args])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
     assert ncu_kernels.main([command, *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"ncu_kernels {command}: error: ") and message in err and err.count("\n") == 1
@@ -282,26 +279,32 @@ def test_kernel_tools_name_a_bad_argument(command, args, message, capsys, monkey
 def test_kernel_tools_name_a_bad_command(capsys):
     from benchmarks import ncu_kernels
 
-    assert ncu_kernels.main(["profiles"]) == 2 and "got 'profiles'" in capsys.readouterr().err
+    assert ncu_kernels.main(["profiles"]) == 2 and "invalid choice: 'profiles'" in capsys.readouterr().err
 
 
 def test_kernel_tools_arguments_and_their_defaults():
     from benchmarks import ncu_kernels
 
     configs = [c[0] for c in cases.CONFIGS]
-    assert ncu_kernels.command_args("profile", ["hd128", "--bytes", str(cases.SIZES[2])]) == ([cases.SIZES[2]],
-                                                                                             ["hd128"])
-    assert ncu_kernels.command_args("profile", ["--bytes", str(cases.SIZES[2])]) == ([cases.SIZES[2]], configs)
-    assert ncu_kernels.command_args("profile", []) == ([], ["hd96", "hd128", "hd192"])
-    assert ncu_kernels.command_args("sizes", []) == (cases.SIZES[1:], configs)
-    assert ncu_kernels.command_args("sizes", ["--bytes", "8388608", "hd64", "--bytes", str(cases.SIZES[2])]) == \
+
+    def command_args(*argv):
+        args = ncu_kernels.parse(list(argv))
+        return args.bytes, args.configs
+    assert command_args("profile", "hd128", "--bytes", str(cases.SIZES[2])) == ([cases.SIZES[2]], ["hd128"])
+    assert command_args("profile", "--bytes", str(cases.SIZES[2])) == ([cases.SIZES[2]], configs)
+    assert command_args("profile") == ([], ["hd96", "hd128", "hd192"])
+    assert command_args("sizes") == (cases.SIZES[1:], configs)
+    assert command_args("sizes", "--bytes", "8388608", "hd64", "--bytes", str(cases.SIZES[2])) == \
         ([8388608, cases.SIZES[2]], ["hd64"])
-    assert ncu_kernels.command_args("sweep", ["hd256"]) == ([], ["hd256"])
-    assert ncu_kernels.short_args(["ref", "8000", "--l2-fetch", "64"]) == (64, ["ref", "8000"])
-    assert ncu_kernels.short_args([]) == (None, [])
+    assert command_args("sweep", "hd256") == ([], ["hd256"])
+    short = ncu_kernels.parse(["short", "ref", "8000", "--l2-fetch", "64"])
+    assert (short.l2_fetch, short.counts) == (64, ["ref", "8000"])
+    short = ncu_kernels.parse(["short"])
+    assert (short.l2_fetch, short.counts) == (None, [])
     groups = tuple(ncu_kernels.SIZE_VARIANTS)
-    assert ncu_kernels.variant_args("sizes", ["hd64", "--bytes", "8388608"]) == (groups, ["hd64", "--bytes", "8388608"])
-    assert ncu_kernels.variant_args("sizes", ["hd64", "--variants", "lookup,split"]) == (("lookup", "split"), ["hd64"])
+    assert ncu_kernels.parse(["sizes", "hd64", "--bytes", "8388608"]).variants == groups
+    sizes = ncu_kernels.parse(["sizes", "hd64", "--variants", "lookup,split"])
+    assert (sizes.variants, sizes.configs) == (("lookup", "split"), ["hd64"])
     for sizes in (cases.SIZES, cases.SIZES[::2], []):
         assert cases.benchmark_rows(sizes) == len(list(cases.benchmark_cases(None, None, sizes)))
 

@@ -21,7 +21,7 @@ def def_impl(primitive) -> None:
 
 def require_devices_during_lowering(primitive) -> None:
     """jax hands a lowering the program's devices only when its jaxpr holds a primitive on this private list; the
-    op's lowering needs them (``custom_partitioning``, primitive.py)."""
+    op's lowering needs them (``custom_partitioning``, ``_primitive/rules.py``)."""
     dispatch.prim_requires_devices_during_lowering.add(primitive)
 
 

@@ -1,5 +1,5 @@
 """The public entry points: the arguments checked and made operands (``_arguments.py``), the call's
-:class:`~jax_dqpost._primitive.plan.Plan`, then one ``bind`` of the primitive (``rules.py``)."""
+:class:`~jax_dqpost._primitive.plan.Plan`, then one ``bind`` of the primitive (``_primitive/rules.py``)."""
 
 from __future__ import annotations
 

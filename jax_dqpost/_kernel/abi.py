@@ -76,7 +76,7 @@ def sides(num_parts: int) -> tuple[str, ...]:
 
 class Tiling(enum.IntEnum):
     """How a CTA of the kernel finds its tile (compiled into the kernel; part of the cache key); the shapes of a
-    part's buffers (``plan.py``) and their axes (:data:`BUFFERS`) follow it."""
+    part's buffers (``_primitive/plan.py``) and their axes (:data:`BUFFERS`) follow it."""
 
     DENSE = 0  # tile (b, h, m) of a dense accumulator
     DENSE_SEQUSED = 1  # the same; rows past seqused[b] are zeros
@@ -127,7 +127,7 @@ BUFFERS = (
 """The table of the call's buffers, in order: the operands (every kind before ``out``), then the results. Every list
 of them is derived from it: :meth:`Plan.group <jax_dqpost._primitive.plan.Plan.group>` and ``join``, the dtypes abstract
 evaluation checks, the kernel entry's arguments (``kernel.entry_args``), the partition specs and the Shardy rule
-(``primitive.py``)."""
+(``_primitive/rules.py``)."""
 
 _RESULT_KINDS = ("out", "dsink")
 

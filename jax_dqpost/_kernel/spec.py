@@ -1,6 +1,6 @@
 """The kernel a call compiles: :class:`KernelSpec`, everything that changes the binary but the target GPU, and the
 rules of which kernels exist (:func:`check_limits`, beyond the order's own; ``AccumLayout.check_head_dim`` asks
-both, so this module does not import ``layout.py``: a layout here is an ``AccumLayout``). No cutlass here: the
+both, so this module does not import ``layout/``: a layout here is an ``AccumLayout``). No cutlass here: the
 plan builds the record (``Plan.kernel``), the cache keys on it with the GPU (``cache.py``), and the kernel is
 made from it alone (``kernel.Postprocess``). Batch, heads, sequence lengths, head dims and scales are run-time
 arguments of the compiled module: never part of it."""

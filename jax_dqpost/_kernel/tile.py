@@ -355,7 +355,7 @@ class TileConverter:
     @cute.jit
     def _convert_rows(self, acc_ptr, tile_elem, scale, s_tile, conv_rows, tidx):
         """tcgen05 order: thread t = TMEM lane t; columns 4c..4c+3 of its row at 512 c + 4 t (2-CTA: the
-        pair's halves, see layout.py), converted ``step_cols`` columns at a time."""
+        pair's halves, ``fragments.tcgen05_offset``), converted ``step_cols`` columns at a time."""
         padded_head_dim, cols, step = self.padded_head_dim, self.row_cols, self.step_cols
         units = 2 if const_expr(self.layout.two_cta) else 1
         for unit in cutlass.range_constexpr(units):

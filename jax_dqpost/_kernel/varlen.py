@@ -44,7 +44,7 @@ static Python ints (numpy, at trace time) or from traced int32 arrays (jax.numpy
 :meth:`WorkList.decode` is the one reader on the JAX side, and the kernel reads the same offsets through
 :func:`sections`. The C++ handler holds no work-list arithmetic: it checks the work list's byte count, as every
 buffer's, against the call's ``bytes`` attribute, which the lowering takes from the buffers' shapes
-(``cuda_lowering.py``).
+(``_primitive/cuda_lowering.py``).
 """
 
 from __future__ import annotations

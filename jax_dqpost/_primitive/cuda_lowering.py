@@ -1,5 +1,5 @@
 """The CUDA lowering: a custom call to our FFI target (``ffi.TARGET_NAME``) that carries the call's compiled CuTe
-module and launches it with the buffers in the order of ``abi.py``.
+module and launches it with the buffers in the order of ``_kernel/abi.py``.
 
 Attributes of the call (``ffi/dqpost_ffi.cc``, ``Execute``): ``module`` (the object module) and ``fingerprint`` (its
 sha256, the handler's load-cache key), ``bytes`` (each buffer's size, checked by the handler with its element type

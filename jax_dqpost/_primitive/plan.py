@@ -1,11 +1,11 @@
 """One value describing a postprocess call: :class:`Plan`, made of a :class:`Part` per tensor (dQ, or dQ, dK and
 dV) and the learnable sink's dtype.
 
-The API builds the plan from the arguments (``api.py``); it is the primitive's only parameter, and every rule asks
-it: the operand and result shapes (abstract evaluation), the reference (``reference.py``), the kernel it compiles
-(``Plan.kernel``), its launch grid and extents (``cuda_lowering.py``), the sharding rule and the vmap folding
-(``primitive.py``). Batch and heads are not part of it: they come from the operands' shapes, so vmap and sharding
-change them without a new plan. The operands and results are in the order of the calling convention (``abi.py``).
+The API builds the plan from the arguments (``jax_dqpost/api.py``); it is the primitive's only parameter, and every
+rule asks it: the operand and result shapes (abstract evaluation), the reference (``reference.py``), the kernel it
+compiles (``Plan.kernel``), its launch grid and extents (``cuda_lowering.py``), the sharding rule and the vmap folding
+(``rules.py``). Batch and heads are not part of it: they come from the operands' shapes, so vmap and sharding change
+them without a new plan. The operands and results are in the order of the calling convention (``_kernel/abi.py``).
 
 A part's accumulator comes in one of three tilings, one per way a CTA finds its tile (compiled into the kernel)::
 
@@ -116,7 +116,7 @@ class Part:
         """The shape of the result for operands of these shapes; ``ValueError`` naming what does not fit, in the
         words of ``names`` (the tensor's arguments)."""
         da, layout, n = self.alloc_head_dim, self.layout, names
-        dr = "Da" if da != self.padded_head_dim else "Dr"  # the allocation's padded head dim, as layout.py names it
+        dr = "Da" if da != self.padded_head_dim else "Dr"  # the allocation's padded head dim, as AccumLayout names it
         if self.work is not None:
             w = self.work
             if tuple(aux_shape) != self.aux_shape(1):
@@ -207,7 +207,7 @@ class Operands(NamedTuple):
 class Plan:
     """The static description of a postprocess call (frozen, hashable: the primitive's parameter).
 
-    Operands and results in the order of ``abi.py``; the sink operands' shapes (:meth:`sink_shapes`) and the
+    Operands and results in the order of ``_kernel/abi.py``; the sink operands' shapes (:meth:`sink_shapes`) and the
     gradient are :func:`~jax_dqpost.flash_attention_postprocess`'s.
 
     Attributes:

@@ -33,7 +33,7 @@ def part_reference(acc, scale, aux, part: Part):
 
 
 def postprocess_reference(*args, plan: Plan):
-    """The primitive's semantics (operands and results in ``abi.py``'s order): each part with its own scale, and
+    """The primitive's semantics (operands and results in ``_kernel/abi.py``'s order): each part with its own scale, and
     the sink gradient (:func:`dsink_reference`)."""
     ops = plan.group(args)
     outs = [part_reference(acc, ops.scales[i], aux, p)
@@ -70,7 +70,7 @@ def dsink_terms(sink, lse, dpsum, q_aux, part: Part):
 
 def dsink_reference(sink, lse, dpsum, q_aux, part: Part):
     """The learnable sink's gradient, float32 ``(H,)``: the sum of :func:`dsink_terms` over the rows
-    (deterministic; the GPU kernel sums in FlashAttention-4's order instead, see ``kernel.py``)."""
+    (deterministic; the GPU kernel sums in FlashAttention-4's order instead, see ``_kernel/kernel.py``)."""
     return jnp.sum(dsink_terms(sink, lse, dpsum, q_aux, part), axis=1)
 
 

@@ -352,8 +352,8 @@ class AccumLayout:
     def tile_index_map(self, head_dim: int) -> np.ndarray:
         """``F``: int64 array ``(tile_m, Dr)``; ``F[i, j]`` = float offset of dQ(i, j) in its tile.
 
-        A permutation of ``range(tile_m * Dr)``, computed from the order's closed form (``fragments.py``). Defined
-        for every head dim the order can hold, also where the kernel's own limits (:meth:`check_head_dim`) refuse it.
+        A permutation of ``range(tile_m * Dr)``, computed from the order's closed form. Defined for every head dim
+        the order can hold, also where the kernel's own limits (:meth:`check_head_dim`) refuse it.
         """
         self._check_order(head_dim)
         dr = self.padded_head_dim(head_dim)

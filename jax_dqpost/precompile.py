@@ -165,7 +165,7 @@ def main(argv=None) -> int:
         print(f"{parser.prog}: error: {unusable}: nothing would be kept", file=sys.stderr)
         return 1
     tilings = [Tiling[name.upper()] for name in args.tilings]
-    singles = kernels.one_part_kernels(configs, tilings, args.dtypes)
+    singles = kernels.single_part_kernels(configs, tilings, args.dtypes)
     one_head = any(t.short_heads != SHORT_HEADS for key in singles for t in key.tensors)
     short = f", short tiles of {SHORT_HEADS} heads or 1" if one_head else ""
     kinds = [("kernels", singles, f"{len(configs)} layouts x {len(args.dtypes)} dtypes x {len(tilings)} tilings, "

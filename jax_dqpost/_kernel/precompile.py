@@ -9,10 +9,10 @@ from .spec import KernelSpec, TensorKernel, call_shares
 from .varlen import SHORT_HEADS, short_rows
 
 
-def one_part_kernels(configs, tilings, dtypes) -> list[KernelSpec]:
-    """Every kernel a call of one part may choose (``Plan.kernel``) for each ``(layout, Dr)`` of ``configs``, each
-    tiling and each dtype name: its tiles whole or split (a small call's), its varlen short tiles by CTAs of
-    ``SHORT_HEADS`` heads or 1."""
+def single_part_kernels(configs, tilings, dtypes) -> list[KernelSpec]:
+    """Every single-part kernel (one part, no sink) a call may choose (``Plan.kernel``) for each ``(layout, Dr)`` of
+    ``configs``, each tiling and each dtype name: its tiles whole or split (a small call's), its varlen short tiles
+    by CTAs of ``SHORT_HEADS`` heads or 1."""
     parts = [(layout, dr, t, shares, heads) for layout, dr in configs for t in tilings
              for shares in call_shares(layout, dr)
              for heads in sorted({SHORT_HEADS, 1 if t == Tiling.VARLEN and short_rows(layout) else SHORT_HEADS})]

@@ -12,9 +12,10 @@
 // enqueues one launch. Nothing here blocks on the stream.
 //
 // The handler is exported twice: plain, and marked command-buffer compatible (suffix `Capturable`),
-// which lets XLA record the launch into its command buffers by stream capture. jax_dqpost/_ffi.py registers the
-// plain one unless asked (JAX_DQPOST_COMMAND_BUFFERS=1): a launch captured while a jax.profiler session is active
-// fails when the graph is replayed after the session (docs/design.md, "CUDA graphs and the profiler").
+// which lets XLA record the launch into its command buffers by stream capture. jax_dqpost/_primitive/ffi.py
+// registers the plain one unless asked (JAX_DQPOST_COMMAND_BUFFERS=1): a launch captured while a jax.profiler
+// session is active fails when the graph is replayed after the session (docs/design.md, "CUDA graphs and the
+// profiler").
 //
 // Needs only a C++17 compiler and the XLA FFI headers: no CUDA toolkit at build time.
 
@@ -39,7 +40,7 @@ using CudaStream = CUstream_st*;
 
 namespace {
 
-// The symbol prefix given to dump_to_object() in jax_dqpost/kernel_cache.py.
+// The symbol prefix given to dump_to_object() in jax_dqpost/_kernel/cache.py.
 constexpr char kFunctionPrefix[] = "jax_dqpost";
 
 // ------------------------------------------------------------------------------------------------
@@ -159,8 +160,8 @@ constexpr int64_t kMaxParts = 3;        // abi.PARTS
 constexpr size_t kMaxBuffers = 16;      // more than any call has (abi.pointers: at most 13)
 
 // ------------------------------------------------------------------------------------------------
-// The call's buffers, as jax_dqpost/abi.py's BUFFERS table orders them: each one's role, which gives its element
-// types and ranks. A call has 1 part (dQ) or 3 (dQ, dK, dV), 1 side (q) or 2 (q, k), and a sink or not.
+// The call's buffers, as jax_dqpost/_kernel/abi.py's BUFFERS table orders them: each one's role, which gives its
+// element types and ranks. A call has 1 part (dQ) or 3 (dQ, dK, dV), 1 side (q) or 2 (q, k), and a sink or not.
 enum class Role : int { kAccum, kAux, kScales, kSink, kLse, kDpsum, kOut, kDsink };
 constexpr const char* kRoleNames[] = {"accum", "aux", "scales", "learnable_sink", "lse", "dpsum", "out", "dsink"};
 
@@ -282,10 +283,10 @@ ffi::Error Run(LoadedKernel* kernel, void** call, size_t count) {
 }
 
 // ------------------------------------------------------------------------------------------------
-// The target: the kernel of jax_dqpost/kernel.py, called as jax_dqpost/abi.py declares it: every operand, then
-// every result, as a device pointer; then kExtentsPerPart int32 extents per part; then the stream. Attributes:
-// "bytes", each buffer's size; "extents" (Plan.launch); "ctas", the launch's CTAs (0: nothing to do). Its
-// compatibility rule: docs/design.md, "Compatibility".
+// The target: the kernel of jax_dqpost/_kernel/kernel.py, called as jax_dqpost/_kernel/abi.py declares it: every
+// operand, then every result, as a device pointer; then kExtentsPerPart int32 extents per part; then the stream.
+// Attributes: "bytes", each buffer's size; "extents" (Plan.launch); "ctas", the launch's CTAs (0: nothing to do).
+// Its compatibility rule: docs/design.md, "Compatibility".
 
 ffi::Error Execute(CudaStream stream, LoadedKernel* kernel, ffi::RemainingArgs args, ffi::RemainingRets rets,
                    std::string_view /*module: the instantiate stage's*/, std::string_view /*fingerprint*/,
@@ -336,7 +337,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDqpostExecute, Execute, JAX_DQPOST_EXECUTE_BIND
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDqpostExecuteCapturable, Execute, JAX_DQPOST_EXECUTE_BINDING,
                               {ffi::Traits::kCmdBufferCompatible});
 
-// The calling convention as the handler passes it, for the test that pins it to jax_dqpost/abi.py.
+// The calling convention as the handler passes it, for the test that pins it to jax_dqpost/_kernel/abi.py.
 extern "C" int64_t jax_dqpost_extents_per_part() { return kExtentsPerPart; }
 extern "C" int64_t jax_dqpost_max_parts() { return kMaxParts; }
 extern "C" int64_t jax_dqpost_max_buffers() { return static_cast<int64_t>(kMaxBuffers); }
@@ -357,8 +358,8 @@ extern "C" const char* jax_dqpost_role_name(int32_t role) {
 extern "C" void* jax_dqpost_state_type_id() { return &LoadedKernel::id; }
 extern "C" const void* jax_dqpost_state_type_info() { return &kLoadedKernelTypeInfo; }
 
-// The XLA FFI API version of the headers this library was compiled against: jax_dqpost/_ffi.py compares it with
-// the running jaxlib's (the same major, a minor no newer) before registering the handler.
+// The XLA FFI API version of the headers this library was compiled against: jax_dqpost/_primitive/ffi.py compares
+// it with the running jaxlib's (the same major, a minor no newer) before registering the handler.
 extern "C" void jax_dqpost_ffi_api_version(int* major, int* minor) {
   *major = XLA_FFI_API_MAJOR;
   *minor = XLA_FFI_API_MINOR;

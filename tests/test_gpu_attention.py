@@ -98,9 +98,11 @@ def test_fa4_is_the_float64_formula_within_twice_xlas_error(rng, dtype, with_sin
     (True, 300, 333, 4, 1),
 ], ids=["sinks-mqa4-keys-cut", "sinks-mqa4-same-length", "mqa4-keys-cut", "sinks-gqa4-keys-cut",
         "sinks-mqa4-no-tile-divides"])
-def test_fa4_one_kv_head_for_four_query_heads(rng, with_sinks, t, s, n, heads_kv):
-    """The shapes around a dK seen wrong (sinks, one key/value head for four query heads, causal, fewer queries than
-    keys), each differing from it in one thing: they tell which one it takes."""
+def test_fa4_grouped_heads_with_the_keys_cut_in_the_same_jit(rng, with_sinks, t, s, n, heads_kv):
+    """Causal with fewer queries than keys: 'fa4' reads the first T keys, a slice XLA's dynamic-slice fusion would
+    hand to the backward's main kernel as a view; under grouped-query attention that fused call wrote dK and dV
+    wrong (fa4jax_internals.accumulators keeps its operands whole). With and without sinks, 1 and 2 key/value
+    heads, lengths tiles do not divide, and the same shape with T == S (no slice)."""
     _check(rng, jnp.bfloat16, with_sinks, 1, t, s, n, heads_kv, 64, {"is_causal": True})
 
 

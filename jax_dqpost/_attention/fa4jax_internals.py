@@ -237,6 +237,12 @@ def accumulators(cfg, q, k, v, out, lse, d_out, aux, seqlens, dpsum_delta=None) 
     (:func:`jax_dqpost._attention.vjp.lse_cotangent_rows`)."""
     _, _, K, cutejax = modules()
     d_out = d_out.astype(q.dtype)
+    # XLA's dynamic-slice fusion hands a custom call a view into the array an operand was sliced from (keys cut
+    # inside the same jit: dot_product_attention with T < S). Around the main kernel, whose zero-filled
+    # accumulators are donated, that fused call wrote dK and dV wrong under grouped-query attention (jax 0.11.2,
+    # H100 and H200; fa4-jax's own backend alike). A barrier keeps each operand a whole array (one each: jax 0.10
+    # asks the operands of one barrier to vary over the same manual axes).
+    q, k, v, d_out = (jax.lax.optimization_barrier(x) for x in (q, k, v, d_out))
     inputs = (q, k, v, out, lse, d_out, *(seqlens or ()), dpsum_delta)  # the kernels' results vary as these do
     cfg = as_cute(cfg)
     dtype, hd, hdv, ratio, arch = K._validate(cfg, "bwd", q, k, v)

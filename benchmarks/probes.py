@@ -53,7 +53,7 @@ def chain_cost(samples: int, n: int = 200) -> dict:
             ts.append(time.perf_counter() - t0)
         return statistics.median(ts), text
 
-    # Whether XLA may capture our calls into its command buffers (JAX_DQPOST_COMMAND_BUFFERS; the default is no).
+    # Whether XLA may capture our calls into its command buffers (JAX_DQPOST_COMMAND_BUFFERS; the default is yes).
     out = {"shape": [1, S, 1, D], "calls": n, "command_buffers": internals.command_buffers()}
     t1, _ = timed(ours, 1)
     tn, text = timed(ours, n)

@@ -152,8 +152,8 @@ def summary(report: dict) -> str:
                 table(sorted(report["sweep"], key=lambda r: (r["config"], r["packing"], r["bytes"])))]
     c = report.get("chain")
     if c:
-        modes = {True: "JAX_DQPOST_COMMAND_BUFFERS=1: our calls captured into XLA's command buffers",
-                 False: "default: our calls launched between XLA's command buffers"}
+        modes = {True: "default: our calls captured into XLA's command buffers",
+                 False: "JAX_DQPOST_COMMAND_BUFFERS=0: our calls launched between XLA's command buffers"}
         mode = modes.get(c.get("command_buffers"), "registration not recorded")
         out.append(f"\n== per-call cost in a jitted chain of {c['calls']} tiny calls {tuple(c['shape'])} ({mode}): "
                    "ours "

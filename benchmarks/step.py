@@ -11,10 +11,10 @@ are one layer's dQ: H=32, head dims 64-256, B 1-2 and S 1k-8k dense; packs of 2-
 
 Per link, on jax.profiler's timeline: ``slot`` = end(slot kernel) - end(the kernel before it) and ``gap`` =
 start(slot kernel) - end(the kernel before it); medians over the links and ``reps`` traced executions. And
-``wall``: wall-clock time per link of pipelined untraced executions (the host's launches included). Each registration of
-our target runs in its own process: the default and the one XLA captures into its command buffers
-(``JAX_DQPOST_COMMAND_BUFFERS=1``), with ``--xla_enable_command_buffers_during_profiling`` so that the trace sees the
-command buffers a step runs (XLA otherwise replays them op by op while a profiler is active). Every program is
+``wall``: wall-clock time per link of pipelined untraced executions (the host's launches included). Each
+registration of our target runs in its own process: the default, which XLA captures into its command buffers, and
+the one it launches between them (``JAX_DQPOST_COMMAND_BUFFERS=0``), with
+``--xla_enable_command_buffers_during_profiling`` so that the trace sees the command buffers a step runs (XLA otherwise replays them op by op while a profiler is active). Every program is
 compiled and recorded before the one trace that measures them all.
 """
 
@@ -222,10 +222,10 @@ print(json.dumps(step.measure_all(sys.argv[1] == "quick", int(sys.argv[2]))))
 
 
 def measure(quick: bool = False, reps: int = 5) -> dict:
-    """Both registrations of our target, each in a fresh process (:data:`_CHILD`): ``{"default": rows, "captured":
-    rows}`` (or ``{"error": ...}`` for a process that failed)."""
+    """Both registrations of our target, each in a fresh process (:data:`_CHILD`): ``{"launched": rows, "captured":
+    rows}`` (or ``{"error": ...}`` for a process that failed); captured is the default."""
     out = {}
-    for name, capture in (("default", ""), ("captured", "1")):
+    for name, capture in (("launched", "0"), ("captured", "")):
         env = {**os.environ, "JAX_DQPOST_COMMAND_BUFFERS": capture, "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
                "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " " + CHILD_FLAGS).strip()}
         try:

@@ -13,9 +13,7 @@
 //
 // The handler is exported twice: plain, and marked command-buffer compatible (suffix `Capturable`),
 // which lets XLA record the launch into its command buffers by stream capture. jax_dqpost/_primitive/ffi.py
-// registers the plain one unless asked (JAX_DQPOST_COMMAND_BUFFERS=1): a launch captured while a jax.profiler
-// session is active fails when the graph is replayed after the session (docs/design.md, "CUDA graphs and the
-// profiler").
+// registers the capturable one unless asked not to (JAX_DQPOST_COMMAND_BUFFERS=0; docs/design.md, "CUDA graphs").
 //
 // Needs only a C++17 compiler and the XLA FFI headers: no CUDA toolkit at build time.
 

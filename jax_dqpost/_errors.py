@@ -104,10 +104,10 @@ def warn_at_caller(message: str, category: type[Warning]) -> None:
     warnings.warn(message, category, stacklevel=level)
 
 
-def env_flag(name: str, what: str) -> bool:
-    """Whether the environment variable ``name`` is 1 (unset, empty or 0: no); ``ValueError`` naming it, its value
-    and what 1 does (``what``) for any other value."""
+def env_flag(name: str, what: str, default: bool = False) -> bool:
+    """Whether the environment variable ``name`` is 1 (0: no; unset or empty: ``default``); ``ValueError`` naming
+    it, its value and what 1 does (``what``) for any other value."""
     value = os.environ.get(name, "").strip()
     if value not in ("", "0", "1"):
         raise ValueError(f"{name} must be 0 or 1 (or unset), got {value!r} (1 {what})")
-    return value == "1"
+    return default if value == "" else value == "1"

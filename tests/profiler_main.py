@@ -1,13 +1,17 @@
 """jax.profiler around our calls, run as its own process (a fresh XLA runtime, and a crash must not take pytest
 down):
 
-    python3 tests/profiler_main.py SEED
+    python3 tests/profiler_main.py SEED [attention]
 
 Both ops (``dq_postprocess`` and ``flash_attention_postprocess`` with dK/dV), with static and traced varlen offsets,
 at the size of a reported crash: FlashAttention-4's hd128 presets, 32 query heads (8 key/value heads), 16384 tokens
-in sequences of 1..3 rows. Each program runs once before, once inside and twice after a ``jax.profiler.trace``
-(the second execution is where XLA first records a command buffer when the first was its warm-up), and every
-result must equal, bit for bit, the same op on the CPU (the jax.numpy reference). Prints one JSON object.
+in sequences of 1..3 rows; and a ``lax.scan`` over layers, each calling ``dq_postprocess`` dense and with traced
+varlen offsets. Each program runs once before, once inside and twice after a ``jax.profiler.trace`` (the second
+execution is where XLA first records a command buffer when the first was its warm-up), and every result must equal,
+bit for bit, the same op on the CPU (the jax.numpy reference). With ``attention`` (fa4-jax installed), instead: a
+jitted ``jax.grad`` of ``dot_product_attention(implementation='fa4')`` with sinks under grouped heads, run the same
+four times, each run's gradients within a bf16 rounding of the first's (FlashAttention-4's backward adds dQ with
+atomics: its bits may differ from run to run). Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -25,6 +29,70 @@ from jax_dqpost._kernel.varlen import padded_total
 from support import cu_seqlens  # tests/support.py: a script's folder is first on its path
 
 H, H_KV, D, T, CALLS = 32, 8, 128, 16384, 4
+LAYERS = 4  # of the lax.scan
+
+
+def around_a_trace(f, args, check) -> list[bool]:
+    """``check(outputs)`` of ``f(*args)`` run once before, once inside and twice after a ``jax.profiler.trace``."""
+    results = []
+    for step in ("before", "inside", "after", "after"):
+        if step == "inside":
+            with jax.profiler.trace(tempfile.mkdtemp()):
+                outs = jax.block_until_ready(f(*args))
+        else:
+            outs = jax.block_until_ready(f(*args))
+        results.append(bool(check(outs)))
+    return results
+
+
+def same_bits(got, want) -> bool:
+    return all(np.array_equal(np.asarray(g).view(np.uint16), np.asarray(w).view(np.uint16)) for g, w in zip(got, want))
+
+
+def scan_over_layers(rng) -> dict:
+    """``lax.scan`` over :data:`LAYERS` layers, each finishing its own accumulator dense and one with traced varlen
+    offsets (64 sequences): ``{"scan": [bool] * 4}``."""
+    layout = AccumLayout.flash_attention(90, D, causal=False, tensor="dq", version="4.0.0b36")
+    B, S, tokens, sequences = 2, 1024, 4096, 64
+    cu = cu_seqlens(np.diff(np.sort(np.r_[0, rng.choice(np.arange(1, tokens), sequences - 1, replace=False), tokens])))
+    width = layout.padded_head_dim(D)
+    dense = rng.standard_normal((LAYERS, B, H, -(-S // layout.pad_rows) * layout.pad_rows * width), np.float32)
+    packed = rng.standard_normal((LAYERS, H, padded_total(tokens, sequences, layout.pad_rows) * width), np.float32)
+    scale = np.float32(rng.uniform(0.05, 0.2))
+
+    def layer(c, accs):
+        d, p = accs
+        return c, (dq_postprocess(d, scale, seqlen_q=S, head_dim=D, layout=layout),
+                   dq_postprocess(p, scale, head_dim=D, total_q=tokens, cu_seqlens_q=c, layout=layout))
+
+    f = jax.jit(lambda c, d, p: jax.lax.scan(layer, c, (d, p))[1])
+    cpu = jax.devices("cpu")[0]
+    want = [np.asarray(w) for w in f(*(jax.device_put(a, cpu) for a in (cu, dense, packed)))]
+    args = tuple(jnp.asarray(a) for a in (cu, dense, packed))
+    return {"scan": around_a_trace(f, args, lambda outs: same_bits(outs, want))}
+
+
+def attention_step(rng) -> dict:
+    """``jax.grad`` of the 'fa4' attention with sinks (module docstring): ``{"attention": [bool] * 4}``."""
+    from jax_dqpost import dot_product_attention
+
+    b, t, n, n_kv, h = 2, 1024, 8, 2, 64
+    q = jnp.asarray(rng.standard_normal((b, t, n, h)), jnp.bfloat16)
+    k, v = (jnp.asarray(rng.standard_normal((b, t, n_kv, h)), jnp.bfloat16) for _ in range(2))
+    sinks = jnp.asarray(rng.standard_normal(n), jnp.float32)
+
+    def loss(q, k, v, sinks):
+        out = dot_product_attention(q, k, v, is_causal=True, sinks=sinks, implementation="fa4")
+        return jnp.sum(out.astype(jnp.float32) ** 2)
+
+    f = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+    first = [np.asarray(g, np.float64) for g in jax.block_until_ready(f(q, k, v, sinks))]
+
+    def close(outs):
+        return all(np.isfinite(g).all() and np.abs(np.asarray(g, np.float64) - w).max() <= 2 ** -7 * np.abs(w).max()
+                   for g, w in zip(outs, first))
+
+    return {"attention": around_a_trace(f, (q, k, v, sinks), close)}
 
 
 def main(seed: int) -> dict:
@@ -62,18 +130,15 @@ def main(seed: int) -> dict:
             else:
                 f = jax.jit(lambda c, *xs: [make(c)(*xs) for _ in range(CALLS)])
                 args = (jnp.asarray(cu),) + tuple(jnp.asarray(a) for a in accs)
-            exact = []
-            for step in ("before", "inside", "after", "after"):
-                if step == "inside":
-                    with jax.profiler.trace(tempfile.mkdtemp()):
-                        outs = jax.block_until_ready(f(*args))
-                else:
-                    outs = jax.block_until_ready(f(*args))
-                exact.append(all(np.array_equal(np.asarray(o).view(np.uint16), w.view(np.uint16))
-                                 for call in outs for o, w in zip(call, want)))
+            exact = around_a_trace(f, args, lambda outs: all(same_bits(call, want) for call in outs))
             report[f"{name}_{offsets}"] = exact
+    report.update(scan_over_layers(rng))
     return report
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(int(sys.argv[1]) if len(sys.argv) > 1 else 0)))
+    seed = int(sys.argv[1]) if len(sys.argv) > 1 else 0
+    if sys.argv[2:] == ["attention"]:
+        print(json.dumps(attention_step(np.random.default_rng(seed))))
+    else:
+        print(json.dumps(main(seed)))

@@ -185,7 +185,7 @@ def test_main_reports_from_measurements(tmp_path, monkeypatch, capsys, with_torc
     step_row = dict(packing="dense", head_dim=128, batch=1, seqlen=1024, tokens=1024, bytes=25_000_000,
                     wall_us=9.0, slot_us=6.0, gap_us=0.5)
     monkeypatch.setattr(step, "measure", lambda quick: {
-        "default": [dict(step_row, slot="ours", slot_us=7.5, gap_us=2.0), dict(step_row, slot="xla")],
+        "launched": [dict(step_row, slot="ours", slot_us=7.5, gap_us=2.0), dict(step_row, slot="xla")],
         "captured": {"error": "the child failed"}})
     try:
         import matplotlib  # noqa: F401

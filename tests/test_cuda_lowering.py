@@ -251,9 +251,9 @@ def command_buffers_env(monkeypatch):
 
 
 def test_command_buffers_mode_is_in_the_lowered_call(command_buffers_env):
-    """JAX_DQPOST_COMMAND_BUFFERS=1 changes the call's fingerprint attribute, so a program compiled for the
-    capturable handlers never shares a compilation-cache entry with one compiled for the plain ones; a value other
-    than 0/1 is refused, naming the variable and the value."""
+    """The capturable handler (the default; JAX_DQPOST_COMMAND_BUFFERS=1 too) changes the call's fingerprint
+    attribute, so a program compiled for it never shares a compilation-cache entry with one compiled for the plain
+    handler (JAX_DQPOST_COMMAND_BUFFERS=0); a value other than 0/1 is refused, naming the variable and the value."""
     from jax_dqpost._kernel import arch
 
     if arch.cuda_devices():
@@ -263,8 +263,8 @@ def test_command_buffers_mode_is_in_the_lowered_call(command_buffers_env):
     for value in ("", "0", "1"):
         command_buffers_env(value)
         texts[value] = export_dq(["cuda"]).mlir_module()
-    assert f'fingerprint = "{fingerprint}"' in texts[""] and texts[""] == texts["0"]
-    assert f'fingerprint = "{fingerprint}+command-buffers"' in texts["1"]
+    assert f'fingerprint = "{fingerprint}"' in texts["0"]
+    assert f'fingerprint = "{fingerprint}+command-buffers"' in texts["1"] and texts[""] == texts["1"]
     command_buffers_env("yes")
     with pytest.raises(ValueError, match=r"JAX_DQPOST_COMMAND_BUFFERS must be 0 or 1 \(or unset\), got 'yes'"):
         export_dq(["cuda"])

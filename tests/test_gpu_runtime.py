@@ -4,6 +4,8 @@ process, XLA's CUDA graphs, jax.profiler around calls, and a damaged disk-cache 
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 
 from conftest import HAS_GPU
@@ -46,11 +48,11 @@ def test_artifact_without_a_cute_runtime_names_the_cause_when_called(seed, tmp_p
     assert f"cannot load the CuTe DSL runtime {missing}: dlopen failed" in report.get("error", ""), report
 
 
-@pytest.mark.parametrize("capturable", [False, True], ids=["default", "JAX_DQPOST_COMMAND_BUFFERS=1"])
+@pytest.mark.parametrize("capturable", [True, False], ids=["default", "JAX_DQPOST_COMMAND_BUFFERS=0"])
 def test_cuda_graphs(tmp_path, seed, capturable):
     """Programs that XLA runs with command buffers (CUDA graphs) give bit-exact results, in a straight chain of
-    calls and in a lax.fori_loop (tests/command_buffer_main.py, own process). By default XLA launches our call
-    between its command buffers; with JAX_DQPOST_COMMAND_BUFFERS=1 it records the call into them."""
+    calls and in a lax.fori_loop (tests/command_buffer_main.py, own process). By default XLA records our call into
+    its command buffers; with JAX_DQPOST_COMMAND_BUFFERS=0 it launches the call between them."""
     import json
     import os
     import subprocess
@@ -60,8 +62,8 @@ def test_cuda_graphs(tmp_path, seed, capturable):
     script = Path(__file__).parent / "command_buffer_main.py"
     env = {k: v for k, v in os.environ.items() if k != "JAX_DQPOST_COMMAND_BUFFERS"}  # the default: unset
     env.update({"XLA_FLAGS": f"--xla_dump_to={tmp_path}", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
-    if capturable:
-        env["JAX_DQPOST_COMMAND_BUFFERS"] = "1"
+    if not capturable:
+        env["JAX_DQPOST_COMMAND_BUFFERS"] = "0"
     out = subprocess.run([sys.executable, str(script), str(seed), str(tmp_path)],
                          env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -74,13 +76,12 @@ def test_cuda_graphs(tmp_path, seed, capturable):
         if capturable:
             assert where, f"{name}: no command buffer holds our call ({report['xla_flags']})"
         else:
-            assert not where, f"{name}: our call was captured into a command buffer by default: {where}"
+            assert not where, f"{name}: our call was captured into a command buffer: {where}"
 
 
-def test_profiler_around_calls(seed):
-    """Both ops, static and traced varlen offsets, at a size that crashes under the profiler when the launches are
-    captured: each program runs before, inside and after a jax.profiler trace with bit-exact results
-    (tests/profiler_main.py, own process)."""
+def _profiler_main(seed, *args) -> dict:
+    """tests/profiler_main.py's report, run in its own process with the package's defaults (our launches captured
+    into XLA's command buffers)."""
     import json
     import os
     import subprocess
@@ -88,12 +89,28 @@ def test_profiler_around_calls(seed):
     from pathlib import Path
 
     script = Path(__file__).parent / "profiler_main.py"
-    out = subprocess.run([sys.executable, str(script), str(seed)], capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
+    env = {k: v for k, v in os.environ.items() if k != "JAX_DQPOST_COMMAND_BUFFERS"}
+    out = subprocess.run([sys.executable, str(script), str(seed), *args], capture_output=True, text=True,
+                         timeout=600, env={**env, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
     assert out.returncode == 0, f"seed {seed}: " + out.stderr[-3000:]
-    report = json.loads(out.stdout.strip().splitlines()[-1])
-    for name in ("dq_static", "dq_traced", "fused_static", "fused_traced"):
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_profiler_around_calls(seed):
+    """Both ops, static and traced varlen offsets, at a size that crashed under the profiler when the launches were
+    captured, and a lax.scan over layers calling the op: each program runs before, inside and after a jax.profiler
+    trace with bit-exact results (tests/profiler_main.py, own process)."""
+    report = _profiler_main(seed)
+    for name in ("dq_static", "dq_traced", "fused_static", "fused_traced", "scan"):
         assert report[name] == [True] * 4, (name, seed, report)
+
+
+@pytest.mark.skipif(not importlib.util.find_spec("fa4_jax"), reason="needs fa4-jax (pip install '.[fa4-jax]')")
+def test_profiler_around_an_attention_step(seed):
+    """jax.grad of the 'fa4' attention with sinks, before, inside and after a jax.profiler trace: finite, and each
+    run within a bf16 rounding of the first (tests/profiler_main.py attention, own process)."""
+    report = _profiler_main(seed, "attention")
+    assert report["attention"] == [True] * 4, (seed, report)
 
 
 _CACHE_SCRIPT = """

@@ -10,11 +10,10 @@ every call; a lowering (:func:`register`) raises it at once. A handler library t
 the running jaxlib is reported by one ``RuntimeWarning`` at import, since XLA then has no handler of ours to report
 with, and raised by every lowering for CUDA.
 
-By default the target's handler is not command-buffer compatible: XLA launches our kernel itself, between its
-command buffers (CUDA graphs), never by stream capture. ``JAX_DQPOST_COMMAND_BUFFERS=1`` (read at registration,
-once per process) registers the command-buffer compatible handler instead, which XLA records into its graphs;
-a graph first recorded while a ``jax.profiler`` session is active then fails with ``CUDA_ERROR_LAUNCH_FAILED``
-when it is replayed after the session (docs/design.md, "CUDA graphs and the profiler").
+The target's handler is command-buffer compatible: XLA records our launch into its command buffers (CUDA graphs)
+by stream capture, as it does its own kernels. ``JAX_DQPOST_COMMAND_BUFFERS=0`` (read at registration, once per
+process) registers the plain handler instead, which XLA launches itself, between its command buffers
+(docs/design.md, "CUDA graphs").
 """
 
 from __future__ import annotations
@@ -40,7 +39,7 @@ DISABLED_CHECKS = (jax.export.DisabledSafetyCheck.custom_call(TARGET_NAME),)
 custom calls with stable ABIs, so exporting a function that lowers to it for CUDA needs this check disabled."""
 
 COMMAND_BUFFERS_ENV = "JAX_DQPOST_COMMAND_BUFFERS"
-"""Set to 1 to let XLA capture our launches into its command buffers (see the module docstring)."""
+"""Set to 0 to keep our launches out of XLA's command buffers (see the module docstring)."""
 
 STATE_TYPE_NAME = "jax_dqpost_loaded_kernel"
 """The FFI type of the handler's per-instance state (the kernel function an instance launches)."""
@@ -54,11 +53,11 @@ _runtime_loaded = False  # whether the handler has opened the CuTe runtime (regi
 
 @functools.cache
 def command_buffers() -> bool:
-    """Whether ``JAX_DQPOST_COMMAND_BUFFERS=1`` asks for the command-buffer compatible handler (unset, empty or
-    0: no; ``ValueError`` for any other value). Read once per process, at import: the registration and every
-    lowering agree."""
+    """Whether XLA may capture our launches into its command buffers: yes unless ``JAX_DQPOST_COMMAND_BUFFERS=0``
+    (unset, empty or 1: yes; ``ValueError`` for any other value). Read once per process, at import: the
+    registration and every lowering agree."""
     return _errors.env_flag(COMMAND_BUFFERS_ENV, "lets XLA capture the kernel into its command buffers, "
-                                                 "docs/design.md")
+                                                 "docs/design.md", default=True)
 
 
 command_buffers()  # a bad JAX_DQPOST_COMMAND_BUFFERS fails here, at import, on every platform
@@ -66,7 +65,7 @@ command_buffers()  # a bad JAX_DQPOST_COMMAND_BUFFERS fails here, at import, on 
 
 def call_fingerprint(fingerprint: str) -> str:
     """The custom call's ``fingerprint`` attribute for a module with this sha256: the sha256 itself, and with
-    ``JAX_DQPOST_COMMAND_BUFFERS=1`` a suffix, so that a program compiled for the capturable handler never shares
+    command buffers (the default) a suffix, so that a program compiled for the capturable handler never shares
     a compilation-cache entry (JAX's persistent cache keys on the HLO) with one compiled for the plain ones: XLA
     decides at compile time which calls its command buffers capture. The handler uses the attribute only as the key
     of its loaded modules."""

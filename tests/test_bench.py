@@ -200,7 +200,7 @@ def test_main_reports_from_measurements(tmp_path, monkeypatch, capsys, with_torc
     assert "goal short of granule bound >= 75%" in out
     assert "fused dQ + dK + dV (+ dsink) in one launch" in out and "hd128-dense-sink" in out
     assert "GPU timeline (jax.profiler, one execution): ours 2.00 us per call" in out
-    assert "| hd128 B=1 S=1024 | 25.0 | default | 7.5 | 6.0 | 1.250 | 2.00 / 0.50 | 9.0 / 9.0 |" in out
+    assert "| hd128 B=1 S=1024 | 25.0 | launched | 7.5 | 6.0 | 1.250 | 2.00 / 0.50 | 9.0 / 9.0 |" in out
     assert "the child failed" in out
     assert ("torch is not installed" in captured.err) == (not with_torch)
     result = json.loads((tmp_path / "bench.json").read_text())

@@ -20,7 +20,7 @@ import pytest
 import jax_dqpost
 from jax_dqpost import DISABLED_CHECKS, AccumLayout, dq_postprocess
 from jax_dqpost._primitive import ffi as _ffi
-from jax_dqpost._kernel import cache as kernel_cache, spec as kernel_spec
+from jax_dqpost._kernel import cache as kernel_cache, tuning as kernel_tuning
 from jax_dqpost._kernel.abi import Tiling
 from support import export_dq, export_layout, one_part_kernel
 
@@ -41,7 +41,7 @@ def test_export_for_cuda_emits_our_custom_call(dtype, name):
     assert calls == [_ffi.TARGET_NAME], calls
     tiles = -(-1000 // 80)
     # abi.py: dq_accum, q_aux (empty), scales (1,), then dq; extents (B, H, S, D, tiles); CTAs: a call this small
-    # splits each tile into its finest shares, 4 (kernel_spec.shares_for), so 4 * H * tiles per batch
+    # splits each tile into its finest shares, 4 (tuning.shares_for), so 4 * H * tiles per batch
     acc_bytes, out_bytes = 2 * 4 * tiles * 80 * 128 * 4, 2 * 1000 * 4 * 128 * 2
     assert f"bytes = dense<[{acc_bytes}, 0, 4, {out_bytes}]> : tensor<4xi64>" in text
     assert f"extents = dense<[2, 4, 1000, 128, {tiles}]>" in text and f"ctas = {2 * 4 * 4 * tiles} : i64" in text
@@ -49,7 +49,7 @@ def test_export_for_cuda_emits_our_custom_call(dtype, name):
     assert "tensor<2x1000x4x128x" in text  # (B, S, H, D) result
     kernel = kernel_cache.get_kernel(one_part_kernel(dtype, LAYOUT, 128, shares=4), arch="sm_90a")
     assert kernel.module[:4] == b"\x7fELF"  # a host object holding the sm_90a cubin
-    assert f'fingerprint = "{kernel.fingerprint}"' in text
+    assert f'fingerprint = "{_ffi.call_fingerprint(kernel.fingerprint)}"' in text  # with the handler's suffix
 
 
 @pytest.mark.parametrize("name", ["dense", "varlen"])
@@ -169,7 +169,7 @@ def test_every_order_and_mode_compiles_for(arch):
                AccumLayout(None, 64, 256, 1, False, 32)]
     for layout in layouts:
         for tiling in Tiling:
-            for split in kernel_spec.call_shares(layout, 128):  # a tile per CTA, or its finest split
+            for split in kernel_tuning.call_shares(layout, 128):  # a tile per CTA, or its finest split
                 k = kernel_cache.get_kernel(one_part_kernel(jnp.bfloat16, layout, 128, tiling, split), arch=arch)
                 assert k.arch == arch and k.module[:4] == b"\x7fELF"
 

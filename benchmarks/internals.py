@@ -31,10 +31,9 @@ def dense_part(layout, head_dim: int, dtype, seqlen: int) -> Part:
 
 def varlen_part(layout, head_dim: int, dtype, cu, total: int, traced: bool = False) -> tuple[Part, np.ndarray]:
     """``(part, work list)`` of packed sequences ``cu`` (``cu_seqlens``) over ``total`` tokens: the work list (the
-    aux operand) of static offsets, the exact grid, or with ``traced`` the grid of traced ones (its bound); with the
-    slots' records (``WorkList.build``'s ``records``), which only the ``slot_records`` experiment reads."""
+    aux operand) of static offsets, the exact grid, or with ``traced`` the grid of traced ones (its bound)."""
     grid = WorkList.max_tiles(total, len(cu) - 1, layout) if traced else None
-    work, work_list = WorkList.build(np, cu, None, total=total, layout=layout, num_tiles=grid, records=True)
+    work, work_list = WorkList.build(np, cu, None, total=total, layout=layout, num_tiles=grid)
     return Part(layout, head_dim, np.dtype(dtype), work=work), work_list
 
 
@@ -49,17 +48,15 @@ def get_kernel(p: Plan, acc_shapes):
     return kernel_cache.get_kernel(p.kernel(acc_shapes))
 
 
-def executor(p: Plan, acc_shapes, shares: int | None = None, **tuning):
-    """CuTe's executor of ``p``'s kernel on accumulators of ``acc_shapes`` for this GPU, compiled once per kernel and
-    tuning; ``shares``: the tiles' shares instead of the package's choice (``TensorKernel.shares``); ``tuning``:
-    ``kernel.Postprocess`` keyword arguments (experiments: the package compiles with the defaults)."""
+def executor(p: Plan, acc_shapes, **tuning):
+    """CuTe's executor of ``p``'s kernel on accumulators of ``acc_shapes`` for this GPU, compiled once per kernel;
+    ``tuning``: fields of its ``Tuning`` (``shares``, ``short_heads``) instead of the package's choice, the key the
+    package's own cache would compile (``ValueError`` for a tuning the kernel cannot take)."""
     spec = p.kernel(acc_shapes)
-    if shares is not None:
-        spec = dataclasses.replace(spec, tensors=tuple(dataclasses.replace(t, shares=shares) for t in spec.tensors))
-    key = (spec, tuple(sorted(tuning.items())))
-    if key not in _EXECUTORS:
-        _EXECUTORS[key] = kernel_cache.compile_executor(spec, arch.target_arch(), **tuning)
-    return _EXECUTORS[key]
+    spec = dataclasses.replace(spec, tuning=dataclasses.replace(spec.tuning, **tuning))
+    if spec not in _EXECUTORS:
+        _EXECUTORS[spec] = kernel_cache.compile_executor(spec, arch.target_arch())
+    return _EXECUTORS[spec]
 
 
 def launch_args(p: Plan, acc_shapes, buffers: dict) -> tuple:

@@ -2,7 +2,7 @@
 repository root:
 
     python -m benchmarks.ncu_kernels sweep [CONFIG ...]
-        graph-replay time of our kernel with tuning variants (kernel.Postprocess keyword arguments, VARIANTS; each
+        graph-replay time of our kernel with tuning variants (fields of its Tuning, VARIANTS; each
         checked bit-equal to the default's output; one that raises for a packing is reported and skipped),
         FlashAttention-4 and the same-bytes copy, side by side, median of 15 (the benchmark's timing), dense and
         varlen (the benchmark's reference rows); CONFIG: default hd96 hd128 hd192
@@ -10,7 +10,7 @@ repository root:
         the size sweep's rows from 1 MB to 1 GB (``cases.SIZES``; varlen: packs of 2-8 sequences, the benchmark's
         lengths), or of the sizes N given (64 KiB to 4 GiB; outside the sweep with lengths of their own), ours with
         the default and the tuning variants of SIZE_VARIANTS' groups (all, or those named; a group adds nothing to
-        the rows it is not for, e.g. lookup to dense ones; each checked bit-equal to the default's output) against
+        the rows it is not for, e.g. short to dense ones; each checked bit-equal to the default's output) against
         the same-bytes copy, graph replay, median of 15, then each row's fastest
     python -m benchmarks.ncu_kernels short [COUNT ...] [--l2-fetch BYTES]
         the benchmark's short-sequence cases (hd128, 64 to 8000 sequences in 16384 tokens, static and traced offsets;
@@ -20,7 +20,7 @@ repository root:
         the sector bound of the lengths. --l2-fetch sets this process's cudaLimitMaxL2FetchGranularity first (an
         experiment: does the L2 fetch DRAM in 64-byte granules?)
     ncu --clock-control none --profile-from-start off --set full python -m benchmarks.ncu_kernels profile hd96 hd128
-        one launch of ours (each of VARIANTS) and one of FlashAttention-4 per dense configuration (default: hd96,
+        one launch of ours (the package's tuning) and one of FlashAttention-4 per dense configuration (default: hd96,
         hd128, hd192), between cudaProfilerStart/Stop (after warm-up), for Nsight Compute's counters; with
         ``--bytes N`` (one of ``cases.SIZES``) the size sweep's rows of N bytes instead (default: every
         configuration; dense, and varlen with the benchmark's lengths), a varlen call of one sequence, and the copy
@@ -41,19 +41,16 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 from . import cases as bench_cases, harness  # noqa: E402
 
-# Variants tried per configuration by `sweep` (the first, {}, is the package's default).
-VARIANTS = [{}, {"min_ctas_per_sm": 0}]
-# ... by `sizes` after the default, by group: (which rows, variants); "short": varlen of orders with short tiles
-LOOKUP_VARIANTS = [{"slot_records": True}, {"early_lookup": True}, {"slot_records": True, "early_lookup": True}]
+# Tunings (fields of the kernel's Tuning, in its cache key) tried by `sizes` after the package's choice, by group:
+# (which rows, variants); "short": varlen of orders with short tiles. A tuning the kernel cannot take is skipped.
+SPLIT_VARIANTS = [{"shares": 1}, {"shares": 2}, {"shares": 4}, {"shares": 8}]
 SIZE_VARIANTS = {
-    "split": ("all", [{"shares": 1}, {"shares": 2}, {"shares": 4}, {"shares": 8}]),
-    "trigger": ("all", [{"trigger": "start"}, {"trigger": "none"}, {"pdl": False}]),
+    "split": ("all", SPLIT_VARIANTS),
     "short": ("short", [{"short_heads": 1}, {"short_heads": 8}]),
-    "lookup": ("varlen", LOOKUP_VARIANTS),  # the work list's (kernel.Postprocess: slot_records, early_lookup)
 }
-# ... and by `short` (varlen only).
-SHORT_VARIANTS = [{}, {"short_heads": 1}, {"short_heads": 4}, {"trigger": "start"}, {"trigger": "none"}] + \
-    LOOKUP_VARIANTS
+# ... by `sweep` per configuration (the first, {}, is the package's choice), and by `short` (varlen only).
+VARIANTS = [{}] + SPLIT_VARIANTS
+SHORT_VARIANTS = [{}, {"short_heads": 1}, {"short_heads": 8}]
 
 
 def cases(names, torch, fa4, packings=("dense",), size=None):
@@ -310,7 +307,7 @@ def profile(args, torch, fa4):
     names, size = args.configs, (args.bytes[0] if args.bytes else None)
     packings = ("dense",) if size is None else ("dense", "varlen1", "varlen")
     for case in cases(names, torch, fa4, packings, size):
-        runs = [case.ours(**t) for t in VARIANTS] + ([case.fa4_run()] if fa4 is not None else [])
+        runs = [case.ours()] + ([case.fa4_run()] if fa4 is not None else [])
         runs += [case.copy_run()] if size is not None else []
         for run in runs:
             run(2)  # compile, load, first touch
@@ -322,8 +319,8 @@ def profile(args, torch, fa4):
         torch.cuda.cudart().cudaProfilerStop()
         n = 0 if case.cu is None else len(case.cu) - 1
         lengths = f" ({n} sequence{'s' * (n > 1)}: {np.diff(case.cu).tolist()})" if n else ""
-        print(f"profiled {case.name} {case.packing}{lengths}, {case.bytes / 1e6:.1f} MB, {case.ctas} CTAs: ours "
-              f"{VARIANTS}{', FlashAttention-4' if fa4 else ''}{', the copy' if size is not None else ''}", flush=True)
+        print(f"profiled {case.name} {case.packing}{lengths}, {case.bytes / 1e6:.1f} MB, {case.ctas} CTAs: ours"
+              f"{', FlashAttention-4' if fa4 else ''}{', the copy' if size is not None else ''}", flush=True)
 
 
 COMMANDS = {"sweep": sweep, "sizes": sizes, "short": short, "profile": profile}

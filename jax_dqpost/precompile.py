@@ -166,7 +166,7 @@ def main(argv=None) -> int:
         return 1
     tilings = [Tiling[name.upper()] for name in args.tilings]
     singles = kernels.single_part_kernels(configs, tilings, args.dtypes)
-    one_head = any(t.short_heads != SHORT_HEADS for key in singles for t in key.tensors)
+    one_head = any(key.tuning.short_heads != SHORT_HEADS for key in singles)
     short = f", short tiles of {SHORT_HEADS} heads or 1" if one_head else ""
     kinds = [("kernels", singles, f"{len(configs)} layouts x {len(args.dtypes)} dtypes x {len(tilings)} tilings, "
               f"whole or split tiles{short}")]

@@ -95,10 +95,10 @@ def fake_compile(*key):
 
 def one_part_kernel(dtype, layout, padded_head_dim, tiling=0, shares=1, short_heads=8):
     """The kernel of a one-part call without a sink (``Plan.kernel``); ``tiling`` 0 is the dense one; ``shares``: CTAs
-    per tile (``TensorKernel.shares``); ``short_heads``: heads per short-tile CTA (``TensorKernel.short_heads``)."""
-    from jax_dqpost._kernel.spec import KernelSpec, TensorKernel
+    per tile (``Tuning.shares``); ``short_heads``: heads per short-tile CTA (``Tuning.short_heads``)."""
+    from jax_dqpost._kernel.spec import KernelSpec, TensorKernel, Tuning
 
-    return KernelSpec(dtype, (TensorKernel(layout, padded_head_dim, tiling, shares, short_heads),))
+    return KernelSpec(dtype, (TensorKernel(layout, padded_head_dim, tiling),), tuning=Tuning(shares, short_heads))
 
 
 def export_dq(platforms=("cuda",), *, head_dim=128, seqlen=1000, dtype=None):

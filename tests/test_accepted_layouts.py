@@ -17,7 +17,8 @@ import pytest
 
 from jax_dqpost import AccumLayout, dq_postprocess
 from jax_dqpost._kernel import cache as kernel_cache, varlen
-from jax_dqpost._kernel.spec import SMEM_LIMIT, KernelSpec, TensorKernel, call_shares, store_tiling
+from jax_dqpost._kernel.spec import SMEM_LIMIT, KernelSpec, TensorKernel, Tuning, store_tiling
+from jax_dqpost._kernel.tuning import call_shares
 from jax_dqpost._primitive.plan import Part, Plan
 from jax_dqpost._kernel.abi import Tiling
 
@@ -92,8 +93,8 @@ def compile_all(seed: int, count: int) -> None:
             for split, heads in itertools.product(call_shares(layout, dr), {varlen.SHORT_HEADS, one_head}):
                 with warnings.catch_warnings():
                     warnings.simplefilter("error")  # a user sees no warning from compiling
-                    tensor = TensorKernel(layout, dr, tiling, split, heads)
-                    kernel = kernel_cache.get_kernel(KernelSpec(jnp.bfloat16, (tensor,)), arch=arch)
+                    spec = KernelSpec(jnp.bfloat16, (TensorKernel(layout, dr, tiling),), tuning=Tuning(split, heads))
+                    kernel = kernel_cache.get_kernel(spec, arch=arch)
                 assert kernel.module[:4] == b"\x7fELF", (layout, head_dim, arch, split, heads)
     print("compiled", len(cases), "cases", flush=True)
 
@@ -108,7 +109,7 @@ def test_every_accepted_layout_compiles_for_every_target(seed):
 
 
 def test_a_shares_region_holds_its_threads_elements(seed):
-    """Where a tile splits between CTAs (``kernel_spec.tile_shares``), the rectangle CTA ``w`` converts holds exactly
+    """Where a tile splits between CTAs (``spec.tile_shares``), the rectangle CTA ``w`` converts holds exactly
     the elements of the producer's threads ``w * n .. (w + 1) * n - 1`` by the wgmma fragment's coordinates
     (``fragments.wgmma_coord``, the PTX ISA's map; independent of the owner formula, not of that map), in whole
     16-row blocks of the shared-memory tile that repeat over the tile; FlashAttention-4's
@@ -148,7 +149,7 @@ def test_small_calls_split_their_tiles():
     """A kernel of one part and no sink whose tiles move fewer than ``kernel_spec.FINE_SHARES_BYTES`` (accumulator and
     output) converts each tile with the finest split of the order; the launch's CTAs count them. A fused or sink
     kernel never splits; a split the order cannot take is refused."""
-    from jax_dqpost._kernel.spec import FINE_SHARES_BYTES
+    from jax_dqpost._kernel.tuning import FINE_SHARES_BYTES
 
     layout = AccumLayout.flash_attention(90, 128, causal=True, tensor="dq", version="4.0.0b36")  # 64-row tiles
     tile_bytes = 64 * 128 * 6
@@ -156,54 +157,56 @@ def test_small_calls_split_their_tiles():
     dense = Plan((Part(layout, 128, np.dtype(jnp.bfloat16), seqlen=64 * 31),))
     for batch, heads, split in [(1, 13, 8), (1, 14, 1), (2, 7, 1), (2, 6, 8)]:  # 31 tiles a head: 403, 434, 434, 372
         shape = layout.accum_shape(batch, heads, 64 * 31, 128)
-        assert dense.kernel([shape]).tensors[0].shares == split
+        assert dense.kernel([shape]).tuning.shares == split
         assert dense.launch([shape])[1] == batch * split * heads * 31
     work, _ = varlen.WorkList.build(np, [0, 64 * 3, 64 * 8], None, total=64 * 8, layout=layout)
     packed = Plan((Part(layout, 128, np.dtype(jnp.bfloat16), work=work),))
     for heads, split in [(53, 8), (54, 1)]:  # 8 tiles: 424 CTAs, then 432
         shape = (heads, work.padded_total * 128)
-        assert packed.kernel([shape]).tensors[0].shares == split
+        assert packed.kernel([shape]).tuning.shares == split
         assert packed.launch([shape])[1] == split * heads * 8
     swapped = AccumLayout.flash_attention(90, 128, causal=False, tensor="dq", version="4.0.0b36")  # short tiles
     work, _ = varlen.WorkList.build(np, [0, 245, 400], None, total=400, layout=swapped)  # 3 + 2 long tiles, 1 short
     shape = (3, work.padded_total * 128)
     short = Plan((Part(swapped, 128, np.dtype(jnp.bfloat16), work=work),))
-    assert short.kernel([shape]).tensors[0].shares == 4  # 64 threads a CTA: a short tile's 8 row pairs x 8 blocks
-    assert short.kernel([shape]).tensors[0].short_heads == 1  # few spans: a short-tile CTA per span and head
+    assert short.kernel([shape]).tuning.shares == 4  # 64 threads a CTA: a short tile's 8 row pairs x 8 blocks
+    assert short.kernel([shape]).tuning.short_heads == 1  # few spans: a short-tile CTA per span and head
     assert short.launch([shape])[1] == 4 * 3 + 4 * 3 * 5
     fused = Plan((dense.parts[0],) * 3)
     shape = layout.accum_shape(1, 2, 64 * 31, 128)
-    assert all(t.shares == 1 for t in fused.kernel([shape] * 3).tensors)
+    assert fused.kernel([shape] * 3).tuning == Tuning()
     sink = Plan(dense.parts, sink_dtype=np.dtype(np.float32), dsink_dtype=np.dtype(np.float32))
-    assert sink.kernel([shape]).tensors[0].shares == 1
+    assert sink.kernel([shape]).tuning.shares == 1
     single = AccumLayout.flash_attention(90, 96, causal=False, tensor="dq", version="4.0.0b36")  # one warpgroup
     small = Plan((Part(single, 96, np.dtype(jnp.bfloat16), seqlen=64),))
-    assert small.kernel([single.accum_shape(1, 1, 64, 96)]).tensors[0].shares == 4
-    for tensors, why in [((TensorKernel(single, 96, Tiling.DENSE, 8),), "shares=8"),
-                         ((TensorKernel(swapped, 128, Tiling.VARLEN, 8),), "shares=8"),
-                         ((TensorKernel(layout, 128, Tiling.DENSE, 3),), "shares=3"),
-                         ((TensorKernel(layout, 128, Tiling.DENSE, 2),) * 3, r"3 tensor\(s\)")]:
+    assert small.kernel([single.accum_shape(1, 1, 64, 96)]).tuning.shares == 4
+    for tensors, shares, why in [((TensorKernel(single, 96, Tiling.DENSE),), 8, "shares=8"),
+                                 ((TensorKernel(swapped, 128, Tiling.VARLEN),), 8, "shares=8"),
+                                 ((TensorKernel(layout, 128, Tiling.DENSE),), 3, "shares=3"),
+                                 ((TensorKernel(layout, 128, Tiling.DENSE),) * 3, 2, r"3 tensor\(s\)")]:
         with pytest.raises(ValueError, match=why):
-            KernelSpec("bf16", tensors)
+            KernelSpec("bf16", tensors, tuning=Tuning(shares))
     with pytest.raises(ValueError, match="1 tensor.s. with a sink"):
-        KernelSpec("bf16", (TensorKernel(layout, 128, Tiling.DENSE, 2),), sink=("f32", "f32"))
+        KernelSpec("bf16", (TensorKernel(layout, 128, Tiling.DENSE),), sink=("f32", "f32"), tuning=Tuning(2))
     # short-tile CTAs of one head: only a varlen kernel of its own grid, in an order with short tiles
-    assert KernelSpec("bf16", (TensorKernel(swapped, 128, Tiling.VARLEN, 2, 1),)).label == "bf16-varlen2h1"
-    for tensors, sink, why in [((TensorKernel(swapped, 128, Tiling.VARLEN, 1, 2),), None, "short_heads=2"),
-                               ((TensorKernel(swapped, 128, Tiling.DENSE, 1, 1),), None, "DENSE"),
-                               ((TensorKernel(layout, 128, Tiling.VARLEN, 1, 1),), None, "short_heads=1"),
-                               ((TensorKernel(swapped, 128, Tiling.VARLEN, 1, 1),) * 3, None, r"3 tensor\(s\)"),
-                               ((TensorKernel(swapped, 128, Tiling.VARLEN, 1, 1),), ("f32", "f32"), "with a sink")]:
+    one_head = (TensorKernel(swapped, 128, Tiling.VARLEN),)
+    assert KernelSpec("bf16", one_head, tuning=Tuning(2, 1)).label == "bf16-varlen2h1"
+    for tensors, sink, heads, why in [(one_head, None, 2, "short_heads=2"),
+                                      ((TensorKernel(swapped, 128, Tiling.DENSE),), None, 1, "DENSE"),
+                                      ((TensorKernel(layout, 128, Tiling.VARLEN),), None, 1, "short_heads=1"),
+                                      (one_head * 3, None, 1, r"3 tensor\(s\)"),
+                                      (one_head, ("f32", "f32"), 1, "with a sink")]:
         with pytest.raises(ValueError, match=why):
-            KernelSpec("bf16", tensors, sink=sink)
+            KernelSpec("bf16", tensors, sink=sink, tuning=Tuning(1, heads))
+    with pytest.raises(TypeError, match="a kernel's tuning is a Tuning, got dict"):
+        KernelSpec("bf16", one_head, tuning={"shares": 2})
 
 
 def test_programmatic_dependent_launch_where_the_target_has_it(tmp_path):
     """sm_90 on: the kernel waits for the previous one (``griddepcontrol.wait``, once, first) and lets the next one
-    launch (``griddepcontrol.launch_dependents``) from each place a CTA finds its work (``kernel.TRIGGER``: a dense
-    tile; a varlen short tile and long-tile slot, after the work list's loads; each part of a fused kernel and its
-    sink CTAs), at every CTA's start with ``trigger="start"``, nowhere with ``"none"``; sm_80 has neither. A
-    ``trigger`` of no mode is refused."""
+    launch (``griddepcontrol.launch_dependents``) from each place a CTA finds its work (a dense tile; a varlen short
+    tile and long-tile slot, after the work list's loads; each part of a fused kernel and its sink CTAs); sm_80 has
+    neither."""
     from jax_dqpost._kernel.kernel import Postprocess, entry_args
     from jax_dqpost._kernel import abi, arch as arch_
 
@@ -219,84 +222,16 @@ def test_programmatic_dependent_launch_where_the_target_has_it(tmp_path):
         n = len(spec.tensors)
         pointers = [16] * len(abi.pointers(n, spec.sink is not None))  # placeholders: compiled, not run
         args = entry_args(spec.dtype, n, spec.sink, pointers, [1, 1, 1, 8, 1] * n)
-        for arch, trigger, waits, triggers in [("sm_90a", None, 1, places), ("sm_90a", "start", 1, 1),
-                                                ("sm_90a", "none", 1, 0), ("sm_80", None, 0, 0)]:
-            kernel = Postprocess(spec, target_sm=arch_.sm_version(arch), trigger=trigger)
+        for arch, waits, triggers in [("sm_90a", 1, places), ("sm_80", 0, 0)]:
+            kernel = Postprocess(spec, target_sm=arch_.sm_version(arch))
             ptx = kernel_cache._cute_compile(kernel, args, arch, f"--keep-ptx --dump-dir={tmp_path}").__ptx__
             body = ptx[ptx.index(".entry"):]
             got = (body.count("griddepcontrol.wait"), body.count("griddepcontrol.launch_dependents"))
-            assert got == (waits, triggers), (spec.label, arch, trigger, got)
+            assert got == (waits, triggers), (spec.label, arch, got)
             if waits:
-                assert body.index("griddepcontrol.wait") < body.find("ld.global"), (spec.label, trigger)
-            if triggers and spec.tensors[0].tiling == Tiling.VARLEN:  # after the work list's loads, or before any
-                early = body.index("griddepcontrol.launch_dependents") < body.index("ld.global")
-                assert early == (trigger == "start"), (spec.label, trigger)
-    with pytest.raises(ValueError, match="trigger must be one of .*got 'end'"):
-        Postprocess(calls[0][0].kernel(calls[0][1]), trigger="end")
-
-
-def test_work_list_lookup_experiments_compile_and_read_what_they_say(tmp_path):
-    """``kernel.Postprocess``'s lookup experiments, in the PTX for sm_90a. With ``early_lookup`` each path to a tile
-    (long tiles, and short ones where the order has them) loads its place from the work list, then waits
-    (``griddepcontrol.wait``), then loads the scale, and every accumulator load (16-byte vectors) comes after a
-    scale; with ``slot_records`` too the long-tile path's loads before its wait are the slot's record's four fields,
-    where the span's lookup makes more (the short-tile path reads its span's four either way). Both are refused
-    for a dense kernel and a fused one, ``early_lookup`` also without programmatic dependent launch."""
-    from jax_dqpost._kernel.kernel import Postprocess, entry_args
-    from jax_dqpost._kernel import abi
-
-    pointers = abi.pointers(1, False)
-
-    def ptx_lines(spec, **tuning):
-        args = entry_args(spec.dtype, 1, None, [16] * len(pointers), [1, 1, 1, 8, 1])
-        ptx = kernel_cache._cute_compile(Postprocess(spec, target_sm=90, **tuning), args, "sm_90a",
-                                         f"--keep-ptx --dump-dir={tmp_path}").__ptx__
-        return ptx[ptx.index(".entry"):].splitlines()
-
-    def events(lines):
-        """Line numbers of the waits, the scale's loads, the 16-byte loads and the other global loads."""
-        param = f"_param_{pointers.index('scales')}]"
-        scale = next(line.split()[1].rstrip(",") for line in lines if "ld.param" in line and param in line)
-        found = {"wait": [], "scale": [], "vector": [], "other": []}
-        for i, line in enumerate(lines):
-            if "griddepcontrol.wait" in line:
-                found["wait"].append(i)
-            elif "ld.global" in line:
-                kind = "scale" if f"[{scale}]" in line else "vector" if ".v4." in line else "other"
-                found[kind].append(i)
-        return found
-
-    for head_dim, paths in ((64, 1), (128, 2)):  # hd128: short tiles (the swapped order)
-        layout = AccumLayout.flash_attention(90, head_dim, causal=False, tensor="dq", version="4.0.0b36")
-        work, _ = varlen.WorkList.build(np, [0, 245, 400], None, total=400, layout=layout, records=True)
-        spec = Plan((Part(layout, head_dim, np.dtype(jnp.bfloat16), work=work),)).kernel(
-            [(2, work.padded_total * head_dim)])
-        for records in (False, True):
-            e = events(ptx_lines(spec, early_lookup=True, slot_records=records))
-            waits, scales = e["wait"], e["scale"]
-            assert len(waits) == len(scales) == paths, (head_dim, records, e)
-            bounds = [0] + scales
-            for k in range(paths):  # each path: its lookups, its wait, its scale (before the next path's wait)
-                assert bounds[k] < waits[k] < scales[k] < (waits[k + 1] if k + 1 < paths else float("inf"))
-            assert e["vector"] and min(e["vector"]) > scales[0], (head_dim, records)
-            lookups = sorted(sum(bounds[k] < i < waits[k] for i in e["other"]) for k in range(paths))
-            fields = len(varlen.SLOT_FIELDS)  # a span's fields are as many
-            if records:
-                assert lookups == [fields] * paths, (head_dim, lookups)
-            else:
-                assert lookups[:-1] == [fields] * (paths - 1) and lookups[-1] > fields, (head_dim, lookups)
-        assert len(events(ptx_lines(spec, slot_records=True))["wait"]) == 1  # at entry, as by default
-        Postprocess(spec, pdl=False, slot_records=True)
-    dense = Part(layout, 128, np.dtype(jnp.bfloat16), seqlen=256)
-    refused = [(Plan((dense,)).kernel([layout.accum_shape(1, 2, 256, 128)]), {}),
-               (Plan((dense,) * 3).kernel([layout.accum_shape(1, 2, 256, 128)] * 3), {}),
-               (spec, {"pdl": False})]
-    for kernel, tuning in refused:
-        for name in ("slot_records", "early_lookup"):
-            if name == "slot_records" and tuning:
-                continue
-            with pytest.raises(ValueError, match=f"^{name} is for a varlen kernel of its own grid.*got {name}=True"):
-                Postprocess(kernel, **tuning, **{name: True})
+                assert body.index("griddepcontrol.wait") < body.find("ld.global"), spec.label
+            if triggers and spec.tensors[0].tiling == Tiling.VARLEN:  # after the work list's loads
+                assert body.index("griddepcontrol.launch_dependents") > body.index("ld.global"), spec.label
 
 
 def test_short_tile_vectors_follow_the_index_map(rng):

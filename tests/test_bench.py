@@ -258,7 +258,7 @@ def test_the_kernel_tools_measure_the_benchmarks_rows():
     ("short", ["64", "--l2-fetch", "32", "--l2-fetch", "64"], "got '32' and another"),
     ("sizes", ["--variants", "splits"], "got 'splits'"), ("sizes", ["--variants"], "argument --variants: expected one argument"),
     ("sizes", ["--variants", "split,split"], "each once"), ("sizes", ["--variants", ""], "got ''"),
-    ("sizes", ["--variants", "split", "--variants", "lookup"], "got 'split' and another"),
+    ("sizes", ["--variants", "split", "--variants", "short"], "got 'split' and another"),
     ("sweep", ["--variants", "split"], "unrecognized arguments: --variants"),
     ("profile", ["--variants", "split"], "unrecognized arguments: --variants"),
     ("short", ["--variants", "split"], "unrecognized arguments: --variants"),
@@ -303,8 +303,8 @@ def test_kernel_tools_arguments_and_their_defaults():
     assert (short.l2_fetch, short.counts) == (None, [])
     groups = tuple(ncu_kernels.SIZE_VARIANTS)
     assert ncu_kernels.parse(["sizes", "hd64", "--bytes", "8388608"]).variants == groups
-    sizes = ncu_kernels.parse(["sizes", "hd64", "--variants", "lookup,split"])
-    assert (sizes.variants, sizes.configs) == (("lookup", "split"), ["hd64"])
+    sizes = ncu_kernels.parse(["sizes", "hd64", "--variants", "short,split"])
+    assert (sizes.variants, sizes.configs) == (("short", "split"), ["hd64"])
     for sizes in (cases.SIZES, cases.SIZES[::2], []):
         assert cases.benchmark_rows(sizes) == len(list(cases.benchmark_cases(None, None, sizes)))
 

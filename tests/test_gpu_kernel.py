@@ -30,15 +30,15 @@ _EXECUTORS = {}
 
 def _kernels(plan, acc_shape):
     """The kernel of a one-part ``plan`` on an accumulator of ``acc_shape``, with each work unit the package may
-    choose: each split of its tiles (``TensorKernel.shares``: ``kernel_spec.call_shares``, 1 and the finest) and,
-    varlen with short tiles, short-tile CTAs of 8 heads and of 1 (``TensorKernel.short_heads``)."""
-    from jax_dqpost._kernel import spec as kernel_spec, varlen
+    choose: each split of its tiles (``Tuning.shares``: ``tuning.call_shares``, 1 and the finest) and, varlen with
+    short tiles, short-tile CTAs of 8 heads and of 1 (``Tuning.short_heads``)."""
+    from jax_dqpost._kernel import spec as kernel_spec, tuning, varlen
 
     spec = plan.kernel([acc_shape])
     t = spec.tensors[0]
     short = t.tiling == kernel_spec.Tiling.VARLEN and varlen.short_rows(t.layout)
-    return [dataclasses.replace(spec, tensors=(dataclasses.replace(t, shares=s, short_heads=h),))
-            for s in kernel_spec.call_shares(t.layout, t.padded_head_dim)
+    return [dataclasses.replace(spec, tuning=kernel_spec.Tuning(s, h))
+            for s in tuning.call_shares(t.layout, t.padded_head_dim)
             for h in sorted({varlen.SHORT_HEADS, 1 if short else varlen.SHORT_HEADS})]
 
 
@@ -82,7 +82,7 @@ def _kernel_on_poisoned_output(rng, layout, head_dim, seqlen, dtype, what):
     t_acc, t_scale = torch.from_numpy(acc).cuda(), torch.tensor([scale], dtype=torch.float32).cuda()
     for spec in _kernels(plan, acc.shape):
         out = _run_on_poisoned_output(torch, spec, plan, t_acc, t_scale, t_scale, B * S * H * D, acc.shape, what)
-        assert_same_bits(out.view(np.dtype(dtype)).reshape(B, S, H, D), want, f"{what} split {spec.tensors[0].shares}")
+        assert_same_bits(out.view(np.dtype(dtype)).reshape(B, S, H, D), want, f"{what} split {spec.tuning.shares}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "f16"])

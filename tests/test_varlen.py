@@ -184,9 +184,7 @@ def test_work_list_slots_take_every_tile_once(rng, layout):
     tile_start[s] of span s = tile_span[i]; with short tiles, span k's short-tile slot converts its last tile when it
     has 1 .. short_rows rows. Together they take every tile of every span exactly once, for static offsets (the exact
     slots) and traced ones (the bound, built under jit as a call builds it), also where the offsets break the
-    contract (clamped). Built with ``records``, the list is the same followed by each long-tile slot's record: that
-    tile's first row, rows, converted rows and first accumulator row, zeros for a slot without a tile (the
-    ``slot_records`` experiment reads them)."""
+    contract (clamped)."""
     from jax_dqpost._kernel.varlen import WorkList, short_rows
 
     def traced_build(cu, used, **kw):
@@ -220,26 +218,18 @@ def test_work_list_slots_take_every_tile_once(rng, layout):
             else:
                 build = functools.partial(WorkList.build, np, cu, used, total=T, layout=layout)
             work, meta = build()
-            with_records, meta_records = build(records=True)
+            assert len(meta) == work.size
             s = work.decode(np.asarray(meta))
-            assert s.slots is None and with_records.records and len(meta_records) == with_records.size
-            np.testing.assert_array_equal(np.asarray(meta_records)[:work.size], meta)  # the same, then the records
-            records = with_records.decode(np.asarray(meta_records)).slots
             K = work.num_spans
             expect = {(k, m) for k in range(K) for m in range(-(-int(s.span_rows[k]) // tm))}
             taken = []
-            assert records.shape == (work.num_tiles - work.short_slots, 4)
             for i in range(work.num_tiles - work.short_slots):  # long-tile slots
-                record = [0, 0, 0, 0]
                 if i < s.tile_start[K]:
                     k = int(s.tile_span[i])
                     m = i - int(s.tile_start[k])
                     taken.append((k, m))
                     rows = min(int(s.span_rows[k]) - m * tm, tm)
                     assert rows > short or rows == tm, (k, m, rows)
-                    conv = min(max(int(s.conv_rows[k]) - m * tm, 0), tm)
-                    record = [int(s.row_start[k]) + m * tm, rows, conv, int(s.acc_row[k]) + m * tm]
-                assert records[i].tolist() == record, (case, traced, i)
             for k in range(work.short_slots):  # short-tile slots: span k
                 assert s.tile_span[work.num_tiles - K + k] == k
                 rem = int(s.span_rows[k]) % tm
@@ -270,11 +260,11 @@ def _op_on(argument):
 
 
 def test_a_packed_call_takes_one_head_per_short_tile_cta_where_eight_make_few_ctas(rng):
-    """The plan's choice for a varlen kernel of its own grid (``varlen.short_heads``): short-tile CTAs of 8 heads
+    """The plan's choice for a varlen kernel of its own grid (``tuning.short_heads``): short-tile CTAs of 8 heads
     where that makes at least SHORT_CTAS (128) of them, else of 1 (one head: 8, the same grid); the launch counts
-    its CTAs with that choice, and the split (``kernel_spec.shares_for``) counts short-tile CTAs at 8 heads whatever
+    its CTAs with that choice, and the split (``tuning.shares_for``) counts short-tile CTAs at 8 heads whatever
     the choice. A fused kernel keeps 8."""
-    from jax_dqpost._kernel import spec as kernel_spec, varlen
+    from jax_dqpost._kernel import spec as kernel_spec, tuning, varlen
     from jax_dqpost._primitive.plan import Part, Plan
 
     layout = AccumLayout.flash_attention(90, 128, causal=False, tensor="dq", version="4.0.0b36")  # short tiles
@@ -289,17 +279,17 @@ def test_a_packed_call_takes_one_head_per_short_tile_cta_where_eight_make_few_ct
         want = 8 if heads == 1 or (batch + 2) * -(-heads // 8) >= 128 else 1
         part = Part(layout, 128, np.dtype(jnp.bfloat16), work=work)
         spec = Plan((part,)).kernel([shape])
-        t = spec.tensors[0]
-        assert t.short_heads == want == varlen.short_heads(batch + 2, heads), (batch, heads)
+        t = spec.tuning
+        assert t.short_heads == want == tuning.short_heads(batch + 2, heads), (batch, heads)
         at_eight = varlen.grid_ctas(heads, work.num_tiles, batch + 2, work.short_rows)
-        assert t.shares == kernel_spec.shares_for(layout, 128, at_eight), (batch, heads, at_eight)
+        assert t.shares == tuning.shares_for(layout, 128, at_eight), (batch, heads, at_eight)
         if (batch, heads) == (2, 64):
             at_one = varlen.grid_ctas(heads, work.num_tiles, batch + 2, work.short_rows, short_heads=1)
-            assert t.shares > 1 == kernel_spec.shares_for(layout, 128, at_one) and want == 1, (t, at_one)
+            assert t.shares > 1 == tuning.shares_for(layout, 128, at_one) and want == 1, (t, at_one)
         ctas = Plan((part,)).launch([shape])[1]
         assert ctas == (batch + 2) * -(-heads // want) + t.shares * heads * (work.num_tiles - batch - 2)
         fused = Plan((part,) * 3).kernel([shape] * 3)
-        assert {u.short_heads for u in fused.tensors} == {8}
+        assert fused.tuning == kernel_spec.Tuning() and fused.tuning.short_heads == 8
 
 
 @pytest.mark.parametrize("argument", ["cu_seqlens_q", "seqused_q", "cu_seqlens_k", "seqused_k"])

@@ -1,8 +1,8 @@
 """Compile the CuTe DSL kernel once per binary-changing configuration; cutlass is imported lazily here.
 
 The key (``Plan.kernel``, a :class:`~jax_dqpost._kernel.spec.KernelSpec`, and the target GPU) holds what changes the
-binary: output dtype, each part's accumulator layout, padded head dim, tiling, shares and short-tile heads, the sink's
-dtypes and the GPU architecture. Batch, heads, sequence lengths, head dims and scales are run-time arguments of the
+binary: output dtype, each part's accumulator layout, padded head dim and tiling, the sink's dtypes, the tuning
+(shares and short-tile heads) and the GPU architecture. Batch, heads, sequence lengths, head dims and scales are run-time arguments of the
 compiled module, so they never trigger a compile.
 
 Two caches: in memory (per process), and on disk. ``JAX_DQPOST_CACHE_DIR`` names the disk cache's directory, an
@@ -244,17 +244,16 @@ def unusable(directory: Path) -> str | None:
     return None
 
 
-def compile_executor(spec: KernelSpec, arch: str, **tuning):
+def compile_executor(spec: KernelSpec, arch: str):
     """``cute.compile`` the kernel of ``spec`` for ``arch``; CuTe's executor, callable from Python with
     ``kernel.entry_args`` and a stream. Callers serialise through ``_lock`` or accept that the DSL's global arch is
-    set here (and restored afterwards). ``tuning``: ``kernel.Postprocess``'s tuning keywords, for experiments; the
-    package itself always compiles with the defaults, which is why they are not part of the key."""
+    set here (and restored afterwards)."""
     try:
         from .kernel import Postprocess, entry_args
     except ModuleNotFoundError as e:
         raise cute_runtime.dsl_missing(e.name) or e from None
 
-    kernel = Postprocess(spec, target_sm=arch_.sm_version(arch), **tuning)
+    kernel = Postprocess(spec, target_sm=arch_.sm_version(arch))
     # placeholder addresses and extents: the executor takes the real ones at every call
     n, sink = len(spec.tensors), spec.sink
     args = entry_args(spec.dtype, n, sink, [16] * len(abi.pointers(n, sink is not None)), [1, 1, 1, 8, 1] * n)

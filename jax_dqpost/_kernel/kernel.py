@@ -5,7 +5,7 @@ Imports cutlass at module import: load this module lazily (``cache.py`` does).
 The entry point takes its arguments in the order of ``abi.py`` (:func:`entry_args`). A call of one part without a
 sink launches that part's own grid: ``(shares * H * grid_x, 1, B)`` dense (``KernelSpec.batch_on_grid_z``),
 ``(varlen.grid_ctas(...), 1, 1)`` varlen, every CTA the part's, with a shared-memory allocator of its own; with
-``shares`` > 1 (``TensorKernel.shares``) a tile's ``shares`` consecutive CTAs each convert a share of it. Any other
+``shares`` > 1 (``Tuning.shares``) a tile's ``shares`` consecutive CTAs each convert a share of it. Any other
 call launches a one-dimensional grid: with a sink, first ``H`` CTAs (one per query head) reducing ``dsink``, first
 because each reads every row of its head; then the CTAs of dQ, of dK and of dV, each part's numbered by its
 scheduler (``schedule.py``), a dense part's CTA ``x`` being its CTA ``x % (H * grid_x)`` of batch ``x // (H *
@@ -39,13 +39,6 @@ from .schedule import TensorArgs, VarlenScheduler, read_span, scheduler
 from .tile import TileConverter
 
 _WARP = 32
-TRIGGERS = ("tile", "start", "none")
-TRIGGER = "tile"
-"""With ``pdl``, where a CTA lets the kernel after it start early (``griddepcontrol.launch_dependents``; that kernel
-launches once every CTA has done so or exited): ``"tile"``: a CTA that converts a tile (or reduces a sink), once it
-knows it has one, before its first accumulator load; a CTA with nothing to convert (a traced grid's slot past the work,
-a span without a short tile) just exits.
-``"start"``: every CTA at its start; ``"none"``: at exit (docs/performance.md weighs the three)."""
 _LOG2_E = math.log2(math.e)
 
 
@@ -87,45 +80,26 @@ class _SharedTile:
 class Postprocess:
     """The kernel of a call (module docstring).
 
-    ``spec``: the :class:`~jax_dqpost._kernel.spec.KernelSpec` (``Plan.kernel``); the binary depends on it and the
-    target GPU only. Tuning, for experiments (the package compiles with the defaults):
-    ``min_ctas_per_sm`` (:class:`TileConverter`), ``short_heads`` (``schedule.ShortTileScheduler``; None: the
-    spec's), ``pdl`` (None: where the target has it, sm_90 on), ``trigger`` (None: :data:`TRIGGER`), and for a
-    varlen kernel of its own grid ``slot_records`` (long tiles from the slots' records, ``schedule.py``: the work
-    list must be built with ``records``, ``varlen.py``; the kernel cannot see that, and reads past the end of one
-    built without) and ``early_lookup`` (with ``pdl``: a CTA looks its tile up in the work list before
-    ``griddepcontrol.wait``, which is right only where no kernel before it on the stream writes the work list, as
-    for a constant).
+    ``spec``: the :class:`~jax_dqpost._kernel.spec.KernelSpec` (``Plan.kernel``), its tuning among it; the binary
+    depends on it and the target GPU only.
 
-    With ``pdl`` the kernel is launched with programmatic dependent launch: it may start while the kernel before it
-    on the stream is still running, and waits for that one's completion (``griddepcontrol.wait``) before its
-    first access to global memory; it lets the kernel after it start early where ``trigger`` says
-    (:data:`TRIGGER`).
+    On sm_90 and newer the kernel is launched with programmatic dependent launch: it may start while the kernel
+    before it on the stream is still running, and waits for that one's completion (``griddepcontrol.wait``) before
+    its first access to global memory. A CTA that converts a tile (or reduces a sink) lets the kernel after it start
+    early (``griddepcontrol.launch_dependents``; that kernel launches once every CTA has done so or exited) once it
+    knows it has one, before its first accumulator load; a CTA with nothing to convert (a traced grid's slot past the
+    work, a span without a short tile) just exits.
     """
 
-    def __init__(self, spec: KernelSpec, *, target_sm: int = 90, min_ctas_per_sm: int | None = None,
-                 short_heads: int | None = None, pdl: bool | None = None, trigger: str | None = None,
-                 slot_records: bool = False, early_lookup: bool = False):
-        parts = spec.tensors
+    def __init__(self, spec: KernelSpec, *, target_sm: int = 90):
+        parts, tuning = spec.tensors, spec.tuning
         sink = None if spec.sink is None else (cute_type(spec.sink[0]), cute_type(spec.sink[1]))
-        self.pdl = target_sm >= 90 if pdl is None else pdl
-        self.trigger = TRIGGER if trigger is None else trigger
-        if self.trigger not in TRIGGERS:
-            raise ValueError(f"trigger must be one of {TRIGGERS}, got {self.trigger!r}")
-        single_varlen = spec.single_part and parts[0].tiling == Tiling.VARLEN
-        for name, value, allowed in (("slot_records", slot_records, single_varlen),
-                                     ("early_lookup", early_lookup, single_varlen and self.pdl)):
-            if value and not allowed:
-                raise ValueError(f"{name} is for a varlen kernel of its own grid (early_lookup: with pdl), got "
-                                 f"{name}={value!r} for the kernel {spec.label}, pdl={self.pdl}")
-        self.early_lookup = bool(early_lookup)
+        self.pdl = target_sm >= 90
         self.names = spec.names
         self.dtype = dtype = cute_type(spec.dtype)
         self.converters = tuple(TileConverter(dtype, p.layout, p.padded_head_dim, tiling=p.tiling, target_sm=target_sm,
-                                              min_ctas_per_sm=min_ctas_per_sm, shares=p.shares) for p in parts)
-        self.schedulers = tuple(scheduler(p.layout, p.padded_head_dim, p.tiling,
-                                          p.short_heads if short_heads is None else short_heads, p.shares,
-                                          bool(slot_records))
+                                              shares=tuning.shares) for p in parts)
+        self.schedulers = tuple(scheduler(p.layout, p.padded_head_dim, p.tiling, tuning.short_heads, tuning.shares)
                                 for p in parts)
         self.num_threads = max(p.work_threads for p in self.converters)
         for part in self.converters:
@@ -173,10 +147,7 @@ class Postprocess:
         tidx, _, _ = cute.arch.thread_idx()
         bid, _, bz = cute.arch.block_idx()
         if const_expr(self.pdl):
-            if const_expr(not self.early_lookup):
-                cute.arch.griddepcontrol_wait()
-            if const_expr(self.trigger == "start"):
-                cute.arch.griddepcontrol_launch_dependents()
+            cute.arch.griddepcontrol_wait()
         if const_expr(self.single_part):
             # The whole grid is the part's: no CTA count to compare, the tile allocated by the part (a count and a
             # shared buffer cost 20-100 ns a launch)
@@ -233,48 +204,29 @@ class Postprocess:
                 span, group = x % part.batch_or_spans, x // part.batch_or_spans
                 short = self.schedulers[i].short
                 short_tile = short.tile(part, span)
-                self._wait_after_lookup()
                 if short_tile.rows_total > 0:
                     self._trigger()
                 self.converters[i].short_tile(part, group, short_tile, tidx, short.short_heads)
             else:
                 shares = self.converters[i].shares  # CTAs of a tile and head, consecutive
                 slot = (x - short_ctas) // shares // part.heads
-                if const_expr(self.schedulers[i].slot_records):  # a slot past the long tiles has no rows
+                if slot < self.schedulers[i].long_tiles(part):  # the slots past them (traced offsets' bound) stop
+                    self._trigger()
                     head = (x - short_ctas) // shares % part.heads
                     tile = self.schedulers[i].tile(part, slot, head)
-                    self._wait_after_lookup()
-                    if tile.rows_total > 0:
-                        self._trigger()
-                    self.converters[i].tile(part, head, tile, tidx, smem, may_be_empty=True,
-                                            share=(x - short_ctas) % shares)
-                elif slot < self.schedulers[i].long_tiles(part):  # the slots past them (traced offsets' bound) stop
-                    if const_expr(not self.early_lookup):
-                        self._trigger()
-                    head = (x - short_ctas) // shares % part.heads
-                    tile = self.schedulers[i].tile(part, slot, head)
-                    self._wait_after_lookup()
-                    if const_expr(self.early_lookup):  # as on the other paths: after the wait
-                        self._trigger()
                     self.converters[i].tile(part, head, tile, tidx, smem, may_be_empty=True,
                                             share=(x - short_ctas) % shares)
         else:
             shares = self.converters[i].shares
             bx, head = x // shares // part.heads, x // shares % part.heads
             tile = self.schedulers[i].tile(part, bx, head, bz)
-            self._wait_after_lookup()
             if tile.rows_total > 0:
                 self._trigger()
             self.converters[i].tile(part, head, tile, tidx, smem, share=x % shares)
 
-    def _wait_after_lookup(self):
-        """``griddepcontrol.wait`` once a CTA has its tile, with ``early_lookup`` (else the kernel waits at entry)."""
-        if const_expr(self.early_lookup):
-            cute.arch.griddepcontrol_wait()
-
     def _trigger(self):
-        """``griddepcontrol.launch_dependents`` in a CTA with work, where ``trigger`` is ``"tile"``."""
-        if const_expr(self.pdl and self.trigger == "tile"):
+        """``griddepcontrol.launch_dependents`` in a CTA with work (class docstring)."""
+        if const_expr(self.pdl):
             cute.arch.griddepcontrol_launch_dependents()
 
     # ---- the sink gradient ------------------------------------------------------------------------

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from . import cache
 from .abi import Tiling
-from .spec import KernelSpec, TensorKernel, call_shares
+from .spec import KernelSpec, TensorKernel, Tuning
+from .tuning import call_shares
 from .varlen import SHORT_HEADS, short_rows
 
 
@@ -13,10 +14,10 @@ def single_part_kernels(configs, tilings, dtypes) -> list[KernelSpec]:
     """Every single-part kernel (one part, no sink) a call may choose (``Plan.kernel``) for each ``(layout, Dr)`` of
     ``configs``, each tiling and each dtype name: its tiles whole or split (a small call's), its varlen short tiles
     by CTAs of ``SHORT_HEADS`` heads or 1."""
-    parts = [(layout, dr, t, shares, heads) for layout, dr in configs for t in tilings
+    parts = [(TensorKernel(layout, dr, t), Tuning(shares, heads)) for layout, dr in configs for t in tilings
              for shares in call_shares(layout, dr)
              for heads in sorted({SHORT_HEADS, 1 if t == Tiling.VARLEN and short_rows(layout) else SHORT_HEADS})]
-    return [KernelSpec(dtype, (TensorKernel(*p),)) for p in parts for dtype in dtypes]
+    return [KernelSpec(dtype, (tensor,), tuning=tuning) for tensor, tuning in parts for dtype in dtypes]
 
 
 def fused_kernels(pairs, tilings, dtypes, sinks) -> list[KernelSpec]:

@@ -14,13 +14,12 @@ sequence, rows no sequence covers). The converters (``tile.py``) only convert.
   every head of them, as a copy would. With seqused, rows past ``seqused[b]`` are zeros.
 * :class:`VarlenScheduler` (``VARLEN``): the work list's long-tile slots (``varlen.py``), heads fastest: slot ``m``
   looks its span up (:func:`read_span`) and takes tile ``m - tile_start[span]`` of it: two dependent lookups before
-  its first accumulator load, three in the orders with short tiles (the kernel first reads ``tile_start[K]``). With
-  ``slot_records`` (an experiment, on a work list built with ``records``) it reads slot ``m``'s record instead: one.
+  its first accumulator load, three in the orders with short tiles (the kernel first reads ``tile_start[K]``).
 * :class:`ShortTileScheduler` (``VARLEN`` of the swapped Hopper orders, ``varlen.short_rows``): before the long
-  tiles, one CTA per span and group of ``short_heads`` heads (``TensorKernel.short_heads``) takes the span's short tile
+  tiles, one CTA per span and group of ``short_heads`` heads (``Tuning.short_heads``) takes the span's short tile
   (its last tile, if it has ``1 .. short_rows`` rows), if it has one. They come first in the grid so that a long
   span's short last tile never forms the kernel's tail. Long-tile slots past ``tile_start[K]`` (the bound of traced
-  offsets is larger) stop after that one load (with ``slot_records``, after their record, which has no rows).
+  offsets is larger) stop after that one load.
 
 :func:`read_span` is the one reader of a span: the long tiles, the short tiles and the sink reduction use it.
 
@@ -123,10 +122,8 @@ class VarlenScheduler:
     """Long tiles of a packed part, the work list's slots, and its short tiles' scheduler (``short``) for the swapped
     Hopper orders (module docstring)."""
 
-    def __init__(self, layout, padded_head_dim: int, short_heads: int = varlen.SHORT_HEADS,
-                 shares: int = 1, slot_records: bool = False):
+    def __init__(self, layout, padded_head_dim: int, short_heads: int = varlen.SHORT_HEADS, shares: int = 1):
         self.layout, self.padded_head_dim, self.shares = layout, padded_head_dim, shares
-        self.slot_records = slot_records
         self.untiled_cols = layout.alloc_head_dim(padded_head_dim) - padded_head_dim  # Da - Dr: a row's, past its tiles
         self.short = ShortTileScheduler(layout, short_heads) if varlen.short_rows(layout) > 0 else None
 
@@ -141,36 +138,22 @@ class VarlenScheduler:
         """Long-tile slot ``slot`` of head ``head``; no rows (``rows_total = 0``) for a slot past the long tiles."""
         tile_m, padded_head_dim = self.layout.tile_m, self.padded_head_dim
         aux_ptr, num_spans, rows, grid_x = part.aux, part.batch_or_spans, part.rows, part.grid_x
-        # the work list (varlen.py): tile_start[K + 1] | spans[K][SPAN_FIELDS] | tile_span[grid_x] | slots[L][4]
+        # the work list (varlen.py): tile_start[K + 1] | spans[K][SPAN_FIELDS] | tile_span[grid_x]
         _, tile_span_at = varlen.sections(num_spans)
-        if const_expr(self.slot_records):
-            fields = cute.make_tensor(aux_ptr + varlen.slots_at(num_spans, grid_x) + len(varlen.SLOT_FIELDS) * slot,
-                                      cute.make_layout(len(varlen.SLOT_FIELDS)))
-            row_start, rows_total = fields[varlen.ROW_START], fields[varlen.ROWS_TOTAL]
-            conv_rows, acc_row = fields[varlen.CONV_ROWS], fields[varlen.ACC_ROW]
-            padded_total = varlen.padded_total(rows, num_spans - 2, self.layout.pad_rows)
-            # Defence in depth (the work list guarantees them): a tile's rows, inside the result and the accumulator
-            rows_total = cutlass.max(cutlass.min(rows_total, tile_m), 0)
-            conv_rows = cutlass.max(conv_rows, 0)
-            if row_start < 0 or rows_total > rows - row_start:
-                rows_total = 0
-            if acc_row < 0 or acc_row > padded_total - tile_m:
-                conv_rows = 0
-        else:
-            meta = cute.make_tensor(aux_ptr, cute.make_layout(tile_span_at + grid_x))
-            span = meta[tile_span_at + slot]
-            tile_in_span = slot - meta[span]
-            span_row_start, span_rows, span_conv_rows, span_acc_row = read_span(aux_ptr, num_spans, span)
-            row_start = span_row_start + tile_in_span * tile_m
-            rows_total = cutlass.min(span_rows - tile_in_span * tile_m, tile_m)
-            conv_rows = cutlass.max(cutlass.min(span_conv_rows - tile_in_span * tile_m, tile_m), 0)
-            acc_row = span_acc_row + tile_in_span * tile_m
-            padded_total = varlen.padded_total(rows, num_spans - 2, self.layout.pad_rows)
-            # Defence in depth; the work list already guarantees all of these.
-            if slot >= meta[num_spans] or row_start < 0 or rows_total > rows - row_start:
-                rows_total = 0
-            if acc_row < 0 or acc_row + tile_m > padded_total:
-                conv_rows = 0
+        meta = cute.make_tensor(aux_ptr, cute.make_layout(tile_span_at + grid_x))
+        span = meta[tile_span_at + slot]
+        tile_in_span = slot - meta[span]
+        span_row_start, span_rows, span_conv_rows, span_acc_row = read_span(aux_ptr, num_spans, span)
+        row_start = span_row_start + tile_in_span * tile_m
+        rows_total = cutlass.min(span_rows - tile_in_span * tile_m, tile_m)
+        conv_rows = cutlass.max(cutlass.min(span_conv_rows - tile_in_span * tile_m, tile_m), 0)
+        acc_row = span_acc_row + tile_in_span * tile_m
+        padded_total = varlen.padded_total(rows, num_spans - 2, self.layout.pad_rows)
+        # Defence in depth; the work list already guarantees all of these.
+        if slot >= meta[num_spans] or row_start < 0 or rows_total > rows - row_start:
+            rows_total = 0
+        if acc_row < 0 or acc_row + tile_m > padded_total:
+            conv_rows = 0
         conv_rows = cutlass.min(conv_rows, rows_total)
         acc_elem = (Int64(head) * Int64(padded_total) + Int64(acc_row)) * Int64(padded_head_dim)
         if const_expr(self.untiled_cols):  # each head's row is Tp * Da floats: its tiles, then Tp * (Da - Dr)
@@ -215,9 +198,9 @@ class ShortTileScheduler:
 
 
 def scheduler(layout, padded_head_dim: int, tiling: Tiling, short_heads: int = varlen.SHORT_HEADS,
-              shares: int = 1, slot_records: bool = False):
+              shares: int = 1):
     """The scheduler of a part of this tiling; ``shares``: CTAs per tile and head (their shares:
-    ``spec.share_regions``); ``slot_records``: varlen long tiles from the slots' records."""
+    ``spec.share_regions``); ``short_heads``: heads per varlen short-tile CTA."""
     if tiling == Tiling.VARLEN:
-        return VarlenScheduler(layout, padded_head_dim, short_heads, shares, slot_records)
+        return VarlenScheduler(layout, padded_head_dim, short_heads, shares)
     return DenseScheduler(layout, padded_head_dim, tiling == Tiling.DENSE_SEQUSED, shares)

@@ -1,5 +1,5 @@
-"""The kernel a call compiles: :class:`KernelSpec`, everything that changes the binary but the target GPU, and the
-rules of which kernels exist (:func:`check_limits`, beyond the order's own; ``AccumLayout.check_head_dim`` asks
+"""The kernel a call compiles: :class:`KernelSpec`, everything that changes the binary but the target GPU (its
+tuning, :class:`Tuning`, among it), and the rules of which kernels exist (:func:`check_limits`, beyond the order's own; ``AccumLayout.check_head_dim`` asks
 both, so this module does not import ``layout/``: a layout here is an ``AccumLayout``). No cutlass here: the
 plan builds the record (``Plan.kernel``), the cache keys on it with the GPU (``cache.py``), and the kernel is
 made from it alone (``kernel.Postprocess``). Batch, heads, sequence lengths, head dims and scales are run-time
@@ -27,34 +27,50 @@ KiB, sm_90 and sm_100 227 KiB). The kernel stages one ``tile_m x Dr`` dQ tile th
 @dataclasses.dataclass(frozen=True)
 class TensorKernel:
     """What of one tensor (dQ, dK or dV) changes the binary: its accumulator's order, its padded head dim ``Dr``
-    (``AccumLayout.padded_head_dim``), how a CTA finds its tile, ``shares``, the CTAs a tile is converted by: 1,
-    or one of :func:`tile_shares`, each CTA converting the share of ``num_threads / shares`` of the producer's threads
-    (:func:`share_regions`; :func:`shares_for` chooses), and ``short_heads``, the heads of a varlen short-tile CTA
-    (``varlen.short_heads`` chooses)."""
+    (``AccumLayout.padded_head_dim``) and how a CTA finds its tile."""
 
     layout: object  # an AccumLayout
     padded_head_dim: int
     tiling: Tiling
-    shares: int = 1
-    short_heads: int = varlen.SHORT_HEADS
 
     def __post_init__(self):
         object.__setattr__(self, "padded_head_dim", int(self.padded_head_dim))
         object.__setattr__(self, "tiling", Tiling(self.tiling))
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """How the kernel runs a call, never what it computes: the choices ``tuning.choose`` makes for a call, part of
+    the kernel's cache key (:class:`KernelSpec`). ``shares``: the CTAs a tile is converted by, 1 or one of
+    :func:`tile_shares`, each CTA converting the share of ``num_threads / shares`` of the producer's threads
+    (:func:`share_regions`); ``short_heads``: the heads a varlen short-tile CTA converts, ``varlen.SHORT_HEADS`` or 1.
+    Other values than the defaults only in a kernel of one tensor without a sink."""
+
+    shares: int = 1
+    short_heads: int = varlen.SHORT_HEADS
+
+    def __post_init__(self):
         object.__setattr__(self, "shares", int(self.shares))
         object.__setattr__(self, "short_heads", int(self.short_heads))
+
+    @property
+    def label(self) -> str:
+        """``""`` for the defaults, else ``"4"`` (shares), ``"h1"`` (short-tile heads), ``"4h1"``."""
+        return ((str(self.shares) if self.shares != 1 else "")
+                + (f"h{self.short_heads}" if self.short_heads != varlen.SHORT_HEADS else ""))
 
 
 @dataclasses.dataclass(frozen=True)
 class KernelSpec:
     """A kernel: the output dtype's name (``"bf16"`` or ``"f16"``; a dtype or its numpy name is taken for it), one
-    :class:`TensorKernel` per tensor (dQ's, or dQ's, dK's and dV's: ``abi.PARTS``) and the names of the learnable
-    sink's and ``dsink``'s dtypes (None without a sink). ``ValueError`` on construction for a kernel that does not
-    exist, naming what."""
+    :class:`TensorKernel` per tensor (dQ's, or dQ's, dK's and dV's: ``abi.PARTS``), the names of the learnable
+    sink's and ``dsink``'s dtypes (None without a sink) and its :class:`Tuning`. ``ValueError`` on construction for
+    a kernel that does not exist, naming what."""
 
     dtype: str
     tensors: tuple[TensorKernel, ...]
     sink: tuple[str, str] | None = None
+    tuning: Tuning = Tuning()
 
     def __post_init__(self):
         names = abi.OUT_DTYPE_NAMES
@@ -81,18 +97,20 @@ class KernelSpec:
                     why = str(e)
             if why:
                 raise ValueError(f"jax_dqpost: no kernel for {t.layout}, padded head dim {t.padded_head_dim}: {why}")
-            if t.shares != 1 and (t.shares not in tile_shares(t.layout, t.padded_head_dim) or not self.single_part):
-                raise ValueError(f"jax_dqpost: a kernel's tiles are split only into shares of whole warps that an "
-                                 f"order has ({tile_shares(t.layout, t.padded_head_dim)} here), in a kernel of one "
-                                 f"tensor without a sink; got shares={t.shares} for "
-                                 f"{t.layout}, padded head dim {t.padded_head_dim}, {len(self.tensors)} tensor(s)"
-                                 f"{' with a sink' if self.sink else ''}")
-            if t.short_heads != varlen.SHORT_HEADS and (t.short_heads != 1 or not self.single_part or t.tiling !=
-                                                        Tiling.VARLEN or not varlen.short_rows(t.layout)):
-                raise ValueError(f"jax_dqpost: a kernel's short-tile CTAs take {varlen.SHORT_HEADS} heads, or 1 in a "
-                                 f"varlen kernel of one tensor without a sink whose order has short tiles; got "
-                                 f"short_heads={t.short_heads} for {t.layout}, {t.tiling.name}, "
-                                 f"{len(self.tensors)} tensor(s){' with a sink' if self.sink else ''}")
+        if not isinstance(self.tuning, Tuning):
+            raise TypeError(f"jax_dqpost: a kernel's tuning is a Tuning, got {type(self.tuning).__name__}")
+        t, shares, heads = self.tensors[0], self.tuning.shares, self.tuning.short_heads
+        what = (f"{t.layout}, padded head dim {t.padded_head_dim}, {t.tiling.name}, {len(self.tensors)} tensor(s)"
+                f"{' with a sink' if self.sink else ''}")
+        if shares != 1 and (shares not in tile_shares(t.layout, t.padded_head_dim) or not self.single_part):
+            raise ValueError(f"jax_dqpost: a kernel's tiles are split only into shares of whole warps that an order "
+                             f"has ({tile_shares(t.layout, t.padded_head_dim)} here), in a kernel of one tensor "
+                             f"without a sink; got shares={shares} for {what}")
+        if heads != varlen.SHORT_HEADS and (heads != 1 or not self.single_part or t.tiling != Tiling.VARLEN
+                                            or not varlen.short_rows(t.layout)):
+            raise ValueError(f"jax_dqpost: a kernel's short-tile CTAs take {varlen.SHORT_HEADS} heads, or 1 in a "
+                             f"varlen kernel of one tensor without a sink whose order has short tiles; got "
+                             f"short_heads={heads} for {what}")
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -108,11 +126,11 @@ class KernelSpec:
 
     @property
     def label(self) -> str:
-        """A short name: the dtype, each tensor's tiling (and shares, and short-tile heads), ``sink``
+        """A short name: the dtype, each tensor's tiling (the first's with its tuning's label), ``sink``
         (``"bf16-dense-sink"``, ``"bf16-varlen8"``, ``"bf16-varlen4h1"``)."""
-        return "-".join([self.dtype] + [t.tiling.name.lower() + (str(t.shares) if t.shares != 1 else "")
-                                        + (f"h{t.short_heads}" if t.short_heads != varlen.SHORT_HEADS else "")
-                                        for t in self.tensors] + (["sink"] if self.sink else []))
+        tilings = [t.tiling.name.lower() for t in self.tensors]
+        tilings[0] += self.tuning.label
+        return "-".join([self.dtype] + tilings + (["sink"] if self.sink else []))
 
 
 def single_part(num_tensors: int, sink: bool) -> bool:
@@ -172,29 +190,10 @@ def region_store_tiling(rows_m: int, cols: int, threads: int) -> tuple[int, int]
     return None
 
 
-FINE_SHARES_BYTES = 20 << 20
-"""A kernel of a single part whose unsplit CTAs times a tile's bytes (``tile_m * Dr`` floats read, as many values
-written) come to fewer than this splits each tile between CTAs (:func:`shares_for`)."""
-
-
-def shares_for(layout, padded_head_dim: int, unsplit_ctas: int) -> int:
-    """``shares`` (:class:`TensorKernel`) of a kernel of its own grid (one tensor, no sink) that launches
-    ``unsplit_ctas`` CTAs unsplit (a varlen short-tile CTA counted as a tile): the finest of :func:`tile_shares` below
-    :data:`FINE_SHARES_BYTES`, else 1."""
-    fine = tile_shares(layout, padded_head_dim)
-    small = unsplit_ctas * layout.tile_m * padded_head_dim * (4 + OUT_BYTES) < FINE_SHARES_BYTES
-    return fine[-1] if fine and small else 1
-
-
-def call_shares(layout, padded_head_dim: int) -> tuple[int, ...]:
-    """Every ``shares`` a call of this order may take (:func:`shares_for`), increasing."""
-    return (1,) + tile_shares(layout, padded_head_dim)[-1:]
-
-
 @functools.lru_cache(maxsize=256)
 def tile_shares(layout, padded_head_dim: int) -> tuple[int, ...]:
     """Every ``shares`` > 1 a tile of this order takes (:func:`share_regions`), increasing. A call takes the last
-    (:func:`call_shares`); the others are for experiments."""
+    (``tuning.call_shares``); the others are for experiments."""
     # a varlen short-tile CTA of a split kernel has the share's threads
     least = max(32, varlen.short_tile_threads(layout, padded_head_dim))
     candidates = [s for s in range(2, layout.num_threads // least + 1) if layout.num_threads % (32 * s) == 0]

@@ -72,12 +72,10 @@ class TileConverter:
     """
 
     def __init__(self, dtype: type[cutlass.Numeric], layout, padded_head_dim: int, *,
-                 tiling: Tiling = Tiling.DENSE, target_sm: int = 90, min_ctas_per_sm: int | None = None,
-                 shares: int = 1):
+                 tiling: Tiling = Tiling.DENSE, target_sm: int = 90, shares: int = 1):
         """``padded_head_dim``: ``Dr``, the head dim as padded in the accumulator. ``tiling``: the part's
         (``schedule.py``; outside ``DENSE`` the loads of rows past ``conv_rows`` are skipped). ``target_sm``: the GPU
-        generation compiled for (e.g. 80, 90, 100). Tuning, for experiments:
-        ``min_ctas_per_sm``, the launch-bounds hint given to ptxas (None: chosen here; 0: none). ``shares``: 1, or
+        generation compiled for (e.g. 80, 90, 100). ``shares`` (``Tuning.shares``): 1, or
         one of ``spec.tile_shares``: a CTA of ``num_threads / shares`` threads converts those producer threads' share
         of a tile (``spec.share_regions``; :meth:`tile`'s ``share``). The layout and ``Dr`` are a
         :class:`~jax_dqpost._kernel.spec.KernelSpec`'s, which checked that the kernel exists."""
@@ -119,10 +117,9 @@ class TileConverter:
         self.chunk = self.tile_m * padded_head_dim // max(1, layout.num_threads // 128)  # arch 90: per warpgroup
         self.store_threads = spec.store_tiling(layout, padded_head_dim)
         self.smem_bytes = spec.smem_bytes(layout, padded_head_dim)  # a whole tile, split or not
-        if min_ctas_per_sm is None:
-            # Room for the whole fp32 fragment (all its loads in flight at once) plus ~24 registers of
-            # addresses and converted values, and as many CTAs per SM as that allows.
-            min_ctas_per_sm = _REGS_PER_SM // (self.work_threads * (live + 24))
+        # The launch-bounds hint given to ptxas: room for the whole fp32 fragment (all its loads in flight at once)
+        # plus ~24 registers of addresses and converted values, and as many CTAs per SM as that allows.
+        min_ctas_per_sm = _REGS_PER_SM // (self.work_threads * (live + 24))
         self.min_ctas_per_sm = max(0, min(min_ctas_per_sm, _THREADS_PER_SM // self.work_threads, _CTAS_PER_SM))
 
     # ----------------------------------------------------------------------------------------------

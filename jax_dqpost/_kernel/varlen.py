@@ -18,25 +18,18 @@ other values it is still a partition of the rows, so every output row is written
 tile read lies inside the ``(H, Tp * Dr)`` accumulator: corrupt device data can never cause an access out of
 bounds, and the result is still a deterministic function of the inputs.
 
-The work list is one flat int32 array, in three sections (:func:`sections` gives their offsets), and a fourth in a
-list built with ``records`` (:func:`slots_at`):
+The work list is one flat int32 array, in three sections (:func:`sections` gives their offsets):
 
     tile_start[0..K]            exclusive prefix sum of the spans' long tiles; tile_start[K] long tiles in all
     spans[K][SPAN_FIELDS]       (row_start, span_rows, conv_rows, acc_row) of each span
     tile_span[0..num_tiles)     the span of each long-tile slot of the launch grid (slots >= tile_start[K] do
                                 nothing), then, for orders with short tiles, one short-tile slot per span (k)
-    slots[L][SLOT_FIELDS]       only in a list built with ``records``: each long-tile slot's tile, ready to use
-                                (row_start, rows_total, conv_rows, acc_row; all 0 past tile_start[K]), L the long-tile
-                                slots (``num_tiles`` less the short-tile slots)
-
-The records are for an experiment (``kernel.Postprocess``'s ``slot_records``): how many dependent lookups a long-tile
-CTA makes either way is said in ``schedule.py``.
 
 A span of ``r`` rows has ``ceil(r / tile_m)`` tiles. For most orders every tile is a *long* tile: one CTA per tile
 and head (the shared-memory path; ``shares`` CTAs, each converting a share, in a small call's kernel). For the
 orders with short tiles (:func:`short_rows`: the swapped Hopper orders) a span's last tile is *short* when it has
 ``1 .. short_rows`` rows; it is not among the long tiles, and the span's short-tile slot converts it, for
-:data:`SHORT_HEADS` heads per CTA, or one (:func:`short_heads`; :func:`grid_ctas`).
+:data:`SHORT_HEADS` heads per CTA, or one (``Tuning.short_heads``; :func:`grid_ctas`).
 
 ``num_tiles`` is the number of slots: the long tiles (exactly, for static offsets; the bound :meth:`WorkList.max_tiles`
 for traced ones), plus ``K`` short-tile slots for orders with short tiles. :meth:`WorkList.build` makes the list from
@@ -59,18 +52,11 @@ SPAN_FIELDS = ("row_start", "span_rows", "conv_rows", "acc_row")
 """A span's record: its first row of the result, its rows, of which the first ``conv_rows`` come from the
 accumulator, from accumulator row ``acc_row`` on (module docstring)."""
 ROW_START, SPAN_ROWS, CONV_ROWS, ACC_ROW = range(len(SPAN_FIELDS))
-SLOT_FIELDS = ("row_start", "rows_total", "conv_rows", "acc_row")
-"""A long-tile slot's record: its tile's first row of the result, rows to write, rows from the accumulator, first
-accumulator row (``schedule.Tile``'s, before a head's offsets): a span's fields, for its tile, in the same places."""
-ROWS_TOTAL = SPAN_ROWS
 INT32_MAX = 2**31 - 1  # row offsets, extents and the kernel's launch grid are int32
 SHORT_ROWS = 16
 """A varlen tile of at most this many rows is a short tile, for the orders that have them (:func:`short_rows`)."""
 SHORT_HEADS = 8
-"""Heads per short-tile CTA (:func:`short_heads`)."""
-SHORT_CTAS = 128
-"""Short-tile CTAs (at :data:`SHORT_HEADS` heads each) below which a kernel of its own grid takes one head a CTA
-(:func:`short_heads`)."""
+"""Heads per short-tile CTA, or 1 (``Tuning.short_heads``, ``tuning.short_heads`` chooses)."""
 
 
 def short_rows(layout) -> int:
@@ -89,13 +75,6 @@ def short_tile_threads(layout, padded_head_dim: int) -> int:
     columns (``tile.TileConverter.short_tile``); 0 for orders without short tiles. A CTA of fewer threads would drop
     work items (``spec.tile_shares`` keeps at least this many)."""
     return (short_rows(layout) + 1) // 2 * (padded_head_dim // 16)
-
-
-def short_heads(num_spans: int, heads: int) -> int:
-    """Heads per short-tile CTA in a kernel of its own grid (``TensorKernel.short_heads``): :data:`SHORT_HEADS`, or 1
-    where that would make fewer than :data:`SHORT_CTAS` CTAs (a pack of a few sequences, whose few short-tile CTAs,
-    converting their heads in rounds, would be the call's tail). One head: :data:`SHORT_HEADS` (the same grid)."""
-    return SHORT_HEADS if heads <= 1 or num_spans * -(-heads // SHORT_HEADS) >= SHORT_CTAS else 1
 
 
 def grid_ctas(heads, num_tiles, num_spans, short_rows: int, short_heads: int = SHORT_HEADS, shares: int = 1):
@@ -120,12 +99,6 @@ def sections(num_spans):
     return num_spans + 1, (len(SPAN_FIELDS) + 1) * num_spans + 1
 
 
-def slots_at(num_spans, num_tiles):
-    """Offset of the slots' records in a work list of ``num_spans`` spans and ``num_tiles`` slots built with
-    ``records``. Plain arithmetic: also evaluated on the kernel's run-time integers."""
-    return sections(num_spans)[1] + num_tiles
-
-
 class Spans(NamedTuple):
     """A decoded work list (arrays of the builder's kind)."""
 
@@ -135,15 +108,13 @@ class Spans(NamedTuple):
     conv_rows: object
     acc_row: object
     tile_span: object  # (num_tiles,)
-    slots: object = None  # (L, len(SLOT_FIELDS)): the long-tile slots' records; None without ``records``
 
 
 @dataclasses.dataclass(frozen=True)
 class WorkList:
     """The static shape of a work list: ``batch`` sequences packed into ``total`` rows, ``tile_m``-row tiles,
     ``num_tiles`` slots (module docstring), accumulator rows padded in units of ``pad_rows`` (``tile_m *
-    cluster_size``), tiles of at most ``short_rows`` rows short (0: none), the long-tile slots' records appended
-    or not (``records``)."""
+    cluster_size``), tiles of at most ``short_rows`` rows short (0: none)."""
 
     total: int
     batch: int
@@ -151,7 +122,6 @@ class WorkList:
     num_tiles: int
     pad_rows: int
     short_rows: int = 0
-    records: bool = False
 
     @property
     def num_spans(self) -> int:
@@ -159,12 +129,7 @@ class WorkList:
 
     @property
     def size(self) -> int:
-        return slots_at(self.num_spans, self.num_tiles) + len(SLOT_FIELDS) * self.long_slots * self.records
-
-    @property
-    def long_slots(self) -> int:
-        """The slots of long tiles (those from ``tile_start[K]`` on convert nothing)."""
-        return self.num_tiles - self.short_slots
+        return sections(self.num_spans)[1] + self.num_tiles
 
     @property
     def padded_total(self) -> int:
@@ -194,13 +159,12 @@ class WorkList:
         return min((total + (tile_m - s - 1) * spans) // tile_m, total // (s + 1)) + spans
 
     @classmethod
-    def build(cls, xp, cu_seqlens, seqused, *, total: int, layout, num_tiles: int | None = None,
-              records: bool = False):
+    def build(cls, xp, cu_seqlens, seqused, *, total: int, layout, num_tiles: int | None = None):
         """``(WorkList, int32 array)``; ``xp`` is ``numpy`` (static values) or ``jax.numpy`` (traced values).
 
         ``layout``: the accumulator's ``AccumLayout`` (its tile, row padding and short tiles). ``num_tiles``: the
         slots of the launch (None: exactly the tiles needed, which needs static values; traced values take
-        :meth:`max_tiles`). ``records``: append the long-tile slots' records (module docstring).
+        :meth:`max_tiles`).
         """
         tile_m, pad_rows, short = layout.tile_m, layout.pad_rows, short_rows(layout)
         cu = xp.asarray(cu_seqlens).astype(np.int32)
@@ -243,22 +207,12 @@ class WorkList:
                                     **unrolled) - 1
         tile_span = xp.clip(tile_span, 0, batch + 1).astype(np.int32)
         work = cls(total=total, batch=batch, tile_m=tile_m, num_tiles=num_tiles, pad_rows=pad_rows,
-                   short_rows=short, records=records)
+                   short_rows=short)
         parts = [tile_start, spans, tile_span, xp.arange(short_slots, dtype=np.int32)]
-        if records:  # each long-tile slot's tile, as the kernel derives it from tile_span and its span's fields
-            slot = xp.arange(num_tiles - short_slots, dtype=np.int32)
-            first = (slot - tile_start[tile_span]) * tile_m  # the tile's first row in its span
-            fields = [starts[tile_span] + first, xp.minimum(span_rows[tile_span] - first, tile_m),
-                      xp.clip(conv_rows[tile_span] - first, 0, tile_m), acc_row[tile_span] + first]
-            used = slot < tile_start[-1]
-            parts.append(xp.stack([xp.where(used, f, 0) for f in fields], axis=1).reshape(-1))
         return work, xp.concatenate(parts).astype(np.int32)
 
     def decode(self, work_list) -> Spans:
         """The sections of the work list ``work_list`` (numpy or jax array of :attr:`size` entries)."""
         spans_at, tile_span_at = sections(self.num_spans)
         spans = work_list[spans_at:tile_span_at].reshape(self.num_spans, len(SPAN_FIELDS))
-        records_at = slots_at(self.num_spans, self.num_tiles)
-        slots = work_list[records_at:].reshape(self.long_slots, len(SLOT_FIELDS)) if self.records else None
-        return Spans(work_list[:spans_at], *(spans[:, f] for f in range(len(SPAN_FIELDS))),
-                     work_list[tile_span_at:records_at], slots)
+        return Spans(work_list[:spans_at], *(spans[:, f] for f in range(len(SPAN_FIELDS))), work_list[tile_span_at:])

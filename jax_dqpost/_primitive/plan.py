@@ -30,7 +30,8 @@ import numpy as np
 
 from .._kernel import abi, spec, varlen
 from .._kernel.abi import Tiling
-from .._kernel.spec import KernelSpec, TensorKernel
+from .._kernel.spec import KernelSpec, TensorKernel, Tuning
+from .._kernel.tuning import choose as choose_tuning
 from ..layout import AccumLayout
 from .._kernel.varlen import INT32_MAX, WorkList
 
@@ -91,20 +92,17 @@ class Part:
         """``Da``: the head dim as the accumulator's allocation pads it (``AccumLayout.alloc_head_dim``)."""
         return self.layout.alloc_head_dim(self.padded_head_dim)
 
-    def kernel(self, shares: int = 1, short_heads: int = varlen.SHORT_HEADS) -> TensorKernel:
-        """What of this part changes the compiled binary, its tiles converted by ``shares`` CTAs each, its short
-        tiles by CTAs of ``short_heads`` heads."""
-        return TensorKernel(self.layout, self.padded_head_dim, self.tiling, shares, short_heads)
+    def kernel(self) -> TensorKernel:
+        """What of this part changes the compiled binary."""
+        return TensorKernel(self.layout, self.padded_head_dim, self.tiling)
 
-    def single_part_kernel(self, acc_shape) -> TensorKernel:
-        """:meth:`kernel` when this part is a kernel's own grid: tiles split as ``spec.shares_for`` chooses
-        from the unsplit CTAs (every batch's; short tiles counted at ``varlen.SHORT_HEADS`` heads a CTA, whatever the
-        kernel's), short tiles by ``varlen.short_heads`` heads a CTA."""
-        short_heads = varlen.SHORT_HEADS
-        if self.work is not None and self.work.short_rows:
-            short_heads = varlen.short_heads(self.work.num_spans, self.heads(acc_shape))
-        ctas = self.ctas(acc_shape, 1, varlen.SHORT_HEADS) * (1 if self.work is not None else acc_shape[0])
-        return self.kernel(spec.shares_for(self.layout, self.padded_head_dim, ctas), short_heads)
+    def tuning(self, acc_shape, single_part: bool) -> Tuning:
+        """The kernel's tuning (``tuning.choose``) where this part is its first, on an accumulator of ``acc_shape``;
+        ``single_part``: the kernel's grid is this part's own."""
+        ctas = self.ctas(acc_shape) * (1 if self.work is not None else acc_shape[0]) if single_part else 0  # unsplit
+        spans = self.work.num_spans if self.work is not None else 0
+        return choose_tuning(self.layout, self.padded_head_dim, single_part=single_part, unsplit_ctas=ctas,
+                             num_spans=spans, heads=self.heads(acc_shape))
 
     # ---- shapes ----------------------------------------------------------------------------------
     def aux_shape(self, batch: int) -> tuple[int]:
@@ -357,23 +355,21 @@ class Plan:
     # ---- the CUDA kernel -------------------------------------------------------------------------
     def kernel(self, acc_shapes) -> KernelSpec:
         """The kernel the call compiles for accumulators of ``acc_shapes`` (with the target GPU): what of it changes
-        the binary. A kernel of one part's own grid chooses its work units from the shapes (``Part.single_part_kernel``:
-        small calls' tiles split, few spans' short tiles one head a CTA)."""
+        the binary, its tuning chosen from the shapes (``Part.tuning``: a small call's tiles split, few spans' short
+        tiles one head a CTA, in a kernel of one part's own grid)."""
         sink = None if not self.has_sink else (abi.DTYPE_NAMES[np.dtype(self.sink_dtype)],
                                                abi.DTYPE_NAMES[np.dtype(self.dsink_dtype)])
-        return KernelSpec(abi.DTYPE_NAMES[np.dtype(self.dq.dtype)], self._tensor_kernels(acc_shapes), sink)
-
-    def _tensor_kernels(self, acc_shapes) -> tuple[TensorKernel, ...]:
-        if not spec.single_part(len(self.parts), self.has_sink):
-            return tuple(p.kernel() for p in self.parts)
-        return tuple(p.single_part_kernel(s) for p, s in zip(self.parts, acc_shapes))
+        single = spec.single_part(len(self.parts), self.has_sink)
+        return KernelSpec(abi.DTYPE_NAMES[np.dtype(self.dq.dtype)], tuple(p.kernel() for p in self.parts), sink,
+                          self.dq.tuning(acc_shapes[0], single))
 
     def launch(self, acc_shapes) -> tuple[tuple[int, ...], int]:
         """``(extents, ctas)``: the kernel's int32 extents (``abi.EXTENTS`` of each part, ``Part.launch_extents``)
         and the CTAs of its launch (:meth:`kernel`'s): with a sink ``H`` sink CTAs, then every part's, every batch's
         (the grid's z is the batch when ``KernelSpec.batch_on_grid_z``). ``ValueError`` if CUDA cannot launch it."""
         extents, ctas = [], self.dq.heads(acc_shapes[0]) if self.has_sink else 0
-        for p, shape, t in zip(self.parts, acc_shapes, self._tensor_kernels(acc_shapes)):
+        t = self.kernel(acc_shapes).tuning
+        for p, shape in zip(self.parts, acc_shapes):
             ext = p.launch_extents(shape)
             extents += ext
             ctas += p.ctas(shape, t.shares, t.short_heads) * (1 if p.work is not None else ext[0])

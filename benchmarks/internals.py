@@ -51,7 +51,8 @@ def get_kernel(p: Plan, acc_shapes):
 def executor(p: Plan, acc_shapes, **tuning):
     """CuTe's executor of ``p``'s kernel on accumulators of ``acc_shapes`` for this GPU, compiled once per kernel;
     ``tuning``: fields of its ``Tuning`` (``shares``, ``short_heads``) instead of the package's choice, the key the
-    package's own cache would compile (``ValueError`` for a tuning the kernel cannot take)."""
+    package's own cache would compile (``ValueError`` for a tuning the kernel cannot take, ``TypeError`` for a name
+    that is not a field)."""
     spec = p.kernel(acc_shapes)
     spec = dataclasses.replace(spec, tuning=dataclasses.replace(spec.tuning, **tuning))
     if spec not in _EXECUTORS:

@@ -11,11 +11,11 @@ are one layer's dQ: H=32, head dims 64-256, B 1-2 and S 1k-8k dense; packs of 2-
 
 Per link, on jax.profiler's timeline: ``slot`` = end(slot kernel) - end(the kernel before it) and ``gap`` =
 start(slot kernel) - end(the kernel before it); medians over the links and ``reps`` traced executions. And
-``wall``: wall-clock time per link of pipelined untraced executions (the host's launches included). Each
-registration of our target runs in its own process: the default, which XLA captures into its command buffers, and
-the one it launches between them (``JAX_DQPOST_COMMAND_BUFFERS=0``), with
-``--xla_enable_command_buffers_during_profiling`` so that the trace sees the command buffers a step runs (XLA otherwise replays them op by op while a profiler is active). Every program is
-compiled and recorded before the one trace that measures them all.
+``wall``: wall-clock time per link of pipelined untraced executions (the host's launches included). Each registration of
+our target runs in its own process: the default, which XLA captures into its command buffers, and the one it launches
+between them (``JAX_DQPOST_COMMAND_BUFFERS=0``), with ``--xla_enable_command_buffers_during_profiling`` so that the
+trace sees the command buffers a step runs (XLA otherwise replays them op by op while a profiler is active). Every
+program is compiled and recorded before the one trace that measures them all.
 """
 
 from __future__ import annotations

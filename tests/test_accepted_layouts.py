@@ -146,7 +146,7 @@ def test_a_shares_region_holds_its_threads_elements(seed):
 
 
 def test_small_calls_split_their_tiles():
-    """A kernel of one part and no sink whose tiles move fewer than ``kernel_spec.FINE_SHARES_BYTES`` (accumulator and
+    """A kernel of one part and no sink whose tiles move fewer than ``tuning.FINE_SHARES_BYTES`` (accumulator and
     output) converts each tile with the finest split of the order; the launch's CTAs count them. A fused or sink
     kernel never splits; a split the order cannot take is refused."""
     from jax_dqpost._kernel.tuning import FINE_SHARES_BYTES

@@ -1,9 +1,9 @@
 """Compile the CuTe DSL kernel once per binary-changing configuration; cutlass is imported lazily here.
 
 The key (``Plan.kernel``, a :class:`~jax_dqpost._kernel.spec.KernelSpec`, and the target GPU) holds what changes the
-binary: output dtype, each part's accumulator layout, padded head dim and tiling, the sink's dtypes, the tuning
-(shares and short-tile heads) and the GPU architecture. Batch, heads, sequence lengths, head dims and scales are run-time arguments of the
-compiled module, so they never trigger a compile.
+binary: output dtype, each part's accumulator layout, padded head dim and tiling, the sink's dtypes, the tuning (shares
+and short-tile heads) and the GPU architecture. Batch, heads, sequence lengths, head dims and scales are run-time
+arguments of the compiled module, so they never trigger a compile.
 
 Two caches: in memory (per process), and on disk. ``JAX_DQPOST_CACHE_DIR`` names the disk cache's directory, an
 absolute path; ``none`` (that spelling only) turns it off; unset or empty, it is ``$XDG_CACHE_HOME/jax_dqpost`` (an

@@ -1,9 +1,9 @@
-"""The kernel a call compiles: :class:`KernelSpec`, everything that changes the binary but the target GPU (its
-tuning, :class:`Tuning`, among it), and the rules of which kernels exist (:func:`check_limits`, beyond the order's own; ``AccumLayout.check_head_dim`` asks
-both, so this module does not import ``layout/``: a layout here is an ``AccumLayout``). No cutlass here: the
-plan builds the record (``Plan.kernel``), the cache keys on it with the GPU (``cache.py``), and the kernel is
-made from it alone (``kernel.Postprocess``). Batch, heads, sequence lengths, head dims and scales are run-time
-arguments of the compiled module: never part of it."""
+"""The kernel a call compiles: :class:`KernelSpec`, everything that changes the binary but the target GPU (its tuning,
+:class:`Tuning`, among it), and the rules of which kernels exist (:func:`check_limits`, beyond the order's own;
+``AccumLayout.check_head_dim`` asks both, so this module does not import ``layout/``: a layout here is an
+``AccumLayout``). No cutlass here: the plan builds the record (``Plan.kernel``), the cache keys on it with the GPU
+(``cache.py``), and the kernel is made from it alone (``kernel.Postprocess``). Batch, heads, sequence lengths, head dims
+and scales are run-time arguments of the compiled module: never part of it."""
 
 from __future__ import annotations
 

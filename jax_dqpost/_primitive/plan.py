@@ -359,16 +359,19 @@ class Plan:
         tiles one head a CTA, in a kernel of one part's own grid)."""
         sink = None if not self.has_sink else (abi.DTYPE_NAMES[np.dtype(self.sink_dtype)],
                                                abi.DTYPE_NAMES[np.dtype(self.dsink_dtype)])
-        single = spec.single_part(len(self.parts), self.has_sink)
         return KernelSpec(abi.DTYPE_NAMES[np.dtype(self.dq.dtype)], tuple(p.kernel() for p in self.parts), sink,
-                          self.dq.tuning(acc_shapes[0], single))
+                          self.tuning(acc_shapes))
+
+    def tuning(self, acc_shapes) -> Tuning:
+        """The kernel's tuning for accumulators of ``acc_shapes``: its first part's choice (``Part.tuning``)."""
+        return self.dq.tuning(acc_shapes[0], spec.single_part(len(self.parts), self.has_sink))
 
     def launch(self, acc_shapes) -> tuple[tuple[int, ...], int]:
         """``(extents, ctas)``: the kernel's int32 extents (``abi.EXTENTS`` of each part, ``Part.launch_extents``)
         and the CTAs of its launch (:meth:`kernel`'s): with a sink ``H`` sink CTAs, then every part's, every batch's
         (the grid's z is the batch when ``KernelSpec.batch_on_grid_z``). ``ValueError`` if CUDA cannot launch it."""
         extents, ctas = [], self.dq.heads(acc_shapes[0]) if self.has_sink else 0
-        t = self.kernel(acc_shapes).tuning
+        t = self.tuning(acc_shapes)
         for p, shape in zip(self.parts, acc_shapes):
             ext = p.launch_extents(shape)
             extents += ext

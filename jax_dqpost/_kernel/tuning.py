@@ -4,8 +4,8 @@ A kernel of dQ, dK and dV, or with a sink, runs with the defaults (whole tiles, 
 ``varlen.SHORT_HEADS`` heads). A kernel of one tensor without a sink (its own grid) splits each tile between the
 finest of its order's shares when the call is small (:data:`FINE_SHARES_BYTES`: more CTAs fill the GPU's SMs), and
 converts varlen short tiles one head a CTA when a pack of few sequences would leave few short-tile CTAs
-(:data:`SHORT_CTAS`). docs/performance.md gives the measurements behind both. The tuning is in the kernel's cache key:
-a value chosen here, or one a benchmark passes, compiles its own kernel. No cutlass here.
+(:data:`SHORT_CTAS`); docs/performance.md measures the split ("Small calls' work units"). The tuning is in the
+kernel's cache key: a value chosen here, or one a benchmark passes, compiles its own kernel. No cutlass here.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@
 # extras) into $TARGET (default: a temporary folder put first on PYTHONPATH), then runs the steps in $STEPS
 # (default "tests sanitizer bench"): the whole pytest suite on 4 workers, compute-sanitizer memcheck on corrupt
 # traced varlen offsets (tests/sanitize_varlen.py), and the benchmark (`python -m benchmarks`, benchmarks/README.md).
-# PYTEST_ARGS replaces the test selection, BENCH_ARGS goes to the benchmark. Logs and bench.json/png go to $OUT
-# (default: gpu_check_out/ in the checkout).
+# PYTEST_ARGS replaces the test selection (paths relative to the checkout or absolute), BENCH_ARGS goes to the
+# benchmark. Logs and bench.json/png go to $OUT (default: gpu_check_out/ in the checkout).
 set -o pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-$repo/gpu_check_out}; mkdir -p "$out"
@@ -26,9 +26,17 @@ export PYTHONPATH=$target${PYTHONPATH:+:$PYTHONPATH}
 rc=0
 if [[ $steps == *tests* ]]; then
   echo "== tests ${PYTEST_ARGS:-}"
-  # 4 workers (pytest-xdist), each without JAX's 75% preallocation of the GPU's memory
-  (cd /tmp && XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -n 4 -q -rs -p no:cacheprovider \
-    ${PYTEST_ARGS:-"$repo/tests"} 2>&1 | tee "$out/pytest.log" | tail -40) || rc=1
+  # pytest runs from /tmp (the installed package, not the source tree, is imported): a test path of PYTEST_ARGS
+  # relative to the checkout is made absolute
+  args=()
+  for arg in ${PYTEST_ARGS:-"$repo/tests"}; do
+    [[ $arg != /* && $arg != -* && -e "$repo/${arg%%::*}" ]] && arg="$repo/$arg"
+    args+=("$arg")
+  done
+  # 4 workers (pytest-xdist), each without JAX's 75% preallocation of the GPU's memory; failures, errors and skips
+  # named in the summary
+  (cd /tmp && XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -n 4 -q -rfEs -p no:cacheprovider \
+    "${args[@]}" 2>&1 | tee "$out/pytest.log" | tail -40) || rc=1
 fi
 if [[ $steps == *sanitizer* ]]; then
   echo "== compute-sanitizer memcheck: corrupt traced offsets"

@@ -46,6 +46,9 @@ def dq_postprocess(dq_accum, scale, *, head_dim: int, seqlen_q: int | None = Non
                    cu_seqlens_q=None, seqused_q=None, dtype=jnp.bfloat16, layout: AccumLayout):
     """FlashAttention's backward dQ postprocess: ``dQ = round(scale * dq_accum)`` in natural layout.
 
+    Shapes (FlashAttention's letters, not jax.nn's): ``B`` batch, ``S`` query length (``seqlen_q``), ``H`` heads,
+    ``D`` head dim (``head_dim``); packed, ``T`` rows in all (``total_q``).
+
     Dense batches (``seqlen_q`` given)::
 
         dq_accum: float32 (B, H, Sr * Da)  ->  dq: (B, S, H, D)
@@ -140,7 +143,9 @@ def flash_attention_postprocess(dq_accum, dk_accum, dv_accum, softmax_scale, *, 
     where the backward accumulates dK/dV in fp32 too) and the learnable sink's gradient.
 
     Each tensor is converted as :func:`dq_postprocess` converts dQ (one fp32 multiply, one rounding), with its
-    own layout, head dim, sequence side and scale::
+    own layout, head dim, sequence side and scale; the letters are :func:`dq_postprocess`'s, and on the k side
+    ``Hkv`` key/value heads, ``Sk`` key length (``seqlen_k``), ``Tk`` packed key rows (``total_k``), ``Dv`` the
+    value head dim (``head_dim_v``)::
 
         dQ: dq_accum (B, H, Sr*Da) or (H, Tp*Da)        -> dq (B, S, H, D) or (T, H, D)      scale softmax_scale
         dK: dk_accum (B, Hkv, Skr*Da) or (Hkv, Tkp*Da)  -> dk (B, Sk, Hkv, D) or (Tk, Hkv, D)  scale dk_scale

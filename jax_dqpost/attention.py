@@ -73,9 +73,13 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
         are 0; keys ``j >= key_value_seq_lengths[b]`` are not seen.
       local_window_size: ``(left, right)`` or an int for both: query ``i`` sees keys ``i - left <= j <= i + right``.
       sinks: ``(N,)`` floating, one learnable logit per query head in every row's softmax, in natural-log units
-        (not multiplied by ``scale``), with no value vector (gpt-oss): ``out_i = sum_j p_ij v_j`` with
+        (not multiplied by ``scale``), with no value vector (gpt-oss): for query head ``n``, with ``l_ij`` the scaled,
+        biased and masked logit of query ``i`` and key ``j``, ``out_i = sum_j p_ij v_j`` and
         ``p_ij = exp(l_ij) / (sum_j exp(l_ij) + exp(sinks[n]))``. Read as float32; its gradient has its dtype.
-      implementation: ``'fa4'``, ``'xla'``, ``'cudnn'`` or None (the module docstring).
+      implementation: ``'fa4'``: FlashAttention-4's kernels (a GPU where they run this call, fa4-jax installed);
+        ``'xla'``: jax.numpy, every platform; ``'cudnn'``: jax.nn's cuDNN attention, without sinks; None: ``'fa4'``
+        where it runs the call, else ``'xla'`` (on a GPU with a one-time warning saying why). The module docstring
+        says what ``'fa4'`` expresses.
       return_residual: also return the log-sum-exp of every row's logits (the sink's too), ``(B, T, N)`` or
         ``(T, N)`` in the keys' dtype, as a constant of differentiation.
 

@@ -89,7 +89,8 @@ def attention_step(rng) -> dict:
 
     def close(outs):
         got = [np.asarray(g, np.float64) for g in outs]
-        first.extend(got if not first else [])
+        if not first:
+            first.extend(got)
         return all(np.isfinite(g).all() and np.abs(g - w).max() <= 2 ** -7 * np.abs(w).max()
                    for g, w in zip(got, first))
 

@@ -10,7 +10,9 @@ Implementations (``implementation=``):
   Lengths run FlashAttention's packed (varlen) kernels on the batch as it is, reshaped (no copy). A call the
   kernels cannot express exactly (a bias, a mask array, a window whose alignment differs) is refused naming why.
 - ``'xla'``: jax.numpy on every platform (``jax_dqpost._attention.xla``): jax.nn's ``'xla'`` computation, with the
-  sinks as one more logit per row; bf16 and fp16 on CPU too.
+  sinks as one more logit per row; bf16 and fp16 on CPU too. Float32 inputs multiply at jax's default matmul
+  precision, as jax.nn's do: on NVIDIA GPUs since Ampere, XLA rounds their operands to TF32 unless
+  ``jax.default_matmul_precision('highest')`` says otherwise.
 - ``'cudnn'``: ``jax.nn.dot_product_attention(implementation='cudnn')`` as it is, without sinks.
 - ``None``: ``'fa4'`` where it runs this call, else ``'xla'``; on a GPU the fallback warns once per reason.
 """

@@ -234,7 +234,7 @@ def check_sink(sink, q, kwargs, packed: bool):
         raise TypeError(f"{'flash_attn_varlen' if packed else 'flash_attn'}() got unexpected keyword argument(s) "
                         f"{', '.join(unknown)}; with learnable_sink it takes {', '.join(allowed)}")
     dtype = getattr(sink, "dtype", None)
-    if dtype is None or not np.issubdtype(np.dtype(dtype), np.floating):
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):  # numpy's issubdtype calls bfloat16 no float
         raise TypeError("learnable_sink must be a floating-point array of shape (heads,), got "
                         + (describe(sink) if dtype is None else f"dtype {np.dtype(dtype)}"))
     heads = q.shape[-2] if getattr(q, "ndim", 0) >= 2 else None

@@ -9,8 +9,9 @@ report's header names it, and a failing test's report says how to replay it.
 Kernel cache: the tests that lower for CUDA compile CuTe kernels (also without a GPU, for ``CUTE_DSL_ARCH``). The run
 has one on-disk kernel cache: the first pytest process makes it (the xdist controller, or the only process), its
 xdist workers use it too (so a kernel is compiled once per run, not once per worker; the cache is safe for
-concurrent writers), and it is removed when that process exits. The workers (one per core: pyproject's pytest
-``addopts``) start JAX without taking most of a GPU's memory up front, as they share it.
+concurrent writers), and it is removed when that process exits. The workers (pyproject's pytest ``addopts``: one per
+core, at most ``GPU_WORKERS`` on a GPU machine) start JAX without taking most of a GPU's memory up front, as they
+share it. Float32 matrix products are float32 on every platform (jax's ``default_matmul_precision``).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
+import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -63,6 +65,20 @@ PLATFORMS = ["cpu", "cuda"] if HAS_GPU else ["cpu"]
 if not HAS_GPU:
     # Lowering for CUDA without a GPU (export tests) compiles the kernel for this architecture.
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+# float32 matrix products in float32 on every platform: XLA's default on NVIDIA GPUs since Ampere rounds their
+# operands to TF32 (10 mantissa bits), beyond any bound in float32 roundings the tests set. (The package's 'xla'
+# attention keeps jax's default, as jax.nn's does; its docstring says so.)
+jax.config.update("jax_default_matmul_precision", "highest")
+
+GPU_WORKERS = 8
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto`` (pyproject's default): one worker per core, at most ``GPU_WORKERS`` where they share a GPU (each
+    XLA client keeps the most GPU memory its tests have used, so that more can run an 80 GB GPU out of memory)."""
+    cores = os.cpu_count() or 1
+    return min(cores, GPU_WORKERS) if HAS_GPU else cores
 
 
 # ---- the run's seed

@@ -4,8 +4,8 @@
 # It installs the package from this checkout (no dependencies, no index, no build isolation: they must be there
 # already, scikit-build-core >= 1.0 among them, e.g. from the README's install with the [cuda13,test,bench]
 # extras) into $TARGET (default: a temporary folder put first on PYTHONPATH), then runs the steps in $STEPS
-# (default "tests sanitizer bench"): the whole pytest suite on 4 workers, compute-sanitizer memcheck on corrupt
-# traced varlen offsets (tests/sanitize_varlen.py), and the benchmark (`python -m benchmarks`, benchmarks/README.md).
+# (default "tests sanitizer bench"): the whole pytest suite, compute-sanitizer memcheck on corrupt traced varlen offsets
+# (tests/sanitize_varlen.py), and the benchmark (`python -m benchmarks`, benchmarks/README.md).
 # PYTEST_ARGS replaces the test selection (paths relative to the checkout or absolute), BENCH_ARGS goes to the
 # benchmark. Logs and bench.json/png go to $OUT (default: gpu_check_out/ in the checkout).
 set -o pipefail
@@ -33,9 +33,9 @@ if [[ $steps == *tests* ]]; then
     [[ $arg != /* && $arg != -* && -e "$repo/${arg%%::*}" ]] && arg="$repo/$arg"
     args+=("$arg")
   done
-  # 4 workers (pytest-xdist), each without JAX's 75% preallocation of the GPU's memory; failures, errors and skips
-  # named in the summary
-  (cd /tmp && XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -n 4 -q -rfEs -p no:cacheprovider \
+  # pytest-xdist's workers (tests/conftest.py picks how many), each without JAX's 75% preallocation of the GPU's
+  # memory; failures, errors and skips named in the summary
+  (cd /tmp && XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -q -rfEs -p no:cacheprovider \
     "${args[@]}" 2>&1 | tee "$out/pytest.log" | tail -40) || rc=1
 fi
 if [[ $steps == *sanitizer* ]]; then

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 import attention_oracle as oracle64
-from jax_dqpost import attention, dot_product_attention
+from conftest import HAS_GPU
+from jax_dqpost import attention, dot_product_attention, fa4jax
 from support import assert_close_to_scale as _close, assert_within_roundings
 
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16}
@@ -177,10 +178,11 @@ def _fa4_case(rng, kind):
 
 
 @pytest.mark.parametrize("kind", ["dense", "same-lengths", "query-lengths"])
-def test_fa4s_translation_is_jax_nns_attention(rng, kind):
+def test_fa4s_translation_is_jax_nns_attention(rng, kind, monkeypatch):
     """'fa4' runs jax.nn's top-left masks as FlashAttention's bottom-right ones (keys cut, the window shifted; with
     lengths, FlashAttention's packed batch on the used lengths). Run through fa4jax's jax.numpy path, its out,
     residual and gradients are 'xla''s on every row that sees a key."""
+    monkeypatch.setattr(fa4jax, "on_gpu", lambda: False)  # also on a GPU machine (its kernels take no float32)
     for _ in range(8):
         (q, k, v), kw = _fa4_case(rng, kind)
         request, _ = attention._request(q, k, v, None, None, kw.get("scale"), kw.get("is_causal", False),
@@ -264,6 +266,7 @@ def test_fa4_plans_take_one_lengths_array_for_both():
 
 # ---- which implementation runs ----------------------------------------------------------------------------------
 
+@pytest.mark.skipif(HAS_GPU, reason="a GPU machine runs 'fa4': tests/test_gpu_attention.py")
 def test_without_a_gpu_fa4_is_refused_and_none_runs_xla_quietly(rng):
     (q, k, v), kw = _case(rng, jnp.bfloat16, masks=False, lengths=False, bias=False)
     with pytest.raises(ValueError) as info:

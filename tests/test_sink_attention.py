@@ -393,6 +393,14 @@ def test_a_wrong_sink_is_refused_naming_it(sink, error, words):
     assert words in str(info.value) and "\n" not in str(info.value), str(info.value)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_a_sink_of_each_kernel_dtype_is_taken_as_it_is(dtype):
+    sink = jnp.linspace(-1, 1, 8).astype(dtype)
+    got = fa4jax.check_sink(sink, Q, {}, packed=False)
+    assert got.dtype == dtype
+    np.testing.assert_array_equal(got, sink)
+
+
 def test_a_float64_sink_is_read_as_float32():
     """A float64 sink (numpy's, or jax's under jax_enable_x64) is taken as jax's own ops take it: as float32."""
     sink = np.linspace(-1, 1, 8)

@@ -14,8 +14,9 @@ query head in every row (no value vector), and two conventions that differ where
 
 The logits are float32 (float64 for float64 inputs): bf16 operands multiply in ``BF16_BF16_F32`` (jax.nn's
 precision); fp16 ones in ``F16_F16_F32`` where the platform has it, else upcast to float32 at the highest precision
-(the same exact products, as XLA's CPU has no such preset). The softmax is float32; the probabilities are rounded
-to the values' dtype before they multiply the values.
+(the same exact products, as XLA's CPU has no such preset); float32 ones at jax's default matmul precision, as
+jax.nn's (TF32 on NVIDIA GPUs since Ampere, unless ``jax.default_matmul_precision`` says otherwise). The softmax is
+float32; the probabilities are rounded to the values' dtype before they multiply the values.
 """
 
 from __future__ import annotations

@@ -34,8 +34,9 @@ if [[ $steps == *tests* ]]; then
     args+=("$arg")
   done
   # pytest-xdist's workers (tests/conftest.py picks how many), each without JAX's 75% preallocation of the GPU's
-  # memory; failures, errors and skips named in the summary
-  (cd /tmp && XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -q -rfEs -p no:cacheprovider \
+  # memory; the log names each test as it ends (a run cut short still says which failed), the summary names
+  # failures, errors and skips
+  (cd /tmp && XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -v -rfEs -p no:cacheprovider \
     "${args[@]}" 2>&1 | tee "$out/pytest.log" | tail -40) || rc=1
 fi
 if [[ $steps == *sanitizer* ]]; then

@@ -14,7 +14,7 @@ import functools
 import ml_dtypes
 import numpy as np
 
-from support import bits, round_up, cu_seqlens
+from support import assert_within_roundings, bits, cu_seqlens, round_up
 
 
 @functools.lru_cache(maxsize=None)
@@ -394,6 +394,14 @@ def assert_dsink_close(got, want, magnitude, sink_dtype, what=""):
     if np.dtype(sink_dtype) != np.float32:
         tol = tol + np.abs(want) * (2.0**-8 if np.dtype(sink_dtype) == ml_dtypes.bfloat16 else 2.0**-11)
     assert (np.abs(got - want) <= tol).all(), (what, got, want, tol)
+
+
+def assert_dsink_reordered(got, want, sink, lse, dpsum, what="", **rows):
+    """Two programs' dsink over the same rows (``expected_dsink``'s arguments ``rows``): XLA on a CPU may fuse and
+    sum them in another order in each program, by its version and the CPU's vector width, so each head within one
+    float32 rounding plus the reordering of as many float32 terms as rows, at the terms' magnitude."""
+    _, magnitude = expected_dsink(np.asarray(sink), np.asarray(lse), np.asarray(dpsum), **rows)
+    assert_within_roundings(got, want, what, terms=np.size(lse) // np.size(sink), magnitude=magnitude)
 
 
 def hopper_case(rng, name, dtype, seqlen, batch=2, heads=3):

@@ -177,8 +177,11 @@ def test_one_result_type_whatever_the_arguments(rng, platform, gqa):
         exported = jax.export.export(jax.jit(f), platforms=[platform], disabled_checks=DISABLED_CHECKS)(x)
         restored = jax.export.deserialize(exported.serialize()).call(x)
         assert type(restored) is Gradients and tuple(m is not None for m in restored) == present
-        for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(direct)):
-            assert_same_bits(got, want, f"exported, sink={sink}")
+        for got, want in zip(restored[:3], direct[:3]):
+            if want is not None:
+                assert_same_bits(got, want, f"exported, sink={sink}")
+        if sink:
+            oracle.assert_dsink_reordered(restored.dsink, direct.dsink, x["sink"], x["lse"], x["dpsum"], "exported")
         mesh = Mesh(np.array([device]), ("b",))
         for specs in (P(), Gradients(P(), P() if gqa else None, P() if gqa else None, P() if sink else None)):
             got = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P(), out_specs=specs))(x)
@@ -566,7 +569,7 @@ def test_sharded_export_through_shard_map(rng, part, sink):
     """jax.export cannot serialize custom_partitioning's callback: a plain jit over 8 devices raises one error naming
     jax_dqpost and the recipe; the recipe (jit of shard_map over batch and heads, dsink summed over the batch axis
     by the caller) exports for CPU and CUDA at once, serializes, and its round trip on 8 CPU devices gives the bits
-    of the op's own sharded program."""
+    of the op's own sharded program (dsink, a float32 sum, within the roundings of another order)."""
     from jax_dqpost import DISABLED_CHECKS
 
     x, static = problem(rng, part, "dense-seqused", sink=sink, batch=2, seqlens=(150, 100),
@@ -589,8 +592,11 @@ def test_sharded_export_through_shard_map(rng, part, sink):
     exported = jax.export.export(recipe, platforms=["cpu", "cuda"], disabled_checks=DISABLED_CHECKS)(placed)
     restored = jax.export.deserialize(exported.serialize())
     got, want = restored.call(placed), jax.jit(op)(placed)
-    for j in range(len(want)):
+    for j in range(len(want) - sink):
         assert_same_bits(got[j], want[j], f"exported shard_map, output {j}")
+    if sink:  # the shards' sums added by the psum: another order than the op's own sharded program may take
+        oracle.assert_dsink_reordered(got[-1], want[-1], x["sink"], x["lse"], x["dpsum"], "exported shard_map",
+                                      seqused=x["used_q"])
 
 
 # ---- bound inside another primitive's own lowering (as fa4-jax's backward binds it)

@@ -35,8 +35,8 @@ if [[ $steps == *tests* ]]; then
   done
   # pytest-xdist's workers (tests/conftest.py picks how many), each without JAX's 75% preallocation of the GPU's
   # memory; the log names each test as it ends (a run cut short still says which failed), the summary names
-  # failures, errors and skips
-  (cd /tmp && XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -v -rfEs -p no:cacheprovider \
+  # failures, errors and skips, and the 30 slowest tests (to split the suite across calls by time)
+  (cd /tmp && XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -v -rfEs --durations=30 -p no:cacheprovider \
     "${args[@]}" 2>&1 | tee "$out/pytest.log" | tail -40) || rc=1
 fi
 if [[ $steps == *sanitizer* ]]; then

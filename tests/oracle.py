@@ -398,7 +398,7 @@ def assert_dsink_close(got, want, magnitude, sink_dtype, what=""):
 
 def assert_dsink_reordered(got, want, sink, lse, dpsum, what="", **rows):
     """Two programs' dsink over the same rows (``expected_dsink``'s arguments ``rows``): XLA on a CPU may fuse and
-    sum them in another order in each program, by its version and the CPU's vector width, so each head within one
+    sum them in another order in each program, as its version decides, so each head within one
     float32 rounding plus the reordering of as many float32 terms as rows, at the terms' magnitude."""
     _, magnitude = expected_dsink(np.asarray(sink), np.asarray(lse), np.asarray(dpsum), **rows)
     assert_within_roundings(got, want, what, terms=np.size(lse) // np.size(sink), magnitude=magnitude)

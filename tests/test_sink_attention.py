@@ -78,6 +78,12 @@ def reference(q, k, v, sink, mask, scale):
 
 # ---- the stand-in producer
 
+def stored(x, dtype):
+    """Float32 ``x`` rounded to ``dtype`` as ``reduce_precision``, which XLA keeps where it may drop a convert pair."""
+    info = jnp.finfo(dtype)
+    return jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     """What the stand-in's kernels know statically: the mask (bytes and shape), the scale, and for a packed batch
@@ -121,6 +127,9 @@ class Producer:
         f32 = jnp.float32
         packed = seqlens is not None
         q4, k4, v4, o4, do4 = ((x[None] if packed else x).astype(f32) for x in (q, k, v, out, d_out))
+        # each as its storage type holds it: a GPU's XLA may drop a pair of converts to a narrower type and back
+        # (excess precision), in one program and not in another, where the kernels read the stored bits
+        q4, k4, v4, o4, do4 = (stored(x, y.dtype) for x, y in zip((q4, k4, v4, o4, do4), (q, k, v, out, d_out)))
         lse4 = lse[None] if packed else lse
         rows = jnp.moveaxis(jnp.sum(o4 * do4, axis=-1), 1, 2)  # (B, H, S): the preprocess's, on the rounded out
         if packed:  # in the accumulator's rows

@@ -1,5 +1,5 @@
-"""Shared test configuration: the run's random seed, one kernel cache for the run, the platforms to run on, and the
-accumulator layouts the tests cover.
+"""Shared test configuration: the run's random seed, one kernel cache for the run, the platforms to run on, the
+accumulator layouts the tests cover, and failure reports written as they happen (``JAX_DQPOST_TEST_FAILURES``).
 
 Random inputs: every test draws from its own stream (the ``rng`` fixture; ``seed`` is its integer seed, for a
 subprocess), derived from the run's seed and the test's id, so a test gets the same inputs whatever else runs, in
@@ -128,6 +128,20 @@ def pytest_runtest_makereport(item, call):
                              f"its id); replay with: cd {item.config.rootpath} && {SEED_ENV}={RUN_SEED} pytest "
                              f"'{item.nodeid}'"))
     return report
+
+
+FAILURES_ENV = "JAX_DQPOST_TEST_FAILURES"
+
+
+def pytest_runtest_logreport(report):
+    """With ``JAX_DQPOST_TEST_FAILURES`` naming a file (tests/gpu_check.sh sets it), each failure's report is added
+    to it as the test ends, so a run stopped by a time limit before pytest's summary still says why a test failed.
+    The process that reports (the xdist controller, or the only one) writes it, once."""
+    path = os.environ.get(FAILURES_ENV)
+    if path and report.failed and not os.environ.get("PYTEST_XDIST_WORKER"):
+        with open(path, "a") as f:
+            inputs = "".join(f"\n{text}" for name, text in report.sections if name == "random inputs")
+            f.write(f"==== {report.nodeid} ({report.when})\n{report.longreprtext}{inputs}\n\n")
 
 
 # ---- what the tests run on

@@ -7,7 +7,8 @@
 # (default "tests sanitizer bench"): the whole pytest suite, compute-sanitizer memcheck on corrupt traced varlen offsets
 # (tests/sanitize_varlen.py), and the benchmark (`python -m benchmarks`, benchmarks/README.md).
 # PYTEST_ARGS replaces the test selection (paths relative to the checkout or absolute), BENCH_ARGS goes to the
-# benchmark. Logs and bench.json/png go to $OUT (default: gpu_check_out/ in the checkout).
+# benchmark. Logs (pytest.log; failures.log, each failure's report as it happens) and bench.json/png go to $OUT
+# (default: gpu_check_out/ in the checkout).
 set -o pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-$repo/gpu_check_out}; mkdir -p "$out"
@@ -34,9 +35,12 @@ if [[ $steps == *tests* ]]; then
     args+=("$arg")
   done
   # pytest-xdist's workers (tests/conftest.py picks how many), each without JAX's 75% preallocation of the GPU's
-  # memory; the log names each test as it ends (a run cut short still says which failed), the summary names
-  # failures, errors and skips, and the 30 slowest tests (to split the suite across calls by time)
-  (cd /tmp && XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -v -rfEs --durations=30 -p no:cacheprovider \
+  # memory; the log names each test as it ends and failures.log takes each failure's report then (a run cut short
+  # still says which failed, and why), the summary names failures, errors and skips, and the 30 slowest tests (to
+  # split the suite across calls by time)
+  rm -f "$out/failures.log"
+  (cd /tmp && XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_DQPOST_TEST_FAILURES="$out/failures.log" \
+    python3 -m pytest -v -rfEs --durations=30 -p no:cacheprovider \
     "${args[@]}" 2>&1 | tee "$out/pytest.log" | tail -40) || rc=1
 fi
 if [[ $steps == *sanitizer* ]]; then

@@ -19,8 +19,19 @@ MAX_HEAD_DIM = 256  # FlashAttention's largest head dimension; the kernel's tile
 
 
 def describe(value) -> str:
-    """``value`` as an error message shows it: its repr and its type."""
-    return f"{value!r} ({type(value).__name__})"
+    """``value`` as an error message shows it, in one short line: an array (or anything with a shape and a dtype)
+    by its shape and dtype, never its values; a sequence whose repr is long by its length; else its repr (cut at
+    80 characters) and its type."""
+    kind = type(value).__name__
+    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+    if shape is not None and dtype is not None:
+        return f"{kind} of shape {tuple(shape)} and dtype {dtype}"
+    text = " ".join(repr(value).split())
+    if len(text) > 80:
+        if isinstance(value, (list, tuple)):
+            return f"a {kind} of {len(value)} items"
+        text = text[:77] + "..."
+    return f"{text} ({kind})"
 
 
 def static_int(name: str, value, *, minimum: int | None = None) -> int:

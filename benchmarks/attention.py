@@ -1,16 +1,19 @@
 """Times attention as JAX users call it, forward and backward: ``jax_dqpost.dot_product_attention`` with
 ``implementation='fa4'`` with and without sinks, against ``jax.nn.dot_product_attention(implementation='cudnn')``
-(cuDNN's has no sinks) and ``implementation='xla'`` with sinks.
+(cuDNN's has no sinks), and ``implementation='xla'`` and ``'xla_chunked'`` with sinks.
 
     python -m benchmarks.attention [--out DIR] [--steps N] [--quick]   (a CUDA GPU of sm90/sm100, fa4-jax 0.1.0)
 
-Shapes: gpt-oss's (head dim 64, 64 query heads over 8 key/value heads, causal, with its sliding window of 128 keys
-and without) and a llama-like one (head dim 128, 32 over 8 heads, causal), B=1, T = S = 4096 and 8192, bf16
-(``--quick``: T = 4096). Each step is ``jax.jit`` of ``jax.grad`` of ``sum(out * w)`` in query, key, value (and
-the sinks): the forward and the backward. Device time as in :mod:`benchmarks.fa4jax` (the sum of a step's GPU
-activities on jax.profiler's timeline, median over the traced steps; the implementations in turn, order reversed
-every other round). An implementation that cannot run a shape (cuDNN's refusals, 'xla' out of memory) is recorded
-as skipped with its first line. Prints a table and writes ``attention.json`` into ``--out``.
+Shapes: gpt-oss's (head dim 64, 64 query heads over 8 key/value heads, causal, with its sliding window,
+``local_window_size=(127, 0)``: a query sees itself and the 127 keys before, and without) and a llama-like one (head
+dim 128, 32 over 8 heads, causal), B=1, T = S = 4096 and 8192, bf16 (``--quick``: T = 4096). Each step is
+``jax.jit`` of ``jax.grad`` of ``sum(out * w)`` in query, key, value (and the sinks): the forward and the backward.
+Device time as in :mod:`benchmarks.fa4jax` (the sum of a step's GPU activities on jax.profiler's timeline, median
+over the traced steps; the implementations in turn, order reversed every other round). An implementation that cannot
+run a shape (cuDNN's refusals) is recorded as skipped with its first line; so is one whose compiled step needs more
+memory than the device has free (XLA's ``memory_analysis``: temporaries and outputs), before it runs. Each
+implementation's ``memory_mib`` is that compiled need. Prints a table and writes ``attention.json`` into
+``--out``.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from .fa4jax import measure, run_all
 METHOD = ("device time of jax.jit(jax.grad(sum(out * w))) in query, key, value (and the sinks): forward and backward; "
           "per step, the sum of the durations of its GPU activities on jax.profiler's timeline; median over the "
           "steps; the implementations in turn in one trace, order reversed every other round")
-IMPLEMENTATIONS = ("fa4", "fa4 sinks", "cudnn", "xla sinks")
+IMPLEMENTATIONS = ("fa4", "fa4 sinks", "cudnn", "xla sinks", "xla_chunked sinks")
 
 
 def shapes(quick: bool):
@@ -31,7 +34,7 @@ def shapes(quick: bool):
     llama = dict(batch=1, heads=32, heads_kv=8, head_dim=128)
     return [dict(shape, name=name, seqlen=t, window=window)
             for t in ((4096,) if quick else (4096, 8192))
-            for name, shape, window in (("gpt-oss, window 128", gpt_oss, 128), ("gpt-oss, causal", gpt_oss, None),
+            for name, shape, window in (("gpt-oss, window (127, 0)", gpt_oss, 127), ("gpt-oss, causal", gpt_oss, None),
                                         ("llama, causal", llama, None))]
 
 
@@ -62,37 +65,67 @@ def steps(shape):
         "cudnn": grad(lambda q, k, v, s: jax.nn.dot_product_attention(q, k, v, **kw, implementation="cudnn"), False),
         "xla sinks": grad(lambda q, k, v, s: dot_product_attention(q, k, v, **kw, sinks=s, implementation="xla"),
                           True),
+        "xla_chunked sinks": grad(lambda q, k, v, s: dot_product_attention(q, k, v, **kw, sinks=s,
+                                                                           implementation="xla_chunked"), True),
     }
+
+
+def compiled_bytes(step, args) -> int:
+    """What XLA's compiled ``step`` needs beyond its arguments: temporaries and outputs (``memory_analysis``)."""
+    stats = step.lower(*args).compile().memory_analysis()
+    return int(stats.temp_size_in_bytes + stats.output_size_in_bytes)
+
+
+def free_bytes() -> int | None:
+    """The default device's memory XLA's allocator can still hand out (None where it does not say)."""
+    import jax
+
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" not in stats:
+        return None
+    return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
 
 
 def run_shape(shape, n_steps: int) -> dict:
     """The shape's implementations that run it, timed side by side; the others skipped with their error."""
     import jax
 
-    runs, skipped = {}, {}
+    runs, skipped, memory = {}, {}, {}
     for name, (step, args) in steps(shape).items():
         try:
+            memory[name] = compiled_bytes(step, args) / 2 ** 20
+            free = free_bytes()
+            if free is not None and memory[name] > free / 2 ** 20:
+                skipped[name] = (f"needs {memory[name] / 1024:.1f} GiB (XLA's memory_analysis), the device has "
+                                 f"{free / 2 ** 30:.1f} GiB free")
+                continue
             jax.block_until_ready(step(*args))
             runs[name] = (step, args)
         except Exception as e:  # noqa: BLE001 - a refusal or running out of memory is a result
             skipped[name] = f"{type(e).__name__}: {e}".splitlines()[0][:200]
-    return dict(shape, **measure(runs, n_steps), skipped=skipped)
+    result = dict(shape, **measure(runs, n_steps), skipped=skipped)
+    for name, mib in memory.items():
+        result.setdefault(name, {})["memory_mib"] = mib
+    return result
 
 
 def table(results) -> str:
     rows = ["| shape | T | 'fa4' (us) | 'fa4' with sinks (us) | the sinks' cost | cuDNN, no sinks (us) | 'fa4' over "
-            "cuDNN | 'xla' with sinks (us) | 'fa4' over 'xla', sinks |", "|---|---|---|---|---|---|---|---|---|"]
+            "cuDNN | 'xla' with sinks (us) | 'fa4' over 'xla', sinks | 'xla_chunked' with sinks (us) | memory, "
+            "'xla' / 'xla_chunked' (MiB) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def us(r, name):
-        return r[name]["step_us"] if name in r else None
+        return r.get(name, {}).get("step_us")
 
     for r in results:
-        f, s, c, x = (us(r, n) for n in IMPLEMENTATIONS)
+        f, s, c, x, xc = (us(r, n) for n in IMPLEMENTATIONS)
         fmt = lambda v: "skipped" if v is None else f"{v:.1f}"  # noqa: E731
         ratio = lambda a, b: "n/a" if a is None or b is None else f"{b / a:.2f}x"  # noqa: E731
         cost = "n/a" if f is None or s is None else f"{100 * (s / f - 1):+.1f}%"
+        mib = " / ".join("n/a" if r.get(n, {}).get("memory_mib") is None else f"{r[n]['memory_mib']:.0f}"
+                         for n in ("xla sinks", "xla_chunked sinks"))
         rows.append(f"| {r['name']} | {r['seqlen']} | {fmt(f)} | {fmt(s)} | {cost} | {fmt(c)} | {ratio(f, c)} | "
-                    f"{fmt(x)} | {ratio(s, x)} |")
+                    f"{fmt(x)} | {ratio(s, x)} | {fmt(xc)} | {mib} |")
     return "\n".join(rows)
 
 

@@ -49,7 +49,6 @@ fa4-jax's own jax.numpy backend (``backend='reference'``), which takes it. """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import jax
@@ -57,161 +56,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _arguments
-from ._attention import fa4jax_internals, vjp, xla
-from ._kernel import abi, arch
+from ._attention import fa4jax_internals, xla
+from ._attention.fa4 import (BACKEND, accum_layout, check_sink_gpu, on_gpu, register, run_padded,  # noqa: F401
+                             with_sink, PADDED_HEAD_DIM)  # (PADDED_HEAD_DIM: the module docstring names it)
+from ._kernel import abi
 from ._errors import describe
-from .layout import ORDER_OF_FAMILY, AccumLayout
 
-__all__ = ["BACKEND", "accum_layout", "flash_attn", "flash_attn_varlen", "postprocess", "register"]
-
-BACKEND = "jax_dqpost"
-"""The name this backend has in fa4-jax's backend registry."""
-
-PADDED_HEAD_DIM = 192
-"""The head dim that head dims 136..160 run at on Hopper (see the module docstring)."""
-_PADDED = {9: range(136, 161)}  # GPU family (compute capability major) -> the head dims run padded there
-
-
-def padded_head_dims(head_dim: int, head_dim_v: int, family: int) -> tuple[int, int]:
-    """``(head_dim, head_dim_v)`` as fa4-jax's kernels run them on GPUs of compute capability ``family`` (9:
-    Hopper): both :data:`PADDED_HEAD_DIM` or the larger where either is one they do not compile for, else as given."""
-    padded = _PADDED.get(family, ())
-    if head_dim in padded or head_dim_v in padded:
-        return (max(PADDED_HEAD_DIM, head_dim, head_dim_v),) * 2
-    return head_dim, head_dim_v
-
-
-@contextlib.contextmanager
-def _compiling(q, v):
-    """Turn fa4-jax's kernels failing to compile into a ValueError naming the head dims (no compiler traceback)."""
-    try:
-        yield
-    except Exception as e:
-        if not fa4jax_internals.is_compile_error(e):
-            raise
-        first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
-        raise ValueError(
-            f"jax_dqpost.fa4jax: fa4-jax's FlashAttention-4 kernels do not compile for head_dim={q.shape[-1]}, "
-            f"head_dim_v={v.shape[-1]} ({q.dtype}) on {_gpu()} with the installed CuTe DSL: {first}") from None
-
-
-def _gpu() -> str:
-    devices = arch.cuda_devices()
-    return f"sm_{str(devices[0].compute_capability).replace('.', '')}" if devices else "this GPU"
-
-
-def accum_layout(order: tuple) -> AccumLayout:
-    """The :class:`AccumLayout` of an accumulator fa4-jax's backward wrote, from the postprocess configuration
-    fa4-jax derives from its tile plan: ``(order_arch, tile_rows, num_threads, atom_layout, swap_ab)`` (its
-    ``_bwd_post_params``). ``order_arch`` names the kernel family whose MMA wrote it (9x wgmma; 8x and 12x the
-    mma.sync kernel, also where it is the fallback on sm90; 10x/11x tcgen05, one CTA); fa4-jax pads every head
-    dim to a multiple of 32."""
-    order_arch, rows, threads, atom_layout, swap_ab = order
-    family = ORDER_OF_FAMILY.get(int(order_arch) // 10)
-    if family is None:
-        raise ValueError(f"fa4-jax postprocess configuration {order!r}: no accumulator order for arch {order_arch}")
-    return AccumLayout(family, rows, threads, atom_layout, bool(swap_ab), fa4jax_internals.HDIM_MULTIPLE_OF,
-                       two_cta=False, cluster_size=1)
-
-
-def _layouts(cfg, q, k, v):
-    """``(dq_layout, dkv_layout or None)`` of the accumulators fa4-jax's backward writes for this call (dK/dV's
-    under grouped-query attention alone), each checked against the head dims it holds."""
-    dq_order, dkv_order = fa4jax_internals.orders(cfg, q, k, v)
-    return layouts(dq_order, dkv_order if q.shape[-2] != k.shape[-2] else None, q.shape[-1], v.shape[-1])
-
-
-def layouts(dq_order: tuple, dkv_order: tuple | None, head_dim: int, head_dim_v: int):
-    """``(dq_layout, dkv_layout or None)`` of fa4-jax's postprocess configurations (:func:`accum_layout`; dkv_order
-    None: the main kernel writes dK and dV), each checked against the head dims it holds: ValueError naming them
-    where our kernel does not take the order."""
-    dq_layout = accum_layout(dq_order)
-    dkv_layout = None if dkv_order is None else accum_layout(dkv_order)
-    d, d_v = head_dim, head_dim_v
-    for what, layout, head_dim in (("dQ", dq_layout, d), ("dK", dkv_layout, d), ("dV", dkv_layout, d_v)):
-        try:
-            if layout is not None:
-                layout.check_head_dim(head_dim)
-        except ValueError as e:
-            raise ValueError(
-                f"jax_dqpost.fa4jax cannot finish fa4-jax's {what} accumulator for head_dim={d}, head_dim_v={d_v} on "
-                f"this GPU, written in an order jax-dqpost's kernel does not take: {e}; "
-                "fa4_jax.flash_attn(..., backend='cute') runs this configuration with fa4-jax's own postprocess"
-            ) from None
-    return dq_layout, dkv_layout
-
-
-def postprocess(cfg, q, k, v, acc, seqlens):
-    """One :func:`~jax_dqpost.flash_attention_postprocess` launch for what fa4-jax's backward left (``acc``):
-    ``(dq, dk, dv)``. Under grouped-query attention it converts all three; otherwise dQ alone, and dK, dV are the
-    main kernel's. ValueError where fa4-jax wrote an accumulator in an order our kernel does not take."""
-    dq_layout, dkv_layout = _layouts(cfg, q, k, v)
-    grads = vjp.finish(acc, q, k, v, seqlens, scale=cfg.scale, dq_layout=dq_layout, dkv_layout=dkv_layout)
-    return grads.dq, grads.dk, grads.dv
-
-
-@functools.cache
-def register():
-    """Register :data:`BACKEND` with fa4-jax (once; :func:`flash_attn` and :func:`flash_attn_varlen` do it
-    themselves). Returns ``fa4_jax``.
-    Raises ImportError when fa4-jax 0.1.0 is not installed."""
-    fa4_jax = fa4jax_internals.modules()[0]
-
-    cute = fa4jax_internals.cute_backend_class()
-
-    class Backend(cute):
-        """fa4-jax's kernel backend, its kernels shared with fa4-jax's own, and jax-dqpost's postprocess."""
-
-        def fwd(self, cfg, q, k, v, *args, **kwargs):
-            with _compiling(q, v):
-                return super().fwd(fa4jax_internals.as_cute(cfg), q, k, v, *args, **kwargs)
-
-        def fwd_lse(self, cfg, q, k, v, *args, **kwargs):
-            with _compiling(q, v):
-                return super().fwd_lse(fa4jax_internals.as_cute(cfg), q, k, v, *args, **kwargs)
-
-        def tangent(self, cfg, q, k, v, *args, **kwargs):
-            with _compiling(q, v):
-                return super().tangent(fa4jax_internals.as_cute(cfg), q, k, v, *args, **kwargs)
-
-        def vjp(self, cfg, q, k, v, out, lse, d_out, d_lse, aux, seqlens=None):
-            dq_layout, dkv_layout = _layouts(cfg, q, k, v)
-            delta = None if d_lse is None else vjp.lse_cotangent_rows(d_lse, dq_layout, seqlens)
-            with _compiling(q, v):
-                acc = fa4jax_internals.accumulators(cfg, q, k, v, out, lse, d_out, aux, seqlens, delta)
-            grads = vjp.finish(acc, q, k, v, seqlens, scale=cfg.scale, dq_layout=dq_layout,
-                                      dkv_layout=dkv_layout)
-            return grads.dq, grads.dk, grads.dv
-
-    fa4jax_internals.register_backend(BACKEND, Backend())
-    return fa4_jax
-
+__all__ = ["BACKEND", "accum_layout", "flash_attn", "flash_attn_varlen", "register"]
 
 def _ready(kwargs):
     fa4_jax = register()
     if "backend" in kwargs:
         raise TypeError(f"jax_dqpost.fa4jax sets fa4-jax's backend itself, got backend={kwargs['backend']!r}")
     return fa4_jax
-
-
-def _run(attention, q, k, v, *args, **kwargs):
-    """``attention(q, k, v, *args, **kwargs)`` at the head dims fa4-jax's kernels compile for (padded where they do
-    not: the module docstring)."""
-    family = arch.gpu_family()
-    d, d_v = q.shape[-1], v.shape[-1]
-    to, to_v = padded_head_dims(d, d_v, family)
-    if (to, to_v) != (d, d_v):
-        def pad(x, n):
-            return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, n - x.shape[-1])])
-
-        q, k, v = pad(q, to), pad(k, to), pad(v, to_v)
-        kwargs = {**kwargs, "scale": d ** -0.5 if kwargs.get("scale") is None else kwargs["scale"]}
-    result = attention(q, k, v, *args, **kwargs)
-    if to_v == d_v:
-        return result
-    if kwargs.get("return_lse"):
-        return result[0][..., :d_v], result[1]
-    return result[..., :d_v]
 
 
 def _with_backend(attention):
@@ -245,65 +102,6 @@ def check_sink(sink, q, kwargs, packed: bool):
     return sink if sink.dtype in abi.SINK_DTYPES else sink.astype(jnp.float32)  # float64: read as float32
 
 
-def check_sink_gpu(family: int):
-    """ValueError unless FlashAttention-4's forward takes a learnable sink on GPUs of compute capability ``family``."""
-    if family not in fa4jax_internals.SINK_FAMILIES:
-        raise ValueError(f"learnable_sink: FlashAttention-4's forward on {_gpu()} (compute capability {family}.x) "
-                         "takes no learnable sink; the sm90 (Hopper) and sm100/sm110 ones do")
-
-
-def unavailable(q, k, v, *, window_size, scale, packed: bool, sink: bool) -> str | None:
-    """Why this module's kernels cannot run attention of these shapes on this machine (None: they can), before
-    anything compiles: fa4-jax missing, the GPU, or what FlashAttention-4's forward and backward kernels and our
-    postprocess take. ``q``, ``k``, ``v``: dense ``(B, S, H, D)`` arrays or shape structs (``packed``: run as one
-    packed batch)."""
-    try:
-        fa4jax_internals.modules()
-    except ImportError as e:
-        return str(e)
-    if not on_gpu():
-        return f"fa4-jax's kernels run on NVIDIA GPUs, and JAX's default backend is {jax.default_backend()!r}"
-    family = fa4jax_internals.device_family()
-    if sink and family not in fa4jax_internals.SINK_FAMILIES:
-        return (f"FlashAttention-4's forward on {_gpu()} takes no learnable sink (the sm90 and sm100/sm110 ones "
-                "do)")
-    d, d_v = padded_head_dims(q.shape[-1], v.shape[-1], family)
-
-    def struct(x, last):
-        shape = (x.shape[0] * x.shape[1], *x.shape[2:-1], last) if packed else (*x.shape[:-1], last)
-        return jax.ShapeDtypeStruct(shape, x.dtype)
-
-    q, k, v = struct(q, d), struct(k, d), struct(v, d_v)
-    cfg = fa4jax_internals.config(q, window_size=window_size, scale=scale, varlen=packed)
-    try:
-        for kind in ("fwd", "bwd"):
-            fa4jax_internals.validate(cfg, kind, q, k, v)
-        _layouts(cfg, q, k, v)
-    except ValueError as e:
-        return str(e)
-    return None
-
-
-def _with_sink(packed: bool):
-    """The attention with a learnable sink, as :func:`_run` calls it (module docstring)."""
-
-    def attention(q, k, v, *cu_seqlens, learnable_sink, causal=False, window_size=None, scale=None,
-                  return_lse=False, seqused_q=None, seqused_k=None, defined_padding=False):
-        if packed:
-            for name, x in zip(("cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k"), (*cu_seqlens, seqused_q,
-                                                                                         seqused_k)):
-                _check_offsets_dtype(name, x)
-        seqlens = fa4jax_internals.seqlens(*cu_seqlens, seqused_q, seqused_k) if packed else None
-        cfg = fa4jax_internals.config(q, causal=causal, window_size=window_size, scale=scale, varlen=packed,
-                                       defined_padding=defined_padding)
-        dq_layout, dkv_layout = _layouts(cfg, q, k, v)
-        spec = vjp.AttentionSpec(KERNELS, cfg, cfg.scale, dq_layout, dkv_layout)
-        out, lse = vjp.attention(spec, q, k, v, learnable_sink, seqlens)
-        return (out, lse) if return_lse else out
-
-    return attention
-
-
 def _check_offsets_dtype(name: str, x) -> None:
     """Offsets and lengths of the sink path as the op takes them (``_arguments.WIDENED_DTYPES``): a jax array of int32
     or of a type int32 holds exactly; a wider integer array only where this host sees values int32 holds (fa4-jax
@@ -321,38 +119,21 @@ def _check_offsets_dtype(name: str, x) -> None:
 
 
 def _sink_call(packed: bool, q, k, v, cu_seqlens, sink, kwargs):
-    """The checks, then :func:`_run` of :func:`_with_sink`."""
+    """The checks, then the attention with the sink (``jax_dqpost._attention.fa4.with_sink``) at the head dims
+    fa4-jax's kernels compile for."""
     sink = check_sink(sink, q, kwargs, packed)
     kwargs = {key: value for key, value in kwargs.items() if key != "mask_mod"}
     _ready(kwargs)
     fa4jax_internals.check_qkv(q, k, v, packed)
     check_sink_gpu(fa4jax_internals.device_family())
-    return _run(_with_sink(packed), q, k, v, *cu_seqlens, learnable_sink=sink, **kwargs)
-
-
-class _Kernels:
-    """fa4-jax's kernels as :mod:`jax_dqpost._attention.vjp`'s producer: its forward kernel given the sink, its
-    backward's preprocess and main kernel as they are (compile failures as :func:`_compiling` words them)."""
-
-    def forward(self, cfg, q, k, v, sink, seqlens):
-        with _compiling(q, v):
-            return fa4jax_internals.forward(cfg, q, k, v, sink, seqlens)
-
-    def accumulators(self, cfg, q, k, v, out, lse, d_out, dpsum_delta, seqlens):
-        with _compiling(q, v):
-            return fa4jax_internals.accumulators(cfg, q, k, v, out, lse, d_out, (), seqlens, dpsum_delta)
-
-
-KERNELS = _Kernels()
+    if packed:
+        for name, x in zip(("cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k"),
+                           (*cu_seqlens, kwargs.get("seqused_q"), kwargs.get("seqused_k"))):
+            _check_offsets_dtype(name, x)
+    return run_padded(with_sink(packed), q, k, v, *cu_seqlens, learnable_sink=sink, **kwargs)
 
 
 # ---- where there is no GPU: the same attention in jax.numpy ----------------------------------------------------
-
-def on_gpu() -> bool:
-    """Whether JAX's default backend is a GPU, where fa4-jax's kernels run; elsewhere the calls of this module run
-    FlashAttention's attention in jax.numpy."""
-    return jax.default_backend() == "gpu"
-
 
 def _check_shapes(q, k, v, packed: bool) -> None:
     """The shapes and dtypes fa4-jax takes, with its messages (needing no fa4-jax)."""
@@ -420,7 +201,7 @@ def flash_attn(q, k, v, *, learnable_sink=None, **kwargs):
         return _without_gpu(False, q, k, v, (), learnable_sink, kwargs)
     if learnable_sink is not None:
         return _sink_call(False, q, k, v, (), learnable_sink, kwargs)
-    return _run(_with_backend(_ready(kwargs).flash_attn), q, k, v, **kwargs)
+    return run_padded(_with_backend(_ready(kwargs).flash_attn), q, k, v, **kwargs)
 
 
 def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, learnable_sink=None, **kwargs):
@@ -434,4 +215,5 @@ def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, learnable_sink=Non
         return _without_gpu(True, q, k, v, (cu_seqlens_q, cu_seqlens_k), learnable_sink, kwargs)
     if learnable_sink is not None:
         return _sink_call(True, q, k, v, (cu_seqlens_q, cu_seqlens_k), learnable_sink, kwargs)
-    return _run(_with_backend(_ready(kwargs).flash_attn_varlen), q, k, v, cu_seqlens_q, cu_seqlens_k, **kwargs)
+    return run_padded(_with_backend(_ready(kwargs).flash_attn_varlen), q, k, v, cu_seqlens_q, cu_seqlens_k,
+                      **kwargs)

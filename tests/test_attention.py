@@ -1,6 +1,6 @@
 """``jax_dqpost.dot_product_attention`` on any platform: ``'xla'`` against ``jax.nn.dot_product_attention`` and,
 with sinks, against float64 formulas (tests/attention_oracle.py); the ``'fa4'`` translation of jax.nn's masks
-into FlashAttention's, run through :mod:`jax_dqpost.fa4jax`'s jax.numpy path; the choice of implementation; the
+into FlashAttention's, run through ``jax_dqpost._attention.fa4``'s jax.numpy path; the choice of implementation; the
 transformations; and every refusal. The kernels themselves: tests/test_gpu_attention.py."""
 
 from __future__ import annotations
@@ -14,7 +14,10 @@ import pytest
 
 import attention_oracle as oracle64
 from conftest import HAS_GPU
-from jax_dqpost import attention, dot_product_attention, fa4jax
+from jax_dqpost import attention, dot_product_attention
+from jax_dqpost._attention import fa4 as fa4_kernels
+from jax_dqpost.attention import fa4 as fa4_impl
+from jax_dqpost.attention.call import FlashMask, Unsupported, make_call
 from support import assert_close_to_scale as _close, assert_within_roundings
 
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16}
@@ -78,6 +81,14 @@ def _loss(attend, weights, kw):
         extra = {} if sinks is None else {"sinks": sinks}
         return jnp.sum(attend(q, k, v, **kw, **extra).astype(jnp.float32) * weights)
     return loss
+
+
+def _call(q, k, v, **kw):
+    """The checked record of a call with jax.nn's keywords."""
+    names = dict(query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None, sinks=None,
+                 precision=None, return_residual=False, scale=None, is_causal=False)
+    names.update({key: x for key, x in kw.items() if key not in ("bias", "mask")})
+    return make_call(q, k, v, kw.get("bias"), kw.get("mask"), **names)
 
 
 # ---- 'xla' ------------------------------------------------------------------------------------------------------
@@ -180,19 +191,17 @@ def _fa4_case(rng, kind):
 @pytest.mark.parametrize("kind", ["dense", "same-lengths", "query-lengths"])
 def test_fa4s_translation_is_jax_nns_attention(rng, kind, monkeypatch):
     """'fa4' runs jax.nn's top-left masks as FlashAttention's bottom-right ones (keys cut, the window shifted; with
-    lengths, FlashAttention's packed batch on the used lengths). Run through fa4jax's jax.numpy path, its out,
+    lengths, FlashAttention's packed batch on the used lengths). Run through its jax.numpy path, its out,
     residual and gradients are 'xla''s on every row that sees a key."""
-    monkeypatch.setattr(fa4jax, "on_gpu", lambda: False)  # also on a GPU machine (its kernels take no float32)
+    monkeypatch.setattr(fa4_kernels, "on_gpu", lambda: False)  # also on a GPU machine (its kernels take no float32)
     for _ in range(8):
         (q, k, v), kw = _fa4_case(rng, kind)
-        request, _ = attention._request(q, k, v, None, None, kw.get("scale"), kw.get("is_causal", False),
-                                        kw.get("query_seq_lengths"), kw.get("key_value_seq_lengths"),
-                                        kw.get("local_window_size"), kw.get("sinks"), True)
-        plan = attention._fa4_plan(request)
-        assert isinstance(plan, attention._Fa4Plan), (kw, plan)
+        request = _call(q, k, v, return_residual=True, **kw)
+        plan = fa4_impl.translate(request)
+        assert isinstance(plan, FlashMask), (kw, plan)
         vis = np.broadcast_to(_visible(q, k, kw), (q.shape[0], 1, q.shape[1], k.shape[1]))
         seen = (vis.any(-1)[:, 0] & _rows(q, kw)[:, :, 0, 0])[:, :, None, None]  # (B, T, 1, 1)
-        out, residual = attention._run_fa4(request, plan)
+        out, residual = request.finish(fa4_impl.Fa4().run(request, plan))
         want, want_res = dot_product_attention(q, k, v, **kw, implementation="xla", return_residual=True)
         assert_within_roundings(np.where(seen, out, 0), np.where(seen, want, 0), f"out {kw}", terms=64)
         assert_within_roundings(np.where(seen[..., 0], residual, 0), np.where(seen[..., 0], want_res, 0),
@@ -203,10 +212,8 @@ def test_fa4s_translation_is_jax_nns_attention(rng, kind, monkeypatch):
         kw_ = {key: x for key, x in kw.items() if key != "sinks"}
 
         def fa4_path(q, k, v, sinks=None, **o):
-            r, _ = attention._request(q, k, v, None, None, None, o.get("is_causal", False),
-                                      o.get("query_seq_lengths"), o.get("key_value_seq_lengths"),
-                                      o.get("local_window_size"), sinks, False)
-            return attention._run_fa4(r, attention._fa4_plan(r))
+            r = _call(q, k, v, sinks=sinks, **o)
+            return r.finish(fa4_impl.Fa4().run(r, fa4_impl.translate(r)))
 
         argnums = tuple(range(len(args)))
         got = jax.grad(_loss(fa4_path, w, kw_), argnums=argnums)(*args)
@@ -220,7 +227,8 @@ def test_fa4s_translation_is_jax_nns_attention(rng, kind, monkeypatch):
     ((8, 8), dict(is_causal=True), ((None, 0), 8)),
     ((5, 8), dict(is_causal=True), ((None, 0), 5)),  # the keys no query sees are not read
     ((8, 5), dict(is_causal=True), ((None, 3), 5)),
-    ((8, 8), dict(local_window_size=(127, 0)), ((127, 0), 8)),
+    ((256, 256), dict(local_window_size=(127, 0)), ((127, 0), 256)),
+    ((8, 8), dict(local_window_size=(2 ** 40, 0)), ((16, 0), 8)),  # a side wider than T + S sees as much
     ((6, 9), dict(local_window_size=(2, 1)), ((3, 0), 7)),
     ((9, 6), dict(local_window_size=(4, 2)), ((1, 5), 6)),
     ((8, 8), dict(), ((None, None), 8)),
@@ -229,9 +237,7 @@ def test_fa4_plans_express_top_left_masks(shape, kw, expect):
     t, s = shape
     q = jnp.zeros((1, t, 2, 8), jnp.bfloat16)
     k = jnp.zeros((1, s, 2, 8), jnp.bfloat16)
-    request, _ = attention._request(q, k, k, None, None, None, kw.get("is_causal", False), None, None,
-                                    kw.get("local_window_size"), None, False)
-    plan = attention._fa4_plan(request)
+    plan = fa4_impl.translate(_call(q, k, k, **kw))
     assert (plan.window, plan.keys) == expect
 
 
@@ -244,22 +250,20 @@ LENGTHS = jnp.asarray([3, 5], jnp.int32)
     (dict(is_causal=True, key_value_seq_lengths=LENGTHS), "query_seq_lengths and key_value_seq_lengths are one"),
     (dict(is_causal=True, query_seq_lengths=LENGTHS, key_value_seq_lengths=jnp.asarray([3, 4], jnp.int32)),
      "aligns each sequence on its own lengths"),
-    (dict(local_window_size=(3, -1)), "do not reach behind the query's own position"),
-], ids=["bias", "mask", "kv-lengths-causal", "two-lengths-causal", "negative-right"])
+    (dict(is_causal=True, bias=jnp.zeros((8, 8)), scale=jnp.float32(0.3)), "takes no bias"),
+], ids=["bias", "mask", "kv-lengths-causal", "two-lengths-causal", "bias-first"])
 def test_fa4_plans_refuse_what_they_cannot_express(kw, words):
     q = jnp.zeros((2, 8, 2, 8), jnp.bfloat16)
-    request, _ = attention._request(q, q, q, kw.get("bias"), kw.get("mask"), None, kw.get("is_causal", False),
-                                    kw.get("query_seq_lengths"), kw.get("key_value_seq_lengths"),
-                                    kw.get("local_window_size"), None, False)
-    reason = attention._fa4_plan(request)
-    assert isinstance(reason, str) and words in reason, reason
+    with pytest.raises(Unsupported) as info:
+        fa4_impl.translate(_call(q, q, q, **kw))
+    assert words in str(info.value) and "\n" not in str(info.value), str(info.value)
 
 
 def test_fa4_plans_take_one_lengths_array_for_both():
     q = jnp.zeros((2, 8, 2, 8), jnp.bfloat16)
     for q_len, kv_len in ((LENGTHS, LENGTHS), (np.array([3, 5]), np.array([3, 5]))):
-        request, _ = attention._request(q, q, q, None, None, None, True, q_len, kv_len, None, None, False)
-        plan = attention._fa4_plan(request)
+        plan = fa4_impl.translate(_call(q, q, q, is_causal=True, query_seq_lengths=q_len,
+                                        key_value_seq_lengths=kv_len))
         np.testing.assert_array_equal(plan.used_q, [3, 5])
         np.testing.assert_array_equal(plan.used_k, [3, 5])
 
@@ -305,8 +309,18 @@ def test_on_a_gpu_none_falls_back_with_one_warning_per_reason(monkeypatch):
 
 def test_cudnn_is_jax_nns_and_takes_no_sinks():
     q = jnp.zeros((1, 8, 2, 8), jnp.bfloat16)
-    with pytest.raises(ValueError, match="implementation='cudnn' takes no sinks"):
+    with pytest.raises(ValueError, match="implementation='cudnn' cannot run this call: cuDNN's attention takes no "
+                                         "sinks; implementation='xla' runs every call, sinks too"):
         dot_product_attention(q, q, q, sinks=jnp.zeros(2), implementation="cudnn")
+
+
+@pytest.mark.skipif(HAS_GPU, reason="cuDNN runs on a GPU machine")
+def test_cudnn_without_a_gpu_points_to_xla():
+    q = jnp.zeros((1, 8, 2, 8), jnp.bfloat16)
+    with pytest.raises(ValueError) as info:
+        dot_product_attention(q, q, q, implementation="cudnn")
+    assert str(info.value) == ("implementation='cudnn' cannot run this call: cuDNN's attention runs on NVIDIA GPUs, "
+                               "and JAX's default backend is 'cpu'; implementation='xla' runs every call, sinks too")
 
 
 # ---- transformations ----------------------------------------------------------------------------------------------
@@ -394,9 +408,17 @@ KV = jnp.zeros((2, 8, 2, 16), jnp.bfloat16)
     ((Q[..., :3, :], KV, KV), {}, ValueError, "the query heads (3) must be a multiple of the key/value heads (2)"),
     ((Q[0, 0], KV, KV), {}, ValueError, "query must be (B, T, N, H) or (T, N, H) (jax.nn's layout), got shape "
                                         "(4, 16)"),
-    (([[0.0]], KV, KV), {}, TypeError, "query must be an array, got [[0.0]] (list)"),
+    (("q", KV, KV), {}, TypeError, "query must be an array, got 'q' (str)"),
+    ((Q.astype(jnp.int32), KV.astype(jnp.int32), KV.astype(jnp.int32)), {}, TypeError,
+     "query, key and value must be of one of bfloat16, float16, float32, float64, complex64, complex128, got int32 "
+     "(cast them to a floating dtype)"),
     ((Q, KV, KV), dict(mask=jnp.ones((2, 4, 8, 8), jnp.int32)), TypeError, "mask must be boolean"),
-    ((Q, KV, KV), dict(mask=jnp.ones((4, 8, 8), bool)), ValueError, "mask must be 4-D, broadcastable to"),
+    ((Q, KV, KV), dict(mask=jnp.ones((1, 2, 4, 8, 8), bool)), ValueError, "mask must have at most 4 dimensions, "
+                                                                          "broadcastable to (B, N, T, S) = "
+                                                                          "(2, 4, 8, 8), got shape (1, 2, 4, 8, 8)"),
+    ((Q, KV, KV), dict(mask=jnp.ones((3, 8, 8), bool)), ValueError, "mask must broadcast to (B, N, T, S) = (2, 4, 8, "
+                                                                     "8) with 1 or 4 heads, got shape (1, 3, 8, 8) "
+                                                                     "(leading axes of 1 added to make it 4-D)"),
     ((Q, KV, KV), dict(bias=jnp.ones((2, 3, 8, 8))), ValueError, "bias must broadcast to (B, N, T, S) = "
                                                                   "(2, 4, 8, 8) with 1 or 4 heads, got shape"),
     ((Q, KV, KV), dict(query_seq_lengths=jnp.ones(3, jnp.int32)), ValueError,
@@ -409,12 +431,125 @@ KV = jnp.zeros((2, 8, 2, 16), jnp.bfloat16)
     ((Q, KV, KV), dict(sinks=jnp.zeros(2)), ValueError, "sinks must have shape (N,) = (4,), one logit per query "
                                                          "head, got shape (2,)"),
     ((Q, KV, KV), dict(sinks=jnp.zeros(4, jnp.int32)), TypeError, "sinks must be floating-point"),
-    ((Q, KV, KV), dict(implementation="flash"), ValueError, "implementation must be 'fa4', 'xla', 'cudnn' or None, "
-                                                            "got 'flash' (str)"),
+    ((Q, KV, KV), dict(implementation="flash"), ValueError, "implementation must be one of 'fa4', 'xla', "
+                                                            "'xla_chunked', 'cudnn' or None, got 'flash' (str)"),
+    ((Q, KV, KV), dict(local_window_size=(-1, 0)), ValueError, "local_window_size must not be negative, got (-1, 0)"),
+    ((Q, KV, KV), dict(precision="fast"), TypeError, "precision must be None or a jax.lax.Precision (DEFAULT, HIGH, "
+                                                     "HIGHEST), got 'fast' (str)"),
+    ((Q, KV, KV), dict(sinks=np.zeros((4, 10000))), ValueError, "sinks must have shape (N,) = (4,), one logit per "
+                                                                 "query head, got shape (4, 10000)"),
+    ((Q, KV, KV), dict(scale=np.zeros(10000)), TypeError, "scale must be a Python float or a floating-point scalar, "
+                                                           "got ndarray of shape (10000,) and dtype float64"),
     ((Q, KV, KV), dict(is_causal=1), TypeError, "is_causal must be a bool, got 1 (int)"),
-], ids=["value-shape", "dtypes", "heads", "rank", "list", "mask-dtype", "mask-rank", "bias-heads", "q-lengths",
-        "kv-lengths-dtype", "window", "scale", "sinks-shape", "sinks-dtype", "implementation", "is-causal"])
+], ids=["value-shape", "dtypes", "heads", "rank", "str", "integers", "mask-dtype", "mask-rank", "mask-heads",
+        "bias-heads", "q-lengths", "kv-lengths-dtype", "window", "scale", "sinks-shape", "sinks-dtype",
+        "implementation", "negative-window", "precision", "large-sinks", "large-scale", "is-causal"])
 def test_a_wrong_argument_is_named_in_one_line(args, kw, error, words):
     with pytest.raises(error) as info:
         dot_product_attention(*args, **kw)
     assert words in str(info.value) and "\n" not in str(info.value), str(info.value)
+
+
+# ---- what jax.nn takes, taken ---------------------------------------------------------------------------------------
+
+def test_masks_and_biases_of_fewer_dimensions_are_jax_nns(rng):
+    """jax.nn adds leading axes of 1 to a mask or bias of fewer than 4 dimensions: ``(S,)``, ``(1, 1, S)``,
+    ``(T, S)``, and a ``(T, S)`` bias under ``jax.vmap`` of unbatched calls."""
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 6, 4, 8)), jnp.float32) for _ in range(3))
+    for kw in (dict(mask=jnp.asarray(rng.random(6) < 0.7).at[0].set(True)),
+               dict(mask=jnp.asarray(rng.random((1, 1, 6)) < 0.7).at[..., 0].set(True)),
+               dict(bias=jnp.asarray(rng.standard_normal((6, 6)), jnp.float32)),
+               dict(bias=jnp.asarray(rng.standard_normal((4, 6, 6)), jnp.float32), is_causal=True)):
+        got = dot_product_attention(q, k, v, **kw, implementation="xla")
+        assert_within_roundings(got, jax.nn.dot_product_attention(q, k, v, **kw), sorted(kw), terms=64)
+    bias = jnp.asarray(rng.standard_normal((2, 6, 6)), jnp.float32)
+    got = jax.vmap(lambda q, k, v, b: dot_product_attention(q, k, v, bias=b))(q, k, v, bias)
+    want = jax.vmap(lambda q, k, v, b: jax.nn.dot_product_attention(q, k, v, bias=b))(q, k, v, bias)
+    assert_within_roundings(got, want, "vmapped (T, S) bias", terms=64)
+
+
+def test_array_likes_are_taken(rng):
+    """Python lists for q, k, v, the mask, the lengths and the sinks, and an ``nnx.Param`` as the sinks: the result
+    of the same call with arrays."""
+    from flax import nnx
+
+    q, k, v = (rng.standard_normal((2, 5, 2, 8)).astype(np.float32) for _ in range(3))
+    mask, lengths, sinks = rng.random((5, 5)) < 0.8, [3, 5], [0.5, -1.0]
+    want = dot_product_attention(*(jnp.asarray(x) for x in (q, k, v)), mask=jnp.asarray(mask),
+                                 query_seq_lengths=jnp.asarray(lengths), sinks=jnp.asarray(sinks))
+    got = dot_product_attention(q.tolist(), k.tolist(), v.tolist(), mask=mask.tolist(), query_seq_lengths=lengths,
+                                sinks=sinks)
+    np.testing.assert_array_equal(got, want)
+    param = nnx.Param(jnp.asarray(sinks, jnp.float32))
+    np.testing.assert_array_equal(dot_product_attention(q, k, v, mask=mask, query_seq_lengths=lengths, sinks=param),
+                                  want)
+
+
+def test_complex_inputs_and_head_dim_zero_are_jax_nns(rng):
+    q = jnp.asarray(rng.standard_normal((1, 5, 2, 8)) + 1j * rng.standard_normal((1, 5, 2, 8)), jnp.complex64)
+    got = dot_product_attention(q, q, q, is_causal=True)
+    assert got.dtype == jnp.complex64
+    with warnings.catch_warnings():  # jax.nn casts the complex logits to float32 (jax deprecates the cast)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        want = jax.nn.dot_product_attention(q, q, q, is_causal=True)
+    for part in (np.real, np.imag):
+        assert_within_roundings(part(got), part(want), f"complex {part.__name__}", terms=64)
+    empty = jnp.zeros((2, 5, 2, 0), jnp.float32)
+    out, residual = dot_product_attention(empty, empty, empty, return_residual=True)
+    assert out.shape == (2, 5, 2, 0)
+    np.testing.assert_allclose(residual, np.log(5), rtol=1e-6)  # every logit 0: log(S)
+
+
+def test_a_window_wider_than_the_sequences_is_none():
+    q = jnp.asarray(np.random.default_rng(1).standard_normal((1, 6, 2, 8)), jnp.float32)
+    want = dot_product_attention(q, q, q, is_causal=True)
+    np.testing.assert_array_equal(dot_product_attention(q, q, q, is_causal=True, local_window_size=(2 ** 40, 0)),
+                                  want)
+    np.testing.assert_array_equal(dot_product_attention(q, q, q, is_causal=True, local_window_size=2 ** 70), want)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "xla_chunked"])
+def test_an_infinite_sink_takes_the_whole_row(rng, implementation):
+    """``sinks=+inf``: the limit of a growing sink, every output of its head 0 and its residual ``+inf``; the
+    other heads are the finite call's; the gradients finite, 0 for that sink."""
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 5, 4, 8)), jnp.float32) for _ in range(3))
+    sinks = jnp.asarray([np.inf, 0.5, -np.inf, 1.0], jnp.float32)
+    out, residual = dot_product_attention(q, k, v, sinks=sinks, is_causal=True, implementation=implementation,
+                                          return_residual=True)
+    finite, finite_res = dot_product_attention(q, k, v, sinks=sinks.at[0].set(0.0), is_causal=True,
+                                               implementation=implementation, return_residual=True)
+    assert not np.asarray(out[:, :, 0]).any() and np.isposinf(np.asarray(residual[:, :, 0])).all()
+    np.testing.assert_array_equal(out[:, :, 1:], finite[:, :, 1:])
+    np.testing.assert_array_equal(residual[:, :, 1:], finite_res[:, :, 1:])
+    grads = jax.grad(lambda q, s: jnp.sum(dot_product_attention(q, k, v, sinks=s, is_causal=True,
+                                                                implementation=implementation) ** 2),
+                     argnums=(0, 1))(q, sinks)
+    assert all(np.isfinite(np.asarray(g)).all() for g in grads)
+    assert grads[1][0] == 0 and grads[1][2] == 0 and not np.asarray(grads[0][:, :, 0]).any()
+
+
+def test_none_plans_each_implementation_at_most_once(monkeypatch):
+    """On a GPU (faked) a call 'fa4' cannot run plans 'fa4' once and 'xla' once, runs 'xla' and warns; above the
+    logits limit it runs 'xla_chunked'."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(attention, "_WARNED", set())
+    counts = {}
+    for impl in attention.ORDER:
+        def counting(self, call, _plan=type(impl).plan):
+            counts[self.name] = counts.get(self.name, 0) + 1
+            return _plan(self, call)
+        monkeypatch.setattr(type(impl), "plan", counting)
+    q = jnp.zeros((1, 8, 2, 8), jnp.bfloat16)
+    with pytest.warns(UserWarning, match="runs implementation='xla' here, as 'fa4' cannot: it takes no bias"):
+        dot_product_attention(q, q, q, bias=jnp.zeros((8, 8), jnp.bfloat16))
+    assert counts == {"fa4": 1, "xla": 1}, counts
+    counts.clear()
+    from jax_dqpost.attention import xla as xla_impl
+
+    monkeypatch.setattr(attention, "ORDER", (attention.ORDER[0], xla_impl.Xla(max_logits=8 * 8 * 2 - 1),
+                                             attention.ORDER[2]))
+    with pytest.warns(UserWarning, match="runs implementation='xla_chunked' here, as 'fa4' cannot: it takes no"):
+        got = dot_product_attention(q, q, q, bias=jnp.zeros((8, 8), jnp.bfloat16))
+    assert counts == {"fa4": 1, "xla": 1, "xla_chunked": 1}, counts
+    np.testing.assert_array_equal(got, dot_product_attention(q, q, q, bias=jnp.zeros((8, 8), jnp.bfloat16),
+                                                             implementation="xla_chunked"))

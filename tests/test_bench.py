@@ -591,17 +591,22 @@ def test_graph_samples_last_five_milliseconds_of_device_time(launch_s, device_s)
 
 
 def test_the_attention_benchmarks_table_and_shapes():
-    """gpt-oss's shapes (hd 64, 64/8 heads, window 128 and causal) and a llama-like one (hd 128, 32/8 heads), T 4096
+    """gpt-oss's shapes (hd 64, 64/8 heads, window (127, 0) and causal) and a llama-like one (hd 128, 32/8 heads), T 4096
     and 8192; the table's ratios are the goals' (cuDNN over 'fa4', 'xla' over 'fa4' with sinks, the sinks' cost)."""
     from benchmarks import attention
 
     shapes = attention.shapes(quick=False)
     assert {(s["head_dim"], s["heads"], s["heads_kv"], s["window"], s["seqlen"]) for s in shapes} == {
-        (d, n, k, w, t) for t in (4096, 8192) for d, n, k, w in ((64, 64, 8, 128), (64, 64, 8, None),
+        (d, n, k, w, t) for t in (4096, 8192) for d, n, k, w in ((64, 64, 8, 127), (64, 64, 8, None),
                                                                   (128, 32, 8, None))}
     result = dict(shapes[0], **{name: {"step_us": us} for name, us in
-                                (("fa4", 100.0), ("fa4 sinks", 101.0), ("cudnn", 150.0), ("xla sinks", 2000.0))})
+                                (("fa4", 100.0), ("fa4 sinks", 101.0), ("cudnn", 150.0), ("xla sinks", 2000.0),
+                                 ("xla_chunked sinks", 3000.0))})
+    result["xla sinks"]["memory_mib"], result["xla_chunked sinks"]["memory_mib"] = 16384.4, 300.2
     row = attention.table([result]).splitlines()[-1]
-    assert row == ("| gpt-oss, window 128 | 4096 | 100.0 | 101.0 | +1.0% | 150.0 | 1.50x | 2000.0 | 19.80x |"), row
+    assert row == ("| gpt-oss, window (127, 0) | 4096 | 100.0 | 101.0 | +1.0% | 150.0 | 1.50x | 2000.0 | 19.80x | "
+                   "3000.0 | 16384 / 300 |"), row
     del result["cudnn"]
-    assert "| skipped | n/a |" in attention.table([result])
+    result["xla sinks"] = {"memory_mib": 16384.4}  # compiled, skipped: it would not fit
+    assert "| 150.0 |" not in attention.table([result]) and "| skipped | n/a | 3000.0 | 16384 / 300 |" in \
+        attention.table([result])

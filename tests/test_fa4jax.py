@@ -21,7 +21,7 @@ import pytest
 
 from conftest import HAS_GPU
 from jax_dqpost import AccumLayout, fa4jax
-from jax_dqpost._attention import fa4jax_internals as _fa4jax_internals
+from jax_dqpost._attention import fa4 as _fa4, fa4jax_internals as _fa4jax_internals, vjp
 import attention_oracle
 import oracle
 from support import assert_close_to_scale, bits, cu_seqlens
@@ -195,8 +195,35 @@ def _finish_both_ways(q, k, v, d_out, seqlens, *, causal, packed):
         out, lse = fa4_jax.reference_attn(q, k, v, causal=causal, return_lse=True)
     cfg = _fa4jax_internals.config(q, causal=causal, varlen=packed)
     acc = _fa4jax_internals.accumulators(cfg, q, k, v, out.astype(q.dtype), lse, d_out, (), seqlens)
-    return (_fa4jax_internals.fa4_postprocess(cfg, q, k, v, acc, seqlens),
-            fa4jax.postprocess(cfg, q, k, v, acc, seqlens), acc.dq_accum)
+    dq_layout, dkv_layout = _fa4._layouts(cfg, q, k, v)
+    ours = vjp.finish(acc, q, k, v, seqlens, scale=cfg.scale, dq_layout=dq_layout, dkv_layout=dkv_layout)
+    return _fa4jax_postprocess(cfg, q, k, v, acc, seqlens), (ours.dq, ours.dk, ours.dv), acc.dq_accum
+
+
+def _fa4jax_postprocess(cfg, q, k, v, acc, seqlens):
+    """fa4-jax's own postprocess of ``acc``: one launch per accumulator, as its ``CuteBackend.vjp`` makes them
+    (without ``defined_padding``'s zero-filled outputs): ``(dq, dk, dv)``. fa4-jax 0.1.0's private names, as
+    jax_dqpost._attention.fa4jax_internals lists them."""
+    _, _, K, cutejax = _fa4jax_internals.modules()
+    cfg = _fa4jax_internals.as_cute(cfg)
+    dtype, hd, hdv, ratio, arch = K._validate(cfg, "bwd", q, k, v)
+    static = K._get_static(cfg, dtype, hd, hdv, ratio, arch, "bwd")
+    packed = seqlens is not None
+    spec = K._QKV3_SPEC if packed else K._QKV_SPEC
+
+    def launch(name, key, scale, accum, like, side):
+        args = (accum, *(seqlens[side::2] if packed else ()))
+        name += "_varlen" if packed else ""
+        return cutejax.call(getattr(K, "_" + name), jax.ShapeDtypeStruct(like.shape, like.dtype),
+                            K._aux_static(key, static[key], scale), *args,
+                            in_specs=[K._F32_SPEC] + [None] * (len(args) - 1), out_specs=spec, name=name)
+
+    dq = launch("fa4_bwd_post", "post", static["scale"], acc.dq_accum, q, 0)
+    if acc.dk_accum is None:
+        return dq, acc.dk, acc.dv
+    dk = launch("fa4_bwd_post_dk", "post_k", static["scale"], acc.dk_accum, k, 1)
+    dv = launch("fa4_bwd_post_dv", "post_v", None, acc.dv_accum, v, 1)
+    return dq, dk, dv
 
 
 @needs_fa4jax_gpu
@@ -339,7 +366,7 @@ def test_an_order_our_kernel_does_not_take_is_refused_naming_the_head_dims():
     """On sm90 fa4-jax writes dK/dV of grouped-query attention at head dims 136..160 with 96-row tiles over two
     warpgroups, swapped: the MMA's M mode is the head dim padded to 160, not a whole number of 64-row WGMMA atoms."""
     with pytest.raises(ValueError, match=r"fa4-jax's dK accumulator for head_dim=160, head_dim_v=160") as info:
-        fa4jax.layouts((90, 64, 256, 1, False), (90, 96, 256, 2, True), 160, 160)
+        _fa4.layouts((90, 64, 256, 1, False), (90, 96, 256, 2, True), 160, 160)
     assert "backend='cute'" in str(info.value) and "\n" not in str(info.value)
-    dq_layout, dkv_layout = fa4jax.layouts((90, 64, 256, 1, False), None, 160, 160)  # dK, dV the main kernel's
+    dq_layout, dkv_layout = _fa4.layouts((90, 64, 256, 1, False), None, 160, 160)  # dK, dV the main kernel's
     assert dq_layout == AccumLayout(90, 64, 256, 1, False, 32) and dkv_layout is None

@@ -117,3 +117,24 @@ def test_on_a_gpu_none_runs_fa4_without_a_warning(rng):
     ours = [str(w.message) for w in caught if "jax_dqpost" in str(w.message)]  # (fa4-jax's own deprecations aside)
     assert not ours, ours
     assert "jax_dqpost" in text and "fa4" in text, "FlashAttention-4's kernels and our postprocess run the call"
+
+
+def test_an_infinite_sink_takes_the_whole_row_on_fa4(rng):
+    """``sinks=+inf`` on the kernels: that head's output 0 and residual ``+inf`` (but rows past a query length,
+    ``-inf`` as FlashAttention leaves them), the other heads the finite call's bits, the gradients finite and 0 for
+    that sink."""
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 128, 4, 64)), jnp.bfloat16) for _ in range(3))
+    lengths = jnp.asarray([100, 128], jnp.int32)
+    kw = dict(is_causal=True, query_seq_lengths=lengths, key_value_seq_lengths=lengths, implementation="fa4")
+    sinks = jnp.asarray([np.inf, 0.5, -np.inf, 1.0], jnp.float32)
+    out, residual = dot_product_attention(q, k, v, sinks=sinks, return_residual=True, **kw)
+    finite, finite_res = dot_product_attention(q, k, v, sinks=sinks.at[0].set(0.0), return_residual=True, **kw)
+    assert not np.asarray(out[:, :, 0]).any()
+    np.testing.assert_array_equal(np.asarray(out[:, :, 1:]), np.asarray(finite[:, :, 1:]))
+    res = np.asarray(residual[:, :, 0], np.float32)
+    assert np.isposinf(res[0, :100]).all() and np.isneginf(res[0, 100:]).all() and np.isposinf(res[1]).all()
+    np.testing.assert_array_equal(np.asarray(residual[:, :, 1:]), np.asarray(finite_res[:, :, 1:]))
+    grads = jax.grad(lambda q, s: jnp.sum(dot_product_attention(q, k, v, sinks=s, **kw).astype(jnp.float32) ** 2),
+                     argnums=(0, 1))(q, sinks)
+    assert all(np.isfinite(np.asarray(g, np.float32)).all() for g in grads)
+    assert grads[1][0] == 0 and not np.asarray(grads[0][:, :, 0]).any()

@@ -315,6 +315,7 @@ def test_fa4jax_backward_finished_by_us_is_right(seed, c):
     fa4_jax = pytest.importorskip("fa4_jax")
     torch = pytest.importorskip("torch")
     from jax_dqpost import fa4jax
+    from jax_dqpost._attention import fa4 as _fa4
 
     producer = f"fa4-jax {fa4_jax.__version__}"
     expected = _expected(producer)
@@ -336,7 +337,7 @@ def test_fa4jax_backward_finished_by_us_is_right(seed, c):
     judged_ours = _judge(ours, c, tq, tk, tv, td, None) if ours is not None else None
     _record(producer, c, dict(producer=judged_theirs, ours=judged_ours), cannot_run=cannot_run, refused=refused)
     family = int(str(jax.devices()[0].compute_capability).split(".")[0])
-    padded = fa4jax.padded_head_dims(c["head_dim"], c["head_dim_v"], family)
+    padded = _fa4.padded_head_dims(c["head_dim"], c["head_dim_v"], family)
     if cannot_run is not None and padded == (c["head_dim"], c["head_dim_v"]):
         assert ours is None and refused.startswith("jax_dqpost.fa4jax"), (
             f"fa4-jax's own backend cannot run {case_id(c)} ({cannot_run}); ours: {refused or 'runs'}")

@@ -18,8 +18,8 @@ The private names used, all of fa4-jax 0.1.0:
   ``_out_struct``, ``_lse_struct`` build a launch), ``_validate`` (dtype, head dims, GPU: :func:`validate`),
   ``_device_arch``, ``_bwd_plan`` and ``_bwd_post_params`` (the tile plan and the postprocess orders), ``_get_static``,
   ``_aux_static``, ``_windows``, ``_aux_data`` (a launch's static tree), the ``@cute.jit`` entries
-  ``_fa4_bwd_pre[_varlen]``, ``_fa4_bwd[_varlen][_dp]``, ``_fa4_bwd_gqa[_varlen]`` and the postprocess ones of
-  :func:`fa4_postprocess`, and the specs ``_QKV_SPEC``, ``_QKV3_SPEC``, ``_F32_SPEC``, ``_LSE_SPEC``.
+  ``_fa4_bwd_pre[_varlen]``, ``_fa4_bwd[_varlen][_dp]``, ``_fa4_bwd_gqa[_varlen]`` and the postprocess ones (which
+  tests/test_fa4jax.py launches as fa4-jax does), and the specs ``_QKV_SPEC``, ``_QKV3_SPEC``, ``_F32_SPEC``, ``_LSE_SPEC``.
 - The vendored forward kernel objects' ``__call__(..., learnable_sink=...)`` (``fa4_jax/cute/flash_fwd_sm90.py``,
   ``flash_fwd_sm100.py``): the sink in natural-log units, one per query head, not multiplied by the softmax scale;
   ``lse = log(sum_j exp(scale * s_j) + exp(sink))``, and a row with no key gets ``out = 0``, ``lse = sink``. The
@@ -315,29 +315,3 @@ def accumulators(cfg, q, k, v, out, lse, d_out, aux, seqlens, dpsum_delta=None) 
         input_output_aliases={6: 0, 7: 1, 8: 2}, name="fa4_bwd_gqa" + suffix)
     dq_accum, dk_accum, dv_accum = _varying_as(inputs, dq_accum, dk_accum, dv_accum)
     return Accumulators(dq_accum, None, None, dk_accum, dv_accum, dpsum)
-
-
-def fa4_postprocess(cfg, q, k, v, acc: Accumulators, seqlens):
-    """fa4-jax's own postprocess of ``acc``: one launch per accumulator, as its ``CuteBackend.vjp`` makes them
-    (without ``defined_padding``'s zero-filled outputs). ``(dq, dk, dv)``; the reference for tests and
-    benchmarks."""
-    _, _, K, cutejax = modules()
-    cfg = as_cute(cfg)
-    dtype, hd, hdv, ratio, arch = K._validate(cfg, "bwd", q, k, v)
-    static = K._get_static(cfg, dtype, hd, hdv, ratio, arch, "bwd")
-    packed = seqlens is not None
-    spec = K._QKV3_SPEC if packed else K._QKV_SPEC
-
-    def postprocess_launch(name, key, scale, accum, like, side):
-        args = (accum, *(seqlens[side::2] if packed else ()))
-        name += "_varlen" if packed else ""
-        return cutejax.call(getattr(K, "_" + name), jax.ShapeDtypeStruct(like.shape, like.dtype),
-                            K._aux_static(key, static[key], scale), *args,
-                            in_specs=[K._F32_SPEC] + [None] * (len(args) - 1), out_specs=spec, name=name)
-
-    dq = postprocess_launch("fa4_bwd_post", "post", static["scale"], acc.dq_accum, q, 0)
-    if acc.dk_accum is None:
-        return dq, acc.dk, acc.dv
-    dk = postprocess_launch("fa4_bwd_post_dk", "post_k", static["scale"], acc.dk_accum, k, 1)
-    dv = postprocess_launch("fa4_bwd_post_dv", "post_v", None, acc.dv_accum, v, 1)
-    return dq, dk, dv

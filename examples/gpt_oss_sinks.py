@@ -1,8 +1,9 @@
 """gpt-oss's attention with learnable sinks, an nnx model trained under ``nnx.jit``.
 
 Two attention layers as gpt-oss has them: head dim 64, 64 query heads over 8 key/value heads, causal, a sliding
-window of 128 keys on every other layer, and one learnable sink per query head (``nnx.Param``; a logit in every
-softmax row that attends to nothing). The attention is ``jax_dqpost.dot_product_attention(..., sinks=...)``:
+window of 128 keys on every other layer (``local_window_size=(127, 0)``: gpt-oss masks keys 128 or more positions
+back, so a query sees itself and the 127 before), and one learnable sink per query head (``nnx.Param``; a logit in
+every softmax row that attends to nothing). The attention is ``jax_dqpost.dot_product_attention(..., sinks=...)``:
 FlashAttention-4's kernels on a GPU that runs them with sinks (sm90, sm100; fa4-jax installed,
 ``pip install ".[cuda13,fa4-jax]"``, Python >= 3.12), the sinks' gradient in jax-dqpost's one postprocess launch;
 jax.numpy on every other machine. The first layer's attention gradients are checked against float64 formulas
@@ -26,12 +27,14 @@ except ModuleNotFoundError as missing:
 
 import jax_dqpost
 
-B, S, MODEL, H, H_KV, D, WINDOW, LAYERS = 2, 256, 256, 64, 8, 64, 128, 2
+B, S, MODEL, H, H_KV, D, LAYERS = 2, 256, 256, 64, 8, 64, 2
+SLIDING_WINDOW = 128  # gpt-oss's: it masks key j for query i where i - j >= 128
+WINDOW = (127, 0)  # the same as jax.nn's local_window_size: query i sees keys i - 127 .. i
 
 
 class Attention(nnx.Module):
-    """gpt-oss's attention block: projections, grouped heads, a causal mask (a window of ``window`` keys, or all),
-    and one learnable sink per query head."""
+    """gpt-oss's attention block: projections, grouped heads, a causal mask (``window``, jax.nn's
+    ``local_window_size``, or all keys), and one learnable sink per query head."""
 
     def __init__(self, window, rngs):
         self.window = window
@@ -47,7 +50,7 @@ class Attention(nnx.Module):
     def __call__(self, x):
         q, k, v = self.qkv(x)
         out = jax_dqpost.dot_product_attention(q, k, v, is_causal=True, sinks=self.sinks[...],
-                                               local_window_size=(self.window, 0) if self.window else None)
+                                               local_window_size=self.window)
         return self.o(out.astype(jnp.float32).reshape(B, S, H * D))
 
 
@@ -61,16 +64,17 @@ class Model(nnx.Module):
         return x
 
 
-def float64_attention_gradients(q, k, v, sinks, window, d_out):
+def float64_attention_gradients(q, k, v, sinks, sliding_window, d_out):
     """The gradients of ``sum(out * d_out)`` in q, k, v and the sinks, in float64 by their formulas: with
     ``P = softmax([scale q k^T masked, sink])`` over the keys and the sink, ``dP = dO v^T``, ``D_i = sum(dO_i
     out_i)``, ``dS = P (dP - D)``, ``dq = scale dS k``, ``dk = scale dS^T q``, ``dv = P^T dO``, ``dsink = -sum_i
-    P_sink,i D_i``."""
+    P_sink,i D_i``; masked as gpt-oss masks: key ``j`` for query ``i`` where ``j > i`` or, with a
+    ``sliding_window``, ``i - j >= sliding_window``."""
     q, k, v, d_out = (np.asarray(x, np.float64) for x in (q, k, v, d_out))
     k, v = (np.repeat(x, H // H_KV, axis=2) for x in (k, v))
     scale = D ** -0.5
     i, j = np.arange(S)[:, None], np.arange(S)[None, :]
-    seen = (j <= i) & ((i - j <= window) if window else True)
+    seen = (j <= i) & ((i - j < sliding_window) if sliding_window else True)
     logits = np.where(seen, np.einsum("bshd,bthd->bhst", q, k) * scale, -np.inf)
     logits = np.concatenate([logits, np.broadcast_to(np.asarray(sinks, np.float64)[None, :, None, None],
                                                      (*logits.shape[:3], 1))], axis=-1)
@@ -95,11 +99,11 @@ def check_gradients(layer, x):
 
     def loss(q, k, v, sinks):
         out = jax_dqpost.dot_product_attention(q, k, v, is_causal=True, sinks=sinks,
-                                               local_window_size=(layer.window, 0) if layer.window else None)
+                                               local_window_size=layer.window)
         return jnp.sum(out.astype(jnp.float32) * d_out)
 
     ours = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, sinks)
-    want = float64_attention_gradients(q, k, v, sinks, layer.window, d_out)
+    want = float64_attention_gradients(q, k, v, sinks, SLIDING_WINDOW if layer.window else None, d_out)
     return max(float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b)) for a, b in zip(ours, want))
 
 

@@ -1,5 +1,5 @@
 """Quickstart: ``jax_dqpost.dot_product_attention`` in place of ``jax.nn.dot_product_attention``, with gpt-oss's
-learnable sinks, forward and backward under jax.jit.
+learnable sinks and sliding window, forward and backward under jax.jit.
 
 On an NVIDIA Hopper or Blackwell GPU with fa4-jax installed it runs FlashAttention-4's kernels (the sinks' gradient
 in jax-dqpost's postprocess launch); everywhere else (CPU by default here) the same attention in jax.numpy. It
@@ -21,11 +21,12 @@ k, v = (jnp.asarray(rng.standard_normal((B, T, K, H)), jnp.bfloat16) for _ in ra
 sinks = jnp.asarray(rng.standard_normal(N), jnp.float32)  # one learnable logit per query head
 
 
-# The only change from jax.nn: the import, and the sinks.
+# The only change from jax.nn: the import, and the sinks. gpt-oss's window is (127, 0): it masks keys 128 or more
+# positions back, so a query sees itself and the 127 before.
 @jax.jit
 def loss_and_grads(q, k, v, sinks):
     def loss(q, k, v, sinks):
-        out = jax_dqpost.dot_product_attention(q, k, v, is_causal=True, local_window_size=(128, 0), sinks=sinks)
+        out = jax_dqpost.dot_product_attention(q, k, v, is_causal=True, local_window_size=(127, 0), sinks=sinks)
         return jnp.mean(out.astype(jnp.float32) ** 2)
     return jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(q, k, v, sinks)
 
@@ -36,8 +37,8 @@ print(f"backend: {jax.default_backend()}; loss {float(value):.5f}; dq {dq.shape}
 # Without sinks its jax.numpy implementation is jax.nn's attention (in float32 here, to the rounding of a sum's
 # order) ...
 x32 = [x.astype(jnp.float32) for x in (q, k, v)]
-ours = jax_dqpost.dot_product_attention(*x32, is_causal=True, local_window_size=(128, 0), implementation="xla")
-theirs = jax.nn.dot_product_attention(*x32, is_causal=True, local_window_size=(128, 0))
+ours = jax_dqpost.dot_product_attention(*x32, is_causal=True, local_window_size=(127, 0), implementation="xla")
+theirs = jax.nn.dot_product_attention(*x32, is_causal=True, local_window_size=(127, 0))
 same = bool(jnp.max(jnp.abs(ours - theirs)) <= 1e-6 * jnp.max(jnp.abs(theirs)))
 # ... and a sink of +inf would take every row's whole softmax: a large one leaves little to the values.
 damped = jax_dqpost.dot_product_attention(*x32, is_causal=True, sinks=jnp.full(N, 30.0), implementation="xla")

@@ -1,7 +1,8 @@
 """The repository stands on its own and its README stays true: the two commands CI runs are the README's, every
-install command works on its own, every python block runs (but those marked sketches), the preset table is what the
-code returns, the performance summary quotes docs/performance.md, every relative link and anchor resolves, and
-nothing cites a document outside the tree."""
+install command works on its own, every python block runs (but those marked sketches; the README's and
+docs/postprocess.md's, the postprocess reference), the preset table is what the code returns,
+the performance summaries quote docs/performance.md, every relative link and anchor resolves, and nothing cites a
+document outside the tree."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
+POSTPROCESS = (ROOT / "docs" / "postprocess.md").read_text()  # the postprocess's reference, for kernel authors
 
 
 def _readme_commands() -> list[str]:
@@ -78,24 +80,25 @@ def _python_blocks(text: str) -> list[tuple[int, str, bool]]:
     return blocks
 
 
-def test_readme_python_blocks_run(tmp_path):
-    """Every python block not marked a sketch runs as written, in order, as one session on CPU (8 CPU devices,
-    as the README says to make for sharding); a failure's traceback names the README line."""
-    blocks = _python_blocks(README)
+@pytest.mark.parametrize("doc, least", [("README.md", 1), ("docs/postprocess.md", 4)])
+def test_readme_python_blocks_run(tmp_path, doc, least):
+    """Every python block not marked a sketch runs as written, in order, as one session a document on CPU (8 CPU
+    devices, as for sharding); a failure's traceback names the document's line."""
+    blocks = _python_blocks((ROOT / doc).read_text())
     runnable = [(line, code) for line, code, sketch in blocks if not sketch]
-    # the quickstart and the three calls at least; hardly any code that does not run
-    assert len(runnable) >= 4 and len(blocks) - len(runnable) <= 1, [(b[0], b[2]) for b in blocks]
+    # the quickstart; the postprocess's first call and three calls; hardly any code that does not run
+    assert len(runnable) >= least and len(blocks) - len(runnable) <= 1, [(b[0], b[2]) for b in blocks]
     script = tmp_path / "readme_blocks.py"
     script.write_text(
         "ns = {'__name__': '__main__'}\n"
         f"for line, code in {runnable!r}:\n"
-        f"    exec(compile('\\n' * (line - 1) + code, {str(ROOT / 'README.md')!r}, 'exec'), ns)\n"
-        "    print('ran README.md block at line', line, flush=True)\n")
+        f"    exec(compile('\\n' * (line - 1) + code, {str(ROOT / doc)!r}, 'exec'), ns)\n"
+        f"    print('ran {doc} block at line', line, flush=True)\n")
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
     out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
                          timeout=900)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
-    assert out.stdout.count("ran README.md block") == len(runnable), out.stdout
+    assert out.stdout.count(f"ran {doc} block") == len(runnable), out.stdout
 
 
 def _preset_rows_of(text: str) -> list[list[str]]:
@@ -195,12 +198,12 @@ def test_preset_table_is_what_the_code_returns():
 
 
 def test_readme_layout_section_is_what_the_code_takes():
-    """The README's "Which layout" table names the constructors, not the presets (their one home is the docstring
-    above, rendered into docs/api.md, which the README names): its GPU list is FlashAttention-4's, and the sm90
-    head dims it names for ``causal`` are those where the two dQ presets differ."""
+    """docs/postprocess.md's "Which layout" table names the constructors, not the presets (their one home is the
+    docstring above, rendered into docs/api.md, which the section names): its GPU list is FlashAttention-4's, and the
+    sm90 head dims it names for ``causal`` are those where the two dQ presets differ."""
     from jax_dqpost.layout._presets import FLASH_ATTENTION_ARCHS
 
-    section = README.split("\n### Which layout\n", 1)[1].split("\n### ", 1)[0]
+    section = POSTPROCESS.split("\n### Which layout\n", 1)[1].split("\n### ", 1)[0]
     assert not _preset_rows_of(section), "the preset table's home is AccumLayout.flash_attention's docstring"
     archs = re.search(r"on GPU `gpu` \(([\d, ]+)\)", section).group(1)
     assert tuple(map(int, archs.split(", "))) == FLASH_ATTENTION_ARCHS, archs
@@ -226,10 +229,12 @@ def _numbers(text: str) -> set[str]:
     return {w.rstrip(".") for w in re.findall(r"[\w.%-]+", text) if re.search(r"\d", w)}
 
 
-def test_readme_performance_summary_quotes_performance_md():
-    """The measurements' one home is docs/performance.md: every number of the README's performance summary (ranges,
-    ratios, date, commit) appears there, so a new run that updates that page and not the README fails here."""
-    section = README.split("\n## Performance\n", 1)[1].split("\n## ", 1)[0]
+@pytest.mark.parametrize("doc", ["README.md", "docs/postprocess.md"])
+def test_readme_performance_summary_quotes_performance_md(doc):
+    """The measurements' one home is docs/performance.md: every number of the README's performance summary (and
+    docs/postprocess.md's: ranges, ratios, date, commit) appears there, so a new run that updates that page and not
+    the summary fails here."""
+    section = (ROOT / doc).read_text().split("\n## Performance\n", 1)[1].split("\n## ", 1)[0]
     quoted, measured = _numbers(section), _numbers((ROOT / "docs" / "performance.md").read_text())
     assert len(quoted) >= 5, quoted
     assert quoted <= measured, f"not in docs/performance.md: {sorted(quoted - measured)}"
@@ -251,7 +256,8 @@ def _anchors(text: str) -> set[str]:
     return anchors
 
 
-DOCS = ["README.md", "CHANGELOG.md", "docs/design.md", "docs/performance.md", "docs/gradients.md", "benchmarks/README.md"]
+DOCS = ["README.md", "CHANGELOG.md", "docs/postprocess.md", "docs/design.md", "docs/performance.md",
+        "docs/gradients.md", "benchmarks/README.md"]
 
 
 @pytest.mark.parametrize("doc", DOCS)
@@ -355,8 +361,8 @@ def _api_section(name: str) -> str:
 
 
 def test_the_dtype_spellings_are_one_set():
-    """The names of the output dtype that docs/api.md lists, that the error lists and that the README's prose uses
-    are the names the API takes, and no other string (numpy's 'half') is taken."""
+    """The names of the output dtype that docs/api.md lists, that the error lists and that the prose of the README
+    and docs/postprocess.md uses are the names the API takes, and no other string (numpy's 'half') is taken."""
     import jax.numpy as jnp
     import numpy as np
 
@@ -368,7 +374,7 @@ def test_the_dtype_spellings_are_one_set():
     with pytest.raises(ValueError) as refused:
         _arguments.out_dtype("half")
     listed = set(re.findall(r"'(\w+)'", str(refused.value).split(", got")[0]))
-    prose = re.sub(r"```.*?```", "", README, flags=re.S)
+    prose = re.sub(r"```.*?```", "", README + POSTPROCESS, flags=re.S)
     used = set(re.findall(r"\b(bf16|fp16|f16|bfloat16|float16|half)\b", prose))
     assert {"bf16", "fp16"} <= used, used
     assert documented == listed == accepted, (documented, listed, accepted)
@@ -397,11 +403,11 @@ def test_dq_accum_from_dq_says_first_that_it_is_the_transpose_and_scales():
 
 
 def test_the_readme_dsink_formula_says_what_an_infinite_lse_gives():
-    """The README's dsink formula says, as the docstring (docs/api.md) does, that the exponential is 1 where
-    lse = -inf."""
+    """docs/postprocess.md's dsink formula says, as the docstring (docs/api.md) does, that the exponential is 1
+    where lse = -inf."""
     import jax_dqpost
 
-    formula = README.split("`dsink[h] = ", 1)[1].split(", in the sink's dtype", 1)[0]
+    formula = POSTPROCESS.split("`dsink[h] = ", 1)[1].split(", in the sink's dtype", 1)[0]
     assert "(the exponential is 1 where `lse = -inf`" in " ".join(formula.split()), formula
     assert "the exponential is 1 where ``lse = -inf``" in " ".join(
         jax_dqpost.flash_attention_postprocess.__doc__.split())

@@ -154,7 +154,8 @@ def _unpartitioned_impl(*args, plan: Plan):
 
 EXPORT_RECIPE = (
     "export jax.jit(jax.shard_map(f, mesh=mesh, in_specs=..., out_specs=...)) instead, with the batch and heads axes "
-    "sharded: each device then runs the op on its own shards, and the artifact serializes (README, \"Sharding\")")
+    "sharded: each device then runs the op on its own shards, and the artifact serializes (docs/postprocess.md, "
+    "\"Inside JAX\")")
 """How to export a sharded program that calls the op (``jax.export`` cannot serialize ``custom_partitioning``)."""
 
 

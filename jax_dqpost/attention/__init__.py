@@ -28,6 +28,9 @@ from __future__ import annotations
 
 import warnings
 
+import jax
+from jax.typing import ArrayLike
+
 from .._errors import describe
 from .call import Call, Unsupported, make_call
 from .cudnn import Cudnn
@@ -54,9 +57,13 @@ _INSTEAD = {"fa4": "implementation='xla' runs every call",
             "xla_chunked": "implementation='xla' runs every call"}
 
 
-def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
-                          query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None, sinks=None,
-                          implementation=None, return_residual=False, precision=None):
+def dot_product_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike, bias: ArrayLike | None = None,
+                          mask: ArrayLike | None = None, *, scale: float | ArrayLike | None = None,
+                          is_causal: bool = False, query_seq_lengths: ArrayLike | None = None,
+                          key_value_seq_lengths: ArrayLike | None = None,
+                          local_window_size: int | tuple[int, int] | None = None, sinks: ArrayLike | None = None,
+                          implementation: str | None = None, return_residual: bool = False,
+                          precision: jax.lax.Precision | str | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
     r"""Scaled dot-product attention: ``jax.nn.dot_product_attention`` with learnable sinks, and FlashAttention-4 on
     GPUs. Changing the import is all a caller of jax.nn's does.
 
@@ -133,8 +140,6 @@ _WARNED: set = set()
 def _choose(call: Call):
     """The first implementation of :data:`ORDER` that plans ``call``, and its plan; on a GPU, a warning (once per
     reason) where ``'fa4'`` did not."""
-    import jax
-
     reasons = []
     for impl in ORDER:
         try:

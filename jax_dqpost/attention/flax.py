@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from .._errors import describe
 
 
-def flax_attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout=True, dropout_rng=None,
-                      dropout_rate=0.0, deterministic=False, dtype=None, precision=None, module=None,
-                      promote_dtype=None, is_causal=False, *, scale=None, query_seq_lengths=None,
-                      key_value_seq_lengths=None, local_window_size=None, sinks=None, implementation=None,
-                      force_fp32_for_softmax=False, einsum_dot_general=None, qk_attn_weights_einsum=None,
-                      attn_weights_value_einsum=None):
+def flax_attention_fn(query: ArrayLike, key: ArrayLike, value: ArrayLike, bias: ArrayLike | None = None,
+                      mask: ArrayLike | None = None, broadcast_dropout: bool = True, dropout_rng=None,
+                      dropout_rate: float = 0.0, deterministic: bool | None = False, dtype=None, precision=None,
+                      module=None, promote_dtype=None, is_causal: bool = False, *, scale: float | None = None,
+                      query_seq_lengths: ArrayLike | None = None, key_value_seq_lengths: ArrayLike | None = None,
+                      local_window_size: int | tuple[int, int] | None = None, sinks: ArrayLike | None = None,
+                      implementation: str | None = None, force_fp32_for_softmax: bool = False,
+                      einsum_dot_general=None, qk_attn_weights_einsum=None,
+                      attn_weights_value_einsum=None) -> jax.Array:
     """:func:`~jax_dqpost.dot_product_attention` as flax's ``attention_fn``: ``flax.nnx.dot_product_attention``'s
     signature (and ``flax.linen``'s keywords), so that ``nnx.MultiHeadAttention(..., attention_fn=flax_attention_fn)``
     and ``linen.MultiHeadDotProductAttention(..., attention_fn=flax_attention_fn)`` run it.

@@ -24,8 +24,13 @@ class Xla:
                               f"{self.max_logits}")
 
     def run(self, call: Call, plan: None):
-        m = call.mask
-        return xla_math.dot_product_attention(
-            call.query, call.key, call.value, call.bias, m.array, scale=call.scale, is_causal=m.causal,
-            q_lengths=m.q_lengths, kv_lengths=m.kv_lengths, window=m.window, sinks=call.sinks,
-            return_residual=call.return_residual, precision=call.precision)
+        return run_jax_nns(xla_math.dot_product_attention, call)
+
+
+def run_jax_nns(attention, call: Call):
+    """``call`` by ``attention``, a function of jax.nn's conventions (``jax_dqpost._attention.xla``'s
+    ``dot_product_attention`` or the chunked one)."""
+    m = call.mask
+    return attention(call.query, call.key, call.value, call.bias, m.array, scale=call.scale, is_causal=m.causal,
+                     q_lengths=m.q_lengths, kv_lengths=m.kv_lengths, window=m.window, sinks=call.sinks,
+                     return_residual=call.return_residual, precision=call.precision)

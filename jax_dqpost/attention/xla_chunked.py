@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from .._attention import xla_chunked as chunked_math
 from .call import Call
+from .xla import run_jax_nns
 
 
 class XlaChunked:
@@ -16,8 +17,4 @@ class XlaChunked:
         return None
 
     def run(self, call: Call, plan: None):
-        m = call.mask
-        return chunked_math.dot_product_attention(
-            call.query, call.key, call.value, call.bias, m.array, scale=call.scale, is_causal=m.causal,
-            q_lengths=m.q_lengths, kv_lengths=m.kv_lengths, window=m.window, sinks=call.sinks,
-            return_residual=call.return_residual, precision=call.precision)
+        return run_jax_nns(chunked_math.dot_product_attention, call)

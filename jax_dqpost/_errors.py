@@ -20,11 +20,11 @@ MAX_HEAD_DIM = 256  # FlashAttention's largest head dimension; the kernel's tile
 
 def describe(value) -> str:
     """``value`` as an error message shows it, in one short line: an array (or anything with a shape and a dtype)
-    by its shape and dtype, never its values; a sequence whose repr is long by its length; else its repr (cut at
+    of one or more dimensions by its shape and dtype, never its values; a sequence whose repr is long by its length; else its repr (cut at
     80 characters) and its type."""
     kind = type(value).__name__
     shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
-    if shape is not None and dtype is not None:
+    if shape is not None and dtype is not None and tuple(shape) != ():
         return f"{kind} of shape {tuple(shape)} and dtype {dtype}"
     text = " ".join(repr(value).split())
     if len(text) > 80:

@@ -548,6 +548,7 @@ def test_none_plans_each_implementation_at_most_once(monkeypatch):
 
     monkeypatch.setattr(attention, "ORDER", (attention.ORDER[0], xla_impl.Xla(max_logits=8 * 8 * 2 - 1),
                                              attention.ORDER[2]))
+    monkeypatch.setattr(attention, "_WARNED", set())  # (the reason was warned once already)
     with pytest.warns(UserWarning, match="runs implementation='xla_chunked' here, as 'fa4' cannot: it takes no"):
         got = dot_product_attention(q, q, q, bias=jnp.zeros((8, 8), jnp.bfloat16))
     assert counts == {"fa4": 1, "xla": 1, "xla_chunked": 1}, counts

@@ -12,7 +12,7 @@ import pytest
 from flax import linen, nnx
 
 from jax_dqpost import dot_product_attention, flax_attention_fn
-from support import assert_within_roundings
+from support import assert_close_to_scale, assert_within_roundings
 
 # flax's float32 modules: on a GPU, the default implementation runs 'xla' and says so once (tests/test_attention.py
 # checks that warning)
@@ -100,9 +100,12 @@ def test_dropout_off_or_deterministic_runs(rng):
 def test_a_precision_is_taken(rng, precision):
     """flax's modules pass their ``precision``; float32 products at HIGH or HIGHEST say so in the program."""
     q = jnp.asarray(rng.standard_normal((1, T, HEADS, 8)), jnp.float32)
-    want = flax_attention_fn(q, q, q)
-    assert_within_roundings(flax_attention_fn(q, q, q, precision=precision), want, str(precision), roundings=2,
-                            terms=64)
+    want = flax_attention_fn(q, q, q)  # at the tests' default, "highest" (conftest.py)
+    got = flax_attention_fn(q, q, q, precision=precision)
+    if isinstance(precision, tuple) and jax.default_backend() == "gpu":  # HIGH: three bf16 passes, 2**-17 or so
+        assert_close_to_scale(got, want, 2 ** -12, "HIGH")
+    else:
+        assert_within_roundings(got, want, str(precision), roundings=2, terms=64)
     with jax.default_matmul_precision("default"):  # (the tests' own default is "highest": conftest.py)
         text = str(jax.make_jaxpr(lambda q: flax_attention_fn(q, q, q, precision=precision))(q))
     named = {None: None, jax.lax.Precision.DEFAULT: None, "highest": "HIGHEST"}.get(precision, "HIGH")

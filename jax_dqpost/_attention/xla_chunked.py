@@ -115,21 +115,17 @@ def dot_product_attention(query, key, value, bias, mask, *, scale, is_causal: bo
 # ---- the blocks ---------------------------------------------------------------------------------------------------
 
 def _dot(spec: str, a, b, inputs, dtype, precision=None):
-    """``einsum(spec, a, b)`` in ``dtype`` at the precision :func:`~jax_dqpost._attention.xla._scores` multiplies
-    operands of dtype ``inputs`` (and jax's transposes of it: an operand of another dtype is rounded to ``inputs``
-    where the preset would round it); ``precision`` for float32 and wider ones."""
+    """``einsum(spec, a, b)`` in ``dtype`` with the products :func:`~jax_dqpost._attention.xla._scores` makes of
+    operands of dtype ``inputs`` (an operand of another dtype is rounded to ``inputs`` first, as the preset would
+    round it): bf16 in ``BF16_BF16_F32``, fp16 rounded to fp16 and multiplied in float32 (exact products);
+    ``precision`` for float32 and wider ones."""
     if inputs == jnp.bfloat16:
         return jnp.einsum(spec, a.astype(inputs), b.astype(inputs), precision=lax.DotAlgorithmPreset.BF16_BF16_F32,
                           preferred_element_type=dtype)
-    if inputs == jnp.float16:
-        def preset(a, b):
-            return jnp.einsum(spec, a.astype(inputs), b.astype(inputs), precision=lax.DotAlgorithmPreset.F16_F16_F32,
-                              preferred_element_type=dtype)
-
-        def upcast(a, b):  # fp16 products are exact in float32
-            return jnp.einsum(spec, a.astype(dtype), b.astype(dtype), precision=HIGHEST, preferred_element_type=dtype)
-
-        return lax.platform_dependent(a, b, cpu=upcast, default=preset)
+    if inputs == jnp.float16:  # fp16 products are exact in float32: F16_F16_F32's, on every platform (XLA's GPU
+        # compiler refuses that preset for some of these blocks' dots)
+        return jnp.einsum(spec, a.astype(inputs).astype(dtype), b.astype(inputs).astype(dtype), precision=HIGHEST,
+                          preferred_element_type=dtype)
     return jnp.einsum(spec, a, b, precision=precision, preferred_element_type=dtype)
 
 

@@ -117,15 +117,20 @@ def dot_product_attention(query, key, value, bias, mask, *, scale, is_causal: bo
 def _dot(spec: str, a, b, inputs, dtype, precision=None):
     """``einsum(spec, a, b)`` in ``dtype`` with the products :func:`~jax_dqpost._attention.xla._scores` makes of
     operands of dtype ``inputs`` (an operand of another dtype is rounded to ``inputs`` first, as the preset would
-    round it): bf16 in ``BF16_BF16_F32``, fp16 rounded to fp16 and multiplied in float32 (exact products);
-    ``precision`` for float32 and wider ones."""
-    if inputs == jnp.bfloat16:
-        return jnp.einsum(spec, a.astype(inputs), b.astype(inputs), precision=lax.DotAlgorithmPreset.BF16_BF16_F32,
-                          preferred_element_type=dtype)
-    if inputs == jnp.float16:  # fp16 products are exact in float32: F16_F16_F32's, on every platform (XLA's GPU
-        # compiler refuses that preset for some of these blocks' dots)
+    round it): exact float32 products of the bf16 or fp16 values (``BF16_BF16_F32`` on GPUs); ``precision`` for
+    float32 and wider ones."""
+    def exact(a, b):  # bf16 and fp16 products are exact in float32: the presets' products
         return jnp.einsum(spec, a.astype(inputs).astype(dtype), b.astype(inputs).astype(dtype), precision=HIGHEST,
                           preferred_element_type=dtype)
+
+    if inputs == jnp.bfloat16:  # the preset where the platform compiles it for these dots (jax 0.10's CPU does not)
+        def preset(a, b):
+            return jnp.einsum(spec, a.astype(inputs), b.astype(inputs), precision=lax.DotAlgorithmPreset.BF16_BF16_F32,
+                              preferred_element_type=dtype)
+
+        return lax.platform_dependent(a, b, cpu=exact, default=preset)
+    if inputs == jnp.float16:  # XLA's GPU compiler refuses F16_F16_F32 for some of these dots
+        return exact(a, b)
     return jnp.einsum(spec, a, b, precision=precision, preferred_element_type=dtype)
 
 

@@ -12,9 +12,10 @@ query head in every row (no value vector), and two conventions that differ where
   its lse is the sink (``-inf`` without one); causal masks and windows align bottom-right (a query's position is
   offset by the key length minus the query length, of each sequence in a packed batch).
 
-The logits are float32 (float64 for float64 inputs): bf16 and fp16 operands multiply in ``BF16_BF16_F32``
-and ``F16_F16_F32`` (jax.nn's precision) on GPUs, and upcast to float32 at the highest precision on CPU (the same
-exact products: XLA's CPU has no fp16 preset, and jax 0.10's cannot emit the bf16 one for every shape); float32 ones at jax's default matmul precision, as
+The logits are float32 (float64 for float64 inputs): bf16 operands multiply in ``BF16_BF16_F32`` (jax.nn's
+precision; on CPU a matrix times a vector upcast to float32 at the highest precision, the same exact products, as
+jax 0.10's CPU cannot emit the preset there); fp16 ones in ``F16_F16_F32`` where the platform has it, else upcast
+(XLA's CPU has no such preset); float32 ones at jax's default matmul precision, as
 jax.nn's (TF32 on NVIDIA GPUs since Ampere, unless ``jax.default_matmul_precision`` says otherwise). The softmax is
 float32; the probabilities are rounded to the values' dtype before they multiply the values.
 """
@@ -51,15 +52,21 @@ def _scores(query, key, precision=None):
         return _batched_dot(q, k, 3, precision=precision, preferred_element_type=dtype).reshape(
             b, heads_kv, g, t, key.shape[1])
 
-    if query.dtype in (jnp.bfloat16, jnp.float16):
-        preset = (lax.DotAlgorithmPreset.BF16_BF16_F32 if query.dtype == jnp.bfloat16
-                  else lax.DotAlgorithmPreset.F16_F16_F32)
+    def upcast(q, k):  # bf16 and fp16 products are exact in float32: the presets' products
+        return product(q.astype(dtype), k.astype(dtype), HIGHEST)
 
-        def upcast(q, k):  # bf16 and fp16 products are exact in float32: the presets' products
-            return product(q.astype(dtype), k.astype(dtype), HIGHEST)
+    if query.dtype == jnp.bfloat16:
+        def preset(q, k):
+            return product(q, k, lax.DotAlgorithmPreset.BF16_BF16_F32)
 
-        # XLA's CPU has no F16_F16_F32, and jax 0.10's cannot emit BF16_BF16_F32 for a dot of one key
-        return lax.platform_dependent(q, k, cpu=upcast, default=lambda q, k: product(q, k, preset))
+        if 1 in (g * t, key.shape[1]):  # a matrix times a vector: jax 0.10's CPU cannot emit the preset for it
+            return lax.platform_dependent(q, k, cpu=upcast, default=preset)
+        return preset(q, k)
+    if query.dtype == jnp.float16:
+        def preset16(q, k):
+            return product(q, k, lax.DotAlgorithmPreset.F16_F16_F32)
+
+        return lax.platform_dependent(q, k, cpu=upcast, default=preset16)  # XLA's CPU has no F16_F16_F32
     return product(q, k, precision)
 
 

@@ -15,7 +15,7 @@ Usage (a CUDA GPU, and fa4-jax: ``pip install fa4-jax==0.1.0``, or the ``[fa4-ja
     dq, dk, dv = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)  # the backward ends in one jax-dqpost launch
 
 or ``fa4_jax.flash_attn(..., backend=fa4jax.BACKEND)`` once :func:`register` has run. The lse that ``return_lse``
-returns is differentiable: its cotangent enters the backward as ``dpsum - d_lse`` (:mod:`jax_dqpost._attention.vjp`).
+returns is differentiable: its cotangent enters the backward as ``dpsum - d_lse`` (:mod:`jax_dqpost._attention.autodiff`).
 What fa4-jax does not take (vmap over varlen; the head dims and GPUs its kernels refuse) this backend does not take
 either, with fa4-jax's errors.
 
@@ -24,9 +24,9 @@ as float32), one logit per query head in natural-log units (not multiplied by th
 softmax with no value vector: ``out_i = sum_j P_ij v_j``, ``P_ij = exp(scale * q_i k_j - lse_i)``, ``lse_i =
 log(sum_j exp(scale * q_i k_j) + exp(sink_h))``; a row with no key gets ``out = 0``, ``lse = sink_h``. The forward is
 FlashAttention-4's kernel given the sink (fa4-jax runs it without); the backward is fa4-jax's preprocess and main
-kernel, unchanged, then one jax-dqpost launch for dQ (dK, dV) and dsink. Reverse mode only (jax.grad, vjp,
-jacrev; forward mode is a ``TypeError``); vmap folds into the batch (a shared sink) or maps (a mapped sink, or
-varlen); no ``mask_mod``. On GPUs whose FlashAttention-4 forward takes a sink: Hopper (sm90) and sm100/sm110.
+kernel, unchanged, then one jax-dqpost launch for dQ (dK, dV) and dsink; forward mode is fa4-jax's forward-mode
+kernel on the sink-including lse, plus the sink's own terms. vmap folds into the batch (a shared sink) or maps (a
+mapped sink, or varlen); no ``mask_mod``. On GPUs whose FlashAttention-4 forward takes a sink: Hopper (sm90) and sm100/sm110.
 
 Head dims 136..160 on Hopper (sm90): fa4-jax 0.1.0's kernels do not compile there with CuTe DSL 4.8 (its own backend
 fails the same way), and its dK/dV order under grouped-query attention is one our kernel does not take. This backend
@@ -58,7 +58,7 @@ import numpy as np
 from . import _arguments
 from ._attention import fa4jax_internals, xla
 from ._attention.fa4 import (BACKEND, accum_layout, check_sink_gpu, on_gpu, register, run_padded,  # noqa: F401
-                             with_sink, PADDED_HEAD_DIM)  # (PADDED_HEAD_DIM: the module docstring names it)
+                             flash, PADDED_HEAD_DIM)  # (PADDED_HEAD_DIM: the module docstring names it)
 from ._kernel import abi
 from ._errors import describe
 
@@ -119,7 +119,7 @@ def _check_offsets_dtype(name: str, x) -> None:
 
 
 def _sink_call(packed: bool, q, k, v, cu_seqlens, sink, kwargs):
-    """The checks, then the attention with the sink (``jax_dqpost._attention.fa4.with_sink``) at the head dims
+    """The checks, then the attention with the sink (``jax_dqpost._attention.fa4.flash``) at the head dims
     fa4-jax's kernels compile for."""
     sink = check_sink(sink, q, kwargs, packed)
     kwargs = {key: value for key, value in kwargs.items() if key != "mask_mod"}
@@ -130,7 +130,7 @@ def _sink_call(packed: bool, q, k, v, cu_seqlens, sink, kwargs):
         for name, x in zip(("cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k"),
                            (*cu_seqlens, kwargs.get("seqused_q"), kwargs.get("seqused_k"))):
             _check_offsets_dtype(name, x)
-    return run_padded(with_sink(packed), q, k, v, *cu_seqlens, learnable_sink=sink, **kwargs)
+    return run_padded(flash(packed), q, k, v, *cu_seqlens, learnable_sink=sink, **kwargs)
 
 
 # ---- where there is no GPU: the same attention in jax.numpy ----------------------------------------------------

@@ -21,7 +21,7 @@ import pytest
 
 from conftest import HAS_GPU
 from jax_dqpost import AccumLayout, fa4jax
-from jax_dqpost._attention import fa4 as _fa4, fa4jax_internals as _fa4jax_internals, vjp
+from jax_dqpost._attention import autodiff, fa4 as _fa4, fa4jax_internals as _fa4jax_internals
 import attention_oracle
 import oracle
 from support import assert_close_to_scale, bits, cu_seqlens
@@ -196,8 +196,8 @@ def _finish_both_ways(q, k, v, d_out, seqlens, *, causal, packed):
     cfg = _fa4jax_internals.config(q, causal=causal, varlen=packed)
     acc = _fa4jax_internals.accumulators(cfg, q, k, v, out.astype(q.dtype), lse, d_out, (), seqlens)
     dq_layout, dkv_layout = _fa4._layouts(cfg, q, k, v)
-    ours = vjp.finish(acc, q, k, v, seqlens, scale=cfg.scale, dq_layout=dq_layout, dkv_layout=dkv_layout)
-    return _fa4jax_postprocess(cfg, q, k, v, acc, seqlens), (ours.dq, ours.dk, ours.dv), acc.dq_accum
+    ours = autodiff.finish(acc, q, k, v, seqlens, scale=cfg.scale, dq_layout=dq_layout, dkv_layout=dkv_layout)
+    return _fa4jax_postprocess(cfg, q, k, v, acc, seqlens), ours[:3], acc.dq_accum
 
 
 def _fa4jax_postprocess(cfg, q, k, v, acc, seqlens):

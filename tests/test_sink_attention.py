@@ -1,5 +1,5 @@
-"""Attention with a learnable sink whose backward ends in our op (``jax_dqpost._attention.vjp``), on any platform: its
-``jax.custom_vjp`` wired to a stand-in producer, and the refusals of ``jax_dqpost.fa4jax`` that need no GPU.
+"""Attention with a learnable sink whose backward ends in our op (``jax_dqpost._attention.autodiff``), on any
+platform: its ``jax.custom_jvp`` wired to a stand-in producer, and the refusals of ``jax_dqpost.fa4jax`` that need no GPU.
 
 The stand-in (:class:`Producer`) does in jax.numpy what FlashAttention-4's kernels do: a forward that puts the sink
 in every softmax row, and a backward main kernel that knows nothing of the sink, reads the forward's lse and the
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from jax_dqpost import AccumLayout, dq_accum_from_dq, fa4jax
-from jax_dqpost._attention import vjp as _attention
+from jax_dqpost._attention import autodiff as _attention
 from jax_dqpost._attention.fa4jax_internals import Accumulators
 from support import assert_within_roundings, cu_seqlens
 
@@ -122,6 +122,25 @@ class Producer:
         out, lse = reference(q, k, v, sink, cfg.array, cfg.scale)
         out = out.astype(q.dtype)
         return (out[0], lse[0]) if packed else (out, lse)
+
+    def tangent(self, cfg, q, k, v, out, lse, dq, dk, dv, seqlens):
+        """What a forward-mode kernel computes: the probabilities from the forward's lse, ``t_S = scale (dq k^T + q
+        dk^T)``, ``mu = rowsum(P t_S)``, ``t_out = P dv + (P (t_S - mu)) v``, ``t_lse = mu``; it knows no sink."""
+        f32 = jnp.float32
+        packed = seqlens is not None
+        q4, k4, v4, dq4, dk4, dv4 = ((x[None] if packed else x).astype(f32) for x in (q, k, v, dq, dk, dv))
+        lse4 = lse[None] if packed else lse
+        group = q.shape[-2] // k.shape[-2]
+        kk, vv, dkk, dvv = (jnp.repeat(x, group, axis=2) for x in (k4, v4, dk4, dv4))
+        s = jnp.einsum("bshd,bthd->bhst", q4, kk, precision=HIGHEST) * cfg.scale
+        t_s = (jnp.einsum("bshd,bthd->bhst", dq4, kk, precision=HIGHEST)
+               + jnp.einsum("bshd,bthd->bhst", q4, dkk, precision=HIGHEST)) * cfg.scale
+        p = jnp.where(cfg.array[:, None], jnp.exp(s - lse4[..., None]), 0.0)
+        mu = jnp.sum(p * t_s, axis=-1)
+        t_out = (jnp.einsum("bhst,bthd->bshd", p, dvv, precision=HIGHEST)
+                 + jnp.einsum("bhst,bthd->bshd", p * (t_s - mu[..., None]), vv, precision=HIGHEST))
+        t_out = t_out.astype(q.dtype)
+        return (t_out[0], mu[0]) if packed else (t_out, mu)
 
     def accumulators(self, cfg, q, k, v, out, lse, d_out, dpsum_delta, seqlens):
         f32 = jnp.float32
@@ -292,12 +311,24 @@ def test_lse_cotangent_rows_are_dpsums(rng):
     np.testing.assert_array_equal(got, np.pad(dense, [(0, 0), (0, 0), (0, 12)]))
 
 
-def test_forward_mode_is_refused_in_one_line(rng):
-    call, (q, k, v, sink), seqlens, _, _ = _case(rng, packed=False, heads_kv=2)
-    for transform in (lambda f: jax.jvp(f, (sink,), (sink,)), lambda f: jax.jacfwd(f)(sink)):
-        with pytest.raises(TypeError) as info:
-            transform(lambda s: _attention.attention(call, q, k, v, s, seqlens)[0])
-        assert str(info.value) == _attention.FORWARD_MODE
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "varlen"])
+def test_forward_mode_is_plain_attentions(rng, packed):
+    """jax.jvp and jax.jacfwd: the producer's forward-mode kernel for q, k, v, plus the sink's own terms, give the
+    tangents of plain attention with a sink column, of out and of the lse."""
+    call, (q, k, v, sink), seqlens, _, mask = _case(rng, packed=packed, heads_kv=2, causal=True)
+    ours, theirs = _ours(call, seqlens), _theirs(mask, call.scale, packed)
+    primals = (q, k, v, sink)
+    tangents = tuple(jnp.asarray(rng.standard_normal(x.shape), x.dtype) for x in primals)
+    got = jax.jit(lambda p, t: jax.jvp(ours, p, t))(primals, tangents)
+    want = jax.jvp(theirs, primals, tangents)
+    live = np.asarray(mask.any(-1))[0] if packed else None  # rows no sequence uses: no kernel defines their lse
+    for what, g, w in zip(("out", "lse", "t_out", "t_lse"), (*got[0], *got[1]), (*want[0], *want[1])):
+        g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
+        if live is not None and what in ("lse", "t_lse"):
+            g, w = g[:, live], w[:, live]
+        _assert_close(g, w, what)
+    sink_only = jax.jacfwd(lambda s: ours(q, k, v, s)[1])(sink)
+    _assert_close(sink_only, jax.jacfwd(lambda s: theirs(q, k, v, s)[1])(sink), "jacfwd of the lse by the sink")
 
 
 class CountingProducer(Producer):

@@ -1,11 +1,12 @@
 """FlashAttention-4 through fa4-jax's kernels, its backward finished by jax-dqpost: what
 ``implementation='fa4'`` (:mod:`jax_dqpost.attention.fa4`) and the public :mod:`jax_dqpost.fa4jax` run.
 
-Without a sink, fa4-jax's own attention on a backend registered as :data:`BACKEND`: fa4-jax's kernel backend but
-for its reverse mode's last step, one :func:`~jax_dqpost.flash_attention_postprocess` launch for every
-accumulator. With a sink, :func:`with_sink`: the ``jax.custom_vjp`` of :mod:`jax_dqpost._attention.vjp` around
-fa4-jax's forward kernel given the sink and its backward's preprocess and main kernel (:data:`KERNELS`). The
-accumulators' orders come from fa4-jax's tile plan (:func:`accum_layout`).
+:func:`flash`: with or without a learnable sink, the ``jax.custom_jvp`` of :mod:`jax_dqpost._attention.autodiff`
+around fa4-jax's forward kernel (given the sink), its forward-mode kernel, and its backward's preprocess and main
+kernel (:data:`KERNELS`), the backward ending in one jax-dqpost launch. The accumulators' orders come from
+fa4-jax's tile plan (:func:`accum_layout`). :func:`register` also registers :data:`BACKEND` with fa4-jax, for
+``jax_dqpost.fa4jax.flash_attn`` without a sink, which takes fa4-jax's every argument (a ``mask_mod`` too): fa4-jax's
+kernel backend but for its reverse mode's last step, one :func:`~jax_dqpost.flash_attention_postprocess` launch.
 
 Head dims 136..160 on Hopper (sm90) run zero-padded to :data:`PADDED_HEAD_DIM` (:func:`run_padded`): fa4-jax
 0.1.0's kernels do not compile there with CuTe DSL 4.8, and its dK/dV order under grouped-query attention is one
@@ -22,7 +23,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from . import fa4jax_internals, vjp, xla
+from . import autodiff, fa4jax_internals, xla
 from .._kernel import arch
 from ..layout import ORDER_OF_FAMILY, AccumLayout
 
@@ -129,12 +130,12 @@ def register():
 
         def vjp(self, cfg, q, k, v, out, lse, d_out, d_lse, aux, seqlens=None):
             dq_layout, dkv_layout = _layouts(cfg, q, k, v)
-            delta = None if d_lse is None else vjp.lse_cotangent_rows(d_lse, dq_layout, seqlens)
+            delta = None if d_lse is None else autodiff.lse_cotangent_rows(d_lse, dq_layout, seqlens)
             with _compiling(q, v):
                 acc = fa4jax_internals.accumulators(cfg, q, k, v, out, lse, d_out, aux, seqlens, delta)
-            grads = vjp.finish(acc, q, k, v, seqlens, scale=cfg.scale, dq_layout=dq_layout,
-                                      dkv_layout=dkv_layout)
-            return grads.dq, grads.dk, grads.dv
+            dq, dk, dv, _ = autodiff.finish(acc, q, k, v, seqlens, scale=cfg.scale, dq_layout=dq_layout,
+                                            dkv_layout=dkv_layout)
+            return dq, dk, dv
 
     fa4jax_internals.register_backend(BACKEND, Backend())
     return fa4_jax
@@ -199,30 +200,35 @@ def unavailable(q, k, v, *, window_size, scale, packed: bool, sink: bool) -> str
     return None
 
 
-def with_sink(packed: bool):
-    """The attention with a learnable sink, as :func:`run_padded` calls it: a ``jax.custom_vjp`` whose backward
-    ends in one jax-dqpost launch (:mod:`jax_dqpost._attention.vjp`)."""
+def flash(packed: bool):
+    """The attention, with or without a learnable sink, as :func:`run_padded` calls it: the ``jax.custom_jvp``
+    whose backward ends in one jax-dqpost launch (:mod:`jax_dqpost._attention.autodiff`)."""
 
-    def attention(q, k, v, *cu_seqlens, learnable_sink, causal=False, window_size=None, scale=None,
+    def attention(q, k, v, *cu_seqlens, learnable_sink=None, causal=False, window_size=None, scale=None,
                   return_lse=False, seqused_q=None, seqused_k=None, defined_padding=False):
         seqlens = fa4jax_internals.seqlens(*cu_seqlens, seqused_q, seqused_k) if packed else None
         cfg = fa4jax_internals.config(q, causal=causal, window_size=window_size, scale=scale, varlen=packed,
                                        defined_padding=defined_padding)
         dq_layout, dkv_layout = _layouts(cfg, q, k, v)
-        spec = vjp.AttentionSpec(KERNELS, cfg, cfg.scale, dq_layout, dkv_layout)
-        out, lse = vjp.attention(spec, q, k, v, learnable_sink, seqlens)
+        spec = autodiff.AttentionSpec(KERNELS, cfg, cfg.scale, dq_layout, dkv_layout)
+        out, lse = autodiff.attention(spec, q, k, v, learnable_sink, seqlens)
         return (out, lse) if return_lse else out
 
     return attention
 
 
 class _Kernels:
-    """fa4-jax's kernels as :mod:`jax_dqpost._attention.vjp`'s producer: its forward kernel given the sink, its
-    backward's preprocess and main kernel as they are (compile failures as :func:`_compiling` words them)."""
+    """fa4-jax's kernels as :mod:`jax_dqpost._attention.autodiff`'s producer: its forward kernel (given the sink),
+    its forward-mode kernel, its backward's preprocess and main kernel, as they are (compile failures as
+    :func:`_compiling` words them)."""
 
     def forward(self, cfg, q, k, v, sink, seqlens):
         with _compiling(q, v):
             return fa4jax_internals.forward(cfg, q, k, v, sink, seqlens)
+
+    def tangent(self, cfg, q, k, v, out, lse, dq, dk, dv, seqlens):
+        with _compiling(q, v):
+            return fa4jax_internals.tangent(cfg, q, k, v, out, lse, dq, dk, dv, seqlens)
 
     def accumulators(self, cfg, q, k, v, out, lse, d_out, dpsum_delta, seqlens):
         with _compiling(q, v):
@@ -254,8 +260,4 @@ def attention(q, k, v, *, scale: float, window: tuple, sink=None, return_lse: bo
     cu = seqlens[:2] if packed else ()
     if packed:
         options.update(seqused_q=seqlens[2], seqused_k=seqlens[3], defined_padding=True)
-    if sink is not None:
-        return run_padded(with_sink(packed), q, k, v, *cu, learnable_sink=sink, **options)
-    fa4_jax = register()
-    call = fa4_jax.flash_attn_varlen if packed else fa4_jax.flash_attn
-    return run_padded(functools.partial(call, backend=BACKEND), q, k, v, *cu, **options)
+    return run_padded(flash(packed), q, k, v, *cu, learnable_sink=sink, **options)

@@ -5,8 +5,9 @@ cutejax. Its reverse mode is ``fa4_jax.kernels.CuteBackend.vjp``: a preprocess (
 zeroed fp32 dQ accumulator), the main backward kernel (dQ accumulated with atomics; dK and dV written directly, or
 for grouped-query attention accumulated in fp32 buffers zeroed by XLA), then one postprocess launch per
 accumulator. :func:`accumulators` runs the first two steps exactly as fa4-jax does and stops there; the
-postprocess is ours. :func:`forward` is fa4-jax's forward launch (``CuteBackend.fwd_lse``) with one argument more,
-the learnable sink, which the vendored forward kernels take (``learnable_sink=``) and fa4-jax's wrappers never pass.
+postprocess is ours. :func:`forward` is fa4-jax's forward launch (``CuteBackend.fwd_lse``), with a learnable sink
+one argument more, which the vendored forward kernels take (``learnable_sink=``) and fa4-jax's wrappers never pass;
+:func:`tangent` its forward-mode kernel (``CuteBackend.tangent``) as it is.
 Read from fa4-jax 0.1.0 (``src/fa4_jax/kernels.py``, ``attention.py``); any other version is refused, because these
 names and the kernels' accumulator geometry are private to it.
 
@@ -15,8 +16,8 @@ The private names used, all of fa4-jax 0.1.0:
 - ``fa4_jax.attention``: ``register_backend``, ``_make_config`` (its ``AttnConfig`` from the public arguments),
   ``_check_qkv`` (its shape and dtype checks).
 - ``fa4_jax.kernels``: ``CuteBackend`` (subclassed; its ``_tree``, ``_in_specs``, ``_tree_aliases``,
-  ``_out_struct``, ``_lse_struct`` build a launch), ``_validate`` (dtype, head dims, GPU: :func:`validate`),
-  ``_device_arch``, ``_bwd_plan`` and ``_bwd_post_params`` (the tile plan and the postprocess orders), ``_get_static``,
+  ``_out_struct``, ``_lse_struct`` build a launch; ``fwd_lse`` and ``tangent`` launch its kernels), ``_validate``
+  (dtype, head dims, GPU: :func:`validate`), ``_device_arch``, ``_bwd_plan`` and ``_bwd_post_params`` (the tile plan and the postprocess orders), ``_get_static``,
   ``_aux_static``, ``_windows``, ``_aux_data`` (a launch's static tree), the ``@cute.jit`` entries
   ``_fa4_bwd_pre[_varlen]``, ``_fa4_bwd[_varlen][_dp]``, ``_fa4_bwd_gqa[_varlen]`` and the postprocess ones (which
   tests/test_fa4jax.py launches as fa4-jax does), and the specs ``_QKV_SPEC``, ``_QKV3_SPEC``, ``_F32_SPEC``, ``_LSE_SPEC``.
@@ -160,11 +161,15 @@ def _forward_entry():
 
 
 def forward(cfg, q, k, v, sink, seqlens):
-    """fa4-jax's forward kernel with a learnable sink ``sink`` (H,): ``(out, lse)`` with the shapes, specs and
-    ``defined_padding`` fills of its ``CuteBackend.fwd_lse``; the sink-including natural-log lse."""
+    """fa4-jax's forward kernel, ``(out, lse)``, the natural-log lse: without a sink (``sink`` None) its
+    ``CuteBackend.fwd_lse`` as it is; with a learnable sink ``sink`` (H,) the same launch (shapes, specs,
+    ``defined_padding`` fills) given the sink, the lse including it."""
     _, _, K, cutejax = modules()
     backend = K.CuteBackend()
     cfg = as_cute(cfg)
+    if sink is None:
+        results = backend.fwd_lse(cfg, q, k, v, (), seqlens)
+        return type(results)(_varying_as((q, k, v, *(seqlens or ())), *results))
     tree, specs = backend._tree(cfg, "fwd", q, k, v, (), seqlens, sink=sink)
     out_struct, lse_struct = backend._out_struct(q, v), backend._lse_struct(q, seqlens)
     aliases = None
@@ -179,10 +184,18 @@ def forward(cfg, q, k, v, sink, seqlens):
     return type(results)(_varying_as((q, k, v, sink, *(seqlens or ())), *results))
 
 
+def tangent(cfg, q, k, v, out, lse, dq, dk, dv, seqlens):
+    """fa4-jax's forward-mode kernel (``CuteBackend.tangent``) as it is: ``(t_out, t_lse)`` for the tangents
+    ``dq``, ``dk``, ``dv``, the probabilities read from the forward's ``lse``."""
+    _, _, K, _ = modules()
+    results = K.CuteBackend().tangent(as_cute(cfg), q, k, v, out, lse, dq, dk, dv, (), seqlens)
+    return type(results)(_varying_as((q, k, v, out, lse, dq, dk, dv, *(seqlens or ())), *results))
+
+
 def _varying_as(inputs, *results) -> list:
     """``results`` of a cutejax call, which types them without ``jax.shard_map``'s varying manual axes, typed with
     the union of its ``inputs``' (``jax.lax.pcast``): what the kernel computes from varying inputs varies as they
-    do, and ``jax_dqpost._attention.vjp``'s custom_vjp compares its backward's types with its primals'. Outside
+    do, and ``jax_dqpost._attention.autodiff`` gives its tangents and cotangents its primals' types. Outside
     ``shard_map``, ``results`` as they are."""
     axes = frozenset().union(*(varying_axes(x) for x in inputs if x is not None))
     return [vary_as(r, axes) for r in results]
@@ -234,7 +247,7 @@ def accumulators(cfg, q, k, v, out, lse, d_out, aux, seqlens, dpsum_delta=None) 
     """fa4-jax's preprocess and main backward kernel for ``(cfg, q, k, v, out, lse, d_out)``: the same calls,
     shapes, specs and buffer aliases as its ``CuteBackend.vjp``, without the postprocess. ``dpsum_delta`` (the
     preprocess's ``dpsum`` shape) is subtracted from ``dpsum`` before the main kernel reads it: the lse's cotangent
-    (:func:`jax_dqpost._attention.vjp.lse_cotangent_rows`)."""
+    (:func:`jax_dqpost._attention.autodiff.lse_cotangent_rows`)."""
     _, _, K, cutejax = modules()
     d_out = d_out.astype(q.dtype)
     # XLA's dynamic-slice fusion hands a custom call a view into the array an operand was sliced from (keys cut

@@ -1,0 +1,301 @@
+"""FlashAttention's attention, differentiable in both modes, its reverse mode ending in one jax-dqpost launch; with
+or without a learnable sink, and through the lse as well as the output.
+
+A producer (:class:`Kernels`: fa4-jax's kernels in :mod:`jax_dqpost._attention.fa4`, a stand-in in the tests)
+brings three steps: its forward, ``(out, lse)`` with the sink (if any) in every softmax row; its forward-mode
+kernel, the tangents of out and lse for tangents of q, k and v, reading the forward's lse; and its backward up to
+the accumulators (the preprocess's ``dpsum = rowsum(out * d_out)``, then the main kernel, which reads the
+forward's lse and ``dpsum``).
+
+:func:`attention` is a ``jax.custom_jvp``. Its JVP runs the forward and binds :data:`tangent_p`, linear in the
+tangents of q, k, v and the sink. Forward mode (``jax.jvp``, ``jax.jacfwd``) evaluates it: the producer's
+forward-mode kernel and the sink's terms. Reverse mode never does: JAX transposes it, and its transpose is the
+backward: the producer's two steps, then one :func:`~jax_dqpost.flash_attention_postprocess` launch for dQ (dK and
+dV under grouped-query attention) and dsink (``_primitive/backward.py``). One backward, with or without a sink.
+
+Why the kernels need no sink: the sink ``t_h`` is one more logit of row ``i`` with no value vector, so
+``P_ij = exp(scale * s_ij - lse_i)`` with the sink-including ``lse_i`` is the whole of what it changes.
+Reverse: ``dS_ij = P_ij (dP_ij - D_i)`` with ``D_i = rowsum(dO * O)_i`` (the sink's ``dP`` is 0), and ``d t_h =
+sum_i -P_it D_i``, ``P_it = exp(t_h - lse_i)``: the postprocess's dsink. A cotangent ``g`` of the lse adds ``g_i
+P_ij`` to ``dS_ij`` and ``g_i P_it`` to ``d t_h``: ``D_i - g_i`` in place of ``D_i`` in both
+(:func:`lse_cotangent_rows`). Forward: the kernel's tangents of out and lse for q, k, v are right with the
+sink-including lse (the sink's logit has no tangent there); a tangent ``tau`` of the sink adds ``-P_it out_i tau``
+to out's and ``P_it tau`` to the lse's (0 in rows whose lse is ``-inf``: rows no sequence uses).
+
+vmap: a dense call with a shared sink folds the mapped axis into the producer's batch (one launch of each kernel;
+per-example dsink from the postprocess's own vmap rule); a mapped sink, or a packed batch, runs the producer once
+per element (``lax.map``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Hashable, Protocol
+
+import jax
+import jax.numpy as jnp
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+
+from .. import _jax_internals
+from .._kernel.varlen import padded_total
+from .._primitive.backward import Side, finish as finish_accumulators
+from ..layout import AccumLayout
+
+
+class Kernels(Protocol):
+    """A producer's steps (hashable: :class:`AttentionSpec` is a static argument). ``config`` is
+    :attr:`AttentionSpec.config`; ``seqlens`` is None (dense) or fa4-jax's ``(cu_seqlens_q, cu_seqlens_k, seqused_q,
+    seqused_k)``."""
+
+    def forward(self, config, q, k, v, sink, seqlens):
+        """``(out, lse)``: out ``(B, S, H, Dv)`` or ``(T, H, Dv)`` of q's dtype, the float32 natural-log lse
+        ``(B, H, S)`` or ``(H, T)``, with the sink (None: none) in every row."""
+
+    def tangent(self, config, q, k, v, out, lse, dq, dk, dv, seqlens):
+        """``(t_out, t_lse)``: the tangents of out (q's dtype) and of the float32 lse for tangents ``dq``, ``dk``,
+        ``dv`` of q, k, v, the probabilities read from the forward's ``lse``."""
+
+    def accumulators(self, config, q, k, v, out, lse, d_out, dpsum_delta, seqlens):
+        """The backward up to the postprocess, ``dpsum - dpsum_delta`` read in place of ``dpsum`` (None: 0): an
+        ``Accumulators`` (``dq_accum, dk, dv, dk_accum, dv_accum, dpsum``; dk, dv without grouped-query attention,
+        dk_accum, dv_accum with it, the others None)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionSpec:
+    """One attention call, static: the producer, its description of the attention (fa4-jax: its ``AttnConfig``),
+    the softmax scale (dQ's and dK's in the postprocess), and the orders of its accumulators (``dkv_layout``:
+    grouped-query attention, where dK and dV are accumulated too; None where the main kernel writes them)."""
+
+    kernels: Kernels
+    config: Hashable
+    scale: float
+    dq_layout: AccumLayout
+    dkv_layout: AccumLayout | None = None
+
+
+def attention(spec: AttentionSpec, q, k, v, sink=None, seqlens=None):
+    """``(out, lse)`` of the attention ``spec`` describes, with the learnable sink ``sink`` (H,) or None,
+    differentiable in q, k, v and the sink, through both outputs, in both modes (module docstring). Inside
+    ``jax.shard_map`` (its default check) every operand is cast to the union of their varying manual axes first, so
+    that the gradients (which vary as they do) have its primals' types; a replicated sink (or offsets) used with
+    batch-sharded q, k, v then gets its gradient summed over the batch's axes by jax's AD."""
+    q, k, v, sink, *flat = _jax_internals.vary_alike(q, k, v, sink, *(seqlens or ()))
+    return _attention(spec, q, k, v, sink, None if seqlens is None else tuple(flat))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _attention(spec, q, k, v, sink, seqlens):
+    return tuple(_forward(spec)(q, k, v, sink, seqlens))
+
+
+@_attention.defjvp
+def _attention_jvp(spec, primals, tangents):
+    q, k, v, sink, seqlens = primals
+    dq, dk, dv, dsink, _ = tangents
+    out, lse = _forward(spec)(q, k, v, sink, seqlens)
+    form = _Form(spec, sink is not None, seqlens is not None)
+    t_out, t_lse = tangent_p.bind(*form.join(q, k, v, out, lse, sink, seqlens, dq, dk, dv, dsink), form=form)
+    return (out, lse), (t_out, t_lse)
+
+
+# ---- the tangent: a primitive linear in the tangents, whose transpose is the backward ------------------------
+
+tangent_p = Primitive("jax_dqpost_attention_tangent")
+tangent_p.multiple_results = True
+
+
+@dataclasses.dataclass(frozen=True)
+class _Form:
+    """:data:`tangent_p`'s parameter: the call, and which operands it has. Operands: ``q, k, v, out, lse``, the
+    sink (with one), the four ``seqlens`` (packed), then the tangents of q, k, v and (with a sink) the sink's."""
+
+    spec: AttentionSpec
+    has_sink: bool
+    packed: bool
+
+    def join(self, q, k, v, out, lse, sink, seqlens, dq, dk, dv, dsink) -> list:
+        return [q, k, v, out, lse, *([sink] if self.has_sink else []), *(seqlens if self.packed else ()),
+                dq, dk, dv, *([dsink] if self.has_sink else [])]
+
+    def split(self, args):
+        """``(q, k, v, out, lse, sink, seqlens, (dq, dk, dv, dsink))``, sink, seqlens and dsink None where absent."""
+        args = list(args)
+        q, k, v, out, lse = args[:5]
+        rest = args[5:]
+        sink = rest.pop(0) if self.has_sink else None
+        seqlens = tuple(rest[:4]) if self.packed else None
+        rest = rest[4:] if self.packed else rest
+        return q, k, v, out, lse, sink, seqlens, (*rest[:3], rest[3] if self.has_sink else None)
+
+    @property
+    def residuals(self) -> int:
+        """How many operands come before the tangents."""
+        return 5 + self.has_sink + 4 * self.packed
+
+    def shared(self) -> list[int]:
+        """The operands with no batch axis: the sink, the offsets, the sink's tangent."""
+        first = 5 + self.has_sink + 4 * self.packed
+        return [i for i in range(first + 3 + self.has_sink)
+                if (5 <= i < first) or (self.has_sink and i == first + 3)]
+
+
+def _tangent_abstract(*args, form: _Form):
+    out, lse = args[3], args[4]
+    return [_jax_internals.result_aval(out.shape, out.dtype, args),
+            _jax_internals.result_aval(lse.shape, lse.dtype, args)]
+
+
+def _tangent_impl(*args, form: _Form):
+    """Forward mode: the producer's kernel for q, k, v's tangents, plus the sink's terms (module docstring)."""
+    q, k, v, out, lse, sink, seqlens, (dq, dk, dv, dsink) = form.split(args)
+    spec = form.spec
+    t_out, t_lse = spec.kernels.tangent(spec.config, q, k, v, out, lse, dq, dk, dv, seqlens)
+    if not form.has_sink:
+        return t_out, t_lse
+    rows = (slice(None), None) if form.packed else (None, slice(None), None)  # lse (H, T) or (B, H, S)
+    p_sink = jnp.where(jnp.isneginf(lse), 0.0, jnp.exp(sink.astype(jnp.float32)[rows] - lse))
+    p_tau = p_sink * dsink.astype(jnp.float32)[rows]
+    p_tau_out = jnp.moveaxis(p_tau, -2, -1)[..., None]  # as out: (T, H, 1) or (B, S, H, 1)
+    t_out = (t_out.astype(jnp.float32) - p_tau_out * out.astype(jnp.float32)).astype(t_out.dtype)
+    return t_out, t_lse + p_tau
+
+
+def _tangent_transpose(cts, *args, form: _Form):
+    """Reverse mode: the backward (module docstring), the cotangents of the tangents that are undefined."""
+    q, k, v, out, lse, sink, seqlens, tangents = form.split(args)
+    ct_out, ct_lse = cts
+    spec = form.spec
+    d_out = jnp.zeros_like(out) if type(ct_out) is ad.Zero else ct_out  # (varying as out is, inside shard_map)
+    delta = None if type(ct_lse) is ad.Zero else lse_cotangent_rows(ct_lse, spec.dq_layout, seqlens)
+    acc = _accumulators(spec, delta is not None)(q, k, v, out, lse, d_out.astype(q.dtype), delta, seqlens)
+    grads = finish(acc, q, k, v, seqlens, scale=spec.scale, dq_layout=spec.dq_layout, dkv_layout=spec.dkv_layout,
+                   sink=sink, lse=lse)
+    cotangents = [g if ad.is_undefined_primal(t) else None for g, t in zip(grads, tangents) if t is not None]
+    return [None] * form.residuals + cotangents
+
+
+def _tangent_batch(args, dims, *, form: _Form):
+    """Fold the mapped axis into the batch where every shared operand is unmapped and the call is dense; else one
+    bind per element."""
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    shared = set(form.shared())
+    if not form.packed and all(dims[i] is None for i in shared):
+        folded = []
+        for i, (a, d) in enumerate(zip(args, dims)):
+            if i in shared:
+                folded.append(a)
+                continue
+            a = jnp.broadcast_to(a, (size, *a.shape)) if d is None else jnp.moveaxis(a, d, 0)
+            folded.append(a.reshape(size * a.shape[1], *a.shape[2:]))
+        outs = tangent_p.bind(*folded, form=form)
+        return [o.reshape(size, -1, *o.shape[1:]) for o in outs], [0, 0]
+    mapped = [i for i, d in enumerate(dims) if d is not None]
+
+    def one(xs):
+        full = list(args)
+        for i, x in zip(mapped, xs):
+            full[i] = x
+        return tuple(tangent_p.bind(*full, form=form))
+
+    outs = jax.lax.map(one, [jnp.moveaxis(args[i], dims[i], 0) for i in mapped])
+    return list(outs), [0, 0]
+
+
+_jax_internals.def_impl(tangent_p)
+tangent_p.def_abstract_eval(_tangent_abstract)
+mlir.register_lowering(tangent_p, mlir.lower_fun(_tangent_impl, multiple_results=True))
+ad.primitive_transposes[tangent_p] = _tangent_transpose
+batching.primitive_batchers[tangent_p] = _tangent_batch
+
+
+# ---- the backward's last step, and the lse's cotangent ----------------------------------------------------
+
+def finish(acc, q, k, v, seqlens, *, scale, dq_layout, dkv_layout, sink=None, lse=None):
+    """One postprocess launch for what the producer's backward left (``acc``): ``(dq, dk, dv, dsink)``, dk and dv
+    the main kernel's where it wrote them (``dkv_layout`` None), dsink with a sink (``sink``, the forward's
+    ``lse``, ``acc.dpsum``), else None."""
+    if seqlens is None:
+        q_side, k_side = Side(q.shape[1]), Side(k.shape[1])
+    else:
+        cu_q, cu_k, used_q, used_k = seqlens
+        q_side, k_side = Side(q.shape[0], cu_q, used_q), Side(k.shape[0], cu_k, used_k)
+    sink_operands = None if sink is None else (sink, lse, acc.dpsum)
+    common = dict(dtype=q.dtype, head_dim=q.shape[-1], head_dim_v=v.shape[-1], dq_layout=dq_layout,
+                  q_side=q_side, sink=sink_operands)
+    if dkv_layout is None:  # the main kernel wrote dK and dV itself
+        dq, _, _, dsink = finish_accumulators(acc.dq_accum, None, None, scale, dkv_layout=None, **common)
+        return dq, acc.dk, acc.dv, dsink
+    return finish_accumulators(acc.dq_accum, acc.dk_accum, acc.dv_accum, scale, dkv_layout=dkv_layout,
+                               k_side=k_side, **common)
+
+
+def lse_cotangent_rows(d_lse, dq_layout: AccumLayout, seqlens=None):
+    """The lse's cotangent in ``dpsum``'s rows, to subtract from ``dpsum`` (module docstring): dense ``(B, H, S)``
+    -> ``(B, H, Sr)``, zero in the padding rows; packed ``(H, T)`` -> ``(H, Tp)``, sequence ``b``'s row ``r`` (under
+    its used length) at ``(cu[b] + b P) // P * P + r`` (FlashAttention's allocation, ``P = dq_layout.pad_rows``),
+    zero elsewhere. Traced offsets are read on the device."""
+    d_lse = d_lse.astype(jnp.float32)
+    pad = dq_layout.pad_rows
+    if seqlens is None:
+        s = d_lse.shape[-1]
+        return jnp.pad(d_lse, [(0, 0), (0, 0), (0, dq_layout.padded_seqlen(s) - s)])
+    cu, _, used, _ = seqlens
+    heads, total = d_lse.shape
+    batch = cu.shape[0] - 1
+    rows_out = padded_total(total, batch, pad)
+    t = jnp.arange(total, dtype=jnp.int32)
+    # the last sequence starting at or before t (unrolled: no loop in the program, as varlen.WorkList.build)
+    b = jnp.clip(jnp.searchsorted(cu, t, side="right", method="scan_unrolled") - 1, 0, batch - 1)
+    start, r = cu[b], t - cu[b]
+    inside = (t >= start) & (t < cu[b + 1]) & (r < used[b])
+    rows = jnp.where(inside, (start + b * pad) // pad * pad + r, rows_out)  # rows_out: dropped
+    return jnp.zeros((heads, rows_out), jnp.float32).at[:, rows].set(d_lse, mode="drop")
+
+
+# ---- vmap of the producer's steps: they run on a batch; fold a mapped axis into it, or map -------------------
+
+def _forward(spec: AttentionSpec):
+    return _folding(lambda q, k, v, sink, seqlens: spec.kernels.forward(spec.config, q, k, v, sink, seqlens),
+                    per_batch=3)
+
+
+def _accumulators(spec: AttentionSpec, with_delta: bool):
+    def accumulators(q, k, v, out, lse, d_out, delta, seqlens):
+        return spec.kernels.accumulators(spec.config, q, k, v, out, lse, d_out, delta if with_delta else None,
+                                         seqlens)
+
+    return _folding(accumulators, per_batch=7)
+
+
+def _folding(fn, per_batch: int):
+    """``fn`` with a vmap rule: its first ``per_batch`` arguments and all its results lead with the batch axis; a
+    mapped axis folds into it when the rest (the sink, the offsets) is not mapped and there are no offsets (dense),
+    else ``fn`` runs once per element."""
+
+    @jax.custom_batching.custom_vmap
+    def f(*args):
+        return fn(*args)
+
+    @f.def_vmap
+    def rule(size, in_batched, *args):
+        shared_mapped = any(jax.tree.leaves(in_batched[per_batch:]))
+        if args[-1] is None and not shared_mapped:
+            folded = [(x if m else jnp.broadcast_to(x, (size, *x.shape))).reshape(-1, *x.shape[1 + m:])
+                      if x is not None else None for x, m in zip(args[:per_batch], in_batched[:per_batch])]
+            out = f(*folded, *args[per_batch:])
+            return jax.tree.map(lambda o: o.reshape(size, -1, *o.shape[1:]), out), jax.tree.map(lambda _: True, out)
+        leaves, tree = jax.tree.flatten(args)
+        mapped = [m for m in jax.tree.leaves(in_batched)]
+        xs = [x for x, m in zip(leaves, mapped) if m]
+
+        def one(xs):
+            it = iter(xs)
+            return f(*jax.tree.unflatten(tree, [next(it) if m else x for x, m in zip(leaves, mapped)]))
+
+        out = jax.lax.map(one, xs)
+        return out, jax.tree.map(lambda _: True, out)
+
+    return f

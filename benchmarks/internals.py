@@ -1,9 +1,9 @@
 """The private APIs of jax_dqpost that the benchmark uses, in one place: nothing else in ``benchmarks/`` imports
 them. They are jax_dqpost's internals as they are in this tree, not its public API (``jax_dqpost.__all__``), and
-change with it: the plan of a call (``jax_dqpost._primitive.plan``, ``jax_dqpost._kernel.varlen``; ``cases`` and
+change with it: the plan of a call (``jax_dqpost.postprocess._primitive.plan``, ``jax_dqpost._kernel.varlen``; ``cases`` and
 ``fused`` read the parts made here for their work lists and padded head dims), the kernel compiled and launched from
 Python on torch's buffers (``jax_dqpost._kernel``: ``cache``, ``kernel``, ``abi``), and the handler's registration
-(``jax_dqpost._primitive.ffi``).
+(``jax_dqpost.postprocess._primitive.ffi``).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import numpy as np
 
 from jax_dqpost._kernel import abi, arch, cache as kernel_cache
 from jax_dqpost._kernel.varlen import WorkList
-from jax_dqpost._primitive import ffi as _ffi
-from jax_dqpost._primitive.plan import Part, Plan
+from jax_dqpost.postprocess._primitive import ffi as _ffi
+from jax_dqpost.postprocess._primitive.plan import Part, Plan
 
 TARGET_NAME = _ffi.TARGET_NAME
 """The custom-call target of our op in a compiled program's text."""

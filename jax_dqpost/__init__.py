@@ -13,10 +13,10 @@ dsink)``, None where a member was not computed. On CUDA they run CuTe DSL kernel
 XLA FFI target; on every other platform, a bit-identical jax.numpy reference.
 """
 
-from ._primitive import ffi as _ffi
-from ._primitive.ffi import DISABLED_CHECKS
+from .postprocess._primitive import ffi as _ffi
+from .postprocess._primitive.ffi import DISABLED_CHECKS
 from ._version import __version__
-from .api import Gradients, dq_accum_from_dq, dq_postprocess, flash_attention_postprocess
+from .postprocess import Gradients, dq_accum_from_dq, dq_postprocess, flash_attention_postprocess
 from ._kernel.arch import cuda_arch
 from .attention import dot_product_attention, flax_attention_fn
 from .layout import AccumLayout

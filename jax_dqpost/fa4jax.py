@@ -55,7 +55,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _arguments
+from .postprocess import arguments as _arguments
 from ._attention import fa4jax_internals, xla
 from ._attention.fa4 import (BACKEND, accum_layout, check_sink_gpu, on_gpu, register, run_padded,  # noqa: F401
                              flash, PADDED_HEAD_DIM)  # (PADDED_HEAD_DIM: the module docstring names it)

@@ -17,8 +17,9 @@ import itertools
 import sys
 import time
 
-from . import _arguments, _errors
-from ._kernel import abi, arch as arch_, cache, cute_runtime, precompile as kernels
+from . import _errors
+from .postprocess import arguments as _arguments
+from ._kernel import abi, arch as arch_, cache, cute_runtime, tuning
 from ._kernel.abi import Tiling
 from ._kernel.varlen import SHORT_HEADS
 from .layout import AccumLayout
@@ -165,7 +166,7 @@ def main(argv=None) -> int:
         print(f"{parser.prog}: error: {unusable}: nothing would be kept", file=sys.stderr)
         return 1
     tilings = [Tiling[name.upper()] for name in args.tilings]
-    singles = kernels.single_part_kernels(configs, tilings, args.dtypes)
+    singles = tuning.single_part_kernels(configs, tilings, args.dtypes)
     one_head = any(key.tuning.short_heads != SHORT_HEADS for key in singles)
     short = f", short tiles of {SHORT_HEADS} heads or 1" if one_head else ""
     kinds = [("kernels", singles, f"{len(configs)} layouts x {len(args.dtypes)} dtypes x {len(tilings)} tilings, "
@@ -173,13 +174,13 @@ def main(argv=None) -> int:
     if args.fused:
         fused = fused_configurations(presets, args.head_dims)
         sinks = [None if sink == "none" else (sink, sink) for sink in args.fused]
-        kinds.append(("fused kernels", kernels.fused_kernels(fused, tilings, args.dtypes, sinks),
+        kinds.append(("fused kernels", tuning.fused_kernels(fused, tilings, args.dtypes, sinks),
                       f"{len(fused)} layout pairs x {len(args.dtypes)} dtypes x {len(tilings)} tilings x "
                       f"{len(sinks)} sinks"))
     for what, keys, shape in kinds:
         start = time.perf_counter()
         try:
-            compiled = kernels.compile_missing(keys, arch)
+            compiled = cache.compile_missing(keys, arch)
         except ModuleNotFoundError as e:  # the CuTe DSL is not installed: say which distribution, no traceback
             if cute_runtime.dsl_missing(e.name) is None:
                 raise

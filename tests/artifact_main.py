@@ -49,7 +49,7 @@ def run(seed: int, name: str) -> dict:
         acc, want = oracle.build_varlen(rng, cu.tolist(), used.tolist(), T, H, D, (tile_m, threads, atom, swap),
                                         hdim_multiple_of=mult, scale=case["scale"], dtype=dtype)
         args = (acc, cu, used)
-    report = {"registered_at_import": jax_dqpost._primitive.ffi._registered}
+    report = {"registered_at_import": jax_dqpost.postprocess._primitive.ffi._registered}
     try:
         got = exported.call(*args)
         oracle.assert_same_bits(got, want, f"artifact {name} exported on {manifest['exported_on']}")

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import oracle  # noqa: E402
 
 from jax_dqpost import AccumLayout, dq_postprocess, flash_attention_postprocess  # noqa: E402
-from jax_dqpost._primitive import ffi as _ffi  # noqa: E402
+from jax_dqpost.postprocess._primitive import ffi as _ffi  # noqa: E402
 
 
 def computations(hlo_text: str) -> dict[str, str]:

@@ -19,7 +19,7 @@ from jax_dqpost import AccumLayout, dq_postprocess
 from jax_dqpost._kernel import cache as kernel_cache, varlen
 from jax_dqpost._kernel.spec import SMEM_LIMIT, KernelSpec, TensorKernel, Tuning, store_tiling
 from jax_dqpost._kernel.tuning import call_shares
-from jax_dqpost._primitive.plan import Part, Plan
+from jax_dqpost.postprocess._primitive.plan import Part, Plan
 from jax_dqpost._kernel.abi import Tiling
 
 ARCHS = ("sm_80", "sm_90a", "sm_100a")

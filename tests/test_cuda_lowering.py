@@ -19,7 +19,7 @@ import pytest
 
 import jax_dqpost
 from jax_dqpost import DISABLED_CHECKS, AccumLayout, dq_postprocess
-from jax_dqpost._primitive import ffi as _ffi
+from jax_dqpost.postprocess._primitive import ffi as _ffi
 from jax_dqpost._kernel import cache as kernel_cache, tuning as kernel_tuning
 from jax_dqpost._kernel.abi import Tiling
 import oracle
@@ -226,7 +226,7 @@ def test_the_handler_reads_each_buffer_by_the_buffers_table():
 def test_split_and_join_follow_the_buffers_table():
     """Plan.group and Plan.join are inverses in abi.BUFFERS' order, for one part or three, with a sink or not."""
     from jax_dqpost._kernel import abi
-    from jax_dqpost._primitive.plan import Part, Plan
+    from jax_dqpost.postprocess._primitive.plan import Part, Plan
 
     q = Part(LAYOUT, 128, np.dtype(jnp.bfloat16), seqlen=100)
     sink = np.dtype(np.float32)

@@ -15,7 +15,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import pytest
 
-from jax_dqpost._primitive import ffi as _ffi
+from jax_dqpost.postprocess._primitive import ffi as _ffi
 from jax_dqpost._kernel import cute_runtime, cache as kernel_cache
 from support import export_layout, fake_compile, one_part_kernel
 
@@ -149,7 +149,7 @@ import json, sys
 path = list(sys.path)  # before jax_dqpost and jax import anything
 import jax_dqpost, jax
 maps = open("/proc/self/maps").read()
-print(json.dumps({"library": "libjax_dqpost_ffi" in maps, "registered": jax_dqpost._primitive.ffi._registered,
+print(json.dumps({"library": "libjax_dqpost_ffi" in maps, "registered": jax_dqpost.postprocess._primitive.ffi._registered,
                   "cutlass": "cutlass" in sys.modules, "backends": jax._src.xla_bridge.backends_are_initialized(),
                   "path": path}))
 """

@@ -366,7 +366,7 @@ def test_the_dtype_spellings_are_one_set():
     import jax.numpy as jnp
     import numpy as np
 
-    from jax_dqpost import _arguments
+    from jax_dqpost.postprocess import arguments as _arguments
 
     accepted = set(_arguments.OUT_DTYPE_SPELLINGS)
     item = re.search(r"^- `dtype`: (.*)$", _api_section("dq_postprocess"), re.M).group(1)

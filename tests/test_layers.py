@@ -12,8 +12,7 @@ LAYERS = [
     {"_version", "_errors", "_jax_internals"},  # leaves
     {"_kernel"},  # the CUDA kernel and its compilation
     {"layout"},  # the accumulator orders
-    {"_primitive"},  # the JAX op
-    {"_arguments", "api"},  # the postprocess's front door
+    {"postprocess"},  # the JAX op and its front door
     {"_attention"},  # attention's machinery
     {"fa4jax"},
     {"attention"},

@@ -19,7 +19,7 @@ import jax
 import pytest
 
 import jax_dqpost
-from jax_dqpost._primitive import ffi as _ffi
+from jax_dqpost.postprocess._primitive import ffi as _ffi
 
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
@@ -37,7 +37,7 @@ def test_a_source_checkout_finds_the_installed_library():
     is then the installed distribution's library, built from the same ffi/dqpost_ffi.cc."""
     _installed()
     env = {k: v for k, v in os.environ.items() if k != "JAX_DQPOST_FFI_LIBRARY"}
-    code = "import jax_dqpost, jax_dqpost._primitive.ffi as f; print(jax_dqpost.__file__); print(f.library_path())"
+    code = "import jax_dqpost, jax_dqpost.postprocess._primitive.ffi as f; print(jax_dqpost.__file__); print(f.library_path())"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     imported, library = out.stdout.split("\n")[-3:-1]

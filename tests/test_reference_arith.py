@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from jax_dqpost._primitive.reference import mul_f32_rn
+from jax_dqpost.postprocess._primitive.reference import mul_f32_rn
 
 
 def _check(a_bits, b_bits):

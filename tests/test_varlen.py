@@ -16,7 +16,8 @@ import pytest
 from jax.experimental import checkify
 
 from conftest import FA_HOPPER_CONFIGS, fa4_pair
-from jax_dqpost import AccumLayout, _arguments, dq_postprocess, flash_attention_postprocess
+from jax_dqpost import AccumLayout, dq_postprocess, flash_attention_postprocess
+from jax_dqpost.postprocess import arguments as _arguments
 from oracle import assert_same_bits
 from support import cu_seqlens
 
@@ -79,7 +80,7 @@ def test_concrete_arrays_outside_jit_are_validated_like_static_values(rng, side,
     error, naming the side's arguments), while the array stays the kernel's operand (the traced work list's bound);
     traced values are clamped. The q side through dq_postprocess, the k side through flash_attention_postprocess
     (with a dense q side)."""
-    from jax_dqpost._primitive.rules import postprocess_p
+    from jax_dqpost.postprocess._primitive.rules import postprocess_p
     from jax_dqpost._kernel.varlen import WorkList
 
     dq_layout, dkv_layout, D, _ = fa4_pair("sm90-hd128")
@@ -265,7 +266,7 @@ def test_a_packed_call_takes_one_head_per_short_tile_cta_where_eight_make_few_ct
     its CTAs with that choice, and the split (``tuning.shares_for``) counts short-tile CTAs at 8 heads whatever
     the choice. A fused kernel keeps 8."""
     from jax_dqpost._kernel import spec as kernel_spec, tuning, varlen
-    from jax_dqpost._primitive.plan import Part, Plan
+    from jax_dqpost.postprocess._primitive.plan import Part, Plan
 
     layout = AccumLayout.flash_attention(90, 128, causal=False, tensor="dq", version="4.0.0b36")  # short tiles
     assert kernel_spec.tile_shares(layout, 128)

@@ -40,7 +40,7 @@ from jax.interpreters import ad, batching, mlir
 
 from .. import _jax_internals
 from .._kernel.varlen import padded_total
-from .._primitive.backward import Side, finish as finish_accumulators
+from ..postprocess._primitive.backward import Side, finish as finish_accumulators
 from ..layout import AccumLayout
 
 

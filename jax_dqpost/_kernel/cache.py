@@ -291,3 +291,16 @@ def _cute_compile(kernel, args: tuple, arch: str, options: str = ""):
             envar._arch = previous
         else:
             envar.arch = previous
+
+
+def compile_missing(keys, arch: str) -> int:
+    """Compile each kernel of ``keys`` that the disk cache does not hold for ``arch`` and keep it there; how many were
+    compiled. Raises what a compile raises (``ModuleNotFoundError`` without the CuTe DSL,
+    ``cute_runtime.NoRuntime`` without a build of it for this driver)."""
+    compiled = 0
+    for key in keys:
+        if on_disk(key, arch=arch):
+            continue
+        get_kernel(key, arch=arch, persist=True)
+        compiled += 1
+    return compiled

@@ -11,7 +11,8 @@ kernel's cache key: a value chosen here, or one a benchmark passes, compiles its
 from __future__ import annotations
 
 from . import varlen
-from .spec import OUT_BYTES, Tuning, tile_shares
+from .abi import Tiling
+from .spec import OUT_BYTES, KernelSpec, TensorKernel, Tuning, tile_shares
 
 FINE_SHARES_BYTES = 20 << 20
 """A kernel of one tensor whose unsplit CTAs times a tile's bytes (``tile_m * Dr`` floats read, as many values
@@ -51,3 +52,25 @@ def short_heads(num_spans: int, heads: int) -> int:
     fewer than :data:`SHORT_CTAS` CTAs (a pack of a few sequences, whose few short-tile CTAs, converting their heads
     in rounds, would be the call's tail). One head: ``varlen.SHORT_HEADS`` (the same grid)."""
     return varlen.SHORT_HEADS if heads <= 1 or num_spans * -(-heads // varlen.SHORT_HEADS) >= SHORT_CTAS else 1
+
+
+# ---- every kernel a call may choose (python -m jax_dqpost.precompile compiles them ahead of time)
+
+def single_part_kernels(configs, tilings, dtypes) -> list[KernelSpec]:
+    """Every single-part kernel (one part, no sink) a call may choose (``Plan.kernel``) for each ``(layout, Dr)`` of
+    ``configs``, each tiling and each dtype name: its tiles whole or split (a small call's), its varlen short tiles
+    by CTAs of ``SHORT_HEADS`` heads or 1."""
+    parts = [(TensorKernel(layout, dr, t), Tuning(shares, heads)) for layout, dr in configs for t in tilings
+             for shares in call_shares(layout, dr)
+             for heads in sorted({varlen.SHORT_HEADS,
+                                  1 if t == Tiling.VARLEN and varlen.short_rows(layout) else varlen.SHORT_HEADS})]
+    return [KernelSpec(dtype, (tensor,), tuning=tuning) for tensor, tuning in parts for dtype in dtypes]
+
+
+def fused_kernels(pairs, tilings, dtypes, sinks) -> list[KernelSpec]:
+    """The kernels of dQ, dK and dV in one launch for each ``((dQ layout, Dr), (dK/dV layout, Dr))`` of ``pairs``,
+    the same tiling on both sides, each dtype name and each of ``sinks`` (None, or the sink's and dsink's dtype
+    names)."""
+    parts = [((q, q_dr, t), (kv, kv_dr, t), (kv, kv_dr, t)) for (q, q_dr), (kv, kv_dr) in pairs for t in tilings]
+    return [KernelSpec(dtype, tuple(TensorKernel(*p) for p in three), sink)
+            for three in parts for dtype in dtypes for sink in sinks]

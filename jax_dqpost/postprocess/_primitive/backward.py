@@ -9,8 +9,8 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from .._kernel.varlen import WorkList
-from ..layout import AccumLayout
+from ..._kernel.varlen import WorkList
+from ...layout import AccumLayout
 from . import rules
 from .plan import Operands, Part, Plan
 

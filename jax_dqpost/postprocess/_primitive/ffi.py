@@ -29,8 +29,8 @@ from pathlib import Path
 
 import jax
 
-from .. import _errors
-from .._kernel import cute_runtime
+from ... import _errors
+from ..._kernel import cute_runtime
 
 TARGET_NAME = "jax_dqpost_postprocess_v3"
 """The custom-call target every call lowers to (its compatibility rule: docs/design.md, "Compatibility")."""
@@ -85,8 +85,8 @@ def library_path() -> Path:
     raises and says to reinstall: a stale handler is never loaded silently.
     """
     override = os.environ.get("JAX_DQPOST_FFI_LIBRARY")
-    path = Path(override) if override else Path(__file__).parents[1] / _LIBRARY_NAME  # the package's folder
-    source = Path(__file__).resolve().parents[2] / "ffi" / "dqpost_ffi.cc"
+    path = Path(override) if override else Path(__file__).parents[2] / _LIBRARY_NAME  # the package's folder
+    source = Path(__file__).resolve().parents[3] / "ffi" / "dqpost_ffi.cc"
     if not override and not path.is_file() and source.is_file():
         return _installed_library(source)
     if not path.is_file():
@@ -104,7 +104,7 @@ def _installed_library(source: Path, distribution: str = "jax-dqpost") -> Path:
     """The installed ``distribution``'s handler library, if built from ``source`` (see ``library_path``)."""
     from importlib import metadata
 
-    from .._version import __version__
+    from ..._version import __version__
 
     tree = source.parents[1]
     why = f"jax_dqpost is imported from the source tree {tree}, which has no built FFI library, and"

@@ -31,7 +31,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 
-from .. import _jax_internals
+from ... import _jax_internals
 from . import cuda_lowering
 from .plan import Operands, Plan
 from .reference import accum_from_dq_reference, dsink_reference, gather_accumulator, mul_f32_rn, postprocess_reference

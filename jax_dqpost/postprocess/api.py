@@ -11,9 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _arguments, _errors, _jax_internals
+from .. import _errors, _jax_internals
+from . import arguments as _arguments
 from ._primitive import rules
-from .layout import AccumLayout
+from ..layout import AccumLayout
 from ._primitive.plan import ARG_NAMES, Operands, Plan
 from ._primitive.reference import accum_from_dq_reference
 

@@ -28,12 +28,12 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .._kernel import abi, spec, varlen
-from .._kernel.abi import Tiling
-from .._kernel.spec import KernelSpec, TensorKernel, Tuning
-from .._kernel.tuning import choose as choose_tuning
-from ..layout import AccumLayout
-from .._kernel.varlen import INT32_MAX, WorkList
+from ..._kernel import abi, spec, varlen
+from ..._kernel.abi import Tiling
+from ..._kernel.spec import KernelSpec, TensorKernel, Tuning
+from ..._kernel.tuning import choose as choose_tuning
+from ...layout import AccumLayout
+from ..._kernel.varlen import INT32_MAX, WorkList
 
 MAX_GRID_Z = 65535  # CUDA's limit on gridDim.z: the batch of dense parts
 

@@ -17,12 +17,12 @@ import jax
 import numpy as np
 
 from . import ffi
-from .._kernel import arch
+from ..._kernel import arch
 from .plan import Plan
 
 
 def lower(ctx, *args, plan: Plan):
-    from .._kernel import cache  # imports cutlass lazily, at the first CUDA lowering (if the disk cache misses)
+    from ..._kernel import cache  # imports cutlass lazily, at the first CUDA lowering (if the disk cache misses)
 
     accs = plan.group(ctx.avals_in).acc
     extents, ctas = plan.launch([a.shape for a in accs])  # CUDA's grid limits, checked before any compile

@@ -1,6 +1,7 @@
 """FlashAttention-4 (the torch package flash-attn-4) as a producer on a GPU: its backward's postprocess calls caught
 with their inputs, and plain attention in torch as the reference of its gradients. Imported by the GPU tests only
-(``test_fa4_producer.py``, ``test_gradients.py``); torch is imported inside the functions.
+(``test_fa4_producer.py``, ``test_gradients.py``, ``test_fa4jax_sinks.py``) and ``attention_judge.py``, their
+reference; torch is imported inside the functions.
 
 Every postprocess call of a backward (:func:`backward_calls`) is caught by wrapping
 ``flash_attn.cute.interface._bwd_postprocess_convert`` (inputs cloned before the call, outputs read after it): dQ's,

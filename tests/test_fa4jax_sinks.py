@@ -3,13 +3,14 @@ kernel given the sink, fa4-jax's backward kernels, one jax-dqpost launch for dQ 
 attention with a sink column.
 
 The reference is torch autograd (``fa4_peer.attention_grads``) on the same bf16/fp16 inputs in float32 (float64 for
-dsink), per packed sequence; the bound is tests/test_gradients.py's (FlashAttention's own): twice the error of the
-same computation in the inputs' dtype plus twice the float32 rounding at the reference's magnitude, for out, lse,
-dq, dk, dv and dsink. dsink also equals its own formula summed in float64 from the forward's out and lse (the
-preprocess's ``D = rowsum(out * d_out)`` reads the rounded out, as FlashAttention's does), within float32's rounding
-of the sum's scale: a reduction over a wrong row would pass a bf16-scaled bound. Sinks N(0, 2), +20 and -inf; -inf gives the out bits of
-fa4-jax's own attention without a sink and its lse within a few ulp (``LSE_ULPS``). The cross product of grouping, masking and packing
-at head dims 64 and 128; one case for every other head dim fa4-jax runs on Hopper (136..160 padded).
+dsink), per packed sequence; the bound (``attention_judge.judge``'s ``"magnitude"`` rule) is twice the error of the
+same computation in the inputs' dtype plus twice the float32 rounding and a 16-bit result's own rounding at the
+reference's magnitude, for out, lse, dq, dk, dv and dsink. dsink also equals its own formula summed in float64 from
+the forward's out and lse (the preprocess's ``D = rowsum(out * d_out)`` reads the rounded out, as FlashAttention's
+does), within float32's rounding of the sum's scale: a reduction over a wrong row would pass a bf16-scaled bound.
+Sinks N(0, 2), +20 and -inf; -inf gives the out bits of fa4-jax's own attention without a sink and its lse within a
+few ulp (``LSE_ULPS``). The cross product of grouping, masking and packing at head dims 64 and 128; one case for
+every other head dim fa4-jax runs on Hopper (136..160 padded).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from attention_judge import judge, reference, sequences, used_rows
 from conftest import HAS_GPU
 import fa4_peer
 from support import bits, cu_seqlens
@@ -92,42 +94,20 @@ def _inputs(torch, seed, c):
             randn(*lse_shape, dtype=torch.float32))
 
 
-def _reference(torch, q, k, v, d_out, d_lse, sink, c, dtype):
-    """fa4_peer.attention_grads per sequence (packed: the used rows of each), in the inputs' layout: out and lse
-    where a sequence uses the row, gradients on the used rows (others 0), dsink summed."""
-    kw = dict(scale=c["head_dim"] ** -0.5, dtype=dtype, **{"causal": False, "window": (None, None)})
+def _attention(c) -> dict:
+    """The case's keywords of ``attention_judge.reference``: its mask, scale and (packed) the used rows of each
+    sequence."""
     mask = MASKS[c["mask"]]
-    kw.update(causal=mask.get("causal", False), window=mask.get("window_size", (None, None)))
-    if c["packing"] == "dense":
-        return fa4_peer.attention_grads(q, k, v, d_out, sink=sink, d_lse=d_lse, **kw)
-    cu_q, cu_k = cu_seqlens(LENS_Q), cu_seqlens(LENS_K)
-    out = {name: torch.zeros_like(x, dtype=dtype) for name, x in (("out", d_out), ("dq", q), ("dk", k), ("dv", v))}
-    out["lse"] = torch.zeros((q.shape[1], q.shape[0]), dtype=dtype, device="cuda")  # (H, T)
-    out["dsink"] = 0
-    for b in range(len(LENS_Q)):
-        rq = slice(int(cu_q[b]), int(cu_q[b]) + USED_Q[b])
-        rk = slice(int(cu_k[b]), int(cu_k[b]) + USED_K[b])
-        if USED_Q[b] == 0:
-            continue
-        part = fa4_peer.attention_grads(q[rq][None], k[rk][None], v[rk][None], d_out[rq][None], sink=sink,
-                                        d_lse=None if d_lse is None else d_lse[:, rq][None], **kw)
-        for name, rows in (("out", rq), ("dq", rq), ("dk", rk), ("dv", rk)):
-            out[name][rows] = part[name][0]
-        out["lse"][:, rq] = part["lse"][0]
-        if sink is not None:
-            out["dsink"] = out["dsink"] + part["dsink"]
-    return out
+    return dict(causal=mask.get("causal", False), window=mask.get("window_size", (None, None)),
+                scale=c["head_dim"] ** -0.5,
+                packed=sequences(LENS_Q, LENS_K, USED_Q, USED_K) if c["packing"] == "varlen" else None)
 
 
 def _used(c, side):
     """Boolean rows a sequence uses (packed), or None (dense: all)."""
     if c["packing"] == "dense":
         return None
-    lens, used = (LENS_Q, USED_Q) if side == "q" else (LENS_K, USED_K)
-    mask = np.zeros(sum(lens), bool)
-    for start, n in zip(cu_seqlens(lens)[:-1], used):
-        mask[start:start + n] = True
-    return mask
+    return used_rows(LENS_Q, USED_Q) if side == "q" else used_rows(LENS_K, USED_K)
 
 
 def _run(c, q, k, v, sink, d_out, d_lse):
@@ -172,22 +152,6 @@ def _fa4jax_without_sink(c, q, k, v):
             q, k, v, cu_q, cu_k, seqused_q=jnp.asarray(USED_Q, jnp.int32), seqused_k=jnp.asarray(USED_K, jnp.int32),
             **kw))(q, k, v)
     return jax.jit(lambda q, k, v: fa4_jax.flash_attn(q, k, v, **kw))(q, k, v)
-
-
-def _judge(got, ref, low, name, rows):
-    """``(error, tolerance)`` of one tensor on ``rows`` (None: all; rows where the reference is finite): the
-    tolerance twice the low-precision computation's error, plus two float32 roundings at the reference's magnitude
-    and, for a 16-bit result, its own rounding there."""
-    g = np.asarray(got)
-    r, lo = (np.asarray(x.detach().cpu().double().numpy()) for x in (ref, low))
-    if rows is not None:  # before any cast: rows no sequence uses may hold anything (the main kernel's dK, dV)
-        g, r, lo = (x[..., rows] if name == "lse" else x[rows] for x in (g, r, lo))
-    keep = np.isfinite(r) & ((r > -1e3) if name == "lse" else True)  # lse: not the rows only a -inf sink sees
-    g, r, lo = g[keep].astype(np.float64), r[keep], lo[keep]
-    magnitude = float(np.max(np.abs(r), initial=0))
-    atol = magnitude * (2 * float(np.finfo(np.float32).eps)
-                        + (float(jnp.finfo(got.dtype).eps) if jnp.dtype(got.dtype).itemsize == 2 else 0))
-    return float(np.max(np.abs(g - r), initial=0)), RTOL[name] * float(np.max(np.abs(lo - r), initial=0)) + atol
 
 
 def _dsink_of(c, out, lse, d_out, d_lse, sink, rows):
@@ -240,12 +204,14 @@ def test_attention_with_a_sink_is_right(seed, c):
         got = _run(c, q, k, v, jnp.asarray(fa4_peer.to_numpy(sink)), d_out, d_lse if with_lse else None)
         out, lse, dq, dk, dv, dsink = got
         assert dsink.dtype == jnp.dtype(fa4_peer.to_numpy(sink).dtype) and dsink.shape == (H,)
-        refs = {dt: _reference(torch, tq, tk, tv, td, tdl if with_lse else None, sink.float(), c, dt)
+        refs = {dt: reference(tq, tk, tv, td, dtype=dt, sink=sink.float(), d_lse=tdl if with_lse else None,
+                              **_attention(c))
                 for dt in (torch.float32, torch.float64, low_dtype)}
         for name, g, rows in (("out", out, rows_q), ("lse", lse, rows_q), ("dq", dq, rows_q), ("dk", dk, rows_k),
                               ("dv", dv, rows_k), ("dsink", dsink, None)):
             ref = refs[torch.float64 if name == "dsink" else torch.float32][name]
-            err, tol = _judge(g, ref, refs[low_dtype][name], name, rows)
+            err, tol = judge(g, ref, refs[low_dtype][name], RTOL[name], rule="magnitude", rows=rows,
+                             lse=name == "lse", finite=True)
             if not err <= tol:
                 failures[f"{value} {name}"] = (err, tol)
         want, terms = _dsink_of(c, out, lse, d_out, d_lse if with_lse else None, sink, rows_q)
@@ -302,9 +268,10 @@ def test_the_lse_cotangent_without_a_sink(seed, c):
         return vjp((d_out, d_lse))
 
     got = grads(q, k, v, d_out, jnp.asarray(tdl.cpu().numpy()))
-    refs = {dt: _reference(torch, tq, tk, tv, td, tdl, None, c, dt) for dt in (torch.float32, tq.dtype)}
+    refs = {dt: reference(tq, tk, tv, td, dtype=dt, d_lse=tdl, **_attention(c)) for dt in (torch.float32, tq.dtype)}
     for name, g, rows in zip(("dq", "dk", "dv"), got, (_used(c, "q"), _used(c, "k"), _used(c, "k"))):
-        err, tol = _judge(g, refs[torch.float32][name], refs[tq.dtype][name], name, rows)
+        err, tol = judge(g, refs[torch.float32][name], refs[tq.dtype][name], RTOL[name], rule="magnitude", rows=rows,
+                         finite=True)
         assert err <= tol, f"{name}: {err} beyond {tol}"
 
 

@@ -12,10 +12,10 @@ grouped-query attention dense and MHA varlen with traced offsets, causal or not,
 
 The reference is torch autograd of ``softmax(q k^T / sqrt(d)) v`` on the same bf16 inputs in float32 (float64 for
 dsink), and the tolerance FlashAttention's own tests use (``tests/cute/test_flash_attn.py``): twice the error of the
-same computation in bf16, plus twice the float32 rounding at the reference's magnitude. Ours must be within it,
-or the call refused at trace time with a ``ValueError``, and only where the producer cannot run (or, for fa4-jax,
-where its accumulator order is one our kernel does not take). Where fa4-jax's kernels do not compile and
-``jax_dqpost.fa4jax`` runs them padded (head dims 136..160 on Hopper), ours must be right.
+same computation in bf16, plus twice the float32 rounding at the reference's magnitude (``attention_judge``). Ours
+must be within it, or the call refused at trace time with a ``ValueError``, and only where the producer cannot run
+(or, for fa4-jax, where its accumulator order is one our kernel does not take). Where fa4-jax's kernels do not
+compile and ``jax_dqpost.fa4jax`` runs them padded (head dims 136..160 on Hopper), ours must be right.
 
 What the producer itself gets wrong or cannot run is data, ``tests/data/producer_gradients.json``, per producer
 release: a case listed as wrong must still be wrong (so a fixed release shows up as a failure here, and the data is
@@ -37,6 +37,7 @@ import pytest
 
 from conftest import HAS_GPU
 from jax_dqpost import AccumLayout, dq_postprocess, flash_attention_postprocess
+from attention_judge import judge, reference, sequences
 import fa4_peer
 from support import bits, cu_seqlens
 
@@ -100,45 +101,20 @@ def _inputs(torch, seed, c):
     return q, k, v, d_out, sink
 
 
-def _sequences(c):
-    """The sequences' ``(start, length)`` of a packed case; one per batch of a dense one (None)."""
-    if not c["varlen"]:
-        return None
-    return list(zip(cu_seqlens(VARLEN_LENS)[:-1].tolist(), VARLEN_LENS))
-
-
-def _reference(q, k, v, d_out, sink, c, dtype):
-    """attention_grads per sequence, concatenated as the inputs are packed."""
-    kw = dict(causal=c["causal"], scale=c["head_dim"] ** -0.5, dtype=dtype)
-    seqs = _sequences(c)
-    if seqs is None:
-        return fa4_peer.attention_grads(q, k, v, d_out, sink=sink, **kw)
-    import torch
-
-    parts = [fa4_peer.attention_grads(*(t[s:s + n][None] for t in (q, k, v, d_out)), sink=sink, **kw)
-             for s, n in seqs]
-    out = {name: torch.cat([p[name][0] for p in parts]) for name in ("dq", "dk", "dv")}
-    if sink is not None:
-        out["dsink"] = sum(p["dsink"] for p in parts)
-    return out
-
-
 def _judge(got: dict, c, q, k, v, d_out, sink) -> dict:
-    """Each tensor's ``(error, tolerance)``: ``max|got - ref|`` against the float32 reference (float64 for dsink) and
-    FlashAttention's tolerance (module docstring)."""
+    """Each tensor's ``{error, tolerance, relative}``: ``max|got - ref|`` against the float32 reference (float64 for
+    dsink), FlashAttention's tolerance (module docstring), and the error relative to the reference's largest value."""
     import torch
 
-    ref = _reference(q, k, v, d_out, sink, c, torch.float32)
-    ref64 = _reference(q, k, v, d_out, sink, c, torch.float64) if sink is not None else {}
-    low = _reference(q, k, v, d_out, sink, c, torch.bfloat16)
+    kw = dict(causal=c["causal"], scale=c["head_dim"] ** -0.5, sink=sink,
+              packed=sequences(VARLEN_LENS) if c["varlen"] else None)
+    ref = reference(q, k, v, d_out, dtype=torch.float32, **kw)
+    ref64 = reference(q, k, v, d_out, dtype=torch.float64, **kw) if sink is not None else {}
+    low = reference(q, k, v, d_out, dtype=torch.bfloat16, **kw)
     out = {}
     for name, g in got.items():
         r = (ref64 if name == "dsink" else ref)[name]
-        g = g.detach() if isinstance(g, torch.Tensor) else torch.as_tensor(np.asarray(g).astype(np.float32))
-        g = g.to(r.device, r.dtype)
-        atol = 2 * ((r + 0.3 - 0.3) - r).abs().max().item()
-        tol = RTOL[name] * (low[name].to(r.dtype) - r).abs().max().item() + atol
-        err = (g - r).abs().max().item()
+        err, tol = judge(g, r, low[name], RTOL[name], rule="flash_attention")
         out[name] = dict(error=err, tolerance=tol, relative=err / max(r.abs().max().item(), 1e-30))
     return out
 

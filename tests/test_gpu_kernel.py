@@ -69,7 +69,7 @@ def _kernel_on_poisoned_output(rng, layout, head_dim, seqlen, dtype, what):
     """Run the compiled module directly on a poisoned buffer with a poisoned guard zone after it."""
     torch = pytest.importorskip("torch")
 
-    from jax_dqpost._primitive.plan import Part, Plan
+    from jax_dqpost.postprocess._primitive.plan import Part, Plan
 
     B, H, D, S = 2, 3, head_dim, seqlen
     logical = oracle.random_logical(rng, (B, S, H, D))
@@ -114,7 +114,7 @@ def _varlen_on_poisoned_output(rng, layout, D, H, lengths, used, rows_after, sca
     torch = pytest.importorskip("torch")
 
     from jax_dqpost._kernel import varlen
-    from jax_dqpost._primitive.plan import Part, Plan
+    from jax_dqpost.postprocess._primitive.plan import Part, Plan
 
     cu = cu_seqlens(lengths).tolist()
     T = cu[-1] + rows_after
@@ -190,7 +190,7 @@ def test_jax_output_poisoned_by_allocator_reuse(rng, dtype):
 
 def test_ffi_rejects_inconsistent_attributes(rng):
     """The handler validates the buffers against its attributes and returns an error, never launches."""
-    from jax_dqpost._primitive import ffi as _ffi
+    from jax_dqpost.postprocess._primitive import ffi as _ffi
     from jax_dqpost._kernel import cache as kernel_cache
 
     layout = AccumLayout(90, 64, 256, 1, False, 32)

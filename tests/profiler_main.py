@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_dqpost import AccumLayout, dq_postprocess, flash_attention_postprocess
-from jax_dqpost._kernel.varlen import padded_total
+from jax_dqpost.layout import padded_total
 from support import cu_seqlens  # tests/support.py: a script's folder is first on its path
 
 H, H_KV, D, T, CALLS = 32, 8, 128, 16384, 4

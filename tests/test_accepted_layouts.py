@@ -17,7 +17,8 @@ import pytest
 
 from jax_dqpost import AccumLayout, dq_postprocess
 from jax_dqpost._kernel import cache as kernel_cache, varlen
-from jax_dqpost._kernel.spec import SMEM_LIMIT, KernelSpec, TensorKernel, Tuning, store_tiling
+from jax_dqpost._kernel.spec import KernelSpec, TensorKernel, Tuning
+from jax_dqpost.layout.limits import SMEM_LIMIT, store_tiling
 from jax_dqpost._kernel.tuning import call_shares
 from jax_dqpost.postprocess._primitive.plan import Part, Plan
 from jax_dqpost._kernel.abi import Tiling
@@ -115,7 +116,7 @@ def test_a_shares_region_holds_its_threads_elements(seed):
     16-row blocks of the shared-memory tile that repeat over the tile; FlashAttention-4's
     Hopper dQ presets split down to one warp a CTA, short tiles' orders to a CTA per short tile's row pairs and
     16-column blocks."""
-    from jax_dqpost._kernel import fragments
+    from jax_dqpost.layout import fragments
     from jax_dqpost._kernel.spec import share_regions, tile_shares
 
     cases = EDGES + _random_accepted(np.random.default_rng(seed), 200)

@@ -10,8 +10,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "jax_dqpost"
 
 LAYERS = [
     {"_version", "_errors", "_jax_internals"},  # leaves
+    {"layout"},  # the accumulator orders, and what the kernel takes of them
     {"_kernel"},  # the CUDA kernel and its compilation
-    {"layout"},  # the accumulator orders
     {"postprocess"},  # the JAX op and its front door
     {"_attention"},  # attention's machinery
     {"fa4jax"},

@@ -225,6 +225,15 @@ def _order(layout):
     return dataclasses.replace(layout, varlen_unreadable=None)
 
 
+def test_the_orders_gpus_are_the_kernels():
+    """The GPU architectures with accumulator orders (``layout/_presets.py``, which imports nothing of the kernel) are
+    those the kernel compiles for."""
+    from jax_dqpost._kernel.arch import SUPPORTED_ARCHS, sm_version
+    from jax_dqpost.layout._presets import GPU_ARCHS
+
+    assert GPU_ARCHS == tuple(sorted({sm_version(a) for a in SUPPORTED_ARCHS}))
+
+
 def test_flash_attention_presets():
     assert _dq(90, 64) == AccumLayout(90, 128, 256, 2, False, 32)
     assert _dq(90, 96) == AccumLayout(90, 64, 128, 1, False, 32)

@@ -39,9 +39,8 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from .. import _jax_internals
-from .._kernel.varlen import padded_total
 from ..postprocess._primitive.backward import Side, finish as finish_accumulators
-from ..layout import AccumLayout
+from ..layout import AccumLayout, padded_total
 
 
 class Kernels(Protocol):

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from .._jax_internals import vary_as, varying_axes
-from .._kernel.varlen import padded_total
+from ..layout import padded_total
 
 FA4JAX_VERSION = "0.1.0"
 INSTALL_HINT = ("pip install fa4-jax==0.1.0 (Python >= 3.12 and a CUDA GPU; from this package's source tree: pip "

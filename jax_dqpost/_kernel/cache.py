@@ -39,8 +39,8 @@ from .._version import __version__
 from .spec import KernelSpec
 
 KERNEL_SOURCES = ("_kernel/kernel.py", "_kernel/spec.py", "_kernel/schedule.py", "_kernel/tile.py",
-                  "_kernel/fragments.py", "_kernel/abi.py", "_kernel/varlen.py", "_kernel/arch.py",
-                  "layout/__init__.py", "layout/_presets.py", "_errors.py")
+                  "_kernel/abi.py", "_kernel/varlen.py", "_kernel/arch.py", "layout/__init__.py",
+                  "layout/fragments.py", "layout/limits.py", "layout/_presets.py", "_errors.py")
 """The modules the compiled kernel is made from (``kernel.py``, what it imports and the orders whose methods it
 calls), by their paths in the package: part of a disk entry's name."""
 

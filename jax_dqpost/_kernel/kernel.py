@@ -32,6 +32,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
+from .. import layout
 from . import abi, varlen
 from .abi import Tiling
 from .spec import KernelSpec
@@ -246,7 +247,7 @@ class Postprocess:
         total = Float32(0.0)
         if const_expr(q_converter.tiling == Tiling.VARLEN):
             num_spans = batch_or_spans
-            padded_total = varlen.padded_total(rows, num_spans - 2, q_converter.layout.pad_rows)
+            padded_total = layout.padded_total(rows, num_spans - 2, q_converter.layout.pad_rows)
             lse_t = cute.make_tensor(lse_ptr, cute.make_layout(Int64(heads) * Int64(rows)))
             dpsum_t = cute.make_tensor(dpsum_ptr, cute.make_layout(Int64(heads) * Int64(padded_total)))
             b = Int32(0)

@@ -35,6 +35,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, const_expr
 
+from .. import layout
 from . import varlen
 from .abi import Tiling
 
@@ -148,7 +149,7 @@ class VarlenScheduler:
         rows_total = cutlass.min(span_rows - tile_in_span * tile_m, tile_m)
         conv_rows = cutlass.max(cutlass.min(span_conv_rows - tile_in_span * tile_m, tile_m), 0)
         acc_row = span_acc_row + tile_in_span * tile_m
-        padded_total = varlen.padded_total(rows, num_spans - 2, self.layout.pad_rows)
+        padded_total = layout.padded_total(rows, num_spans - 2, self.layout.pad_rows)
         # Defence in depth; the work list already guarantees all of these.
         if slot >= meta[num_spans] or row_start < 0 or rows_total > rows - row_start:
             rows_total = 0
@@ -187,7 +188,7 @@ class ShortTileScheduler:
         row_start = span_row_start + tile_in_span * tile_m
         conv_rows = cutlass.max(cutlass.min(span_conv_rows - tile_in_span * tile_m, rows_total), 0)
         acc_row = span_acc_row + tile_in_span * tile_m
-        padded_total = varlen.padded_total(rows, num_spans - 2, self.layout.pad_rows)
+        padded_total = layout.padded_total(rows, num_spans - 2, self.layout.pad_rows)
         # Defence in depth; the work list already guarantees all of these.
         if rows_total > self.short_rows or span_rows < 0 or row_start < 0 or rows_total > rows - row_start:
             rows_total = 0  # no short tile (a long one, or none)

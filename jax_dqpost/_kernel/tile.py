@@ -34,9 +34,10 @@ from cutlass import Float32, Int64, const_expr
 from cutlass.cute.nvgpu import warp, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from . import fragments, spec
+from ..layout import fragments, limits
+from . import spec
 from .abi import Tiling
-from .fragments import OrderFamily
+from ..layout.fragments import OrderFamily
 from .schedule import TensorArgs, ShortTile, Tile
 
 _VEC_BYTES = 16
@@ -100,7 +101,7 @@ class TileConverter:
                 raise ValueError(f"shares={shares}: {layout} at Dr={padded_head_dim} has no shares of "
                                  f"{self.work_threads} threads to split a tile into")
             self.region_shape, self.region_corners = regions
-            self.region_store = spec.region_store_tiling(*self.region_shape, self.work_threads)
+            self.region_store = limits.region_store_tiling(*self.region_shape, self.work_threads)
         self.cta_threads = self.work_threads  # threads of the CTA (more when another part is wider, kernel.py)
         geom = layout.mma_geometry(padded_head_dim)
         self.mma_mn = (geom["m"], geom["n"])
@@ -115,8 +116,8 @@ class TileConverter:
         else:
             live = self.regs if self.family == OrderFamily.MMA else 16
         self.chunk = self.tile_m * padded_head_dim // max(1, layout.num_threads // 128)  # arch 90: per warpgroup
-        self.store_threads = spec.store_tiling(layout, padded_head_dim)
-        self.smem_bytes = spec.smem_bytes(layout, padded_head_dim)  # a whole tile, split or not
+        self.store_threads = limits.store_tiling(layout, padded_head_dim)
+        self.smem_bytes = limits.smem_bytes(layout, padded_head_dim)  # a whole tile, split or not
         # The launch-bounds hint given to ptxas: room for the whole fp32 fragment (all its loads in flight at once)
         # plus ~24 registers of addresses and converted values, and as many CTAs per SM as that allows.
         min_ctas_per_sm = _REGS_PER_SM // (self.work_threads * (live + 24))
@@ -420,7 +421,7 @@ class TileConverter:
     def _store_region(self, g_out, s_tile, crd, tiling: cutlass.Constexpr, vec: cutlass.Constexpr, rows_total,
                       conv_rows, head_dim, tidx):
         """The stores of a region of the tile (``crd``: its tile coordinates) by the ``rows x per_row`` threads of
-        ``tiling`` (the first ones of the ``work_threads``: ``spec.store_tiling``)."""
+        ``tiling`` (the first ones of the ``work_threads``: ``limits.store_tiling``)."""
         rows, per_row = tiling
         if const_expr(rows * per_row < self.work_threads):
             if tidx < rows * per_row:

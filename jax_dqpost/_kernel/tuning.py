@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from . import varlen
 from .abi import Tiling
-from .spec import OUT_BYTES, KernelSpec, TensorKernel, Tuning, tile_shares
+from ..layout.limits import OUT_BYTES
+from .spec import KernelSpec, TensorKernel, Tuning, tile_shares
 
 FINE_SHARES_BYTES = 20 << 20
 """A kernel of one tensor whose unsplit CTAs times a tile's bytes (``tile_m * Dr`` floats read, as many values

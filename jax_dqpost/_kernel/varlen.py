@@ -48,6 +48,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..layout import padded_total
+
 SPAN_FIELDS = ("row_start", "span_rows", "conv_rows", "acc_row")
 """A span's record: its first row of the result, its rows, of which the first ``conv_rows`` come from the
 accumulator, from accumulator row ``acc_row`` on (module docstring)."""
@@ -85,12 +87,6 @@ def grid_ctas(heads, num_tiles, num_spans, short_rows: int, short_heads: int = S
     if short_rows:
         return num_spans * ((heads + short_heads - 1) // short_heads) + shares * heads * (num_tiles - num_spans)
     return shares * heads * num_tiles
-
-
-def padded_total(total, batch, pad_rows: int):
-    """``Tp``: accumulator rows FlashAttention allocates, ``round_up(T + B * P, P)``, ``P`` = ``pad_rows`` (a tile,
-    or a cluster of tiles). Plain arithmetic: also evaluated on the kernel's run-time integers."""
-    return (total + (batch + 1) * pad_rows - 1) // pad_rows * pad_rows
 
 
 def sections(num_spans):

@@ -4,10 +4,11 @@ order, its validation and the geometry it implies (padded shapes, the producer's
 data: no GPU, no JAX, no CuTe.
 
 The FlashAttention backward kernels reduce-add dQ into an fp32 scratch buffer ("dQaccum") in the order their MMA
-accumulator fragments sit in registers, thread by thread: ``_kernel/fragments.py`` holds those maps, which the kernel
+accumulator fragments sit in registers, thread by thread: ``fragments.py`` holds those maps, which the kernel
 evaluates too, ``docs/design.md`` derives each order and names its upstream source. FlashAttention-4's presets
-(:meth:`AccumLayout.flash_attention`) are ``_presets.py``'s; which orders the kernel converts
-(:meth:`AccumLayout.check_head_dim`) ``_kernel/spec.py``'s.
+(:meth:`AccumLayout.flash_attention`) are ``_presets.py``'s; what the kernel takes of an order
+(:meth:`AccumLayout.check_head_dim`) ``limits.py``'s. Nothing of the kernel (``_kernel/``) is imported here: it
+imports these.
 """
 
 from __future__ import annotations
@@ -18,12 +19,17 @@ import numpy as np
 
 from .. import _errors
 from .._errors import MAX_HEAD_DIM
-from .._kernel import fragments, spec
-from .._kernel.fragments import MMA_SYNC_TILE, WARPGROUP, WGMMA_M
-from .._kernel.varlen import padded_total
-from . import _presets
+from . import _presets, fragments, limits
+from .fragments import MMA_SYNC_TILE, WARPGROUP, WGMMA_M
 
 __all__ = ["AccumLayout"]
+
+
+def padded_total(total, batch, pad_rows: int):
+    """``Tp``: accumulator rows FlashAttention allocates, ``round_up(T + B * P, P)``, ``P`` = ``pad_rows`` (a tile,
+    or a cluster of tiles). Plain arithmetic: also evaluated on the kernel's run-time integers."""
+    return (total + (batch + 1) * pad_rows - 1) // pad_rows * pad_rows
+
 
 ORDERS = (80, 90, 100, None)
 """The accumulator orders (:attr:`AccumLayout.arch`): 90 Hopper wgmma, 80 ``mma.sync``, 100 Blackwell tcgen05, None
@@ -312,7 +318,7 @@ class AccumLayout:
 
     def _check_kernel(self, head_dim: int, name: str) -> None:
         head_dim, dr, what = self._check_order(head_dim, name)
-        spec.check_limits(self, head_dim, what)
+        limits.check_limits(self, head_dim, what)
 
     def _check_order(self, head_dim: int, name: str = "head_dim"):
         """The order itself is defined for ``head_dim`` (the producer's MMA tiling divides, Dr <= 256):

@@ -11,10 +11,10 @@ import itertools
 
 from .. import _errors
 from .._errors import MAX_HEAD_DIM
-from .._kernel.arch import SUPPORTED_ARCHS, sm_version
 
-GPU_ARCHS = tuple(sorted({sm_version(a) for a in SUPPORTED_ARCHS}))
-"""The GPU architectures the kernel knows, as numbers (``arch.SUPPORTED_ARCHS``)."""
+GPU_ARCHS = (80, 86, 87, 89, 90, 100, 101, 103, 110, 120, 121)
+"""The GPU architectures that have accumulator orders here, as numbers: those the kernel compiles for
+(``_kernel/arch.py``'s ``SUPPORTED_ARCHS``, which tests/test_layout.py holds to this list)."""
 FLASH_ATTENTION_ARCHS = tuple(a for a in GPU_ARCHS if a // 10 in (9, 10, 11, 12))
 """Those FlashAttention-4's backward runs on."""
 

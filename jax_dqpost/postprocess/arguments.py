@@ -17,7 +17,8 @@ from .._kernel import abi
 from .._errors import describe, env_flag, static_int
 from ..layout import CONSTRUCTORS, NO_DEFAULT, AccumLayout
 from ._primitive.plan import ARG_NAMES, ArgNames, Part
-from .._kernel.varlen import INT32_MAX, WorkList, padded_total
+from .._kernel.varlen import INT32_MAX, WorkList
+from ..layout import padded_total
 
 LAYOUT_HINT = f"the AccumLayout of the producer's accumulator ({NO_DEFAULT}); {CONSTRUCTORS}"
 """What a missing layout argument's error says."""

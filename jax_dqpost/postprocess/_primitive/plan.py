@@ -16,7 +16,7 @@ A part's accumulator comes in one of three tilings, one per way a CTA finds its 
 
 ``Sr = ceil(S / P) * P``; ``Dr``, the tiles' padded head dim (``AccumLayout.padded_head_dim``), ``Da >= Dr`` the
 allocation's (``AccumLayout.alloc_head_dim``; tiles fill the first ``Sr * Dr`` floats of each row);
-``Tp = round_up(T + B * P, P)`` (``varlen.padded_total``), with ``P = tile_m * cluster_size``
+``Tp = round_up(T + B * P, P)`` (``layout.padded_total``), with ``P = tile_m * cluster_size``
 (``AccumLayout.pad_rows``; ``P = tile_m`` but for Blackwell's 2-CTA dK/dV). ``S``, ``T``, ``seqused`` are the
 part's side's: the query side for dQ, the key side for dK and dV.
 """
@@ -144,7 +144,7 @@ class Part:
 
     def _packed_batch(self, acc_shape) -> int | None:
         """The batch whose packed accumulator of this part's total has shape ``acc_shape``, if there is one:
-        ``Tp = (ceil(T / P) + batch) * P`` (``varlen.padded_total``) gives it."""
+        ``Tp = (ceil(T / P) + batch) * P`` (``layout.padded_total``) gives it."""
         pad, da = self.layout.pad_rows, self.alloc_head_dim
         if len(acc_shape) != 2 or acc_shape[1] % (pad * da):
             return None

@@ -3,7 +3,9 @@ backward postprocess as JAX primitives.
 
 ``dot_product_attention`` is ``jax.nn.dot_product_attention`` with ``sinks`` (one learnable logit per query head, as
 gpt-oss has) and ``implementation='fa4'``: FlashAttention-4's kernels where they run the call, jax.numpy elsewhere
-(``'xla'``). ``flax_attention_fn`` is the same as flax's ``attention_fn``.
+(``'xla'``). ``flax_attention_fn`` is the same as flax's ``attention_fn``. Its ``context_axis`` shards the sequence
+over a ``jax.shard_map`` axis (context parallelism); ``zigzag`` and ``unzigzag`` order a sequence for its
+load-balanced layout.
 
 ``dq_postprocess`` turns the fp32 dQ accumulator written by FlashAttention's backward kernels (in their
 MMA accumulator order, described by ``AccumLayout``) into dQ in bf16/fp16: one fp32 multiply by the
@@ -18,10 +20,11 @@ from .postprocess._primitive.ffi import DISABLED_CHECKS
 from ._version import __version__
 from .postprocess import Gradients, dq_accum_from_dq, dq_postprocess, flash_attention_postprocess
 from ._kernel.arch import cuda_arch
-from .attention import dot_product_attention, flax_attention_fn
+from .attention import dot_product_attention, flax_attention_fn, unzigzag, zigzag
 from .layout import AccumLayout
 
 _ffi.register_at_import()  # where jax has a CUDA plugin: artifacts exported with our calls find their handler
 
-__all__ = ["dot_product_attention", "flax_attention_fn", "dq_postprocess", "flash_attention_postprocess", "Gradients",
-           "dq_accum_from_dq", "AccumLayout", "cuda_arch", "DISABLED_CHECKS", "__version__"]  # in the order docs/api.md presents them
+__all__ = ["dot_product_attention", "flax_attention_fn", "zigzag", "unzigzag", "dq_postprocess",
+           "flash_attention_postprocess", "Gradients", "dq_accum_from_dq", "AccumLayout", "cuda_arch",
+           "DISABLED_CHECKS", "__version__"]  # in the order docs/api.md presents them

@@ -93,3 +93,24 @@ def result_aval(shape, dtype, operands):
                          "the API casts them to their union before it binds the op")
     return like.update(shape=tuple(shape), dtype=dtype, weak_type=False,
                        sharding=NamedSharding(like.sharding.mesh, PartitionSpec()))
+
+
+# ---- custom_partitioning takes a function that closes over no array -------------------------------------------
+
+def hoisting_constants(fun, *args):
+    """``(call, constants)``: ``fun(*args)`` traced once, the arrays it closes over (``constants``) made operands
+    of ``call(*args, *constants)``, which gives ``fun``'s result. ``jax.experimental.custom_partitioning`` refuses a
+    function with such constants (an ``AssertionError`` inside jax) and jax has no public way to hoist them:
+    ``jax.closure_convert`` hoists floating-point ones only."""
+    from jax._src import core
+    from jax._src.interpreters import partial_eval as pe
+
+    closed, out_shape = jax.make_jaxpr(fun, return_shape=True)(*args)
+    jaxpr = pe.convert_constvars_jaxpr(closed.jaxpr)
+    count, tree = len(closed.consts), jax.tree.structure(out_shape)
+
+    def call(*operands):
+        inputs, constants = operands[:len(operands) - count], operands[len(operands) - count:]
+        return jax.tree.unflatten(tree, core.eval_jaxpr(jaxpr, (), *constants, *inputs))
+
+    return call, list(closed.consts)

@@ -60,7 +60,7 @@ from ._attention import fa4jax_internals, xla
 from ._attention.fa4 import (BACKEND, accum_layout, check_sink_gpu, on_gpu, register, run_padded,  # noqa: F401
                              flash, PADDED_HEAD_DIM)  # (PADDED_HEAD_DIM: the module docstring names it)
 from ._kernel import abi
-from ._errors import describe
+from ._checks import describe
 
 __all__ = ["BACKEND", "accum_layout", "flash_attn", "flash_attn_varlen", "register"]
 

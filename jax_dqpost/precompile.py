@@ -17,7 +17,7 @@ import itertools
 import sys
 import time
 
-from . import _errors
+from . import _checks
 from .postprocess import arguments as _arguments
 from ._kernel import abi, arch as arch_, cache, cute_runtime, tuning
 from ._kernel.abi import Tiling
@@ -88,7 +88,7 @@ def _preset_arch(text: str) -> int:
 
 
 def _head_dim(text: str) -> int:
-    return _errors.head_dim(_int(text))
+    return _checks.head_dim(_int(text))
 
 
 def _arch(text: str) -> str:

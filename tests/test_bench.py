@@ -610,3 +610,21 @@ def test_the_attention_benchmarks_table_and_shapes():
     result["xla sinks"] = {"memory_mib": 16384.4}  # compiled, skipped: it would not fit
     assert "| 150.0 |" not in attention.table([result]) and "| skipped | n/a | 3000.0 | 16384 / 300 |" in \
         attention.table([result])
+
+
+def test_context_parallel_paper_and_a_run_over_two_devices(tmp_path, capsys):
+    """``benchmarks.context_parallel``: the cost on paper is its formulas (two devices receive half of K and V, and
+    compute half of the causal FLOPs each), and ``--devices 2`` runs both measured rows on two of this machine's
+    devices, writing them."""
+    from benchmarks import context_parallel
+
+    rows = {(r["shape"], r["tokens"], r["devices"]): r for r in context_parallel.paper()}
+    r = rows[("gpt-oss", 32 * 1024, 2)]
+    assert r["gathered_mib"] == r["kv_mib"] / 2 == 2 * 32 * 1024 * 8 * 64 * 2 / 2 ** 21
+    assert r["tflops"] == 2 * (32 * 1024) ** 2 * 64 * 64 / 2 / 1e12
+    assert rows[("gpt-oss", 32 * 1024, 64)]["ratio"] > 1 > rows[("gpt-oss", 32 * 1024, 8)]["ratio"]
+    assert context_parallel.main(["--devices", "2", "--seqlen", "64", "--steps", "1", "--out", str(tmp_path)]) == 0
+    written = json.loads((tmp_path / "context_parallel.json").read_text())["measured"]
+    assert [w["name"].split(",")[0] for w in written] == ["batch sharded over 2", "context parallel over 2"]
+    assert all(w["one_s"] > 0 and w["sharded_s"] > 0 for w in written)
+    assert "speed-up" in capsys.readouterr().out

@@ -384,7 +384,7 @@ def test_export_for_cuda_needs_the_disabled_checks():
     lowering nothing of the checks, so the refusal is jax's, naming the target); with
     ``jax_dqpost.DISABLED_CHECKS`` the export works, alone or beside other platforms."""
     from jax_dqpost import DISABLED_CHECKS
-    from jax_dqpost._primitive import ffi as _ffi
+    from jax_dqpost.postprocess._primitive import ffi as _ffi
 
     layout = AccumLayout.row_major()
     spec = jax.ShapeDtypeStruct(layout.accum_shape(2, H, 64, 64), jnp.float32)

@@ -9,7 +9,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "jax_dqpost"
 
 LAYERS = [
-    {"_version", "_errors", "_jax_internals"},  # leaves
+    {"_version", "_checks", "_jax_internals"},  # leaves
     {"layout"},  # the accumulator orders, and what the kernel takes of them
     {"_kernel"},  # the CUDA kernel and its compilation
     {"postprocess"},  # the JAX op and its front door

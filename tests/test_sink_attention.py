@@ -401,6 +401,71 @@ def test_shard_map_sums_the_sinks_gradient_over_the_batch(rng, axis, check_vma):
         _assert_same(g, t, name, terms=256 if name != "dsink" else 256 + q.shape[0] * q.shape[1])
 
 
+class ShapeProducer(Producer):
+    """The stand-in, recording the query's shape at each step it traced."""
+
+    def __init__(self):
+        self.shapes = {"forward": set(), "accumulators": set()}
+
+    def forward(self, cfg, q, k, v, sink, seqlens):
+        self.shapes["forward"].add(q.shape)
+        return super().forward(cfg, q, k, v, sink, seqlens)
+
+    def accumulators(self, cfg, q, k, v, out, lse, d_out, dpsum_delta, seqlens):
+        self.shapes["accumulators"].add(q.shape)
+        return super().accumulators(cfg, q, k, v, out, lse, d_out, dpsum_delta, seqlens)
+
+
+@pytest.mark.parametrize("shardy", [True, False], ids=["shardy", "gspmd"])
+@pytest.mark.parametrize("sharded", ["batch", "heads", "batch-heads", "heads-gqa-gathered"])
+def test_jit_with_sharded_inputs_runs_each_devices_share(rng, sharded, shardy):
+    """Under plain ``jax.jit`` with q, k, v sharded over the batch and/or the heads (a 2x4 mesh), each device runs
+    the producer's steps on its own share (the shapes the stand-in saw), and out, the lse and the gradients are the
+    unsharded call's. Where the key/value heads do not divide over the mesh's axis, the heads are gathered. On the
+    CPU's devices (on a GPU machine too)."""
+    cpus = jax.devices("cpu")
+    if len(cpus) < 8:
+        pytest.skip("8 CPU devices needed (conftest.py asks XLA for 8)")
+    previous = jax.config.jax_use_shardy_partitioner
+    jax.config.update("jax_use_shardy_partitioner", shardy)
+    try:
+        _run_sharded(rng, sharded, cpus)
+    finally:
+        jax.config.update("jax_use_shardy_partitioner", previous)
+
+
+def _run_sharded(rng, sharded, cpus):
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    with jax.default_device(cpus[0]):
+        heads_kv = 1 if sharded == "heads-gqa-gathered" else 2
+        call, (q, k, v, sink), seqlens, (w, u), mask = _case(rng, packed=False, heads_kv=heads_kv, causal=True)
+        q, k, v, w = (jnp.concatenate([x, x[::-1]]) for x in (q, k, v, w))  # batch 4
+        u = jnp.concatenate([u, u[::-1]])
+        mesh = Mesh(np.array(cpus[:8]).reshape(2, 4), ("data", "model"))
+        # (batch's axis, the query heads' axis, the key/value heads' axis, the query's shape on a device)
+        batch, heads, kv_heads, local = {
+            "batch": ("data", None, None, (2, 40, 4, D)),
+            "heads": (None, "data", "data", (4, 40, 2, D)),
+            "batch-heads": ("model", "data", "data", (1, 40, 2, D)),
+            "heads-gqa-gathered": (None, "data", None, (4, 40, 4, D)),  # 1 key head: the heads are gathered
+        }[sharded]
+        put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))  # noqa: E731
+        args = (put(q, P(batch, None, heads)), put(k, P(batch, None, kv_heads)), put(v, P(batch, None, kv_heads)),
+                put(sink, P(heads)), put(w, P(batch, None, heads)), put(u, P(batch, heads)))
+        producer = ShapeProducer()
+        sharded_call = dataclasses.replace(call, kernels=producer)
+        loss = _loss(_ours(sharded_call, seqlens), True)
+        got = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(*args)
+        want = jax.jit(jax.value_and_grad(_loss(_ours(call, seqlens), True), argnums=(0, 1, 2, 3)))(q, k, v, sink,
+                                                                                                      w, u)
+        _assert_same(got[0], want[0], "loss", terms=256 + q.size)
+        for name, g, t in zip(GRAD_NAMES, got[1], want[1]):
+            _assert_same(g, t, name, terms=256 + q.shape[0] * q.shape[1])
+        for step, shapes in producer.shapes.items():
+            assert local in shapes, (step, local, shapes)
+
+
 def test_remat_and_the_sinks_gradient_alone(rng):
     call, args, seqlens, weights, _ = _case(rng, packed=True, heads_kv=2, causal=True)
     loss = _loss(_ours(call, seqlens), True)

@@ -31,12 +31,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from typing import Hashable, Protocol
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.experimental.custom_partitioning import custom_partitioning
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from .. import _jax_internals
 from ..postprocess._primitive.backward import Side, finish as finish_accumulators
@@ -151,7 +155,7 @@ def _tangent_impl(*args, form: _Form):
     """Forward mode: the producer's kernel for q, k, v's tangents, plus the sink's terms (module docstring)."""
     q, k, v, out, lse, sink, seqlens, (dq, dk, dv, dsink) = form.split(args)
     spec = form.spec
-    t_out, t_lse = spec.kernels.tangent(spec.config, q, k, v, out, lse, dq, dk, dv, seqlens)
+    t_out, t_lse = _tangent(spec)(q, k, v, out, lse, dq, dk, dv, seqlens)
     if not form.has_sink:
         return t_out, t_lse
     rows = (slice(None), None) if form.packed else (None, slice(None), None)  # lse (H, T) or (B, H, S)
@@ -206,6 +210,7 @@ def _tangent_batch(args, dims, *, form: _Form):
 _jax_internals.def_impl(tangent_p)
 tangent_p.def_abstract_eval(_tangent_abstract)
 mlir.register_lowering(tangent_p, mlir.lower_fun(_tangent_impl, multiple_results=True))
+_jax_internals.require_devices_during_lowering(tangent_p)  # its kernel's custom_partitioning needs them
 ad.primitive_transposes[tangent_p] = _tangent_transpose
 batching.primitive_batchers[tangent_p] = _tangent_batch
 
@@ -254,19 +259,206 @@ def lse_cotangent_rows(d_lse, dq_layout: AccumLayout, seqlens=None):
     return jnp.zeros((heads, rows_out), jnp.float32).at[:, rows].set(d_lse, mode="drop")
 
 
-# ---- vmap of the producer's steps: they run on a batch; fold a mapped axis into it, or map -------------------
+# ---- the producer's steps: each device runs its share of sharded batches and heads; vmap folds or maps ---------
 
 def _forward(spec: AttentionSpec):
-    return _folding(lambda q, k, v, sink, seqlens: spec.kernels.forward(spec.config, q, k, v, sink, seqlens),
-                    per_batch=3)
+    def forward(q, k, v, sink, seqlens):
+        return _sharded(_Step("forward", spec, sink is not None, seqlens is not None))(q, k, v, sink, seqlens)
+
+    return _folding(forward, per_batch=3)
 
 
 def _accumulators(spec: AttentionSpec, with_delta: bool):
     def accumulators(q, k, v, out, lse, d_out, delta, seqlens):
-        return spec.kernels.accumulators(spec.config, q, k, v, out, lse, d_out, delta if with_delta else None,
-                                         seqlens)
+        step = _Step("accumulators", spec, with_delta, seqlens is not None)
+        return _sharded(step)(q, k, v, out, lse, d_out, delta if with_delta else None, seqlens)
 
     return _folding(accumulators, per_batch=7)
+
+
+def _tangent(spec: AttentionSpec):
+    def tangent(q, k, v, out, lse, dq, dk, dv, seqlens):
+        return _sharded(_Step("tangent", spec, False, seqlens is not None))(q, k, v, out, lse, dq, dk, dv, seqlens)
+
+    return tangent
+
+
+@dataclasses.dataclass(frozen=True)
+class _Step:
+    """One of the producer's steps, static: ``kind`` (``"forward"``, ``"accumulators"``, ``"tangent"``), the call,
+    whether its optional operand is there (the forward's sink, the accumulators' ``dpsum_delta``) and whether the
+    batch is packed."""
+
+    kind: str
+    spec: AttentionSpec
+    optional: bool
+    packed: bool
+
+    def run(self, args):
+        """The step on ``args`` (its operands, the optional one and the offsets None where absent)."""
+        kernels, config = self.spec.kernels, self.spec.config
+        if self.kind == "forward":
+            return tuple(kernels.forward(config, *args))
+        if self.kind == "accumulators":
+            return kernels.accumulators(config, *args)
+        return tuple(kernels.tangent(config, *args))
+
+    # Each operand's and result's axes: "b" the batch, "n" the query heads, "k" the key/value heads, "." an axis
+    # that is never sharded (the sequence, the head dim, an accumulator's rows). Packed: no batch axis.
+    def roles(self, results: list) -> tuple[list[str], list[str]]:
+        q = ". n ." if self.packed else "b . n ."
+        kv = ". k ." if self.packed else "b . k ."
+        rows = "n ." if self.packed else "b n ."  # the lse, dpsum, an accumulator of the query heads
+        kv_rows = "k ." if self.packed else "b k ."
+        offsets = ["."] * (4 if self.packed else 0)
+        if self.kind == "forward":
+            ins = [q, kv, kv] + (["n"] if self.optional else []) + offsets
+            outs = [q, rows]
+        elif self.kind == "accumulators":
+            ins = [q, kv, kv, q, rows, q] + ([rows] if self.optional else []) + offsets
+            outs = [{"dq_accum": rows, "dk": kv, "dv": kv, "dk_accum": kv_rows, "dv_accum": kv_rows,
+                     "dpsum": rows}[name] for name in results]
+        else:
+            ins = [q, kv, kv, q, rows, q, kv, kv] + offsets
+            outs = [q, rows]
+        return ins, outs
+
+
+def _result_names(step: _Step) -> list[str]:
+    """The names of the step's array results, in order: out and the lse (their tangents), or the accumulators:
+    dQ's, dK and dV written by the main kernel or, under grouped-query attention (``dkv_layout``), their
+    accumulators, and ``dpsum``."""
+    if step.kind != "accumulators":
+        return ["out", "lse"]
+    if step.spec.dkv_layout is None:
+        return ["dq_accum", "dk", "dv", "dpsum"]
+    return ["dq_accum", "dk_accum", "dv_accum", "dpsum"]
+
+
+def _sharded(step: _Step):
+    """The step as a ``custom_partitioning``: where XLA partitions it over several devices (``jax.jit`` with
+    sharded inputs), each device runs it on its own batch and heads, sharded as the query is (the key/value heads on
+    the same mesh axes, so that each query head's key head stays on its device; where they do not divide the
+    key/value heads, the heads are gathered), every other axis gathered. On one device, or inside ``jax.shard_map``,
+    the step as it is. Arrays the step closes over are operands of their own, replicated."""
+
+    def sharded(*args):
+        leaves = _flatten(args)
+        call, constants = _jax_internals.hoisting_constants(lambda *l: step.run(_unflatten(step, l)), *leaves)
+        fn = custom_partitioning(call)
+        count = len(leaves)
+        fn.def_partition(functools.partial(_partition, step, count),
+                         infer_sharding_from_operands=functools.partial(_infer, step, count),
+                         sharding_rule=functools.partial(_rule, step, count))
+        return fn(*leaves, *constants)
+
+    return sharded
+
+
+def _flatten(args) -> list:
+    """The step's operands without the absent ones (None), the offsets spread."""
+    out = []
+    for a in args:
+        if isinstance(a, tuple):
+            out.extend(a)
+        elif a is not None:
+            out.append(a)
+    return out
+
+
+def _unflatten(step: _Step, leaves) -> list:
+    """The step's arguments back from :func:`_flatten`'s leaves."""
+    leaves = list(leaves)
+    seqlens = tuple(leaves[-4:]) if step.packed else None
+    body = leaves[:-4] if step.packed else leaves
+    if step.kind == "forward":
+        q, k, v, *rest = body
+        return [q, k, v, rest[0] if step.optional else None, seqlens]
+    if step.kind == "accumulators":
+        q, k, v, out, lse, d_out, *rest = body
+        return [q, k, v, out, lse, d_out, rest[0] if step.optional else None, seqlens]
+    return [*body, seqlens]
+
+
+def _axes(spec, index: int):
+    """The mesh axes of ``spec``'s entry ``index`` (None: not sharded)."""
+    return (tuple(spec) + (None,) * (index + 1 - len(spec)))[index]
+
+
+def _size(mesh, axes) -> int:
+    names = () if axes is None else axes if isinstance(axes, tuple) else (axes,)
+    return int(np.prod([mesh.shape[n] for n in names]))
+
+
+def _choice(step: _Step, mesh, arg_shapes):
+    """``(batch axes, heads axes)``: the query's, its heads' where they divide both head counts (else None)."""
+    q = arg_shapes[0]
+    sharding = q.sharding
+    spec = tuple(getattr(sharding, "spec", ()) or ()) if sharding is not None else ()
+    batch = None if step.packed else _axes(spec, 0)
+    heads = _axes(spec, 1 if step.packed else 2)
+    kv_heads = arg_shapes[1].shape[-2]
+    if heads is not None and (kv_heads % _size(mesh, heads) or q.shape[-2] % _size(mesh, heads)):
+        heads = None
+    return batch, heads
+
+
+def _specs(roles: list[str], batch, heads) -> list:
+    return [P(*[{"b": batch, "n": heads, "k": heads}.get(r) for r in role.split()]) for role in roles]
+
+
+def _infer(step: _Step, count: int, mesh, arg_shapes, result_shape):
+    batch, heads = _choice(step, mesh, arg_shapes)
+    _, outs = step.roles(_result_names(step))
+    shardings = [NamedSharding(mesh, s) for s in _specs(outs, batch, heads)]
+    return jax.tree.unflatten(jax.tree.structure(result_shape), shardings)
+
+
+def _partition(step: _Step, count: int, mesh, arg_shapes, result_shape):
+    batch, heads = _choice(step, mesh, arg_shapes)
+    ins, outs = step.roles(_result_names(step))
+    constants = [" ".join(["."] * len(x.shape)) for x in arg_shapes[count:]]
+    arg_shardings = tuple(NamedSharding(mesh, s) for s in _specs(ins + constants, batch, heads))
+    out_shardings = jax.tree.unflatten(jax.tree.structure(result_shape),
+                                       [NamedSharding(mesh, s) for s in _specs(outs, batch, heads)])
+
+    def lower(*operands):  # the constants, traced again for the shards' shapes, are the step's own
+        return step.run(_unflatten(step, operands[:count]))
+
+    return mesh, lower, out_shardings, arg_shardings
+
+
+def _rule(step: _Step, count: int, mesh, operand_types, result_types):
+    """Shardy's rule: the batch ``b``, and the key/value heads ``k`` with the query heads ``(k g)``, may shard;
+    every other axis is a factor of its own that needs replication."""
+    heads = operand_types[0].shape[-2]
+    kv_heads = operand_types[1].shape[-2]
+    names = iter(f"x{i}" for i in range(10_000))
+    replicated = []
+
+    groups = heads // kv_heads
+    # the query heads: the key/value heads' factor, each with its group (Shardy takes no compound factor of size
+    # 1); one key/value head does not shard
+    query_heads = "k" if groups == 1 else "n" if kv_heads == 1 else "(k g)"
+    if kv_heads == 1:
+        replicated.extend(["k", "n"])
+
+    def factors(role: str) -> str:
+        out = []
+        for r in role.split():
+            if r == ".":
+                out.append(next(names))
+                replicated.append(out[-1])
+            else:
+                out.append({"b": "b", "k": "k", "n": query_heads}[r])
+        return " ".join(out)
+
+    ins, outs = step.roles(_result_names(step))
+    ins = ins + [" ".join(["."] * len(t.shape)) for t in operand_types[count:]]
+    rule = ", ".join(map(factors, ins)) + " -> " + ", ".join(map(factors, outs))
+    sizes = dict(g=groups) if query_heads == "(k g)" else {}
+    order = dict.fromkeys(re.findall(r"\w+", rule))  # Shardy numbers the factors as they first appear
+    return rule, dict(need_replication_factors=tuple(f for f in order if f in set(replicated)), **sizes)
 
 
 def _folding(fn, per_batch: int):

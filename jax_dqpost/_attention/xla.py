@@ -140,41 +140,46 @@ def _softmax_empty_rows_zero(logits):
 
 # ---- jax.nn's masks: top-left --------------------------------------------------------------------------------
 
-def jax_nn_visible(t: int, s: int, *, is_causal: bool, window, q_lengths, kv_lengths):
+def jax_nn_visible(t: int, s: int, *, is_causal: bool, window, q_lengths, kv_lengths, q_positions=None,
+                   k_positions=None):
     """jax.nn's ``(B|1, 1, T, S)`` boolean of the logits a query sees (None: all): key ``j`` by query ``i`` where
     ``j <= i`` (causal), ``i - left <= j <= i + right`` (``window``), ``i < q_lengths[b]`` and
-    ``j < kv_lengths[b]``."""
+    ``j < kv_lengths[b]``; ``i`` and ``j`` are the rows' and keys' positions, integer ``(T,)`` and ``(S,)``
+    (None: ``0 .. T-1`` and ``0 .. S-1``)."""
     visible = None
 
     def both(a, b):
         return b if a is None else jnp.logical_and(a, b)
 
-    i, j = jnp.arange(t)[:, None], jnp.arange(s)[None, :]
+    i = (jnp.arange(t) if q_positions is None else q_positions)[:, None]
+    j = (jnp.arange(s) if k_positions is None else k_positions)[None, :]
     if is_causal:
         visible = both(visible, (j <= i)[None, None])
     if window is not None:
         left, right = window
         visible = both(visible, ((i <= j + left) & (i >= j - right))[None, None])
     if q_lengths is not None or kv_lengths is not None:
-        rows = True if q_lengths is None else jnp.arange(t)[None, :, None] < q_lengths[:, None, None]
-        cols = True if kv_lengths is None else jnp.arange(s)[None, None, :] < kv_lengths[:, None, None]
+        rows = True if q_lengths is None else i[None] < q_lengths[:, None, None]
+        cols = True if kv_lengths is None else j[None] < kv_lengths[:, None, None]
         visible = both(visible, jnp.logical_and(rows, cols)[:, None])
     return visible
 
 
 def dot_product_attention(query, key, value, bias, mask, *, scale, is_causal, q_lengths, kv_lengths, window,
-                          sinks, return_residual, precision=None):
+                          sinks, return_residual, precision=None, q_positions=None, k_positions=None):
     """jax.nn's ``dot_product_attention(implementation='xla')`` on 4D arrays, with ``sinks`` (module docstring):
     ``out`` ``(B, T, N, H)``, and with ``return_residual`` the lse ``(B, T, N)`` in the keys' dtype, as a constant
-    of differentiation."""
+    of differentiation. ``q_positions`` ``(T,)`` and ``k_positions`` ``(S,)``, integer or None: the positions the
+    masks and lengths count (:func:`jax_nn_visible`)."""
     t, s = query.shape[1], key.shape[1]
-    visible = jax_nn_visible(t, s, is_causal=is_causal, window=window, q_lengths=q_lengths, kv_lengths=kv_lengths)
+    visible = jax_nn_visible(t, s, is_causal=is_causal, window=window, q_lengths=q_lengths, kv_lengths=kv_lengths,
+                             q_positions=q_positions, k_positions=k_positions)
     if mask is not None:
         visible = mask if visible is None else jnp.logical_and(mask, visible)
     out, lse = attend(query, key, value, scale=scale, bias=bias, visible=visible, sinks=sinks, empty_rows="average",
                       precision=precision)
     if q_lengths is not None:
-        rows = jnp.arange(t)[None, :] < q_lengths[:, None]
+        rows = (jnp.arange(t) if q_positions is None else q_positions)[None, :] < q_lengths[:, None]
         out *= rows[:, :, None, None].astype(out.dtype)
     if return_residual:
         return out, lax.stop_gradient(jnp.transpose(lse, (0, 2, 1)).astype(key.dtype))

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from .._jax_internals import vary_alike, vary_as, varying_axes
 from . import xla
 from .xla import HIGHEST, _grouped, _scores
 
@@ -79,22 +80,26 @@ def _dtypes(query) -> tuple:
 
 
 def dot_product_attention(query, key, value, bias, mask, *, scale, is_causal: bool, q_lengths, kv_lengths, window,
-                          sinks, return_residual: bool, precision=None, block_size: int | None = None):
+                          sinks, return_residual: bool, precision=None, block_size: int | None = None,
+                          q_positions=None, k_positions=None):
     """:func:`jax_dqpost._attention.xla.dot_product_attention` in blocks of ``block_size`` keys (module
     docstring; None: :func:`default_block_size`), arguments as checked by the caller: ``query`` ``(B, T, N, H)``,
     ``key`` and ``value`` ``(B, S, K, H)`` of query's dtype, ``K`` dividing ``N`` (query head ``n`` reads key head
     ``n // (N // K)``); ``bias`` (floating) and ``mask`` (boolean, True: seen) 4-D, broadcastable to
     ``(B, N, T, S)`` (heads 1 or N), or None; ``scale`` a Python float or a floating scalar array; ``q_lengths``,
     ``kv_lengths`` integer ``(B,)`` or None; ``window`` ``(left, right)`` or None; ``sinks`` float32 ``(N,)`` or None;
-    ``precision`` None (jax's default) or a ``lax.Precision`` for the products of float32 and wider operands.
-    ``out`` ``(B, T, N, H)`` of the values' dtype, and with ``return_residual`` the lse ``(B, T, N)`` in the keys'
-    dtype, as a constant of differentiation."""
+    ``precision`` None (jax's default) or a ``lax.Precision`` for the products of float32 and wider operands;
+    ``q_positions`` ``(T,)`` and ``k_positions`` ``(S,)``, integer or None (``0 .. T-1``, ``0 .. S-1``): the
+    positions the masks and lengths count, as :func:`jax_dqpost._attention.xla.jax_nn_visible`'s. ``out``
+    ``(B, T, N, H)`` of the values' dtype, and with ``return_residual`` the lse ``(B, T, N)`` in the keys' dtype, as
+    a constant of differentiation."""
     b, t, n, _ = query.shape
     s = key.shape[1]
     if s == 0:  # no logits, no memory to save: 'xla''s
         return xla.dot_product_attention(query, key, value, bias, mask, scale=scale, is_causal=is_causal,
                                           q_lengths=q_lengths, kv_lengths=kv_lengths, window=window, sinks=sinks,
-                                          return_residual=return_residual, precision=precision)
+                                          return_residual=return_residual, precision=precision,
+                                          q_positions=q_positions, k_positions=k_positions)
     block = default_block_size(b, n, t, s) if block_size is None else int(block_size)
     block = max(1, min(block, s))  # a block of S keys where it would hold more
     static_scale = float(scale) if isinstance(scale, numbers.Real) else None
@@ -102,9 +107,17 @@ def dot_product_attention(query, key, value, bias, mask, *, scale, is_causal: bo
                   None if window is None else (int(window[0]), int(window[1])), static_scale, precision)
     scale_arg = None if static_scale is not None else jnp.asarray(scale).astype(_dtypes(query)[1])
     sinks_arg = None if sinks is None else sinks.astype(np.float32)
-    out, lse = _attention(cfg, query, key, value, bias, mask, q_lengths, kv_lengths, sinks_arg, scale_arg)
+    positions = None
+    if q_positions is not None or k_positions is not None:
+        positions = tuple(jnp.arange(length, dtype=jnp.int32) if x is None else jnp.asarray(x, jnp.int32)
+                          for x, length in ((q_positions, t), (k_positions, s)))
+    # inside jax.shard_map, every operand varies over the same axes, so that each cotangent has its primal's type (a
+    # replicated sink's is then summed over the axes by jax's AD of the cast)
+    *operands, q_pos, k_pos = vary_alike(query, key, value, bias, mask, q_lengths, kv_lengths, sinks_arg, scale_arg,
+                                         *(positions or (None, None)))
+    out, lse = _attention(cfg, *operands, None if positions is None else (q_pos, k_pos))
     if q_lengths is not None:
-        rows = jnp.arange(t)[None, :] < q_lengths[:, None]
+        rows = (jnp.arange(t) if positions is None else positions[0])[None, :] < q_lengths[:, None]
         out *= rows[:, :, None, None].astype(out.dtype)
     if return_residual:
         lse = jnp.transpose(lse, (0, 3, 1, 2)).reshape(b, t, n)
@@ -145,11 +158,12 @@ def _add_columns(acc, start, x, axis: int):
     return lax.dynamic_update_slice_in_dim(acc, here + x, start, axis=axis)
 
 
-def _blocks(cfg: _Static, query, key, value, bias, mask, q_lengths, kv_lengths, scale):
+def _blocks(cfg: _Static, query, key, value, bias, mask, q_lengths, kv_lengths, scale, positions=None):
     """``(qg, at)``: the query grouped ``(B, T, K, G, H)``, and ``at(i)``: key block ``i``'s ``(start, keys, values,
     raw, logits, seen)``: its first key, its ``(B, block, K, H)`` keys and values, the ``(B, K, G, T, block)``
     products ``q k^T`` and real logits (scaled, biased, masked; columns of the block before: ``-inf``) and where a
-    logit is seen (broadcastable to the logits; None: everywhere)."""
+    logit is seen (broadcastable to the logits; None: everywhere). ``positions``: int32 ``(T,)`` and ``(S,)``, the
+    rows' and keys' positions that the masks and lengths count, or None (``0 .. T-1``, ``0 .. S-1``)."""
     b, t, n, h = query.shape
     heads_kv = key.shape[2]
     qg = query.reshape(b, t, heads_kv, n // heads_kv, h)
@@ -157,7 +171,7 @@ def _blocks(cfg: _Static, query, key, value, bias, mask, q_lengths, kv_lengths, 
     dtype, real = _dtypes(query)
     factor = jnp.asarray(cfg.scale if cfg.scale is not None else scale, real)
     masked = jnp.asarray(-0.7 * min(float(jnp.finfo(real).max), float(jnp.finfo(np.float32).max)), real)
-    rows = jnp.arange(t, dtype=jnp.int32)[:, None]
+    rows = (jnp.arange(t, dtype=jnp.int32) if positions is None else positions[0])[:, None]
 
     def both(a, b):
         return b if a is None else jnp.logical_and(a, b)
@@ -171,7 +185,8 @@ def _blocks(cfg: _Static, query, key, value, bias, mask, q_lengths, kv_lengths, 
         if bias_g is not None:
             logits = (logits + _columns(bias_g, start, cfg)).astype(dtype)
         logits = jnp.real(logits)
-        cols = start + jnp.arange(cfg.block, dtype=jnp.int32)[None, :]
+        local = start + jnp.arange(cfg.block, dtype=jnp.int32)[None, :]
+        cols = local if positions is None else lax.dynamic_slice_in_dim(positions[1], start, cfg.block)[None, :]
         seen = _columns(mask_g, start, cfg)
         if cfg.is_causal:
             seen = both(seen, cols <= rows)
@@ -184,10 +199,18 @@ def _blocks(cfg: _Static, query, key, value, bias, mask, q_lengths, kv_lengths, 
             seen = both(seen, cols < kv_lengths[:, None, None, None, None])
         if seen is not None:
             logits = jnp.where(seen, logits, masked)
-        logits = jnp.where(cols >= i * cfg.block, logits, -jnp.inf)
+        logits = jnp.where(local >= i * cfg.block, logits, -jnp.inf)
         return start, keys, values, raw, logits, seen
 
     return qg, at
+
+
+def _varying(carry, *inputs):
+    """A scan's initial ``carry`` (a pytree) made varying over the manual axes of ``jax.shard_map`` over which any
+    of ``inputs`` varies, as the carry of a step computed from them does (the scan wants the two of one type);
+    unchanged outside ``shard_map``."""
+    axes = frozenset().union(*(varying_axes(x) for x in jax.tree.leaves(inputs)))
+    return jax.tree.map(lambda c: vary_as(c, axes), carry)
 
 
 def _sink_rows(sinks, heads_kv: int, dtype):
@@ -201,20 +224,20 @@ def _sink_rows(sinks, heads_kv: int, dtype):
 # ---- the custom_vjp -----------------------------------------------------------------------------------------------
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(cfg, query, key, value, bias, mask, q_lengths, kv_lengths, sinks, scale):
+def _attention(cfg, query, key, value, bias, mask, q_lengths, kv_lengths, sinks, scale, positions=None):
     """``(out, lse)``: out ``(B, T, N, Hv)`` in the values' dtype, before the query lengths' zeroing; the natural-log
     lse ``(B, K, G, T)`` of the softmax's dtype, the sink's term in it."""
-    out, m, log_l = _forward(cfg, query, key, value, bias, mask, q_lengths, kv_lengths, sinks, scale)
+    out, m, log_l = _forward(cfg, query, key, value, bias, mask, q_lengths, kv_lengths, sinks, scale, positions)
     return out, m + log_l
 
 
-def _forward(cfg, query, key, value, bias, mask, q_lengths, kv_lengths, sinks, scale):
+def _forward(cfg, query, key, value, bias, mask, q_lengths, kv_lengths, sinks, scale, positions=None):
     """``(out, m, log l)``: out as :func:`_attention`'s, each row's max logit ``m`` and ``log l``, ``l`` its sum of
     ``exp(logit - m)``, ``(B, K, G, T)`` (``m = +inf`` where the sink is)."""
     b, t, n, _ = query.shape
     heads_kv, hv = key.shape[2], value.shape[-1]
     dtype, real = _dtypes(query)
-    _, at = _blocks(cfg, query, key, value, bias, mask, q_lengths, kv_lengths, scale)
+    _, at = _blocks(cfg, query, key, value, bias, mask, q_lengths, kv_lengths, scale, positions)
     rows = (b, heads_kv, n // heads_kv, t)
     if sinks is None:
         m, l, infinite = jnp.full(rows, -jnp.inf, real), jnp.zeros(rows, real), None
@@ -233,8 +256,9 @@ def _forward(cfg, query, key, value, bias, mask, q_lengths, kv_lengths, sinks, s
                                             cfg.precision)
         return (top, l, acc), None
 
-    acc = jnp.zeros((*rows, hv), dtype)
-    (m, l, acc), _ = lax.scan(step, (m, l, acc), jnp.arange(cfg.blocks, dtype=jnp.int32))
+    carry = _varying((m, l, jnp.zeros((*rows, hv), dtype)), query, key, value, bias, mask, q_lengths, kv_lengths,
+                     sinks, scale, positions)
+    (m, l, acc), _ = lax.scan(step, carry, jnp.arange(cfg.blocks, dtype=jnp.int32))
     out = acc / l[..., None]
     if infinite is not None:
         out = jnp.where(infinite[..., None], 0, out)
@@ -243,19 +267,20 @@ def _forward(cfg, query, key, value, bias, mask, q_lengths, kv_lengths, sinks, s
     return out, m, jnp.log(l)
 
 
-def _attention_fwd(cfg, query, key, value, bias, mask, q_lengths, kv_lengths, sinks, scale):
-    out, m, log_l = _forward(cfg, query, key, value, bias, mask, q_lengths, kv_lengths, sinks, scale)
-    return (out, m + log_l), (query, key, value, bias, mask, q_lengths, kv_lengths, sinks, scale, out, m, log_l)
+def _attention_fwd(cfg, query, key, value, bias, mask, q_lengths, kv_lengths, sinks, scale, positions=None):
+    out, m, log_l = _forward(cfg, query, key, value, bias, mask, q_lengths, kv_lengths, sinks, scale, positions)
+    return (out, m + log_l), (query, key, value, bias, mask, q_lengths, kv_lengths, sinks, scale, positions, out, m,
+                              log_l)
 
 
 def _attention_bwd(cfg, residuals, cotangents):
-    query, key, value, bias, mask, q_lengths, kv_lengths, sinks, scale, out, m, log_l = residuals
+    query, key, value, bias, mask, q_lengths, kv_lengths, sinks, scale, positions, out, m, log_l = residuals
     d_out, d_lse = cotangents
     b, t, n, h = query.shape
     s, heads_kv, hv = key.shape[1], key.shape[2], value.shape[-1]
     g = n // heads_kv
     dtype, real = _dtypes(query)
-    qg, at = _blocks(cfg, query, key, value, bias, mask, q_lengths, kv_lengths, scale)
+    qg, at = _blocks(cfg, query, key, value, bias, mask, q_lengths, kv_lengths, scale, positions)
     factor = jnp.asarray(cfg.scale if cfg.scale is not None else scale, real)
     # the rows of a key head as (G, T), as the logits': no transpose of a (T, block) matrix in the scan
     q_rows = jnp.transpose(qg, (0, 2, 3, 1, 4))
@@ -294,6 +319,7 @@ def _attention_bwd(cfg, residuals, cotangents):
     carry = (jnp.zeros((b, heads_kv, g, t, h), dtype), jnp.zeros((b, s, heads_kv, h), dtype),
              jnp.zeros((b, s, heads_kv, hv), dtype), None if bias is None else jnp.zeros(bias_shape, real),
              None if scale is None else jnp.zeros((), real))
+    carry = _varying(carry, residuals, cotangents)
     (dq, dk, dv, d_bias, d_scale), _ = lax.scan(step, carry, jnp.arange(cfg.blocks, dtype=jnp.int32))
     d_sinks = None
     if sinks is not None:
@@ -303,7 +329,7 @@ def _attention_bwd(cfg, residuals, cotangents):
     dq = jnp.transpose(dq, (0, 3, 1, 2, 4)).reshape(b, t, n, h)
     return (dq.astype(query.dtype), dk.astype(key.dtype), dv.astype(value.dtype),
             None if bias is None else d_bias.reshape(bias.shape).astype(bias.dtype), None, None, None, d_sinks,
-            None if scale is None else d_scale.astype(scale.dtype))
+            None if scale is None else d_scale.astype(scale.dtype), None)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)

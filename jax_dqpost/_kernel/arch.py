@@ -13,7 +13,7 @@ import contextvars
 import functools
 import os
 
-from .._errors import describe
+from .._checks import describe
 
 SUPPORTED_ARCHS = ("sm_80", "sm_86", "sm_87", "sm_89", "sm_90a") + tuple(
     f"sm_{sm}{suffix}" for sm in (100, 101, 103, 110, 120, 121) for suffix in ("", "a", "f"))

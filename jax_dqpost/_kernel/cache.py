@@ -33,14 +33,14 @@ import threading
 import warnings
 from pathlib import Path
 
-from .. import _errors
+from .. import _checks
 from . import abi, arch as arch_, cute_runtime
 from .._version import __version__
 from .spec import KernelSpec
 
 KERNEL_SOURCES = ("_kernel/kernel.py", "_kernel/spec.py", "_kernel/schedule.py", "_kernel/tile.py",
                   "_kernel/abi.py", "_kernel/varlen.py", "_kernel/arch.py", "layout/__init__.py",
-                  "layout/fragments.py", "layout/limits.py", "layout/_presets.py", "_errors.py")
+                  "layout/fragments.py", "layout/limits.py", "layout/_presets.py", "_checks.py")
 """The modules the compiled kernel is made from (``kernel.py``, what it imports and the orders whose methods it
 calls), by their paths in the package: part of a disk entry's name."""
 
@@ -83,7 +83,7 @@ def get_kernel(spec: KernelSpec, *, arch: str | None = None, persist: bool | Non
             notes.append(_store(key, hit, persist))
         _cache[key] = hit
     for note in filter(None, notes):  # only now, healed: a warning filter that raises cannot stop the rewrite
-        _errors.warn_at_caller(note, RuntimeWarning)
+        _checks.warn_at_caller(note, RuntimeWarning)
     return hit
 
 

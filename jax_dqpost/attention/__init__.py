@@ -22,6 +22,12 @@ has a ``name``, ``plan(call)``, which returns how it runs the call or raises
 - ``None``: the first of :data:`ORDER` that plans the call, each planned once: ``'fa4'``; ``'xla'`` where its logits
   take at most :data:`MAX_XLA_LOGITS` elements; ``'xla_chunked'``. On a GPU, passing over ``'fa4'`` warns once per
   reason.
+
+Context parallelism (``context_axis``, on ``'xla'`` and ``'xla_chunked'``): inside ``jax.shard_map``, each device
+keeps its rows of the sequence, all-gathers the keys and values over the axis and computes its rows with the masks
+of their positions in the whole sequence (:mod:`jax_dqpost._attention.context`: the layouts, :func:`zigzag`); the
+call record holds the gathered keys and values and the positions. The backward is JAX's: the all-gather's transpose
+reduce-scatters dK and dV.
 """
 
 from __future__ import annotations
@@ -31,7 +37,8 @@ import warnings
 import jax
 from jax.typing import ArrayLike
 
-from .._errors import describe
+from .._attention.context import unzigzag, zigzag
+from .._checks import describe
 from .call import Call, Unsupported, make_call
 from .cudnn import Cudnn
 from .fa4 import Fa4
@@ -39,7 +46,8 @@ from .flax import flax_attention_fn
 from .xla import Xla
 from .xla_chunked import XlaChunked
 
-__all__ = ["dot_product_attention", "flax_attention_fn", "IMPLEMENTATIONS", "ORDER", "MAX_XLA_LOGITS"]
+__all__ = ["dot_product_attention", "flax_attention_fn", "zigzag", "unzigzag", "IMPLEMENTATIONS", "ORDER",
+           "MAX_XLA_LOGITS"]
 
 IMPLEMENTATIONS = {impl.name: impl for impl in (Fa4(), Xla(), XlaChunked(), Cudnn())}
 """The implementations by name, as ``implementation=`` names them."""
@@ -63,7 +71,8 @@ def dot_product_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike, bi
                           key_value_seq_lengths: ArrayLike | None = None,
                           local_window_size: int | tuple[int, int] | None = None, sinks: ArrayLike | None = None,
                           implementation: str | None = None, return_residual: bool = False,
-                          precision: jax.lax.Precision | str | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
+                          precision: jax.lax.Precision | str | None = None, context_axis: str | None = None,
+                          context_layout: str = "contiguous") -> jax.Array | tuple[jax.Array, jax.Array]:
     r"""Scaled dot-product attention: ``jax.nn.dot_product_attention`` with learnable sinks, and FlashAttention-4 on
     GPUs. Changing the import is all a caller of jax.nn's does.
 
@@ -101,6 +110,18 @@ def dot_product_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike, bi
       precision: None or ``jax.lax.Precision.DEFAULT`` (jax's default matmul precision), ``HIGH`` or ``HIGHEST``:
         the products of float32 and wider inputs on ``'xla'`` and ``'xla_chunked'`` (bf16 and fp16 products are
         exact in float32 on every implementation).
+      context_axis: None, or context parallelism over this ``jax.shard_map`` mesh axis of ``n`` devices: called
+        inside the shard_map with query, key and value sharded along their sequence axis over it, each device's
+        ``T`` rows (self-attention's shapes: ``S == T`` on each device) are rows of one sequence of ``n T``, laid
+        out as ``context_layout`` says. Each device gathers every device's keys and values
+        (``jax.lax.all_gather``; its memory holds the whole sequence's) and computes its own rows, the causal mask,
+        the window and the lengths counting positions in the whole sequence, the sinks once per row; the residual is
+        its rows'. The backward reduce-scatters dK and dV; a sink replicated over the axis (``P()``) gets the whole
+        sequence's gradient, summed by shard_map's default ``check_vma`` (without it, ``jax.lax.psum`` it over the
+        axis). ``'xla'`` and ``'xla_chunked'``; no bias or mask array.
+      context_layout: ``'contiguous'``: device ``i`` holds rows ``[i T, (i + 1) T)``; ``'zigzag'`` (``T`` even):
+        the sequence cut into ``2 n`` chunks of ``T / 2``, device ``i`` holding chunks ``i`` and ``2 n - 1 - i``,
+        which balances a causal mask's work; :func:`zigzag` orders a sequence so, :func:`unzigzag` back.
 
     Returns:
       ``(B, T, N, H)`` (or ``(T, N, H)``) in the values' dtype; with ``return_residual``, ``(out, residual)``.
@@ -111,14 +132,14 @@ def dot_product_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike, bi
     past a query length.
 
     ``jax.grad`` for query, key, value, sinks and (``'xla'``, ``'xla_chunked'``) bias; ``jax.jit``, ``jax.vmap``,
-    ``jax.checkpoint``, ``jax.shard_map``. Forward mode (``jax.jvp``) runs on ``'xla'``, and on ``'fa4'`` without
-    sinks; not on ``'xla_chunked'``, which ``None`` runs above ``2**28`` logits (name ``'xla'`` for forward mode
-    there).
+    ``jax.checkpoint``, ``jax.shard_map``; ``jax.jit`` with sharded batches and heads runs each device's share.
+    Forward mode (``jax.jvp``) runs on ``'xla'`` and ``'fa4'``, with or without sinks; not on ``'xla_chunked'``,
+    which ``None`` runs above ``2**28`` logits (name ``'xla'`` for forward mode there).
     """
     call = make_call(query, key, value, bias, mask, scale=scale, is_causal=is_causal,
                      query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
                      local_window_size=local_window_size, sinks=sinks, precision=precision,
-                     return_residual=return_residual)
+                     return_residual=return_residual, context_axis=context_axis, context_layout=context_layout)
     if implementation is None:
         impl, plan = _choose(call)
     else:

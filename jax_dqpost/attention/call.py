@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .._errors import describe
+from .._attention import context as cp
+from .._checks import describe
 
 DTYPES = tuple(np.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64, jnp.complex64,
                                      jnp.complex128))
@@ -51,7 +52,10 @@ class Mask:
     start): ``causal`` (``j <= i``), ``window`` ``(left, right)``, not negative (``i - left <= j <= i + right``;
     None: unbounded), ``q_lengths``/``kv_lengths`` integer ``(B,)`` or None (rows ``i >= q_lengths[b]`` see
     nothing and are zeroed; keys ``j >= kv_lengths[b]`` are not seen), ``same_lengths`` (the two lengths are one
-    array, as self-attention passes them), and ``array``, boolean ``(B|1, N|1, T|1, S|1)`` or None."""
+    array, as self-attention passes them), and ``array``, boolean ``(B|1, N|1, T|1, S|1)`` or None.
+    ``q_positions`` int32 ``(T,)`` and ``k_positions`` int32 ``(S,)`` (None: ``0 .. T-1`` and ``0 .. S-1``) are the
+    positions ``i`` and ``j`` of the rows and keys in every rule above: under context parallelism (:class:`Context`)
+    a device's rows and the gathered keys count in the whole sequence."""
 
     causal: bool = False
     window: tuple | None = None
@@ -59,6 +63,8 @@ class Mask:
     kv_lengths: object = None
     same_lengths: bool = False
     array: object = None
+    q_positions: object = None
+    k_positions: object = None
 
     @property
     def lengths(self) -> bool:
@@ -76,6 +82,8 @@ class Mask:
         them."""
         if self.array is not None:
             raise Unsupported("it takes no mask array (it takes is_causal, local_window_size and the lengths)")
+        if self.q_positions is not None or self.k_positions is not None:
+            raise Unsupported("its masks count positions from the start of the queries and keys it is given")
         left, right = self.window if self.window is not None else (None, None)
         if self.causal:
             right = 0 if right is None else min(right, 0)
@@ -104,13 +112,26 @@ class Mask:
 
 
 @dataclasses.dataclass(frozen=True)
+class Context:
+    """Context parallelism: the call runs inside ``jax.shard_map`` on each of the ``devices`` devices of mesh axis
+    ``axis``, each holding ``T`` rows of the sequence laid out as ``layout`` says (``'contiguous'`` or
+    ``'zigzag'``, ``jax_dqpost._attention.context``); the :class:`Call`'s key and value are every device's,
+    gathered in device order, and its :class:`Mask` counts global positions."""
+
+    axis: str
+    layout: str
+    devices: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Call:
     """One call of :func:`jax_dqpost.dot_product_attention`, checked: ``query`` ``(B, T, N, H)``, ``key`` and
     ``value`` ``(B, S, K, H)`` of one dtype of :data:`DTYPES`; ``bias`` ``(B|1, N|1, T|1, S|1)`` floating or None;
     the :class:`Mask`; ``scale`` a Python float or a floating scalar array (traced or not); ``sinks`` float32
     ``(N,)`` with ``+inf`` as :data:`SINK_CAP`, or None; ``precision`` None (jax's default) or
-    ``lax.Precision.HIGH``/``HIGHEST``; ``return_residual``; and the caller's query shape, ``(B, T, N, H)`` or
-    ``(T, N, H)``, which :meth:`finish` gives the result."""
+    ``lax.Precision.HIGH``/``HIGHEST``; ``return_residual``; the caller's query shape, ``(B, T, N, H)`` or
+    ``(T, N, H)``, which :meth:`finish` gives the result; and the :class:`Context` of context parallelism or None
+    (with one, ``S`` counts every device's keys, gathered)."""
 
     query: object
     key: object
@@ -123,6 +144,7 @@ class Call:
     return_residual: bool
     query_shape: tuple
     infinite_sinks: object = None  # bool (N,): the sinks given as +inf
+    context: Context | None = None
 
     @property
     def logits(self) -> int:
@@ -143,9 +165,11 @@ class Call:
 
 
 def make_call(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengths, key_value_seq_lengths,
-              local_window_size, sinks, precision, return_residual) -> Call:
+              local_window_size, sinks, precision, return_residual, context_axis=None,
+              context_layout="contiguous") -> Call:
     """The :class:`Call` of these arguments (jax.nn's rules; the module docstring's letters), or a ``TypeError`` or
-    ``ValueError`` naming the argument and what it got (its shape and dtype, never its values)."""
+    ``ValueError`` naming the argument and what it got (its shape and dtype, never its values). With
+    ``context_axis``, the keys and values of every device of that axis gathered (:func:`_context`)."""
     q, k, v = (_array(name, x) for name, x in (("query", query), ("key", key), ("value", value)))
     query_shape = tuple(q.shape)
     q, k, v = _four_d("query", q), _four_d("key", k), _four_d("value", v)
@@ -183,10 +207,49 @@ def make_call(query, key, value, bias, mask, *, scale, is_causal, query_seq_leng
         raise TypeError(f"is_causal must be a bool, got {describe(is_causal)}")
     if not isinstance(return_residual, (bool, np.bool_)):
         raise TypeError(f"return_residual must be a bool, got {describe(return_residual)}")
-    the_mask = Mask(bool(is_causal), _window(local_window_size, t, s), *lengths, same, array)
+    context = _context(context_axis, context_layout, q, k, bias, array)
+    if context is None:
+        the_mask = Mask(bool(is_causal), _window(local_window_size, t, s), *lengths, same, array)
+    else:
+        span = context.devices * (t + s)  # the whole sequence's T + S
+        the_mask = Mask(bool(is_causal), _window(local_window_size, span, 0), *lengths, same, None,
+                        cp.positions(context.layout, t, context.devices, lax.axis_index(context.axis)),
+                        jnp.asarray(cp.gathered_positions(context.layout, s, context.devices)))
+        k, v = cp.gather(k, context.axis), cp.gather(v, context.axis)
     sinks, infinite = _sinks(sinks, n)
     return Call(q, k, v, bias, the_mask, _scale(scale, h), sinks, _precision(precision), bool(return_residual),
-                query_shape, infinite)
+                query_shape, infinite, context)
+
+
+def _context(axis, layout, query, key, bias, mask) -> Context | None:
+    """The :class:`Context` of ``context_axis`` and ``context_layout`` (None without an axis), checked: an axis of
+    an enclosing ``jax.shard_map``, a layout of ``LAYOUTS``, ``T == S`` on each device (even for ``'zigzag'``), no
+    bias or mask array."""
+    if not (isinstance(layout, str) and layout in cp.LAYOUTS):
+        raise ValueError(f"context_layout must be one of {', '.join(map(repr, cp.LAYOUTS))}, got {describe(layout)}")
+    if axis is None:
+        return None
+    if not isinstance(axis, str):
+        raise TypeError(f"context_axis must be None or the name (a str) of a jax.shard_map mesh axis, got "
+                        f"{describe(axis)}")
+    try:
+        devices = int(lax.axis_size(axis))
+    except NameError:
+        raise ValueError(f"context_axis={axis!r} names no axis of an enclosing jax.shard_map: call "
+                         "dot_product_attention inside jax.shard_map over a mesh with that axis, the sequence "
+                         "sharded along it") from None
+    t, s = query.shape[1], key.shape[1]
+    if t != s:
+        raise ValueError(f"context_axis={axis!r} takes self-attention's shapes, each device's T queries and S keys "
+                         f"equal: got query {tuple(query.shape)} and key {tuple(key.shape)} (T = {t}, S = {s})")
+    if layout == "zigzag" and t % 2:
+        raise ValueError(f"context_layout='zigzag' holds two chunks of each device's T rows: T must be even, got "
+                         f"query {tuple(query.shape)} (T = {t}) on each device")
+    for name, x in (("bias", bias), ("mask", mask)):
+        if x is not None:
+            raise ValueError(f"{name} is not taken with context_axis={axis!r} (is_causal, local_window_size and "
+                             f"the lengths are), got {describe(x)}")
+    return Context(axis, layout, devices)
 
 
 def _array(name, x, *, optional=False):

@@ -14,6 +14,9 @@ class Cudnn:
     name = "cudnn"
 
     def plan(self, call: Call) -> None:
+        if call.context is not None:
+            raise Unsupported(f"context parallelism (context_axis={call.context.axis!r}) is not yet supported on "
+                              "implementation 'cudnn'; 'xla' and 'xla_chunked' run it")
         if call.sinks is not None:
             raise Unsupported("cuDNN's attention takes no sinks")
         if jax.default_backend() != "gpu":

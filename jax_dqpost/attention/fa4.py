@@ -17,6 +17,9 @@ from .call import Call, FlashMask, Unsupported
 def translate(call: Call) -> FlashMask:
     """What of ``call`` the kernels cannot express, as :class:`Unsupported`, before looking at the machine; else
     its mask in FlashAttention's terms."""
+    if call.context is not None:
+        raise Unsupported(f"context parallelism (context_axis={call.context.axis!r}) is not yet supported on "
+                          "implementation 'fa4'; 'xla' and 'xla_chunked' run it")
     if call.bias is not None:
         raise Unsupported("it takes no bias")
     if isinstance(call.scale, jax.core.Tracer):

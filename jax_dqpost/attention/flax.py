@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-from .._errors import describe
+from .._checks import describe
 
 
 def flax_attention_fn(query: ArrayLike, key: ArrayLike, value: ArrayLike, bias: ArrayLike | None = None,

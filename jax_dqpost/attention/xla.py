@@ -27,10 +27,11 @@ class Xla:
         return run_jax_nns(xla_math.dot_product_attention, call)
 
 
-def run_jax_nns(attention, call: Call):
+def run_jax_nns(attention, call: Call, **options):
     """``call`` by ``attention``, a function of jax.nn's conventions (``jax_dqpost._attention.xla``'s
-    ``dot_product_attention`` or the chunked one)."""
+    ``dot_product_attention`` or the chunked one, given ``options``)."""
     m = call.mask
     return attention(call.query, call.key, call.value, call.bias, m.array, scale=call.scale, is_causal=m.causal,
                      q_lengths=m.q_lengths, kv_lengths=m.kv_lengths, window=m.window, sinks=call.sinks,
-                     return_residual=call.return_residual, precision=call.precision)
+                     return_residual=call.return_residual, precision=call.precision, q_positions=m.q_positions,
+                     k_positions=m.k_positions, **options)

@@ -17,8 +17,8 @@ import dataclasses
 
 import numpy as np
 
-from .. import _errors
-from .._errors import MAX_HEAD_DIM
+from .. import _checks
+from .._checks import MAX_HEAD_DIM
 from . import _presets, fragments, limits
 from .fragments import MMA_SYNC_TILE, WARPGROUP, WGMMA_M
 
@@ -43,11 +43,11 @@ HDIM_MULTIPLES = (8, 16, 32, 64, 128, 256)
 
 
 def _check_int(name: str, value, *, minimum: int = 1) -> int:
-    return _errors.static_int(f"AccumLayout.{name}", value, minimum=minimum)
+    return _checks.static_int(f"AccumLayout.{name}", value, minimum=minimum)
 
 
 def _check_bool(name: str, value) -> bool:
-    return _errors.static_bool(f"AccumLayout.{name}", value)
+    return _checks.static_bool(f"AccumLayout.{name}", value)
 
 
 CONSTRUCTORS = ("AccumLayout.flash_attention(gpu, head_dim, causal=..., tensor='dq' or 'dkv', version=...) gives "
@@ -154,7 +154,7 @@ class AccumLayout:
                              f"allocated row holds the tiles) and at most {MAX_HEAD_DIM}, got {alloc}")
         if self.varlen_unreadable is not None and not isinstance(self.varlen_unreadable, str):
             raise TypeError(f"AccumLayout.varlen_unreadable must be None or a str (the reason), got "
-                            f"{_errors.describe(self.varlen_unreadable)}")
+                            f"{_checks.describe(self.varlen_unreadable)}")
         # Normalise numpy scalars so equal layouts hash equal.
         for name, value in (("arch", arch), ("tile_m", tile_m), ("num_threads", num_threads),
                             ("atom_layout", atom_layout), ("hdim_multiple_of", mult), ("swap_ab", swap_ab),
@@ -193,7 +193,7 @@ class AccumLayout:
 
     # ----------------------------------------------------------------------------------------------
     @classmethod
-    @_errors.required_arguments(**_presets.HINTS)
+    @_checks.required_arguments(**_presets.HINTS)
     def flash_attention(cls, gpu: int, head_dim: int, *, causal: bool, tensor: str, version: str,
                         head_dim_v: int | None = None) -> "AccumLayout":
         return _presets.flash_attention(cls, gpu, head_dim, causal=causal, tensor=tensor, version=version,
@@ -235,7 +235,7 @@ class AccumLayout:
     def padded_seqlen(self, seqlen: int) -> int:
         """``Sr``: the sequence length rounded up to whole tiles (whole clusters of tiles: :attr:`pad_rows`).
         ``seqlen``: a Python int >= 0 (``TypeError``/``ValueError`` naming it otherwise)."""
-        seqlen = _errors.static_int("seqlen", seqlen, minimum=0)
+        seqlen = _checks.static_int("seqlen", seqlen, minimum=0)
         return -(-seqlen // self.pad_rows) * self.pad_rows
 
     def num_tiles(self, seqlen: int) -> int:
@@ -260,7 +260,7 @@ class AccumLayout:
         """The shape helpers' arguments, checked: sizes Python ints >= 0, the head dim as the op checks it."""
         head_dim = sizes.pop("head_dim")
         self.check_head_dim(head_dim)
-        return [_errors.static_int(name, value, minimum=0) for name, value in sizes.items()] + [int(head_dim)]
+        return [_checks.static_int(name, value, minimum=0) for name, value in sizes.items()] + [int(head_dim)]
 
     def mma_geometry(self, head_dim: int) -> dict:
         """The producer's dQ MMA (arch 80 and 90) as the kernel rebuilds it (all ints; None if it does not
@@ -291,7 +291,7 @@ class AccumLayout:
         supported GPU. What passes compiles for sm_80, sm_90a and sm_100a alike (``tests/test_accepted_layouts.py``).
         ``name``: the argument the messages name. The message of a head dim the order cannot hold lists those it
         can, and the presets it is FlashAttention-4's for: a layout made for another head dim is the usual cause."""
-        head_dim = _errors.head_dim(head_dim, name)
+        head_dim = _checks.head_dim(head_dim, name)
         try:
             self._check_kernel(head_dim, name)
         except ValueError as e:
@@ -323,7 +323,7 @@ class AccumLayout:
     def _check_order(self, head_dim: int, name: str = "head_dim"):
         """The order itself is defined for ``head_dim`` (the producer's MMA tiling divides, Dr <= 256):
         ``(head_dim, Dr, description)``, else ``ValueError``. What the index map needs; the kernel needs more."""
-        head_dim = _errors.head_dim(head_dim, name)
+        head_dim = _checks.head_dim(head_dim, name)
         dr = self.padded_head_dim(head_dim)
         what = f"{name}={head_dim} (padded to {dr}) with {self}"
         if dr > MAX_HEAD_DIM:
@@ -393,7 +393,7 @@ class AccumLayout:
                 + (f", varlen_unreadable={self.varlen_unreadable!r}" if self.varlen_unreadable else "") + ")")
 
 
-AccumLayout.__init__ = _errors.required_arguments(
+AccumLayout.__init__ = _checks.required_arguments(
     **{f.name: f"the fields of the producer's order ({NO_DEFAULT}); {CONSTRUCTORS}"
        for f in dataclasses.fields(AccumLayout) if not f.kw_only})(AccumLayout.__init__)
 

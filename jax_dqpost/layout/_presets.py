@@ -9,8 +9,8 @@ import dataclasses
 import functools
 import itertools
 
-from .. import _errors
-from .._errors import MAX_HEAD_DIM
+from .. import _checks
+from .._checks import MAX_HEAD_DIM
 
 GPU_ARCHS = (80, 86, 87, 89, 90, 100, 101, 103, 110, 120, 121)
 """The GPU architectures that have accumulator orders here, as numbers: those the kernel compiles for
@@ -218,12 +218,12 @@ def flash_attention(cls, gpu: int, head_dim: int, *, causal: bool, tensor: str, 
         192 (a dedicated kernel finishes dQ, dK and dV itself, with no separate postprocess); a configuration
         the release's backward cannot run; a head dim that is not a positive multiple of 8 up to 256.
     """
-    gpu = _errors.static_int("gpu", gpu, minimum=1)
-    head_dim = _errors.head_dim(head_dim)
-    head_dim_v = head_dim if head_dim_v is None else _errors.head_dim(head_dim_v, name="head_dim_v")
-    causal = _errors.static_bool("causal", causal)
+    gpu = _checks.static_int("gpu", gpu, minimum=1)
+    head_dim = _checks.head_dim(head_dim)
+    head_dim_v = head_dim if head_dim_v is None else _checks.head_dim(head_dim_v, name="head_dim_v")
+    causal = _checks.static_bool("causal", causal)
     if tensor not in ("dq", "dkv"):
-        raise ValueError(f"tensor must be 'dq' or 'dkv', got {_errors.describe(tensor)}")
+        raise ValueError(f"tensor must be 'dq' or 'dkv', got {_checks.describe(tensor)}")
     if gpu not in GPU_ARCHS:
         raise ValueError(f"gpu={gpu} is not a GPU architecture; the known ones are "
                          f"{', '.join(map(str, GPU_ARCHS))} (FlashAttention-4's backward runs on "
@@ -240,7 +240,7 @@ def flash_attention(cls, gpu: int, head_dim: int, *, causal: bool, tensor: str, 
     layout = _preset(cls, gpu, head_dim, causal, tensor == "dkv")
     if not isinstance(version, str):
         raise TypeError(f"version must be a str, a flash-attn-4 release such as "
-                        f"{next(iter(FLASH_ATTENTION_RELEASES))!r}, got {_errors.describe(version)}")
+                        f"{next(iter(FLASH_ATTENTION_RELEASES))!r}, got {_checks.describe(version)}")
     release = FLASH_ATTENTION_RELEASES.get(version.strip())
     where = f"gpu={gpu}, head_dim={head_dim}, causal={causal}, tensor={tensor!r}"
     if release is None:

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import _errors, _jax_internals
+from .. import _checks, _jax_internals
 from . import arguments as _arguments
 from ._primitive import rules
 from ..layout import AccumLayout
@@ -42,7 +42,7 @@ class Gradients(NamedTuple):
 jax.export.register_namedtuple_serialization(Gradients, serialized_name="jax_dqpost.Gradients")
 
 
-@_errors.required_arguments(layout=_arguments.LAYOUT_HINT)
+@_checks.required_arguments(layout=_arguments.LAYOUT_HINT)
 def dq_postprocess(dq_accum, scale, *, head_dim: int, seqlen_q: int | None = None, total_q: int | None = None,
                    cu_seqlens_q=None, seqused_q=None, dtype=jnp.bfloat16, layout: AccumLayout):
     """FlashAttention's backward dQ postprocess: ``dQ = round(scale * dq_accum)`` in natural layout.
@@ -110,7 +110,7 @@ def dq_postprocess(dq_accum, scale, *, head_dim: int, seqlen_q: int | None = Non
         (batch above 65535, 2^31 tiles).
     """
     _arguments.check_layout(layout, "layout")
-    head_dim = _errors.head_dim(head_dim)
+    head_dim = _checks.head_dim(head_dim)
     layout.check_head_dim(head_dim)
     out_dtype = _arguments.out_dtype(dtype)
     dq_accum = _arguments.accumulator("dq_accum", dq_accum)
@@ -125,7 +125,7 @@ def _no_scale_for_an_accumulator(given: dict) -> None:
     for name in ("dk_accum", "dv_accum"):
         value = given.get(name)
         if isinstance(value, numbers.Number) or getattr(value, "ndim", None) == 0:
-            shown = (_errors.describe(value) if isinstance(value, numbers.Number)
+            shown = (_checks.describe(value) if isinstance(value, numbers.Number)
                      else f"a scalar of dtype {np.dtype(value.dtype).name}")
             raise TypeError(f"flash_attention_postprocess() took {shown} as {name}, where an accumulator (a float32 "
                             "array, or None) goes: the accumulators come first, then softmax_scale; for dQ alone call "
@@ -133,7 +133,7 @@ def _no_scale_for_an_accumulator(given: dict) -> None:
                             "dq_postprocess(dq_accum, scale, ...)")
 
 
-@_errors.required_arguments(_no_scale_for_an_accumulator, dq_layout=_arguments.LAYOUT_HINT)
+@_checks.required_arguments(_no_scale_for_an_accumulator, dq_layout=_arguments.LAYOUT_HINT)
 def flash_attention_postprocess(dq_accum, dk_accum, dv_accum, softmax_scale, *, head_dim: int,
                                 head_dim_v: int | None = None, dtype=jnp.bfloat16, dq_layout: AccumLayout,
                                 dkv_layout: AccumLayout | None = None, dk_scale=None, seqlen_q: int | None = None,
@@ -196,9 +196,9 @@ def flash_attention_postprocess(dq_accum, dk_accum, dv_accum, softmax_scale, *, 
         different batches, key/value heads that do not divide the query heads, sink operands of the wrong
         shapes or only some of them.
     """
-    head_dim = _errors.head_dim(head_dim)
+    head_dim = _checks.head_dim(head_dim)
     head_dim_v_arg = head_dim_v
-    head_dim_v = head_dim if head_dim_v is None else _errors.head_dim(head_dim_v, name="head_dim_v")
+    head_dim_v = head_dim if head_dim_v is None else _checks.head_dim(head_dim_v, name="head_dim_v")
     q_part, dq_accum, q_aux, scale = _q_side(dq_accum, softmax_scale, head_dim, dtype, dq_layout, seqlen_q, total_q,
                                              cu_seqlens_q, seqused_q)
     k_scale = scale if dk_scale is None else _arguments.scale_operand(dk_scale, "dk_scale")
@@ -271,7 +271,7 @@ def _bind(plan: Plan, accs, side_aux, scales, sink) -> list:
     return rules.bind(plan.join(Operands(tuple(accs), tuple(side_aux), scales, *(sink or ()))), plan)
 
 
-@_errors.required_arguments(layout=_arguments.LAYOUT_HINT)
+@_checks.required_arguments(layout=_arguments.LAYOUT_HINT)
 def dq_accum_from_dq(dq, scale, *, layout: AccumLayout, cu_seqlens_q=None, seqused_q=None):
     """The transpose of :func:`dq_postprocess`, which scales too: ``dq_postprocess(dq_accum_from_dq(dq, s), s)``
     is ``dq * s**2`` (rounded; exactly where ``s`` is a power of two).

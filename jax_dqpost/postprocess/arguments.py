@@ -14,7 +14,7 @@ import numpy as np
 from jax.experimental import checkify
 
 from .._kernel import abi
-from .._errors import describe, env_flag, static_int
+from .._checks import describe, env_flag, static_int
 from ..layout import CONSTRUCTORS, NO_DEFAULT, AccumLayout
 from ._primitive.plan import ARG_NAMES, ArgNames, Part
 from .._kernel.varlen import INT32_MAX, WorkList

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import jax
 
-from ... import _errors
+from ... import _checks
 from ..._kernel import cute_runtime
 
 TARGET_NAME = "jax_dqpost_postprocess_v3"
@@ -56,7 +56,7 @@ def command_buffers() -> bool:
     """Whether XLA may capture our launches into its command buffers: yes unless ``JAX_DQPOST_COMMAND_BUFFERS=0``
     (unset, empty or 1: yes; ``ValueError`` for any other value). Read once per process, at import: the
     registration and every lowering agree."""
-    return _errors.env_flag(COMMAND_BUFFERS_ENV, "lets XLA capture the kernel into its command buffers, "
+    return _checks.env_flag(COMMAND_BUFFERS_ENV, "lets XLA capture the kernel into its command buffers, "
                                                  "docs/design.md", default=True)
 
 
@@ -181,7 +181,7 @@ def register_at_import() -> None:
     try:
         _register_target()
     except Exception as e:  # noqa: BLE001 -- any cause: import goes on, the lowering raises it
-        _errors.warn_at_caller(f"jax_dqpost: the CUDA target is not registered, so calls of jax_dqpost on CUDA "
+        _checks.warn_at_caller(f"jax_dqpost: the CUDA target is not registered, so calls of jax_dqpost on CUDA "
                                f"(also in exported artifacts) cannot run in this process: {e}", RuntimeWarning)
 
 

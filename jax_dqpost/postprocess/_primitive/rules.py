@@ -100,11 +100,21 @@ def _divides(mesh, axes, size) -> bool:
     return size % int(np.prod([mesh.shape[n] for n in names])) == 0
 
 
-def _partition(plan, mesh, arg_shapes, result_shape):
+def _operand_specs(plan, mesh, arg_shapes):
+    """:func:`_specs` for dq_accum's sharding as the partitioner gives it."""
     sharding = arg_shapes[0].sharding
     ndim = len(arg_shapes[0].shape)
     spec = tuple(getattr(sharding, "spec", ())) if sharding is not None else ()
-    arg_specs, out_specs, batch = _specs(plan, mesh, spec + (None,) * (ndim - len(spec)), _kv_heads(plan, arg_shapes))
+    return _specs(plan, mesh, spec + (None,) * (ndim - len(spec)), _kv_heads(plan, arg_shapes))
+
+
+def _infer(plan, mesh, arg_shapes, result_shape):
+    """The results' shardings (GSPMD asks for them before it partitions)."""
+    return tuple(NamedSharding(mesh, P(*s)) for s in _operand_specs(plan, mesh, arg_shapes)[1])
+
+
+def _partition(plan, mesh, arg_shapes, result_shape):
+    arg_specs, out_specs, batch = _operand_specs(plan, mesh, arg_shapes)
     arg_shardings = tuple(NamedSharding(mesh, P(*s)) for s in arg_specs)
     out_shardings = [NamedSharding(mesh, P(*s)) for s in out_specs]
     if plan.has_sink and batch is not None:
@@ -140,7 +150,8 @@ def _partitioned(plan: Plan):
     """custom_partitioning of the op for one plan (its Shardy rule depends on the plan's tilings)."""
     fn = custom_partitioning(_shard_fn, static_argnums=(plan.num_operands,))
     rule, replicated = _rule(plan)
-    fn.def_partition(_partition, sharding_rule=rule, need_replication_factors=replicated)
+    fn.def_partition(_partition, infer_sharding_from_operands=_infer, sharding_rule=rule,
+                     need_replication_factors=replicated)
     return fn
 
 

@@ -102,8 +102,10 @@ def test_a_precision_is_taken(rng, precision):
     q = jnp.asarray(rng.standard_normal((1, T, HEADS, 8)), jnp.float32)
     want = flax_attention_fn(q, q, q)  # at the tests' default, "highest" (conftest.py)
     got = flax_attention_fn(q, q, q, precision=precision)
-    if isinstance(precision, tuple) and jax.default_backend() == "gpu":  # HIGH: three bf16 passes, 2**-17 or so
-        assert_close_to_scale(got, want, 2 ** -12, "HIGH")
+    if isinstance(precision, tuple) and jax.default_backend() == "gpu":
+        # HIGH on a GPU is XLA's choice of a faster float32 product (on an H100, 2**-11 of the output's scale):
+        # a few roundings of a 10-bit mantissa, not float32's; the program's text below says HIGH was asked
+        assert_close_to_scale(got, want, 2 ** -9, "HIGH")
     else:
         assert_within_roundings(got, want, str(precision), roundings=2, terms=64)
     with jax.default_matmul_precision("default"):  # (the tests' own default is "highest": conftest.py)

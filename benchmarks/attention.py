@@ -1,6 +1,7 @@
 """Times attention as JAX users call it, forward and backward: ``jax_dqpost.dot_product_attention`` with
 ``implementation='fa4'`` with and without sinks, against ``jax.nn.dot_product_attention(implementation='cudnn')``
-(cuDNN's has no sinks), and ``implementation='xla'`` and ``'xla_chunked'`` with sinks.
+(cuDNN's has no sinks), ``implementation='xla'`` and ``'xla_chunked'`` with sinks, and ``'xla'`` without sinks beside
+``jax.nn.dot_product_attention(implementation='xla')``.
 
     python -m benchmarks.attention [--out DIR] [--steps N] [--quick]   (a CUDA GPU of sm90/sm100, fa4-jax 0.1.0)
 
@@ -26,7 +27,7 @@ from .fa4jax import measure, run_all
 METHOD = ("device time of jax.jit(jax.grad(sum(out * w))) in query, key, value (and the sinks): forward and backward; "
           "per step, the sum of the durations of its GPU activities on jax.profiler's timeline; median over the "
           "steps; the implementations in turn in one trace, order reversed every other round")
-IMPLEMENTATIONS = ("fa4", "fa4 sinks", "cudnn", "xla sinks", "xla_chunked sinks")
+IMPLEMENTATIONS = ("fa4", "fa4 sinks", "cudnn", "xla sinks", "xla_chunked sinks", "xla", "jax.nn xla")
 
 
 def shapes(quick: bool):
@@ -67,6 +68,9 @@ def steps(shape):
                           True),
         "xla_chunked sinks": grad(lambda q, k, v, s: dot_product_attention(q, k, v, **kw, sinks=s,
                                                                            implementation="xla_chunked"), True),
+        "xla": grad(lambda q, k, v, s: dot_product_attention(q, k, v, **kw, implementation="xla"), False),
+        "jax.nn xla": grad(lambda q, k, v, s: jax.nn.dot_product_attention(q, k, v, **kw, implementation="xla"),
+                           False),
     }
 
 
@@ -112,20 +116,22 @@ def run_shape(shape, n_steps: int) -> dict:
 def table(results) -> str:
     rows = ["| shape | T | 'fa4' (us) | 'fa4' with sinks (us) | the sinks' cost | cuDNN, no sinks (us) | 'fa4' over "
             "cuDNN | 'xla' with sinks (us) | 'fa4' over 'xla', sinks | 'xla_chunked' with sinks (us) | memory, "
-            "'xla' / 'xla_chunked' (MiB) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+            "'xla' / 'xla_chunked' (MiB) | 'xla' (us) | jax.nn's 'xla' (us) | 'xla' over jax.nn's |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def us(r, name):
         return r.get(name, {}).get("step_us")
 
     for r in results:
-        f, s, c, x, xc = (us(r, n) for n in IMPLEMENTATIONS)
+        f, s, c, x, xc, ours, theirs = (us(r, n) for n in IMPLEMENTATIONS)
         fmt = lambda v: "skipped" if v is None else f"{v:.1f}"  # noqa: E731
         ratio = lambda a, b: "n/a" if a is None or b is None else f"{b / a:.2f}x"  # noqa: E731
         cost = "n/a" if f is None or s is None else f"{100 * (s / f - 1):+.1f}%"
         mib = " / ".join("n/a" if r.get(n, {}).get("memory_mib") is None else f"{r[n]['memory_mib']:.0f}"
                          for n in ("xla sinks", "xla_chunked sinks"))
         rows.append(f"| {r['name']} | {r['seqlen']} | {fmt(f)} | {fmt(s)} | {cost} | {fmt(c)} | {ratio(f, c)} | "
-                    f"{fmt(x)} | {ratio(s, x)} | {fmt(xc)} | {mib} |")
+                    f"{fmt(x)} | {ratio(s, x)} | {fmt(xc)} | {mib} | {fmt(ours)} | {fmt(theirs)} | "
+                    f"{ratio(ours, theirs)} |")
     return "\n".join(rows)
 
 

@@ -592,7 +592,8 @@ def test_graph_samples_last_five_milliseconds_of_device_time(launch_s, device_s)
 
 def test_the_attention_benchmarks_table_and_shapes():
     """gpt-oss's shapes (hd 64, 64/8 heads, window (127, 0) and causal) and a llama-like one (hd 128, 32/8 heads), T 4096
-    and 8192; the table's ratios are the goals' (cuDNN over 'fa4', 'xla' over 'fa4' with sinks, the sinks' cost)."""
+    and 8192; the table's ratios are the goals' (cuDNN over 'fa4', 'xla' over 'fa4' with sinks, the sinks' cost,
+    jax.nn's 'xla' over ours)."""
     from benchmarks import attention
 
     shapes = attention.shapes(quick=False)
@@ -601,11 +602,11 @@ def test_the_attention_benchmarks_table_and_shapes():
                                                                   (128, 32, 8, None))}
     result = dict(shapes[0], **{name: {"step_us": us} for name, us in
                                 (("fa4", 100.0), ("fa4 sinks", 101.0), ("cudnn", 150.0), ("xla sinks", 2000.0),
-                                 ("xla_chunked sinks", 3000.0))})
+                                 ("xla_chunked sinks", 3000.0), ("xla", 1800.0), ("jax.nn xla", 1980.0))})
     result["xla sinks"]["memory_mib"], result["xla_chunked sinks"]["memory_mib"] = 16384.4, 300.2
     row = attention.table([result]).splitlines()[-1]
     assert row == ("| gpt-oss, window (127, 0) | 4096 | 100.0 | 101.0 | +1.0% | 150.0 | 1.50x | 2000.0 | 19.80x | "
-                   "3000.0 | 16384 / 300 |"), row
+                   "3000.0 | 16384 / 300 | 1800.0 | 1980.0 | 1.10x |"), row
     del result["cudnn"]
     result["xla sinks"] = {"memory_mib": 16384.4}  # compiled, skipped: it would not fit
     assert "| 150.0 |" not in attention.table([result]) and "| skipped | n/a | 3000.0 | 16384 / 300 |" in \

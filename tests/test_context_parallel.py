@@ -2,8 +2,10 @@
 ``context_axis`` inside ``jax.shard_map`` over 2, 4 and 8 devices, both layouts, against one device's call of the
 same implementation (``'xla'``, ``'xla_chunked'`` in blocks of a few keys): out, residual and the gradients of
 query, key, value and a replicated sink, within bounds from float64 sums of each result's terms
-(tests/test_xla_chunked.py's); the zigzag helpers; every refusal; and plain ``jax.jit`` with ``NamedSharding``
-over batch, heads and sequence on a 2 x 4 mesh."""
+(tests/test_xla_chunked.py's); the zigzag helpers; every refusal; plain ``jax.jit`` with ``NamedSharding`` over
+batch, heads and sequence on a 2 x 4 mesh; ``'fa4'``'s algorithm (each rank in turn, and under ``jax.shard_map``)
+in FlashAttention's conventions in jax.numpy, against one call (its kernels: tests/test_gpu_attention.py); and
+``flax_attention_fn``'s context axis in linen's multi-head attention."""
 
 from __future__ import annotations
 
@@ -84,7 +86,7 @@ def _sharded_and_whole(mesh, layout, kw, args):
     return jax.jit(both).lower(*args).compile(FAST)(*args)
 
 
-def _check(got, want, q, k, v, weights, kw, devices, what):
+def _check(got, want, q, k, v, weights, kw, devices, what, names=NAMES):
     """Each result within its roundings of one device's (tests/test_xla_chunked.py's bounds), dK and dV also within
     one rounding of their dtype a device (the reduce-scatter adds every device's partial sums, each rounded)."""
     dtype = q.dtype
@@ -95,7 +97,7 @@ def _check(got, want, q, k, v, weights, kw, devices, what):
     counts = _counts(dtype, q.shape, k.shape)
     for name in ("dk", "dv"):
         counts[name] += devices * unit(dtype)
-    for name, g, w in zip(NAMES, got, want):
+    for name, g, w in zip(names, got, want):
         assert g.dtype == w.dtype and g.shape == w.shape, (name, g.dtype, w.dtype, g.shape, w.shape)
         assert_within_roundings(g, w, f"{name} {what}", terms=counts[name], magnitude=mags[name])
 
@@ -110,6 +112,8 @@ CASES = {
                               [-np.inf, 1.0, 6.0, -2.0]),
     "2dev-causal-w9-lengths-f32": (2, jnp.float32, 2, 64, 2, 1, 16, dict(is_causal=True, local_window_size=(9, 0)),
                                    [0.3, 1e4]),
+    "4dev-gqa8-w127-halo-bf16": (4, jnp.bfloat16, 1, 1024, 8, 1, 16, dict(local_window_size=(127, 0)),
+                                 [0.5, -np.inf, 3.0, -1.0, 2.0, 8.0, 1.5, 0.0]),
 }
 
 
@@ -269,12 +273,155 @@ def test_refusals():
         _traced(mesh, context_axis="cp", mask=jnp.ones((32, 32), bool))
 
 
-@pytest.mark.parametrize("impl", ["fa4", "cudnn"])
-def test_fa4_and_cudnn_refuse_a_context_axis(impl):
-    with pytest.raises(ValueError, match=rf"implementation='{impl}' cannot run this call: context parallelism "
-                                         rf"\(context_axis='cp'\) is not yet supported on implementation '{impl}'; "
+def test_cudnn_refuses_a_context_axis():
+    with pytest.raises(ValueError, match=r"implementation='cudnn' cannot run this call: context parallelism "
+                                         r"\(context_axis='cp'\) is not yet supported on implementation 'cudnn'; "
                                          r"'xla' and 'xla_chunked' run it"):
-        _traced(_mesh(2), context_axis="cp", implementation=impl)
+        _traced(_mesh(2), context_axis="cp", implementation="cudnn")
+
+
+@pytest.mark.parametrize("kw, why", [
+    (dict(local_window_size=(5, 3)), r"it takes a causal mask, a window \(left, 0\) or no mask, not the window \(5, 3\)"),
+    (dict(local_window_size=(5, 3), is_causal=False, query_seq_lengths=jnp.full((1,), 9)),
+     r"it takes no query_seq_lengths or key_value_seq_lengths"),
+], ids=["window-ahead", "lengths"])
+def test_fa4_refuses_what_its_context_kernels_cannot_express(kw, why):
+    """Before looking at the machine: a window reaching keys after a row's own, lengths."""
+    with pytest.raises(ValueError, match=r"implementation='fa4' cannot run this call: with context_axis='cp' " + why):
+        _traced(_mesh(2), context_axis="cp", implementation="fa4", **kw)
+
+
+# ---- 'fa4''s algorithm (FlashAttention's conventions in jax.numpy here; its kernels in test_gpu_attention.py) ------
+
+def emulated_ranks(q, k, v, sinks, weights, *, devices: int, layout: str, window: tuple, halo: bool = False):
+    """``n = devices`` ranks of ``'fa4'``'s context parallelism (``jax_dqpost._attention.fa4.context_attention``)
+    run in turn on one device: rank ``i`` given its rows of the sequence laid out as ``layout`` says, every rank's
+    keys and values in device order (what its all-gather gives it), or with ``halo`` its own and the window's
+    ``left`` before each of its runs (what ``context.neighbours``' ppermute gives it), and its index. Returns
+    ``(out, residual, dq, dk, dv, dsinks)`` as the ranks together make them, in sequence order: out ``(B, T, N,
+    H)``, the float32 lse ``(B, T, N)``, the gradients of ``sum(out * weights)``: dq each rank's rows, dk and dv
+    the sum of the gradients of the keys and values each rank was given, scattered back to where they came from
+    (what the collective's transpose does), dsinks their sum (None without sinks)."""
+    from jax_dqpost._attention import fa4 as kernels
+    order = (lambda x, axis=1: zigzag(x, devices, axis)) if layout == "zigzag" else (lambda x, axis=1: x)
+    back = (lambda x, axis=1: unzigzag(x, devices, axis)) if layout == "zigzag" else (lambda x, axis=1: x)
+    qz, wz = order(q), order(weights)
+    t = q.shape[1] // devices
+    left = window[0] if halo else None
+    argnums = (0, 1, 2) if sinks is None else (0, 1, 2, 3)
+
+    def given(index, k, v):
+        """Rank ``index``'s keys and values, from the whole sequence's (in sequence order): all of them in device
+        order, or its rows and the ``left`` rows before each of its runs (zeros before the sequence)."""
+        if left is None:
+            return order(k), order(v)
+        own = context.positions(layout, t, devices, index)
+        starts = own.reshape(-1, t // context.chunks(layout))[:, :1]
+        where = starts - left + jnp.arange(left)
+        return tuple(context.arrange(
+            jnp.take(x, own, axis=1),
+            jnp.where((where >= 0)[None, :, :, None, None], jnp.take(x, jnp.maximum(where, 0), axis=1), 0),
+            index == 0) for x in (k, v))
+
+    @jax.jit
+    def rank(index, q_i, k, v, sinks, w_i):
+        def loss(q_i, k, v, sinks):
+            k_i, v_i = given(index, k, v)
+            out, lse = kernels.context_attention(q_i, k_i, v_i, layout=layout, devices=devices, index=index,
+                                                 scale=q.shape[-1] ** -0.5, window=window, sink=sinks,
+                                                 return_lse=True, halo=left)
+            return jnp.sum(out.astype(jnp.float32) * w_i), (out, lse)
+
+        return jax.value_and_grad(loss, argnums=argnums, has_aux=True)(q_i, k, v, sinks)
+
+    outs, lses, dqs, partials = [], [], [], []
+    for i in range(devices):
+        rows = slice(i * t, (i + 1) * t)
+        (_, (out, lse)), grads = rank(jnp.int32(i), qz[:, rows], k, v, sinks, wz[:, rows])
+        outs.append(out)
+        lses.append(lse)
+        dqs.append(grads[0])
+        partials.append([g.astype(jnp.float32) for g in grads[1:]])
+    sums = [sum(parts) for parts in zip(*partials)]
+    dk, dv = (x.astype(k.dtype) for x in sums[:2])
+    out, dq = (back(jnp.concatenate(x, axis=1)) for x in (outs, dqs))
+    lse = back(jnp.concatenate(lses, axis=2), axis=2).transpose(0, 2, 1)
+    return out, lse, dq, dk, dv, None if sinks is None else sums[2]
+
+
+def fa4_whole(q, k, v, sinks, weights, *, window: tuple):
+    """``emulated_ranks``'s results from one unsharded call of the same kernels (``jax_dqpost._attention.fa4
+    .attention``)."""
+    from jax_dqpost._attention import fa4 as kernels
+    argnums = (0, 1, 2) if sinks is None else (0, 1, 2, 3)
+
+    def loss(q, k, v, sinks):
+        out, lse = kernels.attention(q, k, v, scale=q.shape[-1] ** -0.5, window=window, sink=sinks,
+                                     return_lse=True)
+        return jnp.sum(out.astype(jnp.float32) * weights), (out, lse.transpose(0, 2, 1))
+
+    (_, (out, lse)), grads = jax.jit(jax.value_and_grad(loss, argnums=argnums, has_aux=True))(q, k, v, sinks)
+    return (out, lse, *grads) + ((None,) if sinks is None else ())
+
+
+FA4_CASES = {  # (devices, dtype, batch, global T, heads, kv heads, head dim, FlashAttention's window, sinks); the
+    # "halo" cases give each rank only the keys its window reaches
+    "8dev-gqa8-causal-w127": (8, jnp.float32, 1, 512, 8, 1, 16, (127, 0), [0.5, -np.inf, 3.0, -1.0, 2.0, 8.0, 1e4,
+                                                                          0.0]),
+    "4dev-gqa8-w127-halo": (4, jnp.float32, 1, 1024, 8, 1, 16, (127, 0), [0.5, -np.inf, 3.0, -1.0, 2.0, 8.0, 1e4,
+                                                                         0.0]),
+    "4dev-gqa2-causal-bf16": (4, jnp.bfloat16, 2, 128, 4, 2, 32, (None, 0), [-np.inf, 1.0, 6.0, -2.0]),
+    "2dev-unmasked": (2, jnp.float32, 2, 64, 2, 1, 16, (None, None), [0.3, -1.0]),
+    "2dev-causal-w9-no-sinks": (2, jnp.float32, 1, 64, 2, 2, 16, (9, 0), None),
+    "2dev-causal-w9-halo-bf16": (2, jnp.bfloat16, 2, 64, 2, 2, 16, (9, 0), None),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("case", list(FA4_CASES))
+def test_fa4_ranks_are_one_call(rng, case, layout):
+    """Each rank's 'fa4' context-parallel computation in turn (its rows, the keys it gathers or receives, its
+    index), assembled: one unsharded call of the same attention within roundings, out, residual and every gradient;
+    the window of gpt-oss crossing chunks of 64 rows, grouped heads, sinks of ``-inf`` and large."""
+    devices, dtype, b, t, n, heads_kv, h, window, sinks = FA4_CASES[case]
+    q, k, v, s, w = _inputs(rng, dtype, b, t, n, heads_kv, h, [0.0] * n if sinks is None else sinks)
+    s = None if sinks is None else s
+    got = emulated_ranks(q, k, v, s, w, devices=devices, layout=layout, window=window, halo="halo" in case)
+    want = fa4_whole(q, k, v, s, w, window=window)
+    kw = dict(is_causal=window[1] == 0, local_window_size=None if window[0] is None else window, sinks=s)
+    names = NAMES if s is not None else NAMES[:5]
+    _check(got[:len(names)], want[:len(names)], q, k, v, w, kw, devices, f"{case} {layout}", names)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_fa4_algorithm_under_shard_map(rng, layout):
+    """The same inside ``jax.shard_map`` over 4 devices with jax's default checks: the keys all-gathered and the
+    index traced (``axis_index``), the backward's reduce-scatter and the replicated sink's summed gradient jax's."""
+    from jax_dqpost._attention import fa4 as kernels
+    mesh, n = _mesh(4), 4
+    q, k, v, sinks, w = _inputs(rng, jnp.float32, 2, 128, 4, 1, 16, [0.5, -np.inf, 3.0, -1.0])
+    window = (20, 0)
+
+    def loss(q, k, v, sinks, w):
+        out, lse = kernels.context_attention(q, context.gather(k, "cp"), context.gather(v, "cp"), layout=layout,
+                                             devices=n, index=jax.lax.axis_index("cp"), scale=0.25, window=window,
+                                             sink=sinks, return_lse=True)
+        return jnp.sum(out * w), (out, lse.transpose(0, 2, 1))
+
+    def f(*args):
+        (_, (out, lse)), grads = jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(*args)
+        return out, lse, grads
+
+    seq = P(None, "cp")
+    order = (lambda x: zigzag(x, n)) if layout == "zigzag" else (lambda x: x)
+    back = (lambda x: unzigzag(x, n)) if layout == "zigzag" else (lambda x: x)
+    out, lse, (dq, dk, dv, ds) = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(seq, seq, seq, P(), seq),
+                                                       out_specs=(seq, seq, (seq, seq, seq, P()))))(
+        *(order(x) for x in (q, k, v)), sinks, order(w))
+    got = (*(back(x) for x in (out, lse, dq, dk, dv)), ds)
+    want = fa4_whole(q, k, v, sinks, w, window=window)
+    _check(got, want, q, k, v, w, dict(is_causal=True, local_window_size=window, sinks=sinks), n,
+           f"shard_map {layout}")
 
 
 # ---- plain jax.jit with NamedSharding -----------------------------------------------------------------------------
@@ -313,3 +460,79 @@ def test_jit_with_named_shardings_is_unsharded(rng, impl, dtype):
         got = f.lower(*placed).compile(FAST)(*placed)
         for name, g, w in zip(NAMES, (*got[:2], *got[2]), want):
             assert_within_roundings(g, w, f"{name} {layout}", terms=counts[name], magnitude=mags[name])
+
+
+# ---- flax -------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_flax_attention_fn_takes_a_context_axis(rng, layout):
+    """linen's multi-head attention with ``flax_attention_fn`` given ``context_axis``, applied inside
+    ``jax.shard_map`` over 4 devices with the sequence sharded, its parameters replicated: the module's output on
+    one device within roundings, and its parameters' gradient too (each device's share summed by jax)."""
+    linen = pytest.importorskip("flax.linen")
+    import functools
+    from jax_dqpost import flax_attention_fn
+    mesh, n = _mesh(4), 4
+    x = jnp.asarray(rng.standard_normal((2, 64, 32)), jnp.float32)
+    fn = functools.partial(flax_attention_fn, is_causal=True, local_window_size=(20, 0), implementation="xla")
+
+    def module(**more):
+        return linen.MultiHeadDotProductAttention(num_heads=4, attention_fn=functools.partial(fn, **more))
+
+    params = module().init(jax.random.key(0), x)
+
+    def loss(m, params, x):
+        return jnp.sum(m.apply(params, x) ** 2), m.apply(params, x)
+
+    order = (lambda x: zigzag(x, n)) if layout == "zigzag" else (lambda x: x)
+    back = (lambda x: unzigzag(x, n)) if layout == "zigzag" else (lambda x: x)
+    seq = P(None, "cp")
+    sharded = jax.shard_map(
+        lambda p, x: jax.grad(functools.partial(loss, module(context_axis="cp", context_layout=layout)),
+                              has_aux=True)(p, x),
+        mesh=mesh, in_specs=(P(), seq), out_specs=(P(), seq))
+    d_got, got = jax.jit(sharded)(params, order(x))
+    d_want, want = jax.jit(jax.grad(functools.partial(loss, module()), has_aux=True))(params, x)
+    np.testing.assert_allclose(back(got), want, rtol=1e-5, atol=1e-5)
+    top = max(float(np.abs(w).max()) for w in jax.tree.leaves(d_want))  # the key bias's is 0 but for roundings
+    for g, w in zip(jax.tree.leaves(d_got), jax.tree.leaves(d_want)):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * top)
+
+
+# ---- a windowed layer receives only the keys its window reaches ----------------------------------------------------
+
+@pytest.mark.parametrize("causal, window, layout, t, want", [
+    (True, (127, 0), "zigzag", 256, 127), (False, (127, 0), "contiguous", 128, 127), (True, (8, 8), "zigzag", 16, 8),
+    (True, (9, 0), "zigzag", 16, None), (True, None, "contiguous", 64, None), (False, (3, 1), "contiguous", 64, None),
+    (False, None, "contiguous", 64, None), (True, (0, 0), "zigzag", 8, 0),
+])
+def test_halo_is_a_causal_windows_reach_within_a_run(causal, window, layout, t, want):
+    assert context.halo(causal, window, layout, t) == want
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("devices", [1, 4])
+def test_a_windowed_layer_sends_only_the_keys_before_each_run(rng, layout, devices):
+    """gpt-oss's window over rows of 256 a device: the forward and backward send ``collective-permute``s and no
+    ``all-gather`` (the reduce-scatter neither), and equal one device's call within roundings; a window longer than
+    a run gathers every key."""
+    mesh = _mesh(devices)
+    t = 256 * devices
+    q, k, v, sinks, w = _inputs(rng, jnp.float32, 1, t, 4, 1, 16, [0.5, -np.inf, 3.0, -1.0])
+    for window, halo in (((127, 0), True), ((200, 0), layout == "contiguous")):
+        kw = dict(is_causal=True, local_window_size=window, implementation="xla")
+        seq = P(None, "cp")
+        f = jax.jit(jax.shard_map(_grads(dict(kw, context_axis="cp", context_layout=layout)), mesh=mesh,
+                                  in_specs=(seq, seq, seq, P(), seq), out_specs=(seq, seq, (seq, seq, seq, P()))))
+        order = (lambda x: zigzag(x, devices)) if layout == "zigzag" else (lambda x: x)
+        back = (lambda x: unzigzag(x, devices)) if layout == "zigzag" else (lambda x: x)
+        args = (*(order(x) for x in (q, k, v)), sinks, order(w))
+        hlo = f.lower(*args).compile().as_text()
+        if devices > 1:
+            assert ("all-gather" not in hlo and "reduce-scatter" not in hlo) == halo, (window, layout)
+            assert ("collective-permute" in hlo) == halo, (window, layout)
+        out, res, grads = f(*args)
+        got = (*(back(x) for x in (out, res, *grads[:3])), grads[3])
+        want_out, want_res, want_grads = jax.jit(_grads(kw))(q, k, v, sinks, w)
+        _check(got, (want_out, want_res, *want_grads), q, k, v, w, dict(kw, sinks=sinks), devices,
+               f"{layout} {window} over {devices}")

@@ -168,3 +168,76 @@ def test_forward_mode_on_fa4_is_within_twice_xlas_error(rng, with_sinks, lengths
     want = tangent_of_out("xla", jnp.float32)
     err, base = np.abs(got - want).max(), np.abs(low - want).max()
     assert err <= 2 * base + float(jnp.finfo(jnp.bfloat16).eps) * np.abs(want).max(), (err, base)
+
+
+# ---- context parallelism: each rank's computation in turn on this GPU -----------------------------------------
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("window, with_sinks, halo", [
+    ((127, 0), True, True), ((127, 0), True, False), ((None, 0), False, False), ((None, None), True, False)],
+    ids=["causal-w127-sinks-halo", "causal-w127-sinks", "causal", "unmasked-sinks"])
+def test_fa4_context_parallel_ranks_within_twice_xlas_error(rng, layout, window, with_sinks, halo):
+    """'fa4''s context parallelism over 4 ranks, each rank's computation run in turn on the kernels (its rows, the
+    keys its all-gather gives it or, with ``halo``, the keys before its runs; its index;
+    tests/test_context_parallel.py's ``emulated_ranks``) and assembled:
+    out, lse and every gradient within twice 'xla''s bf16 error of the float64 formula, as the unsharded 'fa4' call
+    is, and of that call. gpt-oss's shape: 8:1 grouped heads, head dim 64, a window of 128 keys crossing the
+    ranks' chunks."""
+    from test_context_parallel import emulated_ranks, fa4_whole
+    devices, b, t, n, heads_kv, h, dtype = 4, 1, 2048, 8, 1, 64, jnp.bfloat16
+    q = jnp.asarray(rng.standard_normal((b, t, n, h)), dtype)
+    k, v = (jnp.asarray(rng.standard_normal((b, t, heads_kv, h)), dtype) for _ in range(2))
+    sinks = jnp.asarray(rng.standard_normal(n) * 2, jnp.float32) if with_sinks else None
+    w = jnp.asarray(rng.standard_normal((b, t, n, h)), jnp.float32)
+    got = emulated_ranks(q, k, v, sinks, w, devices=devices, layout=layout, window=window, halo=halo)
+    whole = fa4_whole(q, k, v, sinks, w, window=window)
+    kw = dict(is_causal=window[1] == 0, local_window_size=None if window[0] is None else window)
+    vis = oracle64.top_left(t, t, causal=kw["is_causal"], window=kw["local_window_size"])[None, None]
+    args64 = dict(scale=h ** -0.5, visible=vis, sinks=None if sinks is None else np.asarray(sinks))
+    out64, lse64, _, _ = oracle64.forward(q, k, v, **args64)
+    want = (out64, lse64.transpose(0, 2, 1), *oracle64.gradients(q, k, v, np.asarray(w), **args64))
+
+    def loss(q, k, v, s):
+        out, lse = dot_product_attention(q, k, v, sinks=s, implementation="xla", return_residual=True, **kw)
+        return jnp.sum(out.astype(jnp.float32) * w), (out, lse)
+
+    argnums = (0, 1, 2) if sinks is None else (0, 1, 2, 3)
+    (_, (out, lse)), grads = jax.jit(jax.value_and_grad(loss, argnums=argnums, has_aux=True))(q, k, v, sinks)
+    low = (out, lse, *grads)
+    failed = []
+    for name, g, one, x, r in zip(("out", "lse", "dq", "dk", "dv", "dsinks"), got, whole, low, want):
+        if r is None:
+            continue
+        ulp = float(jnp.finfo(dtype).eps) * float(np.abs(r).max())
+        base = _error(x, r, True)
+        for what, err in (("the formula", _error(g, r, True)), ("the unsharded 'fa4' call", _error(g, one, True))):
+            if err > 2 * base + ulp:
+                failed.append(f"{name}: {err:.3g} from {what}, 'xla''s error {base:.3g}")
+    assert not failed, f"{layout} window {window}: {'; '.join(failed)}"
+
+
+def test_fa4_context_axis_under_shard_map_on_one_device(rng):
+    """``dot_product_attention(implementation='fa4', context_axis=...)`` inside ``jax.shard_map`` over this one GPU
+    (its index traced; the packed causal path, the window's keys received from no neighbour): the call without a
+    context axis, within twice 'xla''s error."""
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+    q = jnp.asarray(rng.standard_normal((2, 256, 4, 64)), jnp.bfloat16)
+    k, v = (jnp.asarray(rng.standard_normal((2, 256, 2, 64)), jnp.bfloat16) for _ in range(2))
+    sinks = jnp.asarray(rng.standard_normal(4), jnp.float32)
+    kw = dict(is_causal=True, local_window_size=(127, 0), sinks=sinks)
+
+    def grads(impl, **more):
+        def loss(q, k, v):
+            return jnp.sum(dot_product_attention(q, k, v, implementation=impl, **kw, **more).astype(jnp.float32))
+        return jax.value_and_grad(loss, argnums=(0, 1, 2))
+
+    mesh = Mesh(np.array(jax.devices()[:1]), ("cp",))
+    seq = P(None, "cp")
+    got = jax.jit(jax.shard_map(grads("fa4", context_axis="cp", context_layout="zigzag"), mesh=mesh,
+                                in_specs=(seq, seq, seq), out_specs=(P(), (seq, seq, seq))))(q, k, v)
+    whole, low = (jax.jit(grads(impl))(q, k, v) for impl in ("fa4", "xla"))
+    for name, g, w, x in zip(("loss", "dq", "dk", "dv"), jax.tree.leaves(got), jax.tree.leaves(whole),
+                             jax.tree.leaves(low)):
+        err, base = _error(g, w, True), _error(x, w, True)
+        assert err <= 2 * base + float(np.abs(np.asarray(w, np.float64)).max()) * 2 ** -8, (name, err, base)

@@ -11,6 +11,16 @@ A sequence of ``L`` rows sharded over ``n`` devices gives each device ``L / n`` 
 
 Attention gathers every device's keys in device order (``jax.lax.all_gather(..., tiled=True)``): their global
 positions are :func:`gathered_positions`, a device's queries' :func:`positions`.
+
+A causal window of ``left`` keys before each row, ``left`` at most a run's length (:func:`halo`), reaches no key
+but its own rows' and the ``left`` before each run: those are all a device receives (:func:`neighbours`, a
+``jax.lax.ppermute`` from the device holding the previous run), each run's keys laid out as
+``[the left before it, its own]`` (:func:`arrange`), their positions :func:`neighbour_positions`.
+
+FlashAttention's kernels count a causal mask and a window from the end of the keys they read (bottom-right), with
+no positions: :func:`flash_chunks` gives them a device's rows as one packed sequence per chunk (``'contiguous'``
+one, ``'zigzag'`` two), each reading the gathered keys in sequence order (:func:`in_sequence_order`) up to its own
+last row, so that the keys' end is the chunk's end and the kernel's mask is the global one.
 """
 
 from __future__ import annotations
@@ -105,3 +115,98 @@ def gathered_positions(layout: str, length: int, devices: int) -> np.ndarray:
 def gather(x, axis_name):
     """``x`` ``(B, S, ...)`` of every device of ``axis_name``, concatenated along ``S`` in device order."""
     return jax.lax.all_gather(x, axis_name, axis=1, tiled=True)
+
+
+def chunks(layout: str) -> int:
+    """How many runs of consecutive positions a device's rows are in ``layout``: 1 (``'contiguous'``), 2
+    (``'zigzag'``)."""
+    return 1 if layout == "contiguous" else 2
+
+
+def flash_chunks(layout: str, length: int, devices: int, index) -> jax.Array:
+    """int32 ``(chunks(layout),)``: for each run of consecutive positions among the ``length`` rows of device
+    ``index`` (an int or a traced ``axis_index``), how many keys of the sequence come up to its last row, the
+    keys a causal kernel reads for it: ``(g + 1) c`` for the run of ``c = length / chunks`` rows that is chunk ``g``
+    of the sequence in runs of ``c``."""
+    index = jnp.asarray(index, jnp.int32)
+    if layout == "contiguous":
+        return ((index + 1) * length)[None]
+    c = length // 2
+    return jnp.stack([index + 1, 2 * devices - index]) * c
+
+
+def in_sequence_order(x, layout: str, devices: int):
+    """``x`` ``(B, n L, ...)``, every device's rows gathered in device order (:func:`gather`), in sequence order
+    (an exact permutation; for ``'contiguous'`` ``x`` itself)."""
+    if layout == "contiguous":
+        return x
+    return jnp.take(x, jnp.asarray(np.argsort(gathered_positions(layout, x.shape[1] // devices, devices))), axis=1)
+
+
+NOWHERE = -(2 ** 30)
+"""The position of a key that is not there (before the sequence's first row): no row's window reaches it."""
+
+
+def halo(causal: bool, window, layout: str, length: int) -> int | None:
+    """The keys before each run of a device's ``length`` rows that a mask reaches, where it reaches no other key
+    than those and the run's own: the left side of a window whose right side is 0 (or that is causal), when it is
+    at most a run's length; None where the mask reaches further (every key gathered)."""
+    left, right = window if window is not None else (None, None)
+    if causal:
+        right = 0
+    if left is None or right != 0 or left > length // chunks(layout):
+        return None
+    return left
+
+
+def arrange(own, before, first):
+    """Each run's keys ``(B, m (left + c), ...)``: ``own`` ``(B, m c, ...)`` a device's rows (``m`` runs of ``c``),
+    ``before`` ``(B, m, left, ...)`` the ``left`` rows before each run; run ``r`` as ``[before[r], own run r]``, but
+    where ``first`` (a traced bool: the device holds the sequence's first run, its first) as ``[own run 0,
+    before[0]]``: there is nothing before it, and what stands in ``before[0]`` is read by no row."""
+    b, rows = own.shape[:2]
+    m, left = before.shape[1:3]
+    runs = own.reshape(b, m, rows // m, *own.shape[2:])
+    keys = jnp.concatenate([before, runs], axis=2)
+    if left:
+        head = jnp.concatenate([runs[:, 0], before[:, 0]], axis=1)
+        keys = keys.at[:, 0].set(jnp.where(first, head, keys[:, 0]))
+    return keys.reshape(b, m * (left + rows // m), *own.shape[2:])
+
+
+def neighbours(x, axis_name: str, layout: str, devices: int, left: int):
+    """:func:`arrange` of ``x`` ``(B, L, ...)``, this device's rows, and the ``left`` rows before each of its runs,
+    received from the devices that hold them (``jax.lax.ppermute``): in ``'contiguous'`` from the previous device;
+    in ``'zigzag'`` the first run's from the previous device's first run, the second's from the next device's
+    second (the last device's: its own first run's)."""
+    b, rows = x.shape[:2]
+    index = jax.lax.axis_index(axis_name)
+    m = chunks(layout)
+    c = rows // m
+    runs = x.reshape(b, m, c, *x.shape[2:])
+    tails = runs[:, :, c - left:]
+    forward = [(i, i + 1) for i in range(devices - 1)]
+    if left == 0:
+        before = tails
+    elif layout == "contiguous":
+        before = jax.lax.ppermute(tails, axis_name, forward)
+    else:
+        first = jax.lax.ppermute(tails[:, :1], axis_name, forward)
+        second = jax.lax.ppermute(tails[:, 1:], axis_name, [(j, i) for i, j in forward])
+        second = jnp.where(index == devices - 1, tails[:, :1], second)
+        before = jnp.concatenate([first, second], axis=1)
+    return arrange(x, before, index == 0)
+
+
+def neighbour_positions(layout: str, length: int, devices: int, index, left: int) -> jax.Array:
+    """int32 ``(m (left + c),)``: the positions of :func:`neighbours`' keys on device ``index``, each position
+    once, as a mask over all of them reads them: :data:`NOWHERE` for those that are not there, and for the keys
+    before zigzag's second run on the last device, which are its first run's own."""
+    own = positions(layout, length, devices, index)
+    m = chunks(layout)
+    starts = own.reshape(m, length // m)[:, :1]
+    before = starts - left + jnp.arange(left, dtype=jnp.int32)
+    before = jnp.where(before < 0, NOWHERE, before)
+    if m == 2:
+        before = before.at[1].set(jnp.where(jnp.asarray(index) == devices - 1, NOWHERE, before[1]))
+    return arrange(own[None], before[None], jnp.asarray(index) == 0)[0]

@@ -13,6 +13,9 @@ Head dims 136..160 on Hopper (sm90) run zero-padded to :data:`PADDED_HEAD_DIM` (
 our kernel does not take; zero columns add nothing to ``q k^T`` and their outputs and gradients are sliced off.
 Where JAX's default backend is not a GPU, :func:`attention` is FlashAttention's attention in jax.numpy
 (:func:`jax_dqpost._attention.xla.flash_attention`).
+
+:func:`context_attention`: one device's rows of context parallelism on these kernels, the keys of every device
+given (:mod:`jax_dqpost._attention.context`).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from . import autodiff, fa4jax_internals, xla
+from . import autodiff, context, fa4jax_internals, xla
 from .._kernel import arch
 from ..layout import ORDER_OF_FAMILY, AccumLayout
 
@@ -261,3 +264,43 @@ def attention(q, k, v, *, scale: float, window: tuple, sink=None, return_lse: bo
     if packed:
         options.update(seqused_q=seqlens[2], seqused_k=seqlens[3], defined_padding=True)
     return run_padded(flash(packed), q, k, v, *cu, learnable_sink=sink, **options)
+
+
+def context_attention(q, k, v, *, layout: str, devices: int, index, scale: float, window: tuple, sink=None,
+                      return_lse: bool = False, halo: int | None = None):
+    """Device ``index``'s (an int or a traced ``axis_index``) rows of context-parallel attention over ``devices``
+    devices: q ``(B, T, N, D)`` its rows laid out as ``layout`` says; ``window`` ``(None, None)`` (no mask) or
+    ``(left, 0)`` (causal, ``left`` None or the keys a row sees before its own), counted in the whole sequence;
+    ``sink`` and ``return_lse`` as :func:`attention`'s. k ``(B, n T, K, D)`` and v ``(B, n T, K, Dv)``: every
+    device's rows gathered in device order; or, with ``halo`` (``left``, at most a run's length), each run's
+    ``halo`` keys before it and its own, ``(B, m (halo + T / m), K, D|Dv)`` as
+    :func:`~jax_dqpost._attention.context.neighbours` lays them out. Returns out ``(B, T, N, Dv)`` (and the float32
+    lse ``(B, N, T)``).
+
+    Without a mask: the dense kernel on every key. Causal: each run of consecutive positions among the rows (one,
+    or zigzag's two) is one sequence of a packed batch whose keys end at its own last row, so that FlashAttention's
+    bottom-right mask is the global one: every key in sequence order up to that row (``seqused_k``,
+    :func:`~jax_dqpost._attention.context.flash_chunks`; zigzag's two runs read copies of their own, whose
+    gradients the backward sums), or with ``halo`` the run's keys as given (the sequence's first run reads its own
+    alone)."""
+    if window == (None, None):
+        return attention(q, k, v, scale=scale, window=window, sink=sink, return_lse=return_lse)
+    b, t, n, _ = q.shape
+    m = context.chunks(layout)
+    c = t // m
+    if halo is None:
+        s = k.shape[1]
+        k, v = (jnp.broadcast_to(context.in_sequence_order(x, layout, devices)[:, None], (b, m, *x.shape[1:]))
+                .reshape(b * m * s, *x.shape[2:]) for x in (k, v))
+        used_k = jnp.tile(context.flash_chunks(layout, t, devices, index), b)
+    else:
+        s = halo + c
+        k, v = (x.reshape(b * m * s, *x.shape[2:]) for x in (k, v))
+        first = jnp.arange(m) == 0
+        used_k = jnp.tile(jnp.where(first & (jnp.asarray(index) == 0), c, s).astype(jnp.int32), b)
+    cu_q, cu_k = (jnp.arange(b * m + 1, dtype=jnp.int32) * length for length in (c, s))
+    result = attention(q.reshape(b * t, n, q.shape[-1]), k, v, scale=scale, window=window, sink=sink,
+                       return_lse=return_lse, seqlens=(cu_q, cu_k, None, used_k))
+    out, lse = result if return_lse else (result, None)
+    out = out.reshape(b, t, n, -1)
+    return (out, lse.reshape(n, b, t).transpose(1, 0, 2)) if return_lse else out

@@ -116,11 +116,14 @@ class Context:
     """Context parallelism: the call runs inside ``jax.shard_map`` on each of the ``devices`` devices of mesh axis
     ``axis``, each holding ``T`` rows of the sequence laid out as ``layout`` says (``'contiguous'`` or
     ``'zigzag'``, ``jax_dqpost._attention.context``); the :class:`Call`'s key and value are every device's,
-    gathered in device order, and its :class:`Mask` counts global positions."""
+    gathered in device order, or where ``halo`` is an int (a causal window of at most a run's length, ``context
+    .halo``) each run's ``halo`` keys before it and its own (``context.neighbours``); its :class:`Mask` counts
+    global positions."""
 
     axis: str
     layout: str
     devices: int
+    halo: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,7 +172,8 @@ def make_call(query, key, value, bias, mask, *, scale, is_causal, query_seq_leng
               context_layout="contiguous") -> Call:
     """The :class:`Call` of these arguments (jax.nn's rules; the module docstring's letters), or a ``TypeError`` or
     ``ValueError`` naming the argument and what it got (its shape and dtype, never its values). With
-    ``context_axis``, the keys and values of every device of that axis gathered (:func:`_context`)."""
+    ``context_axis`` (:func:`_context`), the keys and values of every device of that axis gathered, or only those a
+    causal window reaches (:class:`Context`)."""
     q, k, v = (_array(name, x) for name, x in (("query", query), ("key", key), ("value", value)))
     query_shape = tuple(q.shape)
     q, k, v = _four_d("query", q), _four_d("key", k), _four_d("value", v)
@@ -211,11 +215,18 @@ def make_call(query, key, value, bias, mask, *, scale, is_causal, query_seq_leng
     if context is None:
         the_mask = Mask(bool(is_causal), _window(local_window_size, t, s), *lengths, same, array)
     else:
-        span = context.devices * (t + s)  # the whole sequence's T + S
-        the_mask = Mask(bool(is_causal), _window(local_window_size, span, 0), *lengths, same, None,
-                        cp.positions(context.layout, t, context.devices, lax.axis_index(context.axis)),
-                        jnp.asarray(cp.gathered_positions(context.layout, s, context.devices)))
-        k, v = cp.gather(k, context.axis), cp.gather(v, context.axis)
+        window = _window(local_window_size, context.devices * (t + s), 0)  # at most the whole sequence's T + S
+        index = lax.axis_index(context.axis)
+        halo = cp.halo(bool(is_causal), window, context.layout, t)
+        context = dataclasses.replace(context, halo=halo)
+        if halo is None:
+            k_positions = jnp.asarray(cp.gathered_positions(context.layout, s, context.devices))
+            k, v = cp.gather(k, context.axis), cp.gather(v, context.axis)
+        else:
+            k_positions = cp.neighbour_positions(context.layout, s, context.devices, index, halo)
+            k, v = (cp.neighbours(x, context.axis, context.layout, context.devices, halo) for x in (k, v))
+        the_mask = Mask(bool(is_causal), window, *lengths, same, None,
+                        cp.positions(context.layout, t, context.devices, index), k_positions)
     sinks, infinite = _sinks(sinks, n)
     return Call(q, k, v, bias, the_mask, _scale(scale, h), sinks, _precision(precision), bool(return_residual),
                 query_shape, infinite, context)

@@ -17,8 +17,8 @@ def flax_attention_fn(query: ArrayLike, key: ArrayLike, value: ArrayLike, bias: 
                       query_seq_lengths: ArrayLike | None = None, key_value_seq_lengths: ArrayLike | None = None,
                       local_window_size: int | tuple[int, int] | None = None, sinks: ArrayLike | None = None,
                       implementation: str | None = None, force_fp32_for_softmax: bool = False,
-                      einsum_dot_general=None, qk_attn_weights_einsum=None,
-                      attn_weights_value_einsum=None) -> jax.Array:
+                      einsum_dot_general=None, qk_attn_weights_einsum=None, attn_weights_value_einsum=None,
+                      context_axis: str | None = None, context_layout: str = "contiguous") -> jax.Array:
     """:func:`~jax_dqpost.dot_product_attention` as flax's ``attention_fn``: ``flax.nnx.dot_product_attention``'s
     signature (and ``flax.linen``'s keywords), so that ``nnx.MultiHeadAttention(..., attention_fn=flax_attention_fn)``
     and ``linen.MultiHeadDotProductAttention(..., attention_fn=flax_attention_fn)`` run it.
@@ -48,7 +48,11 @@ def flax_attention_fn(query: ArrayLike, key: ArrayLike, value: ArrayLike, bias: 
     as flax does; ``precision`` as :func:`~jax_dqpost.dot_product_attention` takes it (None, DEFAULT, HIGH or
     HIGHEST). What it cannot honour it refuses in one line: dropout while training (``dropout_rate > 0`` and not
     ``deterministic``), sowing the attention weights (``module``), and flax's einsum overrides.
-    ``force_fp32_for_softmax`` is what it always does."""
+    ``force_fp32_for_softmax`` is what it always does.
+
+    Context parallelism: ``functools.partial(flax_attention_fn, context_axis='cp')`` (and ``context_layout``) in a
+    module called inside ``jax.shard_map`` with the sequence sharded over mesh axis ``'cp'``, causal by
+    ``is_causal`` (a mask array is not taken there), as :func:`~jax_dqpost.dot_product_attention` says."""
     from . import dot_product_attention
 
     if dropout_rate and not deterministic:
@@ -93,6 +97,6 @@ def flax_attention_fn(query: ArrayLike, key: ArrayLike, value: ArrayLike, bias: 
     out = dot_product_attention(query, key, value, bias, mask, scale=scale, is_causal=is_causal,
                                 query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
                                 local_window_size=local_window_size, sinks=sinks, implementation=implementation,
-                                precision=precision)
+                                precision=precision, context_axis=context_axis, context_layout=context_layout)
     return out.reshape(*shape[:-1], out.shape[-1])
 

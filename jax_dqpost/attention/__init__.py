@@ -25,8 +25,9 @@ has a ``name``, ``plan(call)``, which returns how it runs the call or raises
 
 Context parallelism (``context_axis``): inside ``jax.shard_map``, each device keeps its rows of the sequence,
 all-gathers the keys and values over the axis and computes its rows with the masks of their positions in the whole
-sequence (:mod:`jax_dqpost._attention.context`: the layouts, :func:`zigzag`); the call record holds the gathered
-keys and values and the positions. ``'xla'`` and ``'xla_chunked'`` mask by those positions; ``'fa4'`` gives its
+sequence (:mod:`jax_dqpost._attention.context`: the layouts, :func:`zigzag`), or under a causal window within a
+device's run of rows receives only the keys before each run; the call record holds those keys and values and their
+positions. ``'xla'`` and ``'xla_chunked'`` mask by those positions; ``'fa4'`` gives its
 kernels each run of consecutive rows as one packed sequence reading the keys up to its end
 (:func:`jax_dqpost._attention.fa4.context_attention`). The backward's collective is JAX's: the all-gather's
 transpose reduce-scatters dK and dV.
@@ -120,10 +121,10 @@ def dot_product_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike, bi
         the window and the lengths counting positions in the whole sequence, the sinks once per row; the residual is
         its rows'. Under a causal window reaching back at most a run of a device's rows (``T``, or ``T / 2`` for
         ``'zigzag'``; gpt-oss's 128 keys), a device receives only the keys before each run
-        (``jax.lax.ppermute``). The backward reduce-scatters dK and dV (or sends the received keys' back); a sink replicated over the axis (``P()``) gets the whole
-        sequence's gradient, summed by shard_map's default ``check_vma`` (without it, ``jax.lax.psum`` it over the
-        axis). No bias or mask array; ``'fa4'`` takes a causal mask (with a window ``(left, 0)``) or no mask, and
-        no lengths.
+        (``jax.lax.ppermute``). The backward reduce-scatters dK and dV (or sends the received keys' back); a sink
+        replicated over the axis (``P()``) gets the whole sequence's gradient, summed by shard_map's default
+        ``check_vma`` (without it, ``jax.lax.psum`` it over the axis). No bias or mask array; ``'fa4'`` takes a
+        causal mask (with a window ``(left, 0)``) or no mask, and no lengths.
       context_layout: ``'contiguous'``: device ``i`` holds rows ``[i T, (i + 1) T)``; ``'zigzag'`` (``T`` even):
         the sequence cut into ``2 n`` chunks of ``T / 2``, device ``i`` holding chunks ``i`` and ``2 n - 1 - i``,
         which balances a causal mask's work; :func:`zigzag` orders a sequence so, :func:`unzigzag` back.

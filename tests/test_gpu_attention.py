@@ -219,7 +219,8 @@ def test_fa4_context_parallel_ranks_within_twice_xlas_error(rng, layout, window,
 def test_fa4_context_axis_under_shard_map_on_one_device(rng):
     """``dot_product_attention(implementation='fa4', context_axis=...)`` inside ``jax.shard_map`` over this one GPU
     (its index traced; the packed causal path, the window's keys received from no neighbour): the call without a
-    context axis, within twice 'xla''s error."""
+    context axis, within twice 'xla''s error and one bf16 rounding at the largest magnitude (zigzag's two runs'
+    gradients of their copies of the keys, each rounded, are summed)."""
     from jax.sharding import Mesh
     from jax.sharding import PartitionSpec as P
     q = jnp.asarray(rng.standard_normal((2, 256, 4, 64)), jnp.bfloat16)
@@ -241,4 +242,5 @@ def test_fa4_context_axis_under_shard_map_on_one_device(rng):
     for name, g, w, x in zip(("dq", "dk", "dv", "out"), jax.tree.leaves(got), jax.tree.leaves(whole),
                              jax.tree.leaves(low)):
         err, base = _error(g, w, True), _error(x, w, True)
-        assert err <= 2 * base + float(np.abs(np.asarray(w, np.float64)).max()) * 2 ** -8, (name, err, base)
+        eps = float(jnp.finfo(jnp.bfloat16).eps)
+        assert err <= 2 * base + float(np.abs(np.asarray(w, np.float64)).max()) * eps, (name, err, base)

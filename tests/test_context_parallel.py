@@ -31,8 +31,10 @@ NAMES = ("out", "residual", "dq", "dk", "dv", "dsinks")
 @pytest.fixture(autouse=True)
 def _small_blocks_on_the_cpu(monkeypatch):
     """'xla_chunked' in small blocks; every computation on the CPU's devices (on a GPU machine too: the meshes are
-    the CPU's, and the one-device references must compute as they do)."""
+    the CPU's, and the one-device references must compute as they do), 'fa4''s kernels in jax.numpy there."""
+    from jax_dqpost._attention import fa4 as kernels
     monkeypatch.setitem(attention.IMPLEMENTATIONS, "xla_chunked", XlaChunked(block_size=BLOCK))
+    monkeypatch.setattr(kernels, "on_gpu", lambda: False)
     with jax.default_device(jax.devices("cpu")[0]):
         yield
 

@@ -14,8 +14,8 @@ query head in every row (no value vector), and two conventions that differ where
 
 The logits are float32 (float64 for float64 inputs): bf16 operands multiply in ``BF16_BF16_F32`` (jax.nn's
 precision; on CPU a matrix times a vector upcast to float32 at the highest precision, the same exact products, as
-jax 0.10's CPU cannot emit the preset there); fp16 ones in ``F16_F16_F32`` where the platform has it, else upcast
-(XLA's CPU has no such preset); float32 ones at jax's default matmul precision, as
+jax 0.10's CPU cannot emit the preset there); fp16 ones upcast likewise on every platform (XLA's CPU has no
+``F16_F16_F32``, and its GPU compiler refuses it for some dots); float32 ones at jax's default matmul precision, as
 jax.nn's (TF32 on NVIDIA GPUs since Ampere, unless ``jax.default_matmul_precision`` says otherwise). The softmax is
 float32; the probabilities are rounded to the values' dtype before they multiply the values.
 """
@@ -62,11 +62,8 @@ def _scores(query, key, precision=None):
         if 1 in (g * t, key.shape[1]):  # a matrix times a vector: jax 0.10's CPU cannot emit the preset for it
             return lax.platform_dependent(q, k, cpu=upcast, default=preset)
         return preset(q, k)
-    if query.dtype == jnp.float16:
-        def preset16(q, k):
-            return product(q, k, lax.DotAlgorithmPreset.F16_F16_F32)
-
-        return lax.platform_dependent(q, k, cpu=upcast, default=preset16)  # XLA's CPU has no F16_F16_F32
+    if query.dtype == jnp.float16:  # XLA's CPU has no F16_F16_F32, and its GPU compiler refuses it for some dots
+        return upcast(q, k)
     return product(q, k, precision)
 
 

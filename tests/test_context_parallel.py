@@ -175,7 +175,7 @@ def test_shard_map_over_the_batch_without_a_context_axis(rng, impl):
 
 
 def test_implementation_none_runs_xla(rng):
-    """``implementation=None`` passes over ``'fa4'`` (which refuses a context axis) and runs ``'xla'``."""
+    """``implementation=None`` passes over ``'fa4'`` (float32 inputs, or no GPU) and runs ``'xla'``."""
     mesh = _mesh(2)
     q, k, v, sinks, _ = _inputs(rng, jnp.float32, 1, 32, 2, 1, 16, [0.5, -1.0])
     seq = P(None, "cp")
@@ -395,19 +395,26 @@ def test_fa4_ranks_are_one_call(rng, case, layout):
     _check(got[:len(names)], want[:len(names)], q, k, v, w, kw, devices, f"{case} {layout}", names)
 
 
+@pytest.mark.parametrize("window", [(20, 0), (9, 0), (0, 0)], ids=["w20", "w9", "w0"])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_fa4_algorithm_under_shard_map(rng, layout):
-    """The same inside ``jax.shard_map`` over 4 devices with jax's default checks: the keys all-gathered and the
-    index traced (``axis_index``), the backward's reduce-scatter and the replicated sink's summed gradient jax's."""
+def test_fa4_algorithm_under_shard_map(rng, layout, window):
+    """The same inside ``jax.shard_map`` over 4 devices with jax's default checks: the keys all-gathered, or (where
+    the window is within a run: 9 and 0 keys, and 20 contiguous) received from the neighbours
+    (``context.neighbours``), the index traced (``axis_index``), the backward's collectives and the replicated
+    sink's summed gradient jax's."""
     from jax_dqpost._attention import fa4 as kernels
     mesh, n = _mesh(4), 4
     q, k, v, sinks, w = _inputs(rng, jnp.float32, 2, 128, 4, 1, 16, [0.5, -np.inf, 3.0, -1.0])
-    window = (20, 0)
+    halo = context.halo(True, window, layout, 128 // n)
+    assert (halo is None) == (window == (20, 0) and layout == "zigzag")
 
     def loss(q, k, v, sinks, w):
-        out, lse = kernels.context_attention(q, context.gather(k, "cp"), context.gather(v, "cp"), layout=layout,
-                                             devices=n, index=jax.lax.axis_index("cp"), scale=0.25, window=window,
-                                             sink=sinks, return_lse=True)
+        if halo is None:
+            k, v = context.gather(k, "cp"), context.gather(v, "cp")
+        else:
+            k, v = (context.neighbours(x, "cp", layout, n, halo) for x in (k, v))
+        out, lse = kernels.context_attention(q, k, v, layout=layout, devices=n, index=jax.lax.axis_index("cp"),
+                                             scale=0.25, window=window, sink=sinks, return_lse=True, halo=halo)
         return jnp.sum(out * w), (out, lse.transpose(0, 2, 1))
 
     def f(*args):
@@ -510,6 +517,32 @@ def test_flax_attention_fn_takes_a_context_axis(rng, layout):
 ])
 def test_halo_is_a_causal_windows_reach_within_a_run(causal, window, layout, t, want):
     assert context.halo(causal, window, layout, t) == want
+    assert context.halo(causal, window, layout, t, lengths=True) is None
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_key_lengths_under_a_short_window_gather_every_key(rng, impl, layout):
+    """Key lengths alone under a window of 2 keys, no sinks: rows whose window holds no key under the length average
+    every value of the sequence, as one device's call does (jax.nn's rule), so every key is gathered."""
+    n, t = 2, 32
+    q, k, v, _, _ = _inputs(rng, jnp.float32, 2, t, 2, 1, 16, [0.0, 0.0])
+    kw = dict(is_causal=True, local_window_size=(2, 0), implementation=impl,
+              key_value_seq_lengths=jnp.asarray([3, 20], jnp.int32))
+    seq = P(None, "cp")
+    sharded = jax.jit(jax.shard_map(
+        lambda q, k, v: dot_product_attention(q, k, v, context_axis="cp", context_layout=layout, **kw),
+        mesh=_mesh(n), in_specs=(seq, seq, seq), out_specs=seq))
+    order = (lambda x: zigzag(x, n)) if layout == "zigzag" else (lambda x: x)
+    got = sharded(*(order(x) for x in (q, k, v)))
+    got = unzigzag(got, n) if layout == "zigzag" else got
+    want = jax.jit(lambda q, k, v: dot_product_attention(q, k, v, **kw))(q, k, v)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_halo_longer_than_a_run_is_refused():
+    with pytest.raises(ValueError, match=r"a halo of 9 keys before each run of 8 rows \('zigzag'\)"):
+        context.neighbour_positions("zigzag", 16, 2, 0, 9)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -165,6 +165,7 @@ def test_context_parallelism_lowers_inside_shard_map(monkeypatch, window, sends)
                           out_specs=(seq, seq, seq, P()), check_vma=False)
     text = jax.jit(grads).trace(q, k, k, s).lower(lowering_platforms=("cuda",)).as_text()
     assert sends in text, window
+    assert halo is None or "all_gather" not in text, window
     targets = _targets(text)  # inside shard_map each device's calls are its own: the kernels themselves
     assert "cutejax" in targets and any(t.startswith("jax_dqpost_postprocess") for t in targets), targets
     assert not targets - {"cutejax"} - {t for t in targets if t.startswith("jax_dqpost_postprocess")}, targets

@@ -15,7 +15,8 @@ positions are :func:`gathered_positions`, a device's queries' :func:`positions`.
 A causal window of ``left`` keys before each row, ``left`` at most a run's length (:func:`halo`), reaches no key
 but its own rows' and the ``left`` before each run: those are all a device receives (:func:`neighbours`, a
 ``jax.lax.ppermute`` from the device holding the previous run), each run's keys laid out as
-``[the left before it, its own]`` (:func:`arrange`), their positions :func:`neighbour_positions`.
+``[the left before it, its own]``, the sequence's first run's as ``[its own, left zeros]`` (:func:`arrange`), their
+positions :func:`neighbour_positions`.
 
 FlashAttention's kernels count a causal mask and a window from the end of the keys they read (bottom-right), with
 no positions: :func:`flash_chunks` gives them a device's rows as one packed sequence per chunk (``'contiguous'``
@@ -147,16 +148,23 @@ NOWHERE = -(2 ** 30)
 """The position of a key that is not there (before the sequence's first row): no row's window reaches it."""
 
 
-def halo(causal: bool, window, layout: str, length: int) -> int | None:
+def halo(causal: bool, window, layout: str, length: int, lengths: bool = False) -> int | None:
     """The keys before each run of a device's ``length`` rows that a mask reaches, where it reaches no other key
     than those and the run's own: the left side of a window whose right side is 0 (or that is causal), when it is
-    at most a run's length; None where the mask reaches further (every key gathered)."""
+    at most a run's length; None where the mask reaches further, or where there are ``lengths`` (a row they leave
+    no key averages every value, as jax.nn's does: all of them gathered)."""
     left, right = window if window is not None else (None, None)
     if causal:
         right = 0
-    if left is None or right != 0 or left > length // chunks(layout):
+    if lengths or left is None or right != 0 or left > length // chunks(layout):
         return None
     return left
+
+
+def _check_halo(left: int, length: int, layout: str):
+    if not 0 <= left <= length // chunks(layout):
+        raise ValueError(f"a halo of {left} keys before each run of {length // chunks(layout)} rows ({layout!r}): "
+                         "context.halo gives none longer than a run")
 
 
 def arrange(own, before, first):
@@ -180,6 +188,7 @@ def neighbours(x, axis_name: str, layout: str, devices: int, left: int):
     in ``'zigzag'`` the first run's from the previous device's first run, the second's from the next device's
     second (the last device's: its own first run's)."""
     b, rows = x.shape[:2]
+    _check_halo(left, rows, layout)
     index = jax.lax.axis_index(axis_name)
     m = chunks(layout)
     c = rows // m
@@ -202,6 +211,7 @@ def neighbour_positions(layout: str, length: int, devices: int, index, left: int
     """int32 ``(m (left + c),)``: the positions of :func:`neighbours`' keys on device ``index``, each position
     once, as a mask over all of them reads them: :data:`NOWHERE` for those that are not there, and for the keys
     before zigzag's second run on the last device, which are its first run's own."""
+    _check_halo(left, length, layout)
     own = positions(layout, length, devices, index)
     m = chunks(layout)
     starts = own.reshape(m, length // m)[:, :1]

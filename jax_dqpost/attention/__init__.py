@@ -120,7 +120,7 @@ def dot_product_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike, bi
         (``jax.lax.all_gather``; its memory holds the whole sequence's) and computes its own rows, the causal mask,
         the window and the lengths counting positions in the whole sequence, the sinks once per row; the residual is
         its rows'. Under a causal window reaching back at most a run of a device's rows (``T``, or ``T / 2`` for
-        ``'zigzag'``; gpt-oss's 128 keys), a device receives only the keys before each run
+        ``'zigzag'``; gpt-oss's 128 keys) and no lengths, a device receives only the keys before each run
         (``jax.lax.ppermute``). The backward reduce-scatters dK and dV (or sends the received keys' back); a sink
         replicated over the axis (``P()``) gets the whole sequence's gradient, summed by shard_map's default
         ``check_vma`` (without it, ``jax.lax.psum`` it over the axis). No bias or mask array; ``'fa4'`` takes a

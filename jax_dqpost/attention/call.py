@@ -217,7 +217,7 @@ def make_call(query, key, value, bias, mask, *, scale, is_causal, query_seq_leng
     else:
         window = _window(local_window_size, context.devices * (t + s), 0)  # at most the whole sequence's T + S
         index = lax.axis_index(context.axis)
-        halo = cp.halo(bool(is_causal), window, context.layout, t)
+        halo = cp.halo(bool(is_causal), window, context.layout, t, any(x is not None for x in lengths))
         context = dataclasses.replace(context, halo=halo)
         if halo is None:
             k_positions = jnp.asarray(cp.gathered_positions(context.layout, s, context.devices))

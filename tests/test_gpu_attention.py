@@ -2,7 +2,8 @@
 postprocess against float64 formulas (tests/attention_oracle.py) and against ``'xla'``, at random shapes, with and
 without sinks, by FlashAttention's rule: the kernels' error is at most twice that of the same math in the inputs'
 precision (``'xla'``), plus one rounding of the largest magnitude. The translation of jax.nn's masks itself is checked on every
-platform (tests/test_attention.py)."""
+platform (tests/test_attention.py). Context parallelism on the kernels: each rank's computation in turn, and the
+public call through ``jax.shard_map`` on this GPU."""
 
 from __future__ import annotations
 

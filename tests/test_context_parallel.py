@@ -46,6 +46,14 @@ def _mesh(n: int, name: str = "cp") -> Mesh:
     return Mesh(np.array(devices[:n]), (name,))
 
 
+def _orders(layout: str, n: int):
+    """``(order, back)``: a sequence (along ``axis``, 1 by default) put in ``layout``'s order over ``n`` devices,
+    and back (``zigzag``/``unzigzag``; the identity for ``'contiguous'``)."""
+    if layout == "zigzag":
+        return (lambda x, axis=1: zigzag(x, n, axis)), (lambda x, axis=1: unzigzag(x, n, axis))
+    return (lambda x, axis=1: x), (lambda x, axis=1: x)
+
+
 def _inputs(rng, dtype, b, t, n, heads_kv, h, sinks):
     q = jnp.asarray(rng.standard_normal((b, t, n, h)), dtype)
     k, v = (jnp.asarray(rng.standard_normal((b, t, heads_kv, h)), dtype) for _ in range(2))
@@ -73,8 +81,7 @@ def _sharded_and_whole(mesh, layout, kw, args):
     default checks), and the same call on one device; one compile."""
     axis = mesh.axis_names[0]
     n = mesh.shape[axis]
-    order = (lambda x: zigzag(x, n)) if layout == "zigzag" else (lambda x: x)
-    back = (lambda x: unzigzag(x, n)) if layout == "zigzag" else (lambda x: x)
+    order, back = _orders(layout, n)
     seq = P(None, axis)
     sharded = jax.shard_map(_grads(dict(kw, context_axis=axis, context_layout=layout)), mesh=mesh,
                             in_specs=(seq, seq, seq, P(), seq), out_specs=(seq, seq, (seq, seq, seq, P())))
@@ -305,8 +312,7 @@ def emulated_ranks(q, k, v, sinks, weights, *, devices: int, layout: str, window
     the sum of the gradients of the keys and values each rank was given, scattered back to where they came from
     (what the collective's transpose does), dsinks their sum (None without sinks)."""
     from jax_dqpost._attention import fa4 as kernels
-    order = (lambda x, axis=1: zigzag(x, devices, axis)) if layout == "zigzag" else (lambda x, axis=1: x)
-    back = (lambda x, axis=1: unzigzag(x, devices, axis)) if layout == "zigzag" else (lambda x, axis=1: x)
+    order, back = _orders(layout, devices)
     qz, wz = order(q), order(weights)
     t = q.shape[1] // devices
     left = window[0] if halo else None
@@ -412,7 +418,7 @@ def test_fa4_algorithm_under_shard_map(rng, layout, window):
         if halo is None:
             k, v = context.gather(k, "cp"), context.gather(v, "cp")
         else:
-            k, v = (context.neighbours(x, "cp", layout, n, halo) for x in (k, v))
+            k, v = (context.neighbours(x, "cp", layout, n, jax.lax.axis_index("cp"), halo) for x in (k, v))
         out, lse = kernels.context_attention(q, k, v, layout=layout, devices=n, index=jax.lax.axis_index("cp"),
                                              scale=0.25, window=window, sink=sinks, return_lse=True, halo=halo)
         return jnp.sum(out * w), (out, lse.transpose(0, 2, 1))
@@ -422,8 +428,7 @@ def test_fa4_algorithm_under_shard_map(rng, layout, window):
         return out, lse, grads
 
     seq = P(None, "cp")
-    order = (lambda x: zigzag(x, n)) if layout == "zigzag" else (lambda x: x)
-    back = (lambda x: unzigzag(x, n)) if layout == "zigzag" else (lambda x: x)
+    order, back = _orders(layout, n)
     out, lse, (dq, dk, dv, ds) = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(seq, seq, seq, P(), seq),
                                                        out_specs=(seq, seq, (seq, seq, seq, P()))))(
         *(order(x) for x in (q, k, v)), sinks, order(w))
@@ -493,8 +498,7 @@ def test_flax_attention_fn_takes_a_context_axis(rng, layout):
     def loss(m, params, x):
         return jnp.sum(m.apply(params, x) ** 2), m.apply(params, x)
 
-    order = (lambda x: zigzag(x, n)) if layout == "zigzag" else (lambda x: x)
-    back = (lambda x: unzigzag(x, n)) if layout == "zigzag" else (lambda x: x)
+    order, back = _orders(layout, n)
     seq = P(None, "cp")
     sharded = jax.shard_map(
         lambda p, x: jax.grad(functools.partial(loss, module(context_axis="cp", context_layout=layout)),
@@ -533,9 +537,8 @@ def test_key_lengths_under_a_short_window_gather_every_key(rng, impl, layout):
     sharded = jax.jit(jax.shard_map(
         lambda q, k, v: dot_product_attention(q, k, v, context_axis="cp", context_layout=layout, **kw),
         mesh=_mesh(n), in_specs=(seq, seq, seq), out_specs=seq))
-    order = (lambda x: zigzag(x, n)) if layout == "zigzag" else (lambda x: x)
-    got = sharded(*(order(x) for x in (q, k, v)))
-    got = unzigzag(got, n) if layout == "zigzag" else got
+    order, back = _orders(layout, n)
+    got = back(sharded(*(order(x) for x in (q, k, v))))
     want = jax.jit(lambda q, k, v: dot_product_attention(q, k, v, **kw))(q, k, v)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
@@ -559,8 +562,7 @@ def test_a_windowed_layer_sends_only_the_keys_before_each_run(rng, layout, devic
         seq = P(None, "cp")
         f = jax.jit(jax.shard_map(_grads(dict(kw, context_axis="cp", context_layout=layout)), mesh=mesh,
                                   in_specs=(seq, seq, seq, P(), seq), out_specs=(seq, seq, (seq, seq, seq, P()))))
-        order = (lambda x: zigzag(x, devices)) if layout == "zigzag" else (lambda x: x)
-        back = (lambda x: unzigzag(x, devices)) if layout == "zigzag" else (lambda x: x)
+        order, back = _orders(layout, devices)
         args = (*(order(x) for x in (q, k, v)), sinks, order(w))
         hlo = f.lower(*args).compile().as_text()
         if devices > 1:

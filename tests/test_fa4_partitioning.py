@@ -155,7 +155,7 @@ def test_context_parallelism_lowers_inside_shard_map(monkeypatch, window, sends)
         if halo is None:
             k, v = context.gather(k, "cp"), context.gather(v, "cp")
         else:
-            k, v = (context.neighbours(x, "cp", "zigzag", n, halo) for x in (k, v))
+            k, v = (context.neighbours(x, "cp", "zigzag", n, jax.lax.axis_index("cp"), halo) for x in (k, v))
         out = fa4.context_attention(q, k, v, layout="zigzag", devices=n, index=jax.lax.axis_index("cp"), scale=0.125,
                                     window=window, sink=s, halo=halo)
         return jnp.sum(out.astype(jnp.float32))

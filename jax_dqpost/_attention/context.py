@@ -126,22 +126,22 @@ def chunks(layout: str) -> int:
 
 def flash_chunks(layout: str, length: int, devices: int, index) -> jax.Array:
     """int32 ``(chunks(layout),)``: for each run of consecutive positions among the ``length`` rows of device
-    ``index`` (an int or a traced ``axis_index``), how many keys of the sequence come up to its last row, the
-    keys a causal kernel reads for it: ``(g + 1) c`` for the run of ``c = length / chunks`` rows that is chunk ``g``
-    of the sequence in runs of ``c``."""
-    index = jnp.asarray(index, jnp.int32)
-    if layout == "contiguous":
-        return ((index + 1) * length)[None]
-    c = length // 2
-    return jnp.stack([index + 1, 2 * devices - index]) * c
+    ``index`` (an int or a traced ``axis_index``), how many keys of the sequence come up to its last row (that
+    row's position plus one), the keys a causal kernel reads for it."""
+    return positions(layout, length, devices, index).reshape(chunks(layout), -1)[:, -1] + 1
 
 
 def in_sequence_order(x, layout: str, devices: int):
     """``x`` ``(B, n L, ...)``, every device's rows gathered in device order (:func:`gather`), in sequence order
-    (an exact permutation; for ``'contiguous'`` ``x`` itself)."""
-    if layout == "contiguous":
-        return x
-    return jnp.take(x, jnp.asarray(np.argsort(gathered_positions(layout, x.shape[1] // devices, devices))), axis=1)
+    (for ``'zigzag'`` :func:`unzigzag`; for ``'contiguous'`` ``x`` itself)."""
+    return x if layout == "contiguous" else unzigzag(x, devices, axis=1)
+
+
+def reach(causal: bool, window) -> tuple:
+    """``(left, right)``: the keys a row sees before and after its own under a causal mask and a window (None
+    sides unbounded; causal: ``right`` 0)."""
+    left, right = window if window is not None else (None, None)
+    return left, 0 if causal else right
 
 
 NOWHERE = -(2 ** 30)
@@ -153,9 +153,7 @@ def halo(causal: bool, window, layout: str, length: int, lengths: bool = False) 
     than those and the run's own: the left side of a window whose right side is 0 (or that is causal), when it is
     at most a run's length; None where the mask reaches further, or where there are ``lengths`` (a row they leave
     no key averages every value, as jax.nn's does: all of them gathered)."""
-    left, right = window if window is not None else (None, None)
-    if causal:
-        right = 0
+    left, right = reach(causal, window)
     if lengths or left is None or right != 0 or left > length // chunks(layout):
         return None
     return left
@@ -182,14 +180,13 @@ def arrange(own, before, first):
     return keys.reshape(b, m * (left + rows // m), *own.shape[2:])
 
 
-def neighbours(x, axis_name: str, layout: str, devices: int, left: int):
-    """:func:`arrange` of ``x`` ``(B, L, ...)``, this device's rows, and the ``left`` rows before each of its runs,
-    received from the devices that hold them (``jax.lax.ppermute``): in ``'contiguous'`` from the previous device;
-    in ``'zigzag'`` the first run's from the previous device's first run, the second's from the next device's
-    second (the last device's: its own first run's)."""
+def neighbours(x, axis_name: str, layout: str, devices: int, index, left: int):
+    """:func:`arrange` of ``x`` ``(B, L, ...)``, the rows of device ``index`` (its ``axis_index``), and the
+    ``left`` rows before each of its runs, received from the devices that hold them (``jax.lax.ppermute``): in
+    ``'contiguous'`` from the previous device; in ``'zigzag'`` the first run's from the previous device's first run,
+    the second's from the next device's second (the last device's: its own first run's)."""
     b, rows = x.shape[:2]
     _check_halo(left, rows, layout)
-    index = jax.lax.axis_index(axis_name)
     m = chunks(layout)
     c = rows // m
     runs = x.reshape(b, m, c, *x.shape[2:])

@@ -115,7 +115,8 @@ class Mask:
 class Context:
     """Context parallelism: the call runs inside ``jax.shard_map`` on each of the ``devices`` devices of mesh axis
     ``axis``, each holding ``T`` rows of the sequence laid out as ``layout`` says (``'contiguous'`` or
-    ``'zigzag'``, ``jax_dqpost._attention.context``); the :class:`Call`'s key and value are every device's,
+    ``'zigzag'``, ``jax_dqpost._attention.context``), this one ``index`` (its traced ``lax.axis_index``); the
+    :class:`Call`'s key and value are every device's,
     gathered in device order, or where ``halo`` is an int (a causal window of at most a run's length, ``context
     .halo``) each run's ``halo`` keys before it and its own (``context.neighbours``); its :class:`Mask` counts
     global positions."""
@@ -123,6 +124,7 @@ class Context:
     axis: str
     layout: str
     devices: int
+    index: object = None  # int32, this device's lax.axis_index
     halo: int | None = None
 
 
@@ -218,13 +220,13 @@ def make_call(query, key, value, bias, mask, *, scale, is_causal, query_seq_leng
         window = _window(local_window_size, context.devices * (t + s), 0)  # at most the whole sequence's T + S
         index = lax.axis_index(context.axis)
         halo = cp.halo(bool(is_causal), window, context.layout, t, any(x is not None for x in lengths))
-        context = dataclasses.replace(context, halo=halo)
+        context = dataclasses.replace(context, index=index, halo=halo)
         if halo is None:
             k_positions = jnp.asarray(cp.gathered_positions(context.layout, s, context.devices))
             k, v = cp.gather(k, context.axis), cp.gather(v, context.axis)
         else:
             k_positions = cp.neighbour_positions(context.layout, s, context.devices, index, halo)
-            k, v = (cp.neighbours(x, context.axis, context.layout, context.devices, halo) for x in (k, v))
+            k, v = (cp.neighbours(x, context.axis, context.layout, context.devices, index, halo) for x in (k, v))
         the_mask = Mask(bool(is_causal), window, *lengths, same, None,
                         cp.positions(context.layout, t, context.devices, index), k_positions)
     sinks, infinite = _sinks(sinks, n)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from .._attention import context as cp
 from .._attention import fa4 as kernels
@@ -36,9 +35,7 @@ def _context_window(call: Call) -> tuple:
     m, axis = call.mask, call.context.axis
     if m.lengths:
         raise Unsupported(f"with context_axis={axis!r} it takes no query_seq_lengths or key_value_seq_lengths")
-    left, right = m.window if m.window is not None else (None, None)
-    if m.causal:
-        right = 0
+    left, right = cp.reach(m.causal, m.window)
     if right not in (None, 0) or (right is None and left is not None):
         raise Unsupported(f"with context_axis={axis!r} it takes a causal mask, a window (left, 0) or no mask, not "
                           f"the window {m.window} (which reaches keys after a row's own)")
@@ -83,7 +80,7 @@ class Fa4:
         if call.context is not None:
             c = call.context
             result = kernels.context_attention(q, k, v, layout=c.layout, devices=c.devices,
-                                               index=lax.axis_index(c.axis), halo=c.halo, **options)
+                                               index=c.index, halo=c.halo, **options)
             out, lse = result if call.return_residual else (result, None)
         elif plan.used_q is None and plan.used_k is None:
             result = kernels.attention(q, k, v, **options)

@@ -80,8 +80,8 @@ SPECS = {"batch": (P("a"), P("a")), "heads": (P(None, None, "b"), P("b")),
 @pytest.mark.parametrize("sink", [True, False], ids=["sink", "no-sink"])
 @pytest.mark.parametrize("spec", list(SPECS))
 def test_every_kernel_call_of_the_backward_is_under_a_rule(spec, sink):
-    """``jax.grad`` of the dense attention (causal, gpt-oss's window, 8:4 grouped heads): the forward, the backward's
-    accumulators and the postprocess, three rules, none replicating the batch or the heads."""
+    """``jax.grad`` of the dense attention (causal, gpt-oss's window, 8:4 grouped heads): the forward and the backward
+    (its accumulators and the postprocess), two rules, none replicating the batch or the heads."""
     mesh = _mesh()
     q_spec, sink_spec = SPECS[spec]
     q = jnp.zeros((4, 256, 8, 64), jnp.bfloat16)
@@ -98,7 +98,7 @@ def test_every_kernel_call_of_the_backward_is_under_a_rule(spec, sink):
 
     args = (put(q, q_spec), put(k, q_spec), put(k, q_spec), put(s, sink_spec))
     text = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    _check(text, 3, f"grad {spec} sink={sink}")
+    _check(text, 2, f"grad {spec} sink={sink}")
 
 
 def test_forward_mode_and_packed_batches_are_under_rules():
@@ -134,7 +134,35 @@ def test_forward_mode_and_packed_batches_are_under_rules():
                                           (k.reshape(1024, 4, 64), rows), (s, P("b"))))
     text = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert _targets(text) == {"CustomSPMDPartitioning"}
-    assert len(_rules(text)) == 3 and "all_gather" not in text
+    assert len(_rules(text)) == 2 and "all_gather" not in text
+
+
+@pytest.mark.parametrize("window, rows", [((127, 0), True), ((None, 0), True), ((None, None), True),
+                                          ((127, 3), False)], ids=["w127", "causal", "unmasked", "w127-3"])
+def test_the_rows_shard_where_a_device_can_run_its_own(window, rows):
+    """``jax.grad`` with the sequence sharded (over 4 devices, the batch over 2): under gpt-oss's window, a causal
+    mask or none, the forward's and the backward's rules let the rows shard (each device runs its own: the rows'
+    factor is not replicated), the keys' replicated; a window reaching keys after a row's own gathers the rows."""
+    mesh = _mesh()
+    q = jnp.zeros((2, 256, 8, 64), jnp.bfloat16)
+    k = jnp.zeros((2, 256, 2, 64), jnp.bfloat16)
+    s = jnp.zeros((8,), jnp.float32)
+    attention = fa4.flash(False)
+
+    def loss(q, k, v, s):
+        out = attention(q, k, v, learnable_sink=s, window_size=window, scale=0.125)
+        return jnp.sum(out.astype(jnp.float32))
+
+    seq = NamedSharding(mesh, P("a", "b"))
+    args = (*(jax.device_put(x, seq) for x in (q, k, k)), jax.device_put(s, NamedSharding(mesh, P())))
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert _targets(text) == {"CustomSPMDPartitioning"}
+    rules = _rules(text)
+    assert len(rules) == 2
+    for factors, replicated in rules:
+        q_rows, k_rows = factors[0][1], factors[1][1]
+        assert (q_rows not in replicated) == rows, (window, factors[0], replicated)
+        assert k_rows in replicated, (window, factors[1], replicated)
 
 
 @pytest.mark.parametrize("window, sends", [((127, 0), "collective_permute"), ((None, 0), "all_gather")])

@@ -191,7 +191,15 @@ def test_fa4_context_parallel_ranks_within_twice_xlas_error(rng, layout, window,
     sinks = jnp.asarray(rng.standard_normal(n) * 2, jnp.float32) if with_sinks else None
     w = jnp.asarray(rng.standard_normal((b, t, n, h)), jnp.float32)
     got = emulated_ranks(q, k, v, sinks, w, devices=devices, layout=layout, window=window, halo=halo)
-    whole = fa4_whole(q, k, v, sinks, w, window=window)
+    _assert_within_twice_xlas_error(got, fa4_whole(q, k, v, sinks, w, window=window), q, k, v, sinks, w, window,
+                                    f"{layout} window {window}")
+
+
+def _assert_within_twice_xlas_error(got, whole, q, k, v, sinks, w, window, what):
+    """``got`` ((out, lse ``(B, T, N)``, dq, dk, dv, dsinks or None), the loss ``sum(out * w)``'s gradients)
+    within twice 'xla''s bf16 error of the float64 formula plus one bf16 rounding at the largest magnitude, and as
+    near ``whole`` (the same from the unsharded 'fa4' call)."""
+    h, t, dtype = q.shape[-1], q.shape[1], q.dtype
     kw = dict(is_causal=window[1] == 0, local_window_size=None if window[0] is None else window)
     vis = oracle64.top_left(t, t, causal=kw["is_causal"], window=kw["local_window_size"])[None, None]
     args64 = dict(scale=h ** -0.5, visible=vis, sinks=None if sinks is None else np.asarray(sinks))
@@ -211,10 +219,48 @@ def test_fa4_context_parallel_ranks_within_twice_xlas_error(rng, layout, window,
             continue
         ulp = float(jnp.finfo(dtype).eps) * float(np.abs(r).max())
         base = _error(x, r, True)
-        for what, err in (("the formula", _error(g, r, True)), ("the unsharded 'fa4' call", _error(g, one, True))):
+        for of, err in (("the formula", _error(g, r, True)), ("the unsharded 'fa4' call", _error(g, one, True))):
             if err > 2 * base + ulp:
-                failed.append(f"{name}: {err:.3g} from {what}, 'xla''s error {base:.3g}")
-    assert not failed, f"{layout} window {window}: {'; '.join(failed)}"
+                failed.append(f"{name}: {err:.3g} from {of}, 'xla''s error {base:.3g}")
+    assert not failed, f"{what}: {'; '.join(failed)}"
+
+
+@pytest.mark.parametrize("window, with_sinks", [((127, 0), True), ((None, 0), False), ((None, None), True)],
+                         ids=["causal-w127-sinks", "causal", "unmasked-sinks"])
+def test_fa4_rows_under_jit_sharding_within_twice_xlas_error(rng, window, with_sinks):
+    """``jax.jit`` with the sequence sharded over 4 devices: each device's forward and backward of its rows
+    (``autodiff._own_rows``, what the kernels' partitioning rule runs with the device's index), run in turn on the
+    kernels, their dK, dV and dsinks summed and the rows assembled: within twice 'xla''s bf16 error of the float64
+    formula, as the unsharded 'fa4' call is, and of that call. gpt-oss's shape, as the context-parallel ranks."""
+    from test_context_parallel import fa4_whole
+    from jax_dqpost._attention import autodiff, fa4, fa4jax_internals
+    devices, b, t, n, heads_kv, h, dtype = 4, 1, 2048, 8, 1, 64, jnp.bfloat16
+    q = jnp.asarray(rng.standard_normal((b, t, n, h)), dtype)
+    k, v = (jnp.asarray(rng.standard_normal((b, t, heads_kv, h)), dtype) for _ in range(2))
+    sinks = jnp.asarray(rng.standard_normal(n) * 2, jnp.float32) if with_sinks else None
+    w = jnp.asarray(rng.standard_normal((b, t, n, h)), jnp.float32)
+    cfg = fa4jax_internals.config(q, window_size=window, scale=h ** -0.5)
+    spec = autodiff.AttentionSpec(fa4.KERNELS, cfg, cfg.scale, *fa4._layouts(cfg, q, k, v))
+    context = autodiff._context_spec(spec, q, k, v, None)
+    assert context is not None
+    forward = autodiff._Step("forward", spec, with_sinks, False, context=context)
+    backward = autodiff._Step("backward", spec, False, False, with_sinks, context=context)
+    c = t // devices
+    outs, lses, dqs, dk, dv, dsinks = [], [], [], 0.0, 0.0, 0.0
+    for i in range(devices):
+        def rank(q_i, w_i, i=i):
+            out, lse = autodiff._own_rows(forward, [q_i, k, v, sinks, None], i, devices)
+            grads = autodiff._own_rows(backward, [q_i, k, v, out, lse, w_i.astype(dtype), None, sinks, None], i,
+                                       devices)
+            return out, lse, grads
+        out, lse, (dq_i, dk_i, dv_i, ds_i) = jax.jit(rank)(q[:, i * c:(i + 1) * c], w[:, i * c:(i + 1) * c])
+        outs.append(out), lses.append(lse), dqs.append(dq_i)
+        dk, dv = dk + dk_i.astype(jnp.float32), dv + dv_i.astype(jnp.float32)
+        dsinks = dsinks + (0.0 if ds_i is None else ds_i)
+    got = (jnp.concatenate(outs, 1), jnp.concatenate(lses, 2).transpose(0, 2, 1), jnp.concatenate(dqs, 1),
+           dk.astype(dtype), dv.astype(dtype), dsinks if with_sinks else None)
+    _assert_within_twice_xlas_error(got, fa4_whole(q, k, v, sinks, w, window=window), q, k, v, sinks, w, window,
+                                    f"jit rows, window {window}")
 
 
 def test_fa4_context_axis_under_shard_map_on_one_device(rng):

@@ -20,7 +20,7 @@ import pytest
 from jax_dqpost import AccumLayout, dq_accum_from_dq, fa4jax
 from jax_dqpost._attention import autodiff as _attention
 from jax_dqpost._attention.fa4jax_internals import Accumulators
-from support import assert_within_roundings, cu_seqlens
+from support import assert_within_roundings, cu_seqlens, ulp
 
 HIGHEST = jax.lax.Precision.HIGHEST  # float32 matmuls in float32 on every backend (a GPU's default is TF32)
 
@@ -104,6 +104,10 @@ class Config:
         data, shape = self.mask
         return np.unpackbits(np.frombuffer(data, np.uint8), count=int(np.prod(shape))).reshape(shape).astype(bool)
 
+    def visible(self, seqlens):
+        """The mask, ``(1, S, Sk)`` or ``(1, T, Tk)`` (the kernels' offsets: static here)."""
+        return self.array
+
     def padded_rows(self, total):
         """The natural row and the accumulator row of each used packed row (FlashAttention's allocation: sequence
         ``b`` from ``(cu[b] + b P) // P * P``)."""
@@ -113,13 +117,34 @@ class Config:
         return np.array([a for a, _ in pairs], np.int32), np.array([b for _, b in pairs], np.int32)
 
 
+@dataclasses.dataclass(frozen=True)
+class RowsConfig(Config):
+    """A packed batch whose sequence ``b`` is ``c`` rows (``cu_q``, ``used_q``) at the end of ``keys`` keys, of
+    which it reads the first ``used_k[b]`` (on the device, as the kernels read them) under a causal mask with
+    ``left`` keys before each row (None: all), bottom-right aligned: what a device runs for its rows."""
+
+    left: int | None = None
+    keys: int = 0
+
+    def visible(self, seqlens):
+        used_k = seqlens[3]
+        b, c, s = len(self.used_q), self.used_q[0], self.keys
+        row, key = jnp.arange(b * c), jnp.arange(b * s)
+        end = used_k[row // c][:, None]  # the keys row's sequence reads
+        diagonal = (row % c)[:, None] + end - c  # the key at the row's own position
+        ok = (row[:, None] // c == key[None] // s) & (key[None] % s < end) & (key[None] % s <= diagonal)
+        if self.left is not None:
+            ok &= diagonal - key[None] % s <= self.left
+        return ok[None]
+
+
 class Producer:
     """FlashAttention-4's steps in jax.numpy, row-major accumulators (module docstring)."""
 
     def forward(self, cfg, q, k, v, sink, seqlens):
         packed = seqlens is not None
         q, k, v = ((x[None] if packed else x) for x in (q, k, v))
-        out, lse = reference(q, k, v, sink, cfg.array, cfg.scale)
+        out, lse = reference(q, k, v, sink, cfg.visible(seqlens), cfg.scale)
         out = out.astype(q.dtype)
         return (out[0], lse[0]) if packed else (out, lse)
 
@@ -135,7 +160,7 @@ class Producer:
         s = jnp.einsum("bshd,bthd->bhst", q4, kk, precision=HIGHEST) * cfg.scale
         t_s = (jnp.einsum("bshd,bthd->bhst", dq4, kk, precision=HIGHEST)
                + jnp.einsum("bshd,bthd->bhst", q4, dkk, precision=HIGHEST)) * cfg.scale
-        p = jnp.where(cfg.array[:, None], jnp.exp(s - lse4[..., None]), 0.0)
+        p = jnp.where(cfg.visible(seqlens)[:, None], jnp.exp(s - lse4[..., None]), 0.0)
         mu = jnp.sum(p * t_s, axis=-1)
         t_out = (jnp.einsum("bhst,bthd->bshd", p, dvv, precision=HIGHEST)
                  + jnp.einsum("bhst,bthd->bshd", p * (t_s - mu[..., None]), vv, precision=HIGHEST))
@@ -166,7 +191,7 @@ class Producer:
         group = q.shape[-2] // k.shape[-2]
         kk, vv = jnp.repeat(k4, group, axis=2), jnp.repeat(v4, group, axis=2)
         s = jnp.einsum("bshd,bthd->bhst", q4, kk, precision=HIGHEST) * cfg.scale
-        p = jnp.where(cfg.array[:, None], jnp.exp(s - lse4[..., None]), 0.0)
+        p = jnp.where(cfg.visible(seqlens)[:, None], jnp.exp(s - lse4[..., None]), 0.0)
         ds = p * (jnp.einsum("bshd,bthd->bhst", do4, vv, precision=HIGHEST) - d_rows[..., None])
         dq = jnp.einsum("bhst,bthd->bshd", ds, kk, precision=HIGHEST)  # unscaled (the dQ accumulator)
         dk = jnp.einsum("bhst,bshd->bthd", ds, q4, precision=HIGHEST)
@@ -464,6 +489,90 @@ def _run_sharded(rng, sharded, cpus):
             _assert_same(g, t, name, terms=256 + q.shape[0] * q.shape[1])
         for step, shapes in producer.shapes.items():
             assert local in shapes, (step, local, shapes)
+
+
+class RowsProducer(ShapeProducer):
+    """The stand-in with a ``context``: a device's rows of a self-attention without a mask read every key;
+    under a causal mask with ``left`` keys before each row (None: all), a packed batch of each sequence's rows
+    reading its keys up to its own last row (:class:`RowsConfig`), as FlashAttention-4's producer does."""
+
+    def __init__(self, causal: bool, left: int | None):
+        super().__init__()
+        self.causal, self.left = causal, left
+
+    def context(self, spec, q, k, v):
+        b, c, s = q.shape[0], q.shape[1], k.shape[1]
+        if not self.causal:
+            return dataclasses.replace(spec, config=Config.of(np.ones((1, c, s), bool), spec.scale)), False
+        config = RowsConfig((), spec.scale, tuple(range(0, b * c + 1, c)), (c,) * b, left=self.left, keys=s)
+        return dataclasses.replace(spec, config=config), True
+
+
+@pytest.mark.parametrize("shardy", [True, False], ids=["shardy", "gspmd"])
+@pytest.mark.parametrize("sharded", ["rows", "batch-rows-heads"])
+@pytest.mark.parametrize("masking", ["causal", "window", "none"])
+def test_jit_with_the_rows_sharded_runs_each_devices_rows(rng, masking, sharded, shardy):
+    """Under plain ``jax.jit`` with the sequence of q, k, v sharded over 4 devices (or over 2, the batch and the
+    heads over 2 each), each device runs the forward and the backward of its own rows (the shapes the stand-in
+    saw), the keys and values gathered and their gradients summed and scattered back (a reduce-scatter): out, the
+    lse and the gradients are the unsharded call's, under a causal mask, a window (6, 0), and none; dK and dV within
+    one bf16 rounding more a device (each device's share is rounded before they are summed, as the kernels write
+    it)."""
+    cpus = jax.devices("cpu")
+    if len(cpus) < 8:
+        pytest.skip("8 CPU devices needed (conftest.py asks XLA for 8)")
+    previous = jax.config.jax_use_shardy_partitioner
+    jax.config.update("jax_use_shardy_partitioner", shardy)
+    try:
+        _run_rows_sharded(rng, masking, sharded, cpus)
+    finally:
+        jax.config.update("jax_use_shardy_partitioner", previous)
+
+
+def _run_rows_sharded(rng, masking, sharded, cpus):
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    causal, left = {"causal": (True, None), "window": (True, 6), "none": (False, None)}[masking]
+    batch, s, heads_kv = 2, 64, 2
+    scale = D ** -0.5
+    with jax.default_device(cpus[0]):
+        q = jnp.asarray(rng.standard_normal((batch, s, H, D)), jnp.bfloat16)
+        k, v = (jnp.asarray(rng.standard_normal((batch, s, heads_kv, D)), jnp.bfloat16) for _ in range(2))
+        sink = jnp.asarray(rng.standard_normal(H) * 2, jnp.float32)
+        w = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+        u = jnp.asarray(rng.standard_normal((batch, H, s)), jnp.float32)
+        config = Config.of(dense_mask(s, s, causal, (left, None)), scale)
+        call = _attention.AttentionSpec(PRODUCER, config, scale, LAYOUT, LAYOUT)
+        if sharded == "rows":  # over 4 devices, the mesh's other axis unused
+            mesh, b_axis, h_axis = Mesh(np.array(cpus[:8]).reshape(2, 4), ("a", "rows")), None, None
+        else:  # the batch, the rows and the heads each over 2
+            mesh, b_axis, h_axis = Mesh(np.array(cpus[:8]).reshape(2, 2, 2), ("a", "rows", "h")), "a", "h"
+        n = mesh.shape["rows"]
+        put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))  # noqa: E731
+        args = (put(q, P(b_axis, "rows", h_axis)), put(k, P(b_axis, "rows", h_axis)),
+                put(v, P(b_axis, "rows", h_axis)), put(sink, P(h_axis)), put(w, P(b_axis, "rows", h_axis)),
+                put(u, P(b_axis, h_axis, "rows")))
+        producer = RowsProducer(causal, left)
+        loss = _loss(_ours(dataclasses.replace(call, kernels=producer), None), True)
+        grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))
+        got = grad(*args)
+        want = jax.jit(jax.value_and_grad(_loss(_ours(call, None), True), argnums=(0, 1, 2, 3)))(q, k, v, sink, w, u)
+        _assert_same(got[0], want[0], "loss", terms=256 + q.size)
+        shares = n * float(ulp(1.0, jnp.bfloat16) / ulp(1.0, np.float32))  # a bf16 rounding of each device's share
+        for name, g, t in zip(GRAD_NAMES[:3], got[1], want[1]):
+            _assert_same(g, t, name, terms=256 + q.shape[0] * q.shape[1] + (shares if name in ("dk", "dv") else 0))
+        # dsink = -sum_i P_i,sink (D_i - u_i): a sum with cancellation, bounded by its terms' absolute values
+        out, lse = (np.asarray(x, np.float64) for x in jax.jit(_ours(call, None))(q, k, v, sink))
+        p_sink = np.exp(np.asarray(sink, np.float64)[None, :, None] - lse)
+        d_abs = np.sum(np.abs(np.asarray(w, np.float64) * out), axis=-1).transpose(0, 2, 1)
+        terms = np.sum(p_sink * (d_abs + np.abs(np.asarray(u, np.float64))), axis=(0, 2))
+        assert_within_roundings(got[1][3], want[1][3], "dsink", terms=256 + batch * s, magnitude=terms)
+        b_local, h_local = (batch // 2, H // 2) if b_axis else (batch, H)
+        rows = (b_local * s // n, h_local, D) if causal else (b_local, s // n, h_local, D)
+        for step, shapes in producer.shapes.items():  # and the whole call's, traced once before partitioning
+            assert shapes - {q.shape} == {rows}, (step, rows, shapes)
+        text = grad.lower(*args).compile().as_text()
+        assert "reduce-scatter" in text and "all-gather" in text
 
 
 def test_remat_and_the_sinks_gradient_alone(rng):

@@ -43,6 +43,7 @@ from jax.interpreters import ad, batching, mlir
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from .. import _jax_internals
+from . import context
 from ..postprocess._primitive.backward import Side, finish as finish_accumulators
 from ..layout import AccumLayout, padded_total
 
@@ -64,6 +65,14 @@ class Kernels(Protocol):
         """The backward up to the postprocess, ``dpsum - dpsum_delta`` read in place of ``dpsum`` (None: 0): an
         ``Accumulators`` (``dq_accum, dk, dv, dk_accum, dv_accum, dpsum``; dk, dv without grouped-query attention,
         dk_accum, dv_accum with it, the others None)."""
+
+    def context(self, spec, q, k, v):
+        """Optional: ``(call, packed)``, the :class:`AttentionSpec` a device runs for its rows ``q`` ``(B, c, N,
+        D)`` (each sequence's ``[i c, (i + 1) c)`` on device ``i``) of the dense self-attention ``spec``, every key
+        ``k``, ``v`` ``(B, S, K, D|Dv)`` given (shape structs): where its rows read every key (no mask), the dense
+        call on them (``packed`` False); else a packed call's, each sequence reading its keys up to its own last
+        row, whose bottom-right mask is then ``spec``'s (``packed`` True). None where it has none (the rows are
+        then gathered). A producer without it has none."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,12 +179,10 @@ def _tangent_transpose(cts, *args, form: _Form):
     """Reverse mode: the backward (module docstring), the cotangents of the tangents that are undefined."""
     q, k, v, out, lse, sink, seqlens, tangents = form.split(args)
     ct_out, ct_lse = cts
-    spec = form.spec
     d_out = jnp.zeros_like(out) if type(ct_out) is ad.Zero else ct_out  # (varying as out is, inside shard_map)
-    delta = None if type(ct_lse) is ad.Zero else lse_cotangent_rows(ct_lse, spec.dq_layout, seqlens)
-    acc = _accumulators(spec, delta is not None)(q, k, v, out, lse, d_out.astype(q.dtype), delta, seqlens)
-    grads = finish(acc, q, k, v, seqlens, scale=spec.scale, dq_layout=spec.dq_layout, dkv_layout=spec.dkv_layout,
-                   sink=sink, lse=lse)
+    d_lse = None if type(ct_lse) is ad.Zero else ct_lse
+    grads = _backward(form.spec, d_lse is not None, sink is not None)(q, k, v, out, lse, d_out.astype(q.dtype), d_lse,
+                                                                       sink, seqlens)
     cotangents = [g if ad.is_undefined_primal(t) else None for g, t in zip(grads, tangents) if t is not None]
     return [None] * form.residuals + cotangents
 
@@ -215,7 +222,19 @@ ad.primitive_transposes[tangent_p] = _tangent_transpose
 batching.primitive_batchers[tangent_p] = _tangent_batch
 
 
-# ---- the backward's last step, and the lse's cotangent ----------------------------------------------------
+# ---- the backward: the producer's steps, then one postprocess launch -----------------------------------------
+
+def backward(spec: AttentionSpec, q, k, v, out, lse, d_out, d_lse, sink, seqlens):
+    """``(dq, dk, dv, dsink)`` for the cotangents ``d_out`` of out and ``d_lse`` (None: 0) of the lse: the
+    producer's accumulators, ``dpsum`` less the lse's cotangent (:func:`lse_cotangent_rows`), then :func:`finish`
+    (dsink None without a sink)."""
+    delta = None if d_lse is None else lse_cotangent_rows(d_lse, spec.dq_layout, seqlens)
+    acc = _accumulators(spec, delta is not None)(q, k, v, out, lse, d_out, delta, seqlens)
+    return finish(acc, q, k, v, seqlens, scale=spec.scale, dq_layout=spec.dq_layout, dkv_layout=spec.dkv_layout,
+                  sink=sink, lse=lse)
+
+
+# ---- the backward's last step, and the lse's cotangent -------------------------------------------------------
 
 def finish(acc, q, k, v, seqlens, *, scale, dq_layout, dkv_layout, sink=None, lse=None):
     """One postprocess launch for what the producer's backward left (``acc``): ``(dq, dk, dv, dsink)``, dk and dv
@@ -259,11 +278,13 @@ def lse_cotangent_rows(d_lse, dq_layout: AccumLayout, seqlens=None):
     return jnp.zeros((heads, rows_out), jnp.float32).at[:, rows].set(d_lse, mode="drop")
 
 
-# ---- the producer's steps: each device runs its share of sharded batches and heads; vmap folds or maps ---------
+# ---- the producer's steps: each device runs its share of sharded batches, heads and rows; vmap folds or maps ---
 
 def _forward(spec: AttentionSpec):
     def forward(q, k, v, sink, seqlens):
-        return _sharded(_Step("forward", spec, sink is not None, seqlens is not None))(q, k, v, sink, seqlens)
+        step = _Step("forward", spec, sink is not None, seqlens is not None, context=_context_spec(spec, q, k, v,
+                                                                                                   seqlens))
+        return _sharded(step)(q, k, v, sink, seqlens)
 
     return _folding(forward, per_batch=3)
 
@@ -283,32 +304,75 @@ def _tangent(spec: AttentionSpec):
     return tangent
 
 
+def _backward(spec: AttentionSpec, with_d_lse: bool, with_sink: bool):
+    """:func:`backward` as one step (so that a device given some of the rows runs their whole backward:
+    :func:`_own_rows`); under ``jax.vmap``, :func:`backward`'s own steps and their rules."""
+
+    def run(q, k, v, out, lse, d_out, d_lse, sink, seqlens):
+        step = _Step("backward", spec, with_d_lse, seqlens is not None, with_sink,
+                     context=_context_spec(spec, q, k, v, seqlens))
+        return _sharded(step)(q, k, v, out, lse, d_out, d_lse, sink, seqlens)
+
+    @jax.custom_batching.custom_vmap
+    def f(*args):
+        return run(*args)
+
+    @f.def_vmap
+    def rule(size, in_batched, *args):
+        axes = [None if a is None else tuple(0 if m else None for m in b) if isinstance(a, tuple) else
+                (0 if b else None) for a, b in zip(args, in_batched)]
+        out = jax.vmap(functools.partial(backward, spec), in_axes=axes)(*args)
+        return out, jax.tree.map(lambda _: True, out)
+
+    return f
+
+
+def _context_spec(spec: AttentionSpec, q, k, v, seqlens) -> AttentionSpec | None:
+    """What a device runs for its rows of this call where the sequence of a dense self-attention (as many keys as
+    rows) is sharded contiguously over several (the producer's ``context``, here for the whole sequence's shapes;
+    :func:`_own_rows` asks again for a device's): None where the producer has none for it (the rows are then
+    gathered)."""
+    context = getattr(spec.kernels, "context", None)
+    if seqlens is not None or context is None or q.shape[1] != k.shape[1]:
+        return None
+    own = context(spec, *(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)))
+    return None if own is None else own[0]
+
+
 @dataclasses.dataclass(frozen=True)
 class _Step:
-    """One of the producer's steps, static: ``kind`` (``"forward"``, ``"accumulators"``, ``"tangent"``), the call,
-    whether its optional operand is there (the forward's sink, the accumulators' ``dpsum_delta``) and whether the
-    batch is packed."""
+    """One of the producer's steps, static: ``kind`` (``"forward"``, ``"accumulators"``, ``"tangent"``, or
+    ``"backward"``: the accumulators and the postprocess), the call, whether its optional operand is there (the
+    forward's sink, the accumulators' ``dpsum_delta``, the backward's lse cotangent), whether the batch is packed,
+    whether the backward has a sink, and (forward and backward) the call a device runs for its own rows where the
+    sequence is sharded (:func:`_context_spec`; None: the rows are gathered)."""
 
     kind: str
     spec: AttentionSpec
     optional: bool
     packed: bool
+    sink: bool = False
+    context: AttentionSpec | None = None
 
     def run(self, args):
-        """The step on ``args`` (its operands, the optional one and the offsets None where absent)."""
+        """The step on ``args`` (its operands, the optional ones and the offsets None where absent)."""
         kernels, config = self.spec.kernels, self.spec.config
         if self.kind == "forward":
             return tuple(kernels.forward(config, *args))
         if self.kind == "accumulators":
             return kernels.accumulators(config, *args)
+        if self.kind == "backward":
+            return tuple(backward(self.spec, *args))
         return tuple(kernels.tangent(config, *args))
 
-    # Each operand's and result's axes: "b" the batch, "n" the query heads, "k" the key/value heads, "." an axis
-    # that is never sharded (the sequence, the head dim, an accumulator's rows). Packed: no batch axis.
+    # Each operand's and result's axes: "b" the batch, "n" the query heads, "k" the key/value heads, "s" the rows
+    # (and, in the backward's dK and dV, the keys: as many) where a device may run its own (:attr:`context`), "."
+    # an axis that is never sharded (the keys, the head dim, an accumulator's rows). Packed: no batch axis.
     def roles(self, results: list) -> tuple[list[str], list[str]]:
-        q = ". n ." if self.packed else "b . n ."
+        s = "s" if self.kind in ("forward", "backward") and not self.packed else "."
+        q = ". n ." if self.packed else f"b {s} n ."
         kv = ". k ." if self.packed else "b . k ."
-        rows = "n ." if self.packed else "b n ."  # the lse, dpsum, an accumulator of the query heads
+        rows = "n ." if self.packed else f"b n {s}"  # the lse, dpsum, an accumulator of the query heads
         kv_rows = "k ." if self.packed else "b k ."
         offsets = ["."] * (4 if self.packed else 0)
         if self.kind == "forward":
@@ -318,6 +382,10 @@ class _Step:
             ins = [q, kv, kv, q, rows, q] + ([rows] if self.optional else []) + offsets
             outs = [{"dq_accum": rows, "dk": kv, "dv": kv, "dk_accum": kv_rows, "dv_accum": kv_rows,
                      "dpsum": rows}[name] for name in results]
+        elif self.kind == "backward":
+            d_kv = ". k ." if self.packed else f"b {s} k ."
+            ins = [q, kv, kv, q, rows, q] + ([rows] if self.optional else []) + (["n"] if self.sink else []) + offsets
+            outs = [q, d_kv, d_kv] + (["n"] if self.sink else [])
         else:
             ins = [q, kv, kv, q, rows, q, kv, kv] + offsets
             outs = [q, rows]
@@ -325,9 +393,11 @@ class _Step:
 
 
 def _result_names(step: _Step) -> list[str]:
-    """The names of the step's array results, in order: out and the lse (their tangents), or the accumulators:
-    dQ's, dK and dV written by the main kernel or, under grouped-query attention (``dkv_layout``), their
-    accumulators, and ``dpsum``."""
+    """The names of the step's array results, in order: out and the lse (their tangents), the gradients, or the
+    accumulators: dQ's, dK and dV written by the main kernel or, under grouped-query attention (``dkv_layout``),
+    their accumulators, and ``dpsum``."""
+    if step.kind == "backward":
+        return ["dq", "dk", "dv"] + (["dsink"] if step.sink else [])
     if step.kind != "accumulators":
         return ["out", "lse"]
     if step.spec.dkv_layout is None:
@@ -339,8 +409,9 @@ def _sharded(step: _Step):
     """The step as a ``custom_partitioning``: where XLA partitions it over several devices (``jax.jit`` with
     sharded inputs), each device runs it on its own batch and heads, sharded as the query is (the key/value heads on
     the same mesh axes, so that each query head's key head stays on its device; where they do not divide the
-    key/value heads, the heads are gathered), every other axis gathered. On one device, or inside ``jax.shard_map``,
-    the step as it is. Arrays the step closes over are operands of their own, replicated."""
+    key/value heads, the heads are gathered), and, where the query's rows are sharded and the step has a
+    :attr:`~_Step.context`, on its own rows (:func:`_own_rows`); every other axis gathered. On one device, or inside
+    ``jax.shard_map``, the step as it is. Arrays the step closes over are operands of their own, replicated."""
 
     def sharded(*args):
         leaves = _flatten(args)
@@ -377,6 +448,10 @@ def _unflatten(step: _Step, leaves) -> list:
     if step.kind == "accumulators":
         q, k, v, out, lse, d_out, *rest = body
         return [q, k, v, out, lse, d_out, rest[0] if step.optional else None, seqlens]
+    if step.kind == "backward":
+        q, k, v, out, lse, d_out, *rest = body
+        d_lse = rest.pop(0) if step.optional else None
+        return [q, k, v, out, lse, d_out, d_lse, rest[0] if step.sink else None, seqlens]
     return [*body, seqlens]
 
 
@@ -385,13 +460,17 @@ def _axes(spec, index: int):
     return (tuple(spec) + (None,) * (index + 1 - len(spec)))[index]
 
 
+def _names(axes) -> tuple:
+    return () if axes is None else axes if isinstance(axes, tuple) else (axes,)
+
+
 def _size(mesh, axes) -> int:
-    names = () if axes is None else axes if isinstance(axes, tuple) else (axes,)
-    return int(np.prod([mesh.shape[n] for n in names]))
+    return int(np.prod([mesh.shape[n] for n in _names(axes)]))
 
 
 def _choice(step: _Step, mesh, arg_shapes):
-    """``(batch axes, heads axes)``: the query's, its heads' where they divide both head counts (else None)."""
+    """``(batch axes, heads axes, rows axes)``: the query's; its heads' where they divide both head counts, its
+    rows' where the step has a context and they divide the rows (else None)."""
     q = arg_shapes[0]
     sharding = q.sharding
     spec = tuple(getattr(sharding, "spec", ()) or ()) if sharding is not None else ()
@@ -400,37 +479,88 @@ def _choice(step: _Step, mesh, arg_shapes):
     kv_heads = arg_shapes[1].shape[-2]
     if heads is not None and (kv_heads % _size(mesh, heads) or q.shape[-2] % _size(mesh, heads)):
         heads = None
-    return batch, heads
+    rows = None if step.context is None else _axes(spec, 1)
+    if rows is not None and q.shape[1] % _size(mesh, rows):
+        rows = None
+    return batch, heads, rows
 
 
-def _specs(roles: list[str], batch, heads) -> list:
-    return [P(*[{"b": batch, "n": heads, "k": heads}.get(r) for r in role.split()]) for role in roles]
+def _specs(roles: list[str], batch, heads, rows=None) -> list:
+    return [P(*[{"b": batch, "n": heads, "k": heads, "s": rows}.get(r) for r in role.split()]) for role in roles]
 
 
 def _infer(step: _Step, count: int, mesh, arg_shapes, result_shape):
-    batch, heads = _choice(step, mesh, arg_shapes)
     _, outs = step.roles(_result_names(step))
-    shardings = [NamedSharding(mesh, s) for s in _specs(outs, batch, heads)]
+    shardings = [NamedSharding(mesh, s) for s in _specs(outs, *_choice(step, mesh, arg_shapes))]
     return jax.tree.unflatten(jax.tree.structure(result_shape), shardings)
 
 
 def _partition(step: _Step, count: int, mesh, arg_shapes, result_shape):
-    batch, heads = _choice(step, mesh, arg_shapes)
+    batch, heads, rows = _choice(step, mesh, arg_shapes)
     ins, outs = step.roles(_result_names(step))
     constants = [" ".join(["."] * len(x.shape)) for x in arg_shapes[count:]]
-    arg_shardings = tuple(NamedSharding(mesh, s) for s in _specs(ins + constants, batch, heads))
+    arg_shardings = tuple(NamedSharding(mesh, s) for s in _specs(ins + constants, batch, heads, rows))
     out_shardings = jax.tree.unflatten(jax.tree.structure(result_shape),
-                                       [NamedSharding(mesh, s) for s in _specs(outs, batch, heads)])
+                                       [NamedSharding(mesh, s) for s in _specs(outs, batch, heads, rows)])
 
     def lower(*operands):  # the constants, traced again for the shards' shapes, are the step's own
-        return step.run(_unflatten(step, operands[:count]))
+        args = _unflatten(step, operands[:count])
+        if rows is None:
+            results = step.run(args)
+        else:
+            results = _own_rows(step, args, jax.lax.axis_index(rows), _size(mesh, rows))
+        if rows is not None and step.kind == "backward":  # every key's dK and dV: each device keeps its own keys'
+            dq, dk, dv, dsink = results
+            dk, dv = (jax.lax.psum_scatter(x.astype(jnp.float32), rows, scatter_dimension=1, tiled=True)
+                      .astype(x.dtype) for x in (dk, dv))
+            results = (dq, dk, dv, dsink)
+        summed = _names(batch) + _names(rows)
+        if step.kind == "backward" and step.sink and summed:  # each device's rows' share of dsink
+            results = (*results[:3], jax.lax.psum(results[3], summed))
+        return results
 
     return mesh, lower, out_shardings, arg_shardings
 
 
+def _own_rows(step: _Step, args, index, devices: int):
+    """The forward's ``(out, lse)`` or the backward's ``(dq, dk, dv, dsink)`` of device ``index``'s rows (an int or
+    a traced ``axis_index``) of ``devices``: the ``c`` rows ``[index c, (index + 1) c)`` of each sequence, every key
+    given. Without a mask the call as it is; else each sequence's rows one sequence of a packed batch reading its
+    keys up to its own last row, so that the producer's bottom-right mask is the whole sequence's
+    (:func:`context.flash_chunks`). The backward's dK and dV are this device's share of every key's ``(B, S, K,
+    D|Dv)``, and dsink its rows' share."""
+    q, k, v = args[:3]
+    b, c, s = q.shape[0], q.shape[1], k.shape[1]
+    own = step.spec.kernels.context(step.spec, *(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)))
+    if own is None:  # the producer took the whole sequence's shapes (step.context) and not its rows'
+        raise RuntimeError(f"the producer runs the whole call and not device {index}'s rows of it ({q.shape})")
+    spec, packed = own
+    if not packed:
+        return dataclasses.replace(step, spec=spec).run(args)
+    used_k = jnp.tile(context.flash_chunks("contiguous", c, devices, index), b)
+    seqlens = (jnp.arange(b + 1, dtype=jnp.int32) * c, jnp.arange(b + 1, dtype=jnp.int32) * s,
+               jnp.full((b,), c, jnp.int32), used_k)
+
+    def rows(x):  # (B, c|S, ...) -> (B c|S, ...)
+        return x.reshape(b * x.shape[1], *x.shape[2:])
+
+    def lse_rows(x):  # (B, N, c) -> (N, B c)
+        return None if x is None else x.transpose(1, 0, 2).reshape(x.shape[1], b * c)
+
+    if step.kind == "forward":
+        q, k, v, sink, _ = args
+        out, lse = spec.kernels.forward(spec.config, rows(q), rows(k), rows(v), sink, seqlens)
+        return out.reshape(b, c, *out.shape[1:]), lse.reshape(-1, b, c).transpose(1, 0, 2)
+    q, k, v, out, lse, d_out, d_lse, sink, _ = args
+    dq, dk, dv, dsink = backward(spec, rows(q), rows(k), rows(v), rows(out), lse_rows(lse), rows(d_out),
+                                 lse_rows(d_lse), sink, seqlens)
+    return (*(x.reshape(b, -1, *x.shape[1:]) for x in (dq, dk, dv)), dsink)
+
+
 def _rule(step: _Step, count: int, mesh, operand_types, result_types):
-    """Shardy's rule: the batch ``b``, and the key/value heads ``k`` with the query heads ``(k g)``, may shard;
-    every other axis is a factor of its own that needs replication."""
+    """Shardy's rule: the batch ``b``, the key/value heads ``k`` with the query heads ``(k g)``, and, where the
+    step has a context, the rows ``s``, may shard; every other axis is a factor of its own that needs
+    replication."""
     heads = operand_types[0].shape[-2]
     kv_heads = operand_types[1].shape[-2]
     names = iter(f"x{i}" for i in range(10_000))
@@ -446,11 +576,11 @@ def _rule(step: _Step, count: int, mesh, operand_types, result_types):
     def factors(role: str) -> str:
         out = []
         for r in role.split():
-            if r == ".":
+            if r == "." or (r == "s" and step.context is None):
                 out.append(next(names))
                 replicated.append(out[-1])
             else:
-                out.append({"b": "b", "k": "k", "n": query_heads}[r])
+                out.append({"b": "b", "k": "k", "n": query_heads, "s": "s"}[r])
         return " ".join(out)
 
     ins, outs = step.roles(_result_names(step))

@@ -21,6 +21,7 @@ given (:mod:`jax_dqpost._attention.context`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 
 import jax
@@ -236,6 +237,29 @@ class _Kernels:
     def accumulators(self, cfg, q, k, v, out, lse, d_out, dpsum_delta, seqlens):
         with _compiling(q, v):
             return fa4jax_internals.accumulators(cfg, q, k, v, out, lse, d_out, (), seqlens, dpsum_delta)
+
+    def context(self, spec, q, k, v):
+        """``(call, packed)`` a device runs for its rows ``q`` ``(B, c, N, D)`` of a dense self-attention, every
+        key ``k``, ``v`` ``(B, S, K, D|Dv)`` given (``jax.jit`` with the sequence sharded: ``autodiff._own_rows``):
+        without a mask ``spec`` itself; under a causal mask or a window ``(left, 0)`` the same on a packed batch,
+        each sequence reading its keys up to its own last row; None for another mask, or where the packed kernels
+        do not run it."""
+        cfg = spec.config
+        if cfg.varlen or cfg.mask is not None:
+            return None
+        if not (cfg.causal or cfg.local):
+            return spec, False
+        if cfg.local and cfg.window[1] != 0:
+            return None
+        packed = dataclasses.replace(cfg, varlen=True, defined_padding=True)  # 0 in keys past a sequence's end
+        q, k, v = (jax.ShapeDtypeStruct((x.shape[0] * x.shape[1], *x.shape[2:]), x.dtype) for x in (q, k, v))
+        try:
+            for kind in ("fwd", "bwd"):
+                fa4jax_internals.validate(packed, kind, q, k, v)
+            dq_layout, dkv_layout = _layouts(packed, q, k, v)
+        except ValueError:
+            return None
+        return autodiff.AttentionSpec(self, packed, spec.scale, dq_layout, dkv_layout), True
 
 
 KERNELS = _Kernels()

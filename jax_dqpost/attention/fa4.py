@@ -5,7 +5,8 @@ sm100/sm110), fa4-jax installed, no bias or mask array, a scale known when traci
 mask and window as FlashAttention's bottom-right ones (:meth:`~jax_dqpost.attention.call.Mask.flash`). Lengths run
 its packed (varlen) kernels on the batch as it is, reshaped (no copy). Context parallelism (a :class:`Context`)
 runs without a mask or with a causal one (and a window of keys before each row), without lengths:
-:func:`jax_dqpost._attention.fa4.context_attention`."""
+:func:`jax_dqpost._attention.fa4.context_attention`. Under ``jax.jit`` with sharded operands the kernels' rules run
+each device's batch, heads and (for those masks) rows (:mod:`jax_dqpost._attention.autodiff`)."""
 
 from __future__ import annotations
 

@@ -12,12 +12,13 @@ reduce-scatter moves as much again), the forward's attention FLOPs each device c
 computing leaves the devices waiting as long as they compute: a ring, which overlaps the transfer of the next
 chunk with the compute of this one, would pay.
 
-``--devices N``: on N local devices (``N`` GPUs; on a CPU, ``--xla_force_host_platform_device_count``), two
+``--devices N``: on N local devices (``N`` GPUs; on a CPU, ``--xla_force_host_platform_device_count``), three
 wall-clock medians over ``--steps`` steps of ``jax.jit(jax.grad(sum(out * w)))``, each against the same work on one
 device: ``'fa4'`` (``'xla'`` where it does not run) with the batch sharded over the devices by ``NamedSharding``
-(a batch of N against a batch of 1 on one device: the speed-up of data parallelism, N when nothing is gathered),
-and context parallelism (``context_axis``, ``'zigzag'``; ``'fa4'`` on GPUs, ``'xla_chunked'`` elsewhere) at
-``--seqlen`` over the N devices against the whole sequence on one. Prints a table and writes ``context_parallel.json`` into ``--out``.
+(a batch of N against a batch of 1 on one device: the speed-up of data parallelism, N when nothing is gathered);
+at ``--seqlen`` against the whole sequence on one device (``'fa4'`` on GPUs, ``'xla_chunked'`` elsewhere), the
+sequence sharded contiguously by ``NamedSharding`` under plain ``jax.jit``, and context parallelism
+(``context_axis``, ``'zigzag'``). Prints a table and writes ``context_parallel.json`` into ``--out``.
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ def _median_s(step, args, n_steps: int) -> float:
 
 
 def measured(devices: int, seqlen: int, n_steps: int) -> list[dict]:
-    """The two runs of ``--devices`` (module docstring), each ``{name, one_s, sharded_s, speedup}``."""
+    """The three runs of ``--devices`` (module docstring), each ``{name, one_s, sharded_s, speedup}``."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -119,9 +120,12 @@ def measured(devices: int, seqlen: int, n_steps: int) -> list[dict]:
                      sharded_s=sharded, speedup=devices * one / sharded))
 
     q, k, v, s = inputs(1, seqlen)
-    whole = _median_s(grad(lambda q, k, v, s: dot_product_attention(q, k, v, is_causal=True, sinks=s,
-                                                                    implementation=long)), (q, k, v, s), n_steps)
+    causal = grad(lambda q, k, v, s: dot_product_attention(q, k, v, is_causal=True, sinks=s, implementation=long))
+    whole = _median_s(causal, (q, k, v, s), n_steps)
     spec = P(None, "d")
+    rows_sharded = _median_s(causal, (put(q, spec), put(k, spec), put(v, spec), put(s, P())), n_steps)
+    rows.append(dict(name=f"sequence sharded under jax.jit over {devices}, contiguous, '{long}', T {seqlen}",
+                     one_s=whole, sharded_s=rows_sharded, speedup=whole / rows_sharded))
 
     def context(q, k, v, s):
         return dot_product_attention(q, k, v, is_causal=True, sinks=s, implementation=long, context_axis="d",

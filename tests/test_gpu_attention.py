@@ -241,10 +241,9 @@ def test_fa4_rows_under_jit_sharding_within_twice_xlas_error(rng, window, with_s
     w = jnp.asarray(rng.standard_normal((b, t, n, h)), jnp.float32)
     cfg = fa4jax_internals.config(q, window_size=window, scale=h ** -0.5)
     spec = autodiff.AttentionSpec(fa4.KERNELS, cfg, cfg.scale, *fa4._layouts(cfg, q, k, v))
-    context = autodiff._context_spec(spec, q, k, v, None)
-    assert context is not None
-    forward = autodiff._Step("forward", spec, with_sinks, False, context=context)
-    backward = autodiff._Step("backward", spec, False, False, with_sinks, context=context)
+    assert autodiff._own_rows_run(spec, q, k, v, None)
+    forward = autodiff._Step("forward", spec, with_sinks, False, own_rows=True)
+    backward = autodiff._Step("backward", spec, False, False, with_sinks, own_rows=True)
     c = t // devices
     outs, lses, dqs, dk, dv, dsinks = [], [], [], 0.0, 0.0, 0.0
     for i in range(devices):

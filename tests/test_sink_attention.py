@@ -561,18 +561,61 @@ def _run_rows_sharded(rng, masking, sharded, cpus):
         shares = n * float(ulp(1.0, jnp.bfloat16) / ulp(1.0, np.float32))  # a bf16 rounding of each device's share
         for name, g, t in zip(GRAD_NAMES[:3], got[1], want[1]):
             _assert_same(g, t, name, terms=256 + q.shape[0] * q.shape[1] + (shares if name in ("dk", "dv") else 0))
-        # dsink = -sum_i P_i,sink (D_i - u_i): a sum with cancellation, bounded by its terms' absolute values
-        out, lse = (np.asarray(x, np.float64) for x in jax.jit(_ours(call, None))(q, k, v, sink))
-        p_sink = np.exp(np.asarray(sink, np.float64)[None, :, None] - lse)
-        d_abs = np.sum(np.abs(np.asarray(w, np.float64) * out), axis=-1).transpose(0, 2, 1)
-        terms = np.sum(p_sink * (d_abs + np.abs(np.asarray(u, np.float64))), axis=(0, 2))
-        assert_within_roundings(got[1][3], want[1][3], "dsink", terms=256 + batch * s, magnitude=terms)
+        assert_within_roundings(got[1][3], want[1][3], "dsink", terms=256 + batch * s,
+                                magnitude=_dsink_terms(call, q, k, v, sink, w, u))
         b_local, h_local = (batch // 2, H // 2) if b_axis else (batch, H)
         rows = (b_local * s // n, h_local, D) if causal else (b_local, s // n, h_local, D)
         for step, shapes in producer.shapes.items():  # and the whole call's, traced once before partitioning
             assert shapes - {q.shape} == {rows}, (step, rows, shapes)
         text = grad.lower(*args).compile().as_text()
         assert "reduce-scatter" in text and "all-gather" in text
+
+
+@pytest.mark.parametrize("sharded", ["batch", "batch-rows"])
+def test_a_sharded_bf16_sinks_gradient_is_rounded_once(rng, sharded):
+    """Under ``jax.jit`` with the batch (and the rows) sharded over 8 devices and a bf16 sink, dsink is each
+    device's share summed in float32 and rounded once: within half a bf16 rounding (and float32 sums reordered) of
+    the float32 sink's dsink, as on one device (rounding each share first is off by a rounding of each share)."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    cpus = jax.devices("cpu")
+    if len(cpus) < 8:
+        pytest.skip("8 CPU devices needed (conftest.py asks XLA for 8)")
+    batch, s = 8, 64
+    with jax.default_device(cpus[0]):
+        # examples b and b + 4 equal but for lse cotangents 16 apart, on other devices: each device's share of dsink
+        # is larger than their sum, which rounding each share would show
+        def pairs(shape, dtype):
+            return jnp.concatenate([jnp.asarray(rng.standard_normal(shape), dtype)] * 2)
+
+        q = pairs((batch // 2, s, H, D), jnp.bfloat16)
+        k, v = (pairs((batch // 2, s, 2, D), jnp.bfloat16) for _ in range(2))
+        sink = jnp.asarray(rng.standard_normal(H) * 2 + 1, jnp.bfloat16)
+        w = pairs((batch // 2, s, H, D), jnp.float32)
+        u = pairs((batch // 2, H, s), jnp.float32) + 8 * jnp.where(jnp.arange(batch) < batch // 2, 1, -1)[:, None, None]
+        scale = D ** -0.5
+        call = _attention.AttentionSpec(RowsProducer(True, None), Config.of(dense_mask(s, s, True, (None, None)),
+                                                                            scale), scale, LAYOUT, LAYOUT)
+        grad = jax.jit(jax.grad(_loss(_ours(call, None), True), argnums=3))
+        want = grad(q, k, v, sink.astype(jnp.float32), w, u)
+        axes = ("a", "rows") if sharded == "batch-rows" else ("a", None)
+        mesh = Mesh(np.array(cpus[:8]).reshape(4, 2) if sharded == "batch-rows" else np.array(cpus[:8])[:, None],
+                    ("a", "rows"))
+        put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))  # noqa: E731
+        got = grad(*(put(x, P(*axes)) for x in (q, k, v)), put(sink, P()), put(w, P(*axes)),
+                   put(u, P(axes[0], None, axes[1])))
+        assert got.dtype == jnp.bfloat16
+        assert_within_roundings(got, want, "dsink", roundings=0.5, terms=256 + batch * s,
+                                magnitude=_dsink_terms(call, q, k, v, sink, w, u))
+
+
+def _dsink_terms(call, q, k, v, sink, w, u):
+    """``sum |P_i,sink (D_i - u_i)|`` per head: the absolute values of dsink's terms (``-sum_i P_i,sink (D_i -
+    u_i)``, a sum with cancellation) that a reordered float32 sum is bounded by."""
+    out, lse = (np.asarray(x, np.float64) for x in jax.jit(_ours(call, None))(q, k, v, sink.astype(jnp.float32)))
+    p_sink = np.exp(np.asarray(sink, np.float64)[None, :, None] - lse)
+    d_abs = np.sum(np.abs(np.asarray(w, np.float64) * out), axis=-1).transpose(0, 2, 1)
+    return np.sum(p_sink * (d_abs + np.abs(np.asarray(u, np.float64))), axis=(0, 2))
 
 
 def test_remat_and_the_sinks_gradient_alone(rng):

@@ -282,8 +282,8 @@ def lse_cotangent_rows(d_lse, dq_layout: AccumLayout, seqlens=None):
 
 def _forward(spec: AttentionSpec):
     def forward(q, k, v, sink, seqlens):
-        step = _Step("forward", spec, sink is not None, seqlens is not None, context=_context_spec(spec, q, k, v,
-                                                                                                   seqlens))
+        step = _Step("forward", spec, sink is not None, seqlens is not None, own_rows=_own_rows_run(spec, q, k, v,
+                                                                                                    seqlens))
         return _sharded(step)(q, k, v, sink, seqlens)
 
     return _folding(forward, per_batch=3)
@@ -310,7 +310,7 @@ def _backward(spec: AttentionSpec, with_d_lse: bool, with_sink: bool):
 
     def run(q, k, v, out, lse, d_out, d_lse, sink, seqlens):
         step = _Step("backward", spec, with_d_lse, seqlens is not None, with_sink,
-                     context=_context_spec(spec, q, k, v, seqlens))
+                     own_rows=_own_rows_run(spec, q, k, v, seqlens))
         return _sharded(step)(q, k, v, out, lse, d_out, d_lse, sink, seqlens)
 
     @jax.custom_batching.custom_vmap
@@ -327,16 +327,14 @@ def _backward(spec: AttentionSpec, with_d_lse: bool, with_sink: bool):
     return f
 
 
-def _context_spec(spec: AttentionSpec, q, k, v, seqlens) -> AttentionSpec | None:
-    """What a device runs for its rows of this call where the sequence of a dense self-attention (as many keys as
-    rows) is sharded contiguously over several (the producer's ``context``, here for the whole sequence's shapes;
-    :func:`_own_rows` asks again for a device's): None where the producer has none for it (the rows are then
-    gathered)."""
+def _own_rows_run(spec: AttentionSpec, q, k, v, seqlens) -> bool:
+    """Whether a device can run its own rows of this call where its sequence is sharded: a dense self-attention (as
+    many keys as rows) that the producer's ``context`` runs (asked here for the whole sequence's shapes;
+    :func:`_own_rows` asks again for a device's). Else the rows are gathered."""
     context = getattr(spec.kernels, "context", None)
     if seqlens is not None or context is None or q.shape[1] != k.shape[1]:
-        return None
-    own = context(spec, *(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)))
-    return None if own is None else own[0]
+        return False
+    return context(spec, *(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))) is not None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -344,15 +342,15 @@ class _Step:
     """One of the producer's steps, static: ``kind`` (``"forward"``, ``"accumulators"``, ``"tangent"``, or
     ``"backward"``: the accumulators and the postprocess), the call, whether its optional operand is there (the
     forward's sink, the accumulators' ``dpsum_delta``, the backward's lse cotangent), whether the batch is packed,
-    whether the backward has a sink, and (forward and backward) the call a device runs for its own rows where the
-    sequence is sharded (:func:`_context_spec`; None: the rows are gathered)."""
+    whether the backward has a sink, and (forward and backward) whether a device runs its own rows where the
+    sequence is sharded (:func:`_own_rows_run`; else the rows are gathered)."""
 
     kind: str
     spec: AttentionSpec
     optional: bool
     packed: bool
     sink: bool = False
-    context: AttentionSpec | None = None
+    own_rows: bool = False
 
     def run(self, args):
         """The step on ``args`` (its operands, the optional ones and the offsets None where absent)."""
@@ -366,7 +364,7 @@ class _Step:
         return tuple(kernels.tangent(config, *args))
 
     # Each operand's and result's axes: "b" the batch, "n" the query heads, "k" the key/value heads, "s" the rows
-    # (and, in the backward's dK and dV, the keys: as many) where a device may run its own (:attr:`context`), "."
+    # (and, in the backward's dK and dV, the keys: as many) where a device may run its own (:attr:`own_rows`), "."
     # an axis that is never sharded (the keys, the head dim, an accumulator's rows). Packed: no batch axis.
     def roles(self, results: list) -> tuple[list[str], list[str]]:
         s = "s" if self.kind in ("forward", "backward") and not self.packed else "."
@@ -410,7 +408,7 @@ def _sharded(step: _Step):
     sharded inputs), each device runs it on its own batch and heads, sharded as the query is (the key/value heads on
     the same mesh axes, so that each query head's key head stays on its device; where they do not divide the
     key/value heads, the heads are gathered), and, where the query's rows are sharded and the step has a
-    :attr:`~_Step.context`, on its own rows (:func:`_own_rows`); every other axis gathered. On one device, or inside
+    :attr:`~_Step.own_rows`, on its own rows (:func:`_own_rows`); every other axis gathered. On one device, or inside
     ``jax.shard_map``, the step as it is. Arrays the step closes over are operands of their own, replicated."""
 
     def sharded(*args):
@@ -470,7 +468,7 @@ def _size(mesh, axes) -> int:
 
 def _choice(step: _Step, mesh, arg_shapes):
     """``(batch axes, heads axes, rows axes)``: the query's; its heads' where they divide both head counts, its
-    rows' where the step has a context and they divide the rows (else None)."""
+    rows' where the step may run them (:attr:`~_Step.own_rows`) and they divide the rows (else None)."""
     q = arg_shapes[0]
     sharding = q.sharding
     spec = tuple(getattr(sharding, "spec", ()) or ()) if sharding is not None else ()
@@ -479,7 +477,7 @@ def _choice(step: _Step, mesh, arg_shapes):
     kv_heads = arg_shapes[1].shape[-2]
     if heads is not None and (kv_heads % _size(mesh, heads) or q.shape[-2] % _size(mesh, heads)):
         heads = None
-    rows = None if step.context is None else _axes(spec, 1)
+    rows = _axes(spec, 1) if step.own_rows else None
     if rows is not None and q.shape[1] % _size(mesh, rows):
         rows = None
     return batch, heads, rows
@@ -503,8 +501,14 @@ def _partition(step: _Step, count: int, mesh, arg_shapes, result_shape):
     out_shardings = jax.tree.unflatten(jax.tree.structure(result_shape),
                                        [NamedSharding(mesh, s) for s in _specs(outs, batch, heads, rows)])
 
+    summed = _names(batch) + _names(rows)
+    sum_dsink = step.kind == "backward" and step.sink and bool(summed)
+
     def lower(*operands):  # the constants, traced again for the shards' shapes, are the step's own
         args = _unflatten(step, operands[:count])
+        if sum_dsink:  # each device's share of dsink in float32, summed, then rounded once
+            sink_dtype = args[7].dtype
+            args[7] = args[7].astype(jnp.float32)
         if rows is None:
             results = step.run(args)
         else:
@@ -514,9 +518,8 @@ def _partition(step: _Step, count: int, mesh, arg_shapes, result_shape):
             dk, dv = (jax.lax.psum_scatter(x.astype(jnp.float32), rows, scatter_dimension=1, tiled=True)
                       .astype(x.dtype) for x in (dk, dv))
             results = (dq, dk, dv, dsink)
-        summed = _names(batch) + _names(rows)
-        if step.kind == "backward" and step.sink and summed:  # each device's rows' share of dsink
-            results = (*results[:3], jax.lax.psum(results[3], summed))
+        if sum_dsink:
+            results = (*results[:3], jax.lax.psum(results[3], summed).astype(sink_dtype))
         return results
 
     return mesh, lower, out_shardings, arg_shardings
@@ -532,8 +535,8 @@ def _own_rows(step: _Step, args, index, devices: int):
     q, k, v = args[:3]
     b, c, s = q.shape[0], q.shape[1], k.shape[1]
     own = step.spec.kernels.context(step.spec, *(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)))
-    if own is None:  # the producer took the whole sequence's shapes (step.context) and not its rows'
-        raise RuntimeError(f"the producer runs the whole call and not device {index}'s rows of it ({q.shape})")
+    if own is None:  # the producer took the whole sequence's shapes (_own_rows_run) and not its rows'
+        raise RuntimeError(f"the producer runs the whole sequence {k.shape} and not a device's rows {q.shape}")
     spec, packed = own
     if not packed:
         return dataclasses.replace(step, spec=spec).run(args)
@@ -559,7 +562,7 @@ def _own_rows(step: _Step, args, index, devices: int):
 
 def _rule(step: _Step, count: int, mesh, operand_types, result_types):
     """Shardy's rule: the batch ``b``, the key/value heads ``k`` with the query heads ``(k g)``, and, where the
-    step has a context, the rows ``s``, may shard; every other axis is a factor of its own that needs
+    step may run a device's own rows, the rows ``s``, may shard; every other axis is a factor of its own that needs
     replication."""
     heads = operand_types[0].shape[-2]
     kv_heads = operand_types[1].shape[-2]
@@ -576,7 +579,7 @@ def _rule(step: _Step, count: int, mesh, operand_types, result_types):
     def factors(role: str) -> str:
         out = []
         for r in role.split():
-            if r == "." or (r == "s" and step.context is None):
+            if r == "." or (r == "s" and not step.own_rows):
                 out.append(next(names))
                 replicated.append(out[-1])
             else:

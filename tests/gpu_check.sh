@@ -28,10 +28,11 @@ rc=0
 if [[ $steps == *tests* ]]; then
   echo "== tests ${PYTEST_ARGS:-}"
   # pytest runs from /tmp (the installed package, not the source tree, is imported): a test path of PYTEST_ARGS
-  # relative to the checkout is made absolute
+  # relative to the checkout, and an --ignore=PATH's, is made absolute
   args=()
   for arg in ${PYTEST_ARGS:-"$repo/tests"}; do
     [[ $arg != /* && $arg != -* && -e "$repo/${arg%%::*}" ]] && arg="$repo/$arg"
+    [[ $arg == --ignore=* && $arg != --ignore=/* ]] && arg="--ignore=$repo/${arg#--ignore=}"
     args+=("$arg")
   done
   # pytest-xdist's workers (tests/conftest.py picks how many), each without JAX's 75% preallocation of the GPU's

@@ -628,6 +628,7 @@ def test_context_parallel_paper_and_a_run_over_two_devices(tmp_path, capsys):
     assert rows[("gpt-oss", 32 * 1024, 64)]["ratio"] > 1 > rows[("gpt-oss", 32 * 1024, 8)]["ratio"]
     assert context_parallel.main(["--devices", "2", "--seqlen", "64", "--steps", "1", "--out", str(tmp_path)]) == 0
     written = json.loads((tmp_path / "context_parallel.json").read_text())["measured"]
-    assert [w["name"].split(",")[0] for w in written] == ["batch sharded over 2", "context parallel over 2"]
+    assert [w["name"].split(",")[0] for w in written] == ["batch sharded over 2", "sequence sharded under jax.jit "
+                                                         "over 2", "context parallel over 2"]
     assert all(w["one_s"] > 0 and w["sharded_s"] > 0 for w in written)
     assert "speed-up" in capsys.readouterr().out

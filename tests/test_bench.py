@@ -615,7 +615,7 @@ def test_the_attention_benchmarks_table_and_shapes():
 
 def test_context_parallel_paper_and_a_run_over_two_devices(tmp_path, capsys):
     """``benchmarks.context_parallel``: the cost on paper is its formulas (two devices receive half of K and V, and
-    compute half of the causal FLOPs each), and ``--devices 2`` runs both measured rows on two of this machine's
+    compute half of the causal FLOPs each), and ``--devices 2`` runs the three measured rows on two of this machine's
     devices, writing them."""
     from benchmarks import context_parallel
 

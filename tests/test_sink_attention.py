@@ -441,6 +441,19 @@ class ShapeProducer(Producer):
         return super().accumulators(cfg, q, k, v, out, lse, d_out, dpsum_delta, seqlens)
 
 
+def _on_8_cpus(shardy: bool, run):
+    """``run(cpus)`` on the CPU's 8 devices, partitioned by Shardy (``shardy``) or GSPMD; skipped with fewer."""
+    cpus = jax.devices("cpu")
+    if len(cpus) < 8:
+        pytest.skip("8 CPU devices needed (conftest.py asks XLA for 8)")
+    previous = jax.config.jax_use_shardy_partitioner
+    jax.config.update("jax_use_shardy_partitioner", shardy)
+    try:
+        run(cpus)
+    finally:
+        jax.config.update("jax_use_shardy_partitioner", previous)
+
+
 @pytest.mark.parametrize("shardy", [True, False], ids=["shardy", "gspmd"])
 @pytest.mark.parametrize("sharded", ["batch", "heads", "batch-heads", "heads-gqa-gathered"])
 def test_jit_with_sharded_inputs_runs_each_devices_share(rng, sharded, shardy):
@@ -448,15 +461,7 @@ def test_jit_with_sharded_inputs_runs_each_devices_share(rng, sharded, shardy):
     the producer's steps on its own share (the shapes the stand-in saw), and out, the lse and the gradients are the
     unsharded call's. Where the key/value heads do not divide over the mesh's axis, the heads are gathered. On the
     CPU's devices (on a GPU machine too)."""
-    cpus = jax.devices("cpu")
-    if len(cpus) < 8:
-        pytest.skip("8 CPU devices needed (conftest.py asks XLA for 8)")
-    previous = jax.config.jax_use_shardy_partitioner
-    jax.config.update("jax_use_shardy_partitioner", shardy)
-    try:
-        _run_sharded(rng, sharded, cpus)
-    finally:
-        jax.config.update("jax_use_shardy_partitioner", previous)
+    _on_8_cpus(shardy, lambda cpus: _run_sharded(rng, sharded, cpus))
 
 
 def _run_sharded(rng, sharded, cpus):
@@ -518,15 +523,7 @@ def test_jit_with_the_rows_sharded_runs_each_devices_rows(rng, masking, sharded,
     lse and the gradients are the unsharded call's, under a causal mask, a window (6, 0), and none; dK and dV within
     one bf16 rounding more a device (each device's share is rounded before they are summed, as the kernels write
     it)."""
-    cpus = jax.devices("cpu")
-    if len(cpus) < 8:
-        pytest.skip("8 CPU devices needed (conftest.py asks XLA for 8)")
-    previous = jax.config.jax_use_shardy_partitioner
-    jax.config.update("jax_use_shardy_partitioner", shardy)
-    try:
-        _run_rows_sharded(rng, masking, sharded, cpus)
-    finally:
-        jax.config.update("jax_use_shardy_partitioner", previous)
+    _on_8_cpus(shardy, lambda cpus: _run_rows_sharded(rng, masking, sharded, cpus))
 
 
 def _run_rows_sharded(rng, masking, sharded, cpus):
